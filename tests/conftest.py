@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DaemonProc, write_policy
+
+MINIMAL_POLICY = '[policy]\nname = "test"\n\n[limits]\nnofile = 65536\n'
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def policy_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "policies"
+    write_policy(d, "00-test.toml", MINIMAL_POLICY)
+    return d
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[object]:
+    """Build (not start) real daemons in tmp dirs; all are stopped at teardown."""
+    made: list[DaemonProc] = []
+
+    def make(policy_dir: Path | None = None, args: list[str] | None = None,
+             env: dict[str, str] | None = None, name: str = "d") -> DaemonProc:
+        base = tmp_path / name
+        base.mkdir(exist_ok=True)
+        pdir = policy_dir
+        if pdir is None:
+            pdir = base / "policies"
+            write_policy(pdir, "00-test.toml", MINIMAL_POLICY)
+        d = DaemonProc(tmp=base, policy_dir=pdir, extra_args=args or [], env=env or {})
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        try:
+            d.stop()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
+    """A running real tunerd with a minimal policy."""
+    return daemon_factory().start()  # type: ignore[no-any-return]

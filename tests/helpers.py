@@ -1,0 +1,122 @@
+"""Test helpers: run the real daemon process and the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@dataclass
+class CliResult:
+    rc: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@dataclass
+class DaemonProc:
+    """A real tunerd process in temporary directories."""
+
+    tmp: Path
+    policy_dir: Path
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.tmp / "run"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.tmp / "state"
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "tunerd.sock"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "tunerd.daemon.main",
+                "--policy-dir", str(self.policy_dir),
+                "--runtime-dir", str(self.runtime_dir),
+                "--state-dir", str(self.state_dir),
+                "--metrics-listen", "off", "--log-level", "debug",
+                *self.extra_args]
+
+    def start(self, wait: bool = True, timeout: float = 20.0) -> DaemonProc:
+        self.log_path = self.tmp / "tunerd.log"
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.argv(), stdout=logf, stderr=subprocess.STDOUT,
+                                     env=env, cwd=REPO)
+        logf.close()
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tunerd exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                r = self.ctl("--json", "status")
+                if r.rc == 0 or r.rc == 1:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"tunerd did not become ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> CliResult:
+        return run_ctl("--socket", str(self.socket), *args, timeout=timeout)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run_ctl(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> CliResult:
+    p = subprocess.run([sys.executable, "-m", "tunerd.cli.main", *args], capture_output=True,
+                       text=True, timeout=timeout, cwd=REPO,
+                       env={**os.environ, **(env or {})})
+    return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+def write_policy(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    p = directory / name
+    p.write_text(text)
+    return p

@@ -1,0 +1,1 @@
+"""tunerctl: the command-line client. Commands live one module each and load lazily."""

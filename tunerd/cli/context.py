@@ -1,0 +1,51 @@
+"""Shared state and output helpers for tunerctl commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from tunerd.client import Client
+from tunerd.protocol import TunerdError
+
+
+@dataclass
+class CliContext:
+    socket_path: str | None = None
+    as_json: bool = False
+    _client: Client | None = field(default=None, repr=False)
+
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self.socket_path)
+        return self._client
+
+    def call(self, cmd: str, **args: Any) -> Any:
+        return self.client().call(cmd, **args)
+
+    def emit(self, result: Any, human: Callable[[Any], str | None] | None = None) -> None:
+        """Print ``result`` as JSON (--json) or through the ``human`` formatter."""
+        if self.as_json or human is None:
+            click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
+            return
+        text = human(result)
+        if text:
+            click.echo(text)
+
+
+def get_ctx() -> CliContext:
+    obj = click.get_current_context().find_root().obj
+    assert isinstance(obj, CliContext)
+    return obj
+
+
+def report_error(err: TunerdError, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": err.to_dict()}, indent=2, default=str))
+    click.echo(f"tunerctl: error: {err.message}", err=True)
+    sys.stderr.flush()

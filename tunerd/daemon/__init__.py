@@ -1,0 +1,1 @@
+"""The tunerd daemon: one asyncio loop, control server, state store, services."""

@@ -1,0 +1,80 @@
+"""STATE_DIR/state.json: leases, bindings and the original value of every host setting.
+
+Written atomically (temp file, fsync, rename, fsync of the directory) *before*
+the host is changed, so that ``revert`` works after a crash or ``kill -9``.
+Each component owns one top-level section (``bindings``, ``leases``,
+``originals``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tunerd.state")
+
+SCHEMA_VERSION = 1
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] = {"version": SCHEMA_VERSION}
+        self.load_error: str | None = None
+
+    def load(self) -> None:
+        """Read the file; a missing file is an empty state.
+
+        A corrupt file is kept aside (never silently overwritten: it may hold
+        the only record of original host settings) and the error is reported.
+        """
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+        except ValueError as err:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            os.replace(self.path, aside)
+            self.load_error = f"{self.path} was corrupt ({err}); kept as {aside}"
+            log.error("%s", self.load_error)
+            return
+        self.data = data
+        self.data.setdefault("version", SCHEMA_VERSION)
+
+    def section(self, name: str, default: Any = None) -> Any:
+        """The component-owned section ``name``, created from ``default`` if absent."""
+        if name not in self.data:
+            self.data[name] = {} if default is None else default
+        return self.data[name]
+
+    def save(self) -> None:
+        """Write atomically and durably: temp file, fsync, rename, fsync dir."""
+        write_atomic(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
+
+
+def write_atomic(path: Path, payload: bytes, mode: int = 0o600) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(payload)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
