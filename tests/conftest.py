@@ -20,6 +20,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+TEST_USER = "tunerd-test"
+
+
+@pytest.fixture(scope="session")
+def unpriv_user() -> tuple[int, int]:
+    """(uid, gid) of an unprivileged user created for the tests (root only)."""
+    import pwd
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("creating a test user needs root")
+    try:
+        pw = pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        TEST_USER], check=True)
+        pw = pwd.getpwnam(TEST_USER)
+    return pw.pw_uid, pw.pw_gid
+
+
 @pytest.fixture
 def policy_dir(tmp_path: Path) -> Path:
     d = tmp_path / "policies"

@@ -120,3 +120,39 @@ def write_policy(directory: Path, name: str, text: str) -> Path:
     p = directory / name
     p.write_text(text)
     return p
+
+
+def run_as(uid: int, gid: int, fn: Any, *args: Any, timeout: float = 60.0) -> Any:
+    """Run ``fn(*args)`` in a forked child that dropped to uid/gid; return its result.
+
+    The interpreter lives under /root in this sandbox, which other users cannot
+    enter, so the child keeps the already-loaded interpreter instead of exec'ing.
+    Exceptions raised in the child are re-raised here.
+    """
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            payload = pickle.dumps(("ok", fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - shipped to the parent
+            try:
+                payload = pickle.dumps(("err", e))
+            except Exception:
+                payload = pickle.dumps(("err", RuntimeError(repr(e))))
+        with os.fdopen(w, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    kind, value = pickle.loads(data)
+    if kind == "err":
+        raise value
+    return value

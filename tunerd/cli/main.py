@@ -22,6 +22,11 @@ LAZY_COMMANDS: dict[str, str] = {
     "unbind": "tunerd.cli.cmd_bind:unbind",
     "jobs": "tunerd.cli.cmd_bind:jobs",
     "policy": "tunerd.cli.cmd_policy:policy",
+    # -- host settings:
+    # -- topology:
+    # -- leases:
+    # -- monitor:
+    # -- end
 }
 
 

@@ -38,7 +38,13 @@ class Service(Protocol):
 
 
 # "module:Class" of each service; each class is built as Class(daemon)
-SERVICE_FACTORIES: list[str] = []
+SERVICE_FACTORIES: list[str] = [
+    # -- binding:
+    # -- host settings:
+    # -- leases / exec watcher:
+    # -- monitor:
+    # -- end
+]
 
 
 class Daemon:

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
 # modules whose import registers handlers (one per feature area)
 HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_core",
+    # -- binding (bind/unbind/jobs):
+    # -- host settings (plan/apply/verify/revert):
+    # -- topology:
+    # -- leases (alloc/release/run):
+    # -- monitor (metrics/top/advise/doctor):
+    # -- end
 ]
 
 T = TypeVar("T")
