@@ -140,7 +140,7 @@ def run_as(uid: int, gid: int, fn: Any, *args: Any, timeout: float = 60.0) -> An
             os.setgid(gid)
             os.setuid(uid)
             payload = pickle.dumps(("ok", fn(*args)))
-        except BaseException as e:  # noqa: BLE001 - shipped to the parent
+        except BaseException as e:
             try:
                 payload = pickle.dumps(("err", e))
             except Exception:

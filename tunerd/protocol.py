@@ -59,7 +59,9 @@ class TunerdError(Exception):
         self.details = details
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"code": self.code, "message": self.message, "exit": int(self.exit_code)}
+        d: dict[str, Any] = {
+            "code": self.code, "message": self.message, "exit": int(self.exit_code),
+        }
         if self.details:
             d["details"] = self.details
         return d

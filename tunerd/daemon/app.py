@@ -61,6 +61,11 @@ class Daemon:
         self.errors: list[dict[str, Any]] = []  # recent errors shown by `tunerctl status`
         self._stop = asyncio.Event()
         self._topology: Any = None
+        # feature areas attach themselves here when their service is built
+        self.jobs: Any = None  # tunerd.daemon.jobs.JobRegistry (bindings)
+        self.host: Any = None  # host settings service (plan/apply/verify/revert)
+        self.leases: Any = None  # leases / exec watcher service
+        self.monitor: Any = None  # samplers and metrics service
 
     # -- topology and policy -------------------------------------------------
     @property

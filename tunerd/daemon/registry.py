@@ -81,7 +81,7 @@ class Request:
         if name not in self.args or self.args[name] is None:
             if default is _MISSING:
                 raise UsageError(f"{self.cmd}: missing argument {name!r}")
-            return default  # type: ignore[no-any-return]
+            return default
         v = self.args[name]
         if kind is int and isinstance(v, bool):
             raise UsageError(f"{self.cmd}: argument {name!r} must be an integer, got {v!r}")
