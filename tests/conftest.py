@@ -48,13 +48,22 @@ def policy_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[object]:
-    """Build (not start) real daemons in tmp dirs; all are stopped at teardown."""
+def daemon_factory() -> Iterator[object]:
+    """Build (not start) real daemons in tmp dirs; all are stopped at teardown.
+
+    The dirs live in a world-traversable /tmp/tunerd-test-* (pytest's tmp_path is 0700),
+    so tests acting as an unprivileged user can reach the control socket.
+    """
+    import shutil
+    import tempfile
+
     made: list[DaemonProc] = []
+    root = Path(tempfile.mkdtemp(prefix="tunerd-test-"))
+    root.chmod(0o755)
 
     def make(policy_dir: Path | None = None, args: list[str] | None = None,
              env: dict[str, str] | None = None, name: str = "d") -> DaemonProc:
-        base = tmp_path / name
+        base = root / name
         base.mkdir(exist_ok=True)
         pdir = policy_dir
         if pdir is None:
@@ -70,6 +79,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[object]:
             d.stop()
         except Exception:
             pass
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ class Daemon:
         self.policy_loaded_at: float | None = None
         self.started_at = time.time()
         self.services: list[Service] = []
-        self.server = ControlServer(self, cfg.socket_path)
+        self.server = ControlServer(self, cfg.socket_path, idle_timeout=cfg.client_timeout)
         self.errors: list[dict[str, Any]] = []  # recent errors shown by `tunerctl status`
         self._stop = asyncio.Event()
         self._topology: Any = None

@@ -29,6 +29,7 @@ class DaemonConfig:
     verify_interval: float = 60.0  # seconds between periodic verify/re-apply
     sample_interval: float = 1.0  # seconds between monitor samples
     history_seconds: float = 3600.0  # monitor history kept in memory
+    client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
 
     @property

@@ -1,0 +1,41 @@
+#!/bin/sh
+# Set up everything the test suite needs, then run it:  sudo ./scripts/test.sh [pytest args]
+# Installs Debian packages (iproute2, prometheus, numactl, ...), makes .venv with the
+# project and its test extras, runs ruff, mypy and pytest. Run as root: the tests bind
+# real processes, create network namespaces and a test user.
+set -eu
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/usr/bin/python3}
+
+need_pkgs=""
+command -v ip >/dev/null 2>&1 || need_pkgs="$need_pkgs iproute2"
+command -v prometheus >/dev/null 2>&1 || need_pkgs="$need_pkgs prometheus"
+command -v promtool >/dev/null 2>&1 || need_pkgs="$need_pkgs prometheus"
+command -v numactl >/dev/null 2>&1 || need_pkgs="$need_pkgs numactl"
+command -v prlimit >/dev/null 2>&1 || need_pkgs="$need_pkgs util-linux"
+command -v useradd >/dev/null 2>&1 || need_pkgs="$need_pkgs passwd"
+command -v systemd-analyze >/dev/null 2>&1 || need_pkgs="$need_pkgs systemd"
+command -v tmux >/dev/null 2>&1 || need_pkgs="$need_pkgs tmux"
+command -v lspci >/dev/null 2>&1 || need_pkgs="$need_pkgs pciutils"
+[ -e /usr/lib/x86_64-linux-gnu/libudev.so.1 ] || [ -e /lib/x86_64-linux-gnu/libudev.so.1 ] \
+    || ldconfig -p | grep -q libudev.so.1 || need_pkgs="$need_pkgs libudev1"
+"$PYTHON" -c 'import ensurepip' 2>/dev/null || need_pkgs="$need_pkgs python3-venv"
+if [ -n "$need_pkgs" ]; then
+    echo "installing:$need_pkgs"
+    apt-get update -qq
+    # policy-rc.d: never start packaged services (prometheus) during the install
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need_pkgs \
+        >/tmp/tunerd-apt.log 2>&1 || { cat /tmp/tunerd-apt.log; rm -f /usr/sbin/policy-rc.d; exit 1; }
+    rm -f /usr/sbin/policy-rc.d
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e '.[test]'
+
+echo "== ruff"; .venv/bin/ruff check tunerd tests bench
+echo "== mypy"; .venv/bin/mypy
+echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
