@@ -36,6 +36,6 @@ fi
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e '.[test]'
 
-echo "== ruff"; .venv/bin/ruff check tunerd tests bench
+echo "== ruff"; .venv/bin/ruff check .
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
