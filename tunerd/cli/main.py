@@ -17,6 +17,7 @@ from tunerd.protocol import ExitCode, TunerdError
 
 # command name -> "module:attribute" of its click command
 LAZY_COMMANDS: dict[str, str] = {
+    "bench": "tunerd.cli.cmd_bench:bench",
     "status": "tunerd.cli.cmd_core:status",
     "bind": "tunerd.cli.cmd_bind:bind",
     "unbind": "tunerd.cli.cmd_bind:unbind",
