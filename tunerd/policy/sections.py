@@ -88,7 +88,7 @@ SYSCTL = Table(
 NIC = Table({
     "match": _glob("an interface-name glob", _NAME_GLOB),
     "mtu": Int(68, 65535, description="IPv4 minimum 68 up to the 16-bit maximum"),
-    "txqueuelen": Int(0, 1 << 31, description="transmit queue length"),
+    "txqueuelen": Int(0, (1 << 31) - 1, description="transmit queue length"),
 }, required=("match",))
 
 NCCL = Table(
