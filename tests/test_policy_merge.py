@@ -90,8 +90,8 @@ def test_every_section_present(tmp_path: Path) -> None:
 def test_extends_merges_the_base_first_even_if_named_later(tmp_path: Path) -> None:
     write_policy(tmp_path, "10-special.toml", '[policy]\nname = "special"\nextends = ["zbase"]\n'
                                               "[limits]\nnofile = 2048\n")
-    write_policy(tmp_path, "90-zbase.toml", '[policy]\nname = "zbase"\n'
-                                            '[limits]\nnofile = 1024\n[vm]\nnuma_balancing = false\n')
+    write_policy(tmp_path, "90-zbase.toml", '[policy]\nname = "zbase"\n[limits]\n'
+                                            'nofile = 1024\n[vm]\nnuma_balancing = false\n')
     p = load_policy_dir(tmp_path, NO_GPU)
     assert p.data["policy"]["names"] == ["zbase", "special"]
     assert [Path(s).name for s in p.sources] == ["90-zbase.toml", "10-special.toml"]
@@ -221,7 +221,7 @@ def test_bundled_policies_per_node_type(node: str) -> None:
     assert p.data["policy"]["names"] == names
     assert p.data["limits"]["nofile"] == 1048576
     assert p.data["vm"]["numa_balancing"] is False
-    assert [j["name"] for j in p.data["job"]][0] == "torch-training"
+    assert p.data["job"][0]["name"] == "torch-training"
     if "h100-training" in names:
         assert p.data["sysctl"]["net.core.rmem_max"] == 536870912
         assert p.data["sysctl"]["net.ipv4.tcp_rmem"] == "4096 87380 268435456"
