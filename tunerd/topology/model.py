@@ -153,6 +153,7 @@ class Topology:
         d: dict[str, Any] = {
             "schema": SCHEMA,
             "hostname": self.hostname,
+            "replayed": self.replayed,  # informational: a loaded snapshot is always a replay
             "note": self.note,
         }
         if self.source is not None:
