@@ -132,3 +132,23 @@ def test_policy_schema_cli() -> None:
     assert r.rc == 0
     schema = json.loads(r.out)
     assert "nic" in schema["properties"] and schema["type"] == "object"
+
+
+def test_policy_check_as_a_recorded_node() -> None:
+    r = run_ctl("--json", "policy", "check", str(REPO / "policies"), "--topology",
+                str(REPO / "tests/fixtures/topologies/pcie-8gpu.json"))
+    assert r.rc == 0, r.err
+    assert r.json()["effective"]["policy"]["names"] == ["base", "default", "pcie-gpu"]
+    bad = run_ctl("policy", "check", str(REPO / "policies"), "--topology", "/nonexistent.json")
+    assert bad.rc == 2 and "/nonexistent.json" in bad.err
+
+
+def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> None:
+    snap = REPO / "tests/fixtures/topologies/dgx-h100.json"
+    d: DaemonProc = daemon_factory(policy_dir=REPO / "policies",
+                                   args=["--topology", str(snap), "--dry-run"]).start()
+    show = d.ctl("--json", "policy", "show").json()
+    assert show["policy"]["names"] == ["base", "default", "h100-training"]
+    assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
+    assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
+    assert [Path(s["file"]).name for s in show["skipped"]] == ["pcie-gpu.toml"]

@@ -273,3 +273,23 @@ def test_json_schema_describes_every_section() -> None:
                                        "description": nic["properties"]["mtu"]["description"]}
     assert s["properties"]["vm"]["properties"]["transparent_hugepage"]["enum"] == [
         "always", "madvise", "never"]
+
+
+# the recorded node snapshots of tests/fixtures/topologies (topology area)
+SNAPSHOT_POLICIES = {
+    "dgx-h100": ["base", "default", "h100-training"],
+    "epyc-nps4": ["base", "default"],
+    "gh200": ["base", "default"],
+    "pcie-8gpu": ["base", "default", "pcie-gpu"],
+    "this-machine": ["base", "default"],
+    "workstation": ["base", "default"],
+}
+
+
+@pytest.mark.parametrize("snapshot", sorted(SNAPSHOT_POLICIES))
+def test_bundled_policies_per_recorded_snapshot(snapshot: str) -> None:
+    from tunerd.topology import read_snapshot
+
+    topo = read_snapshot(REPO / "tests/fixtures/topologies" / f"{snapshot}.json")
+    p = load_policy_dir(BUNDLED, NodeFacts.from_topology(topo))
+    assert p.data["policy"]["names"] == SNAPSHOT_POLICIES[snapshot]

@@ -35,25 +35,32 @@ def _human_check(report: dict[str, Any]) -> str:
 
 @policy.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--topology", "snapshot", type=click.Path(path_type=Path, dir_okay=False),
+              help="Match as the node of this snapshot (tunerctl topology --save).")
 @click.option("--hostname", help="Match as this hostname (default: this host's).")
-@click.option("--gpu-model", "gpu_model", help="Match as a node with this GPU model...")
-@click.option("--gpus", type=click.IntRange(0, 1024), help="...and this many of them "
-              "(default 1 with --gpu-model). Without these, the node has no GPU.")
-def check(paths: tuple[Path, ...], hostname: str | None, gpu_model: str | None,
-          gpus: int | None) -> int:
+@click.option("--gpu-model", "gpu_model", help="Match as a node with this GPU model.")
+@click.option("--gpus", type=click.IntRange(0, 1024),
+              help="Number of GPUs of --gpu-model (default 1).")
+def check(paths: tuple[Path, ...], snapshot: Path | None, hostname: str | None,
+          gpu_model: str | None, gpus: int | None) -> int:
     """Validate policy files offline (no daemon needed). Exit 1 on any error.
 
     PATHs are files or directories (default /etc/tunerd/policies); each directory is
     checked as the daemon would load it. For a single set without errors, the
-    policy this node would get is computed too (see --json "effective").
+    policy this node would get is computed too (see --json "effective"); GPUs are
+    not probed: the node has none unless --topology or --gpu-model says otherwise.
     """
     from tunerd.policy import NodeFacts, check_paths
 
     ctx = get_ctx()
     targets = list(paths) or [DEFAULT_POLICY_DIR]
     facts = NodeFacts()
+    if snapshot is not None:
+        from tunerd.topology import read_snapshot
+
+        facts = NodeFacts.from_topology(read_snapshot(snapshot))
     if hostname is not None:
-        facts = NodeFacts(hostname=hostname)
+        facts = NodeFacts(hostname=hostname, gpu_models=facts.gpu_models)
     if gpu_model is not None or gpus:
         count = gpus if gpus is not None else 1
         facts = NodeFacts(hostname=facts.hostname,
