@@ -182,3 +182,15 @@ def test_valid_values_are_normalized(tmp_path: Path) -> None:
     assert data["sysctl"] == {"net.core.somaxconn": 4096}  # unquoted dotted key folded
     assert data["job"] == [{"name": "j", "placement": "gpu-local", "cpus": "4-5",
                             "match": {"cmdline": ["*x*"], "env": {}, "user": []}}]
+
+
+def test_readme_example_policy_is_valid(tmp_path: Path) -> None:
+    from tests.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("<!-- policy -->", 1)[1]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    write_policy(tmp_path, "example.toml", example)
+    p = load_policy_dir(tmp_path, NodeFacts("dgx-01", ("NVIDIA H100 80GB HBM3",) * 8))
+    assert p.data["policy"]["names"] == ["base", "h100-training"]
+    assert p.data["nic"] == [{"match": "en*np*", "mtu": 9000}]
