@@ -25,6 +25,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "policy": "tunerd.cli.cmd_policy:policy",
     # -- host settings:
     # -- topology:
+    "topology": "tunerd.cli.cmd_topology:topology",
     # -- leases:
     # -- monitor:
     # -- end

@@ -21,6 +21,7 @@ HANDLER_MODULES: list[str] = [
     # -- binding (bind/unbind/jobs):
     # -- host settings (plan/apply/verify/revert):
     # -- topology:
+    "tunerd.daemon.cmd_topology",
     # -- leases (alloc/release/run):
     # -- monitor (metrics/top/advise/doctor):
     # -- end
