@@ -20,6 +20,7 @@ HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_core",
     # -- binding (bind/unbind/jobs):
     # -- host settings (plan/apply/verify/revert):
+    "tunerd.daemon.cmd_host",
     # -- topology:
     # -- leases (alloc/release/run):
     # -- monitor (metrics/top/advise/doctor):
