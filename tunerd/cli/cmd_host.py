@@ -9,6 +9,10 @@ import click
 from tunerd.cli.context import get_ctx
 
 
+def _v(value: Any) -> str:
+    return "(unset)" if value is None else str(value)
+
+
 def _unavailable(res: dict[str, Any]) -> list[str]:
     return [f"{c['key']}: not available: {c.get('reason')}" for c in res.get("unavailable", [])]
 
@@ -27,26 +31,26 @@ def _skipped(res: dict[str, Any]) -> list[str]:
 
 
 def _human_plan(res: dict[str, Any]) -> str:
-    lines = [f"{c['key']}: {c['current']} -> {c['desired']}" for c in res["changes"]]
+    lines = [f"{c['key']}: {_v(c['current'])} -> {c['desired']}" for c in res["changes"]]
     if not lines:
         lines.append("nothing to change")
     return "\n".join(lines + _skipped(res) + _unavailable(res))
 
 
 def _human_apply(res: dict[str, Any]) -> str:
-    lines = [f"reverted {r['key']} (no longer in the policy): {r['from']} -> {r['to']}"
+    lines = [f"reverted {r['key']} (no longer in the policy): {_v(r['from'])} -> {_v(r['to'])}"
              for r in res.get("reverted", [])]
     if res.get("dry_run"):
-        lines += [f"dry run: would set {c['key']}: {c['current']} -> {c['desired']}"
+        lines += [f"dry run: would set {c['key']}: {_v(c['current'])} -> {c['desired']}"
                   for c in res.get("would_change", [])]
-    lines += [f"{c['key']}: {c['from']} -> {c['to']}" for c in res["changed"]]
+    lines += [f"{c['key']}: {_v(c['from'])} -> {_v(c['to'])}" for c in res["changed"]]
     if not res["changed"] and not res["errors"] and not res.get("would_change"):
         lines.append("nothing to change")
     return "\n".join(lines + _errors(res) + _skipped(res) + _unavailable(res))
 
 
 def _human_verify(res: dict[str, Any]) -> str:
-    lines = [f"drift: {c['key']}: current {c['current']}, policy wants {c['desired']}"
+    lines = [f"drift: {c['key']}: current {_v(c['current'])}, policy wants {c['desired']}"
              for c in res["drift"]]
     if not lines:
         lines.append(f"no drift ({res['checked']} setting(s) checked)")
@@ -57,10 +61,10 @@ def _human_verify(res: dict[str, Any]) -> str:
 
 def _human_revert(res: dict[str, Any]) -> str:
     if res.get("dry_run"):
-        lines = [f"dry run: would restore {r['key']} to {r['to']}"
+        lines = [f"dry run: would restore {r['key']} to {_v(r['to'])}"
                  for r in res.get("would_restore", [])]
     else:
-        lines = [f"restored {r['key']}: {r['from']} -> {r['to']}" for r in res["restored"]]
+        lines = [f"restored {r['key']}: {_v(r['from'])} -> {_v(r['to'])}" for r in res["restored"]]
     if not lines and not res["errors"]:
         lines.append("nothing to restore")
     return "\n".join(lines + _errors(res))

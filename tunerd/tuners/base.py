@@ -107,9 +107,10 @@ def read_text(path: Path) -> str | None:
 
 
 def write_text(path: Path, value: str, key: str) -> None:
-    """Write one value the way `echo VALUE > FILE` does; an OSError becomes SettingError."""
+    """Write one value as `echo -n VALUE > FILE` does (O_TRUNC: harmless on sysfs, needed
+    on a plain file in a test tree); an OSError becomes SettingError."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     except OSError as err:
         raise SettingError(key, value, err, str(path)) from err
     try:
@@ -155,6 +156,9 @@ class FileTuner:
     """A tuner whose every key is one sysfs/procfs file holding one value."""
 
     kind = ""
+    # True: a missing file is a setting the kernel refuses (the apply fails with ENOENT,
+    # e.g. a sysctl this kernel lacks); False: "not available" here (e.g. no THP)
+    missing_is_error = False
 
     def path_for(self, key: str) -> Path | None:
         raise NotImplementedError
@@ -188,7 +192,9 @@ class FileTuner:
         for key, value in wanted.items():
             path = self.path_for(key)
             cur = self.current(key)
-            if cur is None:
+            if cur is None and self.missing_is_error:
+                changes.append(Change(key, None, value, path=str(path) if path else None))
+            elif cur is None:
                 changes.append(Change(key, None, value, available=False,
                                       reason=self.missing_reason(key, path),
                                       path=str(path) if path else None))

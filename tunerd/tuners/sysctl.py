@@ -22,6 +22,8 @@ def sysctl_path(root: Path, name: str) -> Path:
 
 class SysctlTuner(FileTuner):
     kind = "sysctl"
+    # a sysctl the policy names but this kernel lacks is an error (ENOENT), not "n/a"
+    missing_is_error = True
 
     def __init__(self, proc_root: Path | str = "/proc") -> None:
         self.root = Path(proc_root) / "sys"
@@ -35,6 +37,3 @@ class SysctlTuner(FileTuner):
     def wanted(self, desired: Any) -> dict[str, str]:
         return {f"sysctl:{name}": to_setting_value(v)
                 for name, v in plain_section(desired).items()}
-
-    def missing_reason(self, key: str, path: Path | None) -> str:
-        return f"this kernel has no {key.partition(':')[2]} ({path} does not exist)"
