@@ -145,12 +145,14 @@ class HostSettings:
                 self.originals[c.key] = tuner.save_original(c)
                 new_keys.append(c.key)
         try:
-            self.d.state.save()
+            if new_keys:  # originals already in state.json are durable: no write needed
+                self.d.state.save()
         except OSError as err:
             for k in new_keys:
                 self.originals.pop(k, None)
             raise Failed(f"cannot save originals to {self.d.state.path}: {err.strerror}; "
                          "nothing was changed") from err
+        dirty = False  # state changed after the first save
         delay = self.d.cfg.debug_apply_delay
         for i, c in enumerate(todo):
             if delay and i:
@@ -165,6 +167,7 @@ class HostSettings:
                 self.failed[c.key] = c.desired
                 if c.key in new_keys:  # nothing changed: no original to keep
                     self.originals.pop(c.key, None)
+                    dirty = True
                 continue
             except Exception as err:  # a tuner bug must not stop the other settings
                 log.exception("%s: setting %s failed", reason, c.key)
@@ -176,7 +179,9 @@ class HostSettings:
             result["changed"].append({"key": c.key, "from": c.current, "to": c.desired})
             if self._is_once(c.key) and c.key not in self._host_state["applied_once"]:
                 self._host_state["applied_once"].append(c.key)
-        self._save_quietly()
+                dirty = True
+        if dirty:
+            self._save_quietly()
         return result
 
     def _save_quietly(self) -> None:
