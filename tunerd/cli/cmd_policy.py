@@ -1,4 +1,4 @@
-"""tunerctl policy check|show."""
+"""tunerctl policy check|show|schema."""
 
 from __future__ import annotations
 
@@ -10,42 +10,94 @@ import click
 
 from tunerd.cli.context import get_ctx
 
+DEFAULT_POLICY_DIR = Path("/etc/tunerd/policies")
+
 
 @click.group()
 def policy() -> None:
     """Validate policy files, or show the policy in force."""
 
 
+def _human_check(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    for f in report["files"]:
+        if f["errors"]:
+            first, *rest = f["errors"]
+            lines.append(f"FAIL {first}")
+            lines.extend(f"     {e}" for e in rest)
+        else:
+            note = ""
+            if "applies" in f:
+                note = ", applies to this node" if f["applies"] else ", not for this node"
+            lines.append(f"ok   {f['file']} (policy {f['name']!r}{note})")
+    return "\n".join(lines)
+
+
 @policy.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-def check(paths: tuple[Path, ...]) -> int:
-    """Validate policy files offline (no daemon needed). Exit 1 on any error."""
-    from tunerd.policy import check_paths
+@click.option("--topology", "snapshot", type=click.Path(path_type=Path, dir_okay=False),
+              help="Match as the node of this snapshot (tunerctl topology --save).")
+@click.option("--hostname", help="Match as this hostname (default: this host's).")
+@click.option("--gpu-model", "gpu_model", help="Match as a node with this GPU model.")
+@click.option("--gpus", type=click.IntRange(0, 1024),
+              help="Number of GPUs of --gpu-model (default 1).")
+def check(paths: tuple[Path, ...], snapshot: Path | None, hostname: str | None,
+          gpu_model: str | None, gpus: int | None) -> int:
+    """Validate policy files offline (no daemon needed). Exit 1 on any error.
+
+    PATHs are files or directories (default /etc/tunerd/policies); each directory is
+    checked as the daemon would load it. For a single set without errors, the
+    policy this node would get is computed too (see --json "effective"); GPUs are
+    not probed: the node has none unless --topology or --gpu-model says otherwise.
+    """
+    from tunerd.policy import NodeFacts, check_paths
 
     ctx = get_ctx()
-    targets = list(paths) or [Path("/etc/tunerd/policies")]
-    report = check_paths(targets)
-    if ctx.as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        for f in report["files"]:
-            if f["errors"]:
-                for e in f["errors"]:
-                    click.echo(f"FAIL {e}")
-            else:
-                click.echo(f"ok   {f['file']} (policy {f.get('name')!r})")
-    return 1 if any(f["errors"] for f in report["files"]) or not report["files"] else 0
+    targets = list(paths) or [DEFAULT_POLICY_DIR]
+    facts = NodeFacts()
+    if snapshot is not None:
+        from tunerd.topology import read_snapshot
+
+        facts = NodeFacts.from_topology(read_snapshot(snapshot))
+    if hostname is not None:
+        facts = NodeFacts(hostname=hostname, gpu_models=facts.gpu_models)
+    if gpu_model is not None or gpus:
+        count = gpus if gpus is not None else 1
+        facts = NodeFacts(hostname=facts.hostname,
+                          gpu_models=(gpu_model or "unknown GPU",) * count)
+    report = check_paths(targets, facts)
+    ctx.emit(report, _human_check)
+    return 1 if any(f["errors"] for f in report["files"]) else 0
+
+
+def _drop_empty(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v not in ({}, [], None, "")}
+
+
+def _human_show(r: dict[str, Any]) -> str:
+    from tunerd.policy.render import render_toml
+
+    lines = ["# policy files applied, in merge order:"]
+    lines += [f"#   {s}" for s in r.get("sources") or []] or ["#   (none)"]
+    if r.get("skipped"):
+        lines.append("# not applied:")
+        lines += [f"#   {s['file']}: {s['reason']}" for s in r["skipped"]]
+    data = {k: v for k, v in r.items() if k not in ("sources", "skipped")}
+    body = {k: (_drop_empty(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    body = _drop_empty(body)
+    return "\n".join(lines) + "\n\n" + render_toml(body).rstrip("\n")
 
 
 @policy.command()
 def show() -> None:
     """The effective merged policy for this node (from the daemon)."""
     ctx = get_ctx()
-    result = ctx.call("policy.show")
+    ctx.emit(ctx.call("policy.show"), _human_show)
 
-    def human(r: dict[str, Any]) -> str:
-        from tunerd.policy.render import render_toml
 
-        return render_toml(r)
+@policy.command()
+def schema() -> None:
+    """Print the JSON Schema of a policy file (for editors and CI)."""
+    from tunerd.policy import json_schema
 
-    ctx.emit(result, human)
+    click.echo(json.dumps(json_schema(), indent=2))

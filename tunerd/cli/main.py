@@ -28,6 +28,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "verify": "tunerd.cli.cmd_host:verify",
     "revert": "tunerd.cli.cmd_host:revert",
     # -- topology:
+    "topology": "tunerd.cli.cmd_topology:topology",
     # -- leases:
     # -- monitor:
     # -- end

@@ -22,6 +22,7 @@ HANDLER_MODULES: list[str] = [
     # -- host settings (plan/apply/verify/revert):
     "tunerd.daemon.cmd_host",
     # -- topology:
+    "tunerd.daemon.cmd_topology",
     # -- leases (alloc/release/run):
     # -- monitor (metrics/top/advise/doctor):
     # -- end

@@ -1,64 +1,92 @@
-"""Policy files: TOML -> validated model; match, extends, merge.
+"""Policy files: TOML -> validated model; match, extends, merge; JSON Schema export.
 
-STUB from the foundation skeleton: parses TOML and merges files in name order
-without validation. The policy work item replaces it, keeping this interface:
+Public interface (used by the daemon and ``tunerctl policy``):
 
-- ``NodeFacts``: what policies match on.
-- ``load_policy_dir(directory, facts) -> Policy`` raising ``PolicyError``.
-- ``Policy.to_dict()``, ``Policy.sources``.
+- ``NodeFacts``: what ``[policy.match]`` tables are tested against.
+- ``load_policy_dir(directory, facts) -> Policy``; raises ``PolicyError`` naming the
+  file, key path and value when any file of the directory is bad.
+- ``Policy.data`` (interfaces.md §1), ``Policy.sources``, ``Policy.to_dict()``.
+- ``check_paths(paths)``: offline validation report for ``tunerctl policy check``.
+- ``json_schema()``: JSON Schema of a policy file.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd.protocol import TunerdError
+from tunerd.policy.loader import BUNDLED_DIR, load_set, policy_files_in, raise_for, resolve
+from tunerd.policy.model import NodeFacts, Policy, PolicyError
+from tunerd.policy.sections import json_schema
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-class PolicyError(TunerdError):
-    code = "policy"
-
-
-@dataclass(frozen=True)
-class NodeFacts:
-    hostname: str = field(default_factory=socket.gethostname)
-    gpu_models: tuple[str, ...] = ()
-
-    @property
-    def gpu_count(self) -> int:
-        return len(self.gpu_models)
-
-
-@dataclass
-class Policy:
-    data: dict[str, Any]
-    sources: list[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"sources": self.sources, **self.data}
+__all__ = [
+    "NodeFacts",
+    "Policy",
+    "PolicyError",
+    "bundled_default",
+    "check_paths",
+    "json_schema",
+    "load_policy_dir",
+]
 
 
 def bundled_default() -> Path:
-    return Path(__file__).resolve().parent.parent / "bundled_policies" / "default.toml"
+    """The daemon's fallback when the policy directory has no ``*.toml``."""
+    return BUNDLED_DIR / "default.toml"
 
 
 def load_policy_dir(directory: Path | None, facts: NodeFacts) -> Policy:
-    paths = sorted(directory.glob("*.toml")) if directory and directory.is_dir() else []
+    """The merged policy for ``facts`` from every ``*.toml`` in ``directory``.
+
+    A missing or empty directory means the bundled default. Any bad file makes the
+    whole load fail (PolicyError), so that nothing of a half-valid set is applied.
+    """
+    paths = policy_files_in(directory) if directory is not None and directory.is_dir() else []
     if not paths:
         paths = [bundled_default()]
-    data: dict[str, Any] = {}
+    reports = load_set(paths)
+    raise_for(reports)
+    return resolve([r.parsed for r in reports if r.parsed is not None], facts)
+
+
+def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, Any]:
+    """Validate files and directories offline.
+
+    Each directory is one set (as the daemon would load it); the files named
+    directly form one more set. ``effective`` is the merged policy ``facts``
+    (default: this host, no GPUs known) would get, when there is exactly one set
+    and no error; otherwise None.
+    """
+    facts = facts if facts is not None else NodeFacts()
+    sets: list[list[Path]] = []
+    loose: list[Path] = []
+    rows: list[dict[str, Any]] = []
     for p in paths:
-        try:
-            data.update(tomllib.loads(p.read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise PolicyError(f"{p}: {err}", file=str(p)) from err
-    return Policy(data=data, sources=[str(p) for p in paths])
+        if p.is_dir():
+            try:
+                files = policy_files_in(p)
+            except PolicyError as err:
+                rows.append({"file": str(p), "name": None, "errors": [err.message]})
+                continue
+            if files:
+                sets.append(files)
+            else:
+                rows.append({"file": str(p), "name": None,
+                             "errors": [f"{p}: no *.toml policy files in this directory"]})
+        else:
+            loose.append(p)
+    if loose:
+        sets.append(loose)
+    effective: dict[str, Any] | None = None
+    for files in sets:
+        reports = load_set(files)
+        policy = None
+        if len(sets) == 1 and not rows and not any(r.errors for r in reports):
+            policy = resolve([r.parsed for r in reports if r.parsed is not None], facts)
+            effective = policy.to_dict()
+        for r in reports:
+            row: dict[str, Any] = {"file": str(r.path), "name": r.name, "errors": r.errors}
+            if policy is not None:
+                row["applies"] = str(r.path) in policy.sources
+            rows.append(row)
+    return {"files": rows, "effective": effective}

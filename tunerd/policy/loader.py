@@ -1,0 +1,327 @@
+"""Reading policy files and sets of them: parse, validate, extends, match, merge.
+
+A *set* is the files of one policy directory (or the files given together to
+``tunerctl policy check``). Problems that concern several files of a set
+(duplicate names, unknown or cyclic ``extends``) are found for the whole set,
+whatever node it is loaded on, so ``policy check`` catches them offline.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tunerd.policy.match import mismatch
+from tunerd.policy.merge import merge_content
+from tunerd.policy.model import NodeFacts, Policy, PolicyError
+from tunerd.policy.schema import INVALID, Problem, describe, key_path
+from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "BUNDLED_DIR",
+    "FileReport",
+    "PolicyFile",
+    "check_set",
+    "load_set",
+    "policy_files_in",
+    "read_policy_file",
+    "resolve",
+]
+
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "bundled_policies"
+MAX_FILE_BYTES = 1 << 20  # a policy is a few KiB; refuse to parse something huge
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_AT_LINE = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
+_AT_END = re.compile(r"\s*\(at end of document\)$")
+
+
+@dataclass
+class PolicyFile:
+    """One valid policy file: its identity, when it applies, and its content."""
+
+    path: Path
+    name: str
+    extends: list[str]
+    match: dict[str, Any] | None
+    content: dict[str, Any]  # validated sections present in the file, plus "apply_once"
+
+
+@dataclass
+class FileReport:
+    """What reading one file gave: the parsed file, or the problems (both for the set)."""
+
+    path: Path
+    name: str | None
+    errors: list[str] = field(default_factory=list)
+    parsed: PolicyFile | None = None
+    extends: list[str] = field(default_factory=list)
+
+    def add(self, problem: Problem) -> None:
+        self.errors.append(f"{self.path}: {problem}")
+
+
+def policy_files_in(directory: Path) -> list[Path]:
+    """``*.toml`` in name order. Hidden files (editor locks like ``.#x.toml``) are skipped."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError as err:
+        raise PolicyError(f"{directory}: cannot read policy directory: {err.strerror}",
+                          file=str(directory)) from err
+    return sorted(p for p in entries if p.name.endswith(".toml") and not p.name.startswith("."))
+
+
+def _syntax_problem(text: str, err: tomllib.TOMLDecodeError) -> Problem:
+    msg = str(err)
+    m = _AT_LINE.search(msg)
+    if m:
+        line, col = int(m.group(1)), int(m.group(2))
+        lines = text.splitlines()
+        near = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+        where = f"line {line}, column {col}"
+        tail = f" near {describe(near)}" if near else ""
+        return Problem(where, f"TOML syntax error: {msg[:m.start()]}{tail}")
+    m = _AT_END.search(msg)
+    if m:
+        line = text.count("\n") + 1
+        return Problem(f"line {line} (end of file)", f"TOML syntax error: {msg[:m.start()]}")
+    return Problem("", f"TOML syntax error: {msg}")
+
+
+def read_policy_file(path: Path, text: str | None = None) -> FileReport:
+    """Parse and validate one file on its own (set-level checks come later)."""
+    report = FileReport(path=path, name=None)
+    if text is None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except OSError as err:
+            report.add(Problem("", f"cannot read: {err.strerror or err}"))
+            return report
+        if len(raw) > MAX_FILE_BYTES:
+            report.add(Problem("", f"larger than {MAX_FILE_BYTES} bytes; not a policy file"))
+            return report
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw[: err.start].count(b"\n") + 1
+            report.add(Problem(f"line {line}", f"not UTF-8 text (byte {err.start})"))
+            return report
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        report.add(_syntax_problem(text, err))
+        return report
+    except RecursionError:
+        report.add(Problem("", "TOML syntax error: arrays or tables nested too deeply"))
+        return report
+
+    # best-effort identity even for a bad file, so other files of the set that
+    # extend it get "that file is bad" instead of a second, misleading error
+    meta = doc.get("policy") if isinstance(doc.get("policy"), dict) else {}
+    given = meta.get("name")
+    report.name = given if isinstance(given, str) and given else path.stem
+    ext = meta.get("extends")
+    if isinstance(ext, str):
+        report.extends = [ext]
+    elif isinstance(ext, list):
+        report.extends = [e for e in ext if isinstance(e, str)]
+
+    problems: list[Problem] = []
+    valid = FILE_SCHEMA.check(doc, "", problems)
+    if valid is not INVALID:
+        _check_file(valid, path, problems)
+    if problems:
+        for p in problems:
+            report.add(p)
+        return report
+    policy = valid.pop("policy", {})
+    content = dict(valid)
+    if policy.get("apply_once"):
+        content["apply_once"] = policy["apply_once"]
+    report.parsed = PolicyFile(path=path, name=report.name, extends=policy.get("extends", []),
+                               match=policy.get("match"), content=content)
+    return report
+
+
+def _check_file(doc: dict[str, Any], path: Path, problems: list[Problem]) -> None:
+    """Rules across keys of one file, after every value passed its own check."""
+    policy = doc.get("policy", {})
+    if "name" not in policy and not _NAME_RE.fullmatch(path.stem):
+        problems.append(Problem("policy.name", f"missing, and the file name {describe(path.stem)}"
+                                               " is not a valid policy name"))
+    match = policy.get("match", {})
+    if "min_gpus" in match and "max_gpus" in match and match["min_gpus"] > match["max_gpus"]:
+        problems.append(Problem("policy.match.max_gpus",
+                                f"max_gpus = {match['max_gpus']} is below "
+                                f"min_gpus = {match['min_gpus']}: no node can match"))
+    for i, job in enumerate(doc.get("job", [])):
+        if "match" in job and not any(job["match"].values()):
+            problems.append(Problem(key_path(key_path("job", i), "match"),
+                                    "needs cmdline, env or user: an empty match would bind "
+                                    "every process"))
+
+
+@lru_cache(maxsize=1)
+def _bundled_library() -> dict[str, FileReport]:
+    """Bundled policies by name: ``extends`` falls back to them (e.g. ``base``)."""
+    try:
+        paths = policy_files_in(BUNDLED_DIR)
+    except PolicyError:
+        return {}
+    out: dict[str, FileReport] = {}
+    for p in paths:
+        r = read_policy_file(p)
+        if r.name:
+            out.setdefault(r.name, r)
+    return out
+
+
+def check_set(reports: list[FileReport]) -> None:
+    """Add set-level problems to the reports: duplicate names, bad ``extends``."""
+    by_name: dict[str, FileReport] = {}
+    for r in reports:
+        if r.name is None:
+            continue
+        other = by_name.get(r.name)
+        if other is not None:
+            r.add(Problem("policy.name", f"{describe(r.name)} is already the name of "
+                                         f"{other.path}"))
+        else:
+            by_name[r.name] = r
+
+    def lookup(name: str) -> FileReport | None:
+        return by_name.get(name) or _bundled_library().get(name)
+
+    for r in reports:
+        for i, name in enumerate(r.extends):
+            target = lookup(name)
+            where = key_path(key_path("policy", "extends"), i)
+            if target is None:
+                known = ", ".join(sorted(set(by_name) | set(_bundled_library()))) or "none"
+                r.add(Problem(where, f"no policy named {describe(name)} (known: {known})"))
+            elif target.parsed is None and target.path not in {x.path for x in reports}:
+                r.add(Problem(where, f"bundled policy {describe(name)} is invalid: "
+                                     f"{target.errors[0] if target.errors else '?'}"))
+        cycle = _find_cycle(r, lookup)
+        if cycle:
+            r.add(Problem("policy.extends", "extends cycle: " + " -> ".join(cycle)))
+
+    defined_jobs = {j["name"] for r in [*reports, *_bundled_library().values()] if r.parsed
+                    for j in r.parsed.content.get("job", []) if "match" in j}
+    for r in reports:
+        if r.parsed is None:
+            continue
+        for i, job in enumerate(r.parsed.content.get("job", [])):
+            if "match" not in job and job["name"] not in defined_jobs:
+                r.add(Problem(key_path(key_path("job", i), "match"),
+                              f"missing: no policy defines a rule named "
+                              f"{describe(job['name'])} for this entry to override"))
+
+
+def _find_cycle(start: FileReport, lookup: Any) -> list[str] | None:
+    """The extends chain that leads from ``start`` back to itself, or None."""
+    stack = [(n, [start.name, n]) for n in start.extends]
+    seen: set[str] = set()
+    while stack:
+        name, chain = stack.pop()
+        if name == start.name:
+            return [str(c) for c in chain]
+        if name in seen:
+            continue
+        seen.add(name)
+        node = lookup(name)
+        if node is not None:
+            stack.extend((n, [*chain, n]) for n in node.extends)
+    return None
+
+
+def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
+    """Merge the files that apply to ``facts`` (a set that passed ``check_set``).
+
+    Files are merged in name order; a file's ``extends`` are merged just before it,
+    regardless of their own ``[policy.match]`` (extending is an explicit request).
+    Each policy is merged once, where it is first needed, so a base that also
+    applies on its own never overrides a file that extends it.
+    """
+    by_name = {f.name: f for f in files}
+    merged: dict[str, Any] = {}
+    sources: list[str] = []
+    names: list[str] = []
+    notes: list[dict[str, str]] = []
+
+    def lookup(name: str) -> PolicyFile:
+        f = by_name.get(name)
+        if f is None:
+            lib = _bundled_library().get(name)
+            if lib is None or lib.parsed is None:  # check_set reports this first
+                raise PolicyError(f"no valid policy named {name!r}")
+            f = lib.parsed
+        return f
+
+    def include(f: PolicyFile, chain: tuple[str, ...]) -> None:
+        nonlocal merged
+        if f.name in names:
+            return
+        if f.name in chain:  # check_set reports this first
+            raise PolicyError(f"{f.path}: policy.extends: extends cycle: "
+                              + " -> ".join((*chain, f.name)))
+        for parent in f.extends:
+            include(lookup(parent), (*chain, f.name))
+        content = f.content
+        known_jobs = {j["name"] for j in merged.get("job", [])}
+        orphans = [j for j in content.get("job", []) if "match" not in j
+                   and j["name"] not in known_jobs]
+        if orphans:
+            content = dict(content, job=[j for j in content["job"] if j not in orphans])
+            for j in orphans:
+                notes.append({"file": str(f.path), "reason": f"job {j['name']!r} overrides a "
+                              "rule that no policy applied on this node defines; ignored"})
+        merged = merge_content(merged, content)
+        sources.append(str(f.path))
+        names.append(f.name)
+
+    for f in files:
+        if mismatch(f.match, facts) is None:
+            include(f, ())
+    skipped = [{"file": str(f.path), "reason": mismatch(f.match, facts) or "not applied"}
+               for f in files if f.name not in names]
+    return Policy(data=normalize(merged, names), sources=sources, skipped=skipped + notes)
+
+
+def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The interfaces.md §1 shape: every section present, defaults filled in."""
+    data: dict[str, Any] = {
+        "policy": {"name": names[-1] if names else "", "names": list(names),
+                   "apply_once": list(merged.get("apply_once", []))},
+    }
+    for section, empty in SECTION_DEFAULTS.items():
+        data[section] = copy.deepcopy(merged.get(section, empty))
+    for job in data["job"]:
+        job.setdefault("placement", "gpu-local")
+        job["match"] = {"cmdline": [], "env": {}, "user": [], **job.get("match", {})}
+    return data
+
+
+def load_set(paths: list[Path]) -> list[FileReport]:
+    reports = [read_policy_file(p) for p in paths]
+    check_set(reports)
+    return reports
+
+
+def raise_for(reports: list[FileReport]) -> None:
+    errors = [e for r in reports for e in r.errors]
+    if not errors:
+        return
+    first = next(r for r in reports if r.errors)
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    raise PolicyError(errors[0] + more, file=str(first.path), errors=errors)

@@ -1,0 +1,53 @@
+"""What policies match on (NodeFacts), the merged result (Policy), and PolicyError."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from tunerd.protocol import TunerdError
+
+__all__ = ["NodeFacts", "Policy", "PolicyError"]
+
+
+class PolicyError(TunerdError):
+    """A policy file (or set of files) that cannot be used; nothing from it is applied.
+
+    ``message`` names the file, the key path and the bad value (or the line, for
+    TOML syntax errors); ``details["errors"]`` lists every problem found.
+    """
+
+    code = "policy"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """The node properties a ``[policy.match]`` table is tested against."""
+
+    hostname: str = field(default_factory=socket.gethostname)
+    gpu_models: tuple[str, ...] = ()
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpu_models)
+
+    @classmethod
+    def from_topology(cls, topo: Any) -> NodeFacts:
+        return cls(hostname=topo.hostname, gpu_models=tuple(g.model for g in topo.gpus))
+
+
+@dataclass
+class Policy:
+    """The merged, validated policy for one node (interfaces.md §1 is ``data``'s shape)."""
+
+    data: dict[str, Any]
+    sources: list[str]  # files merged, in merge order (extends first)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
+
+    @property
+    def name(self) -> str:
+        return str(self.data["policy"]["name"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sources": list(self.sources), "skipped": list(self.skipped), **self.data}

@@ -1,0 +1,192 @@
+"""The policy file format, declared once: validation, normalization and JSON Schema.
+
+DESIGN.md "Policy files" is the contract; docs/interfaces §1 is the normalized shape
+(``SECTION_DEFAULTS`` gives each section's empty value).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.policy.schema import (
+    AnyOf,
+    Bool,
+    Enum,
+    Int,
+    Str,
+    StrList,
+    Table,
+    TableArray,
+)
+
+__all__ = ["ARRAY_KEYS", "FILE_SCHEMA", "SECTION_DEFAULTS", "json_schema"]
+
+# fnmatch globs: letters, digits and the usual name punctuation plus * ? [ ] !
+_GLOB = r"[A-Za-z0-9_.:@+*?\[\]!,/ =-]+"
+_NAME_GLOB = r"[A-Za-z0-9_.:@+*?\[\]!-]+"  # interface / block device names: no '/' or space
+_POLICY_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+# /proc/sys top-level directories; a name outside them is a typo or an attack on the path
+_SYSCTL_ROOTS = ("abi", "crypto", "debug", "dev", "fs", "kernel", "net", "sunrpc", "user", "vm")
+_SYSCTL = (r"(?:" + "|".join(_SYSCTL_ROOTS) + r")(?:\.[A-Za-z0-9_][A-Za-z0-9_:@+-]*)+")
+
+# largest RLIMIT_NOFILE the kernel allows (fs.nr_open's ceiling, fs/file.c sysctl_nr_open_max)
+NOFILE_MAX = 1 << 30
+
+
+def _cpulist(allow_empty: bool) -> Any:
+    def convert(text: str) -> str:
+        try:
+            cpus = parse_cpulist(text)
+        except CpuListError as err:
+            raise ValueError(str(err)) from None
+        if not cpus and not allow_empty:
+            raise ValueError("an empty cpulist selects no CPU")
+        return format_cpulist(cpus)
+
+    return convert
+
+
+def _glob(what: str, pattern: str = _GLOB) -> Str:
+    return Str(pattern, what=what, max_len=256)
+
+
+HOST_GLOBS = StrList(_glob("a hostname glob"),
+                     description="fnmatch globs over the hostname (case-insensitive; "
+                                 "the short name and the FQDN are both tried)")
+GPU_GLOBS = StrList(_glob("a GPU model glob"),
+                    description="fnmatch globs matched against every GPU model, "
+                                "e.g. \"*H100*\" (case-insensitive)")
+
+MATCH = Table({
+    "hostname": HOST_GLOBS,
+    "gpu_model": GPU_GLOBS,
+    "min_gpus": Int(0, 1024, description="at least this many GPUs"),
+    "max_gpus": Int(0, 1024, description="at most this many GPUs"),
+}, description="every key given must match this node; no table = all nodes")
+
+POLICY = Table({
+    "name": Str(_POLICY_NAME, what="a policy name (letters, digits, '_', '.', '-')",
+                max_len=128, description="defaults to the file name without .toml"),
+    "extends": StrList(Str(_POLICY_NAME, what="a policy name", max_len=128),
+                       description="policies merged before this one, by name"),
+    "match": MATCH,
+    "apply_once": StrList(_glob("a setting-key glob"),
+                          description="setting keys (e.g. \"nic:*:mtu\") applied once and "
+                                      "never re-applied by drift correction"),
+})
+
+SYSCTL = Table(
+    values=AnyOf(Int(-(1 << 63), (1 << 64) - 1), Str(what="a string", allow_empty=True),
+                 what="an integer or a string"),
+    key=Str(_SYSCTL, what="a sysctl name under " + "|".join(_SYSCTL_ROOTS)
+            + " with dot-separated parts (e.g. \"net.core.rmem_max\")", max_len=256),
+    flatten=True,
+    description="kernel settings by their sysctl name",
+)
+
+NIC = Table({
+    "match": _glob("an interface-name glob", _NAME_GLOB),
+    "mtu": Int(68, 65535, description="IPv4 minimum 68 up to the 16-bit maximum"),
+    "txqueuelen": Int(0, (1 << 31) - 1, description="transmit queue length"),
+}, required=("match",))
+
+NCCL = Table(
+    values=AnyOf(Str(what="a string", allow_empty=True, max_len=1024),
+                 Int(-(1 << 63), (1 << 63) - 1), Bool(),
+                 what="a string, an integer or a boolean"),
+    key=Str(r"NCCL_[A-Z0-9_]+", what="an NCCL variable name (NCCL_ and upper case)",
+            max_len=128),
+    description="lines of the managed block in /etc/nccl.conf",
+)
+
+BLOCK = Table({
+    "match": _glob("a block-device-name glob", _NAME_GLOB),
+    # blk-mq schedulers; the legacy ones (cfq, deadline, noop) left Linux in 5.0
+    "scheduler": Enum(("none", "mq-deadline", "bfq", "kyber")),
+    "read_ahead_kb": Int(0, 1 << 20),
+    "nr_requests": Int(4, 1 << 16),  # BLKDEV_MIN_RQ is 4
+}, required=("match",))
+
+LIMITS = Table({
+    "nofile": Int(1, NOFILE_MAX, description="default RLIMIT_NOFILE for bound jobs"),
+})
+
+CPU = Table({
+    "housekeeping": Str(what="a cpulist (e.g. \"0-1\")", convert=_cpulist(True),
+                        allow_empty=True, max_len=1024,
+                        description="CPUs never given to jobs (cpulist)"),
+    "governor": Enum(("performance", "powersave", "schedutil", "ondemand", "conservative",
+                      "userspace")),
+})
+
+VM = Table({
+    "transparent_hugepage": Enum(("always", "madvise", "never")),
+    "transparent_hugepage_defrag": Enum(("always", "defer", "defer+madvise", "madvise",
+                                         "never")),
+    "numa_balancing": Bool(description="kernel.numa_balancing (off for pinned jobs)"),
+})
+
+GPU = Table({
+    "persistence_mode": Bool(),
+    "compute_mode": Enum(("default", "exclusive_process", "prohibited")),
+    "power_limit_w": Int(1, 5000),
+})
+
+_ENV_NAME = Str(r"[A-Za-z_][A-Za-z0-9_]*", what="an environment variable name", max_len=256)
+
+JOB_MATCH = Table({
+    "cmdline": StrList(Str(what="a glob over the joined command line", max_len=1024)),
+    "env": Table(values=Str(what="a glob over the variable's value", allow_empty=True,
+                            max_len=1024), key=_ENV_NAME),
+    "user": StrList(Str(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?", what="a user name", max_len=64)),
+}, description="every key given must match the process")
+
+PLACEMENTS = ("gpu-local", "node", "socket", "exclusive", "core-complex", "none")
+
+JOB = Table({
+    "name": Str(_POLICY_NAME, what="a rule name (letters, digits, '_', '.', '-')",
+                max_len=128),
+    "match": JOB_MATCH,
+    "placement": Enum(PLACEMENTS, description="default gpu-local"),
+    "cpus": Str(what="a cpulist (e.g. \"2-15\")", convert=_cpulist(False), max_len=1024,
+                description="explicit CPUs, used instead of the placement"),
+    "gpus": Int(0, 1024),
+    "nofile": Int(1, NOFILE_MAX),
+    "exclusive": Bool(),
+    "exclusive_scope": Str(r"cgroup:/.*|pid:[0-9]+", what="\"cgroup:/PATH\" or \"pid:N\"",
+                           max_len=1024),
+}, required=("name",))
+
+FILE_SCHEMA = Table({
+    "policy": POLICY,
+    "sysctl": SYSCTL,
+    "nic": TableArray(NIC, unique="match"),
+    "nccl": NCCL,
+    "block": TableArray(BLOCK, unique="match"),
+    "limits": LIMITS,
+    "cpu": CPU,
+    "vm": VM,
+    "gpu": GPU,
+    "job": TableArray(JOB, unique="name"),
+}, description="a tunerd policy file")
+
+# arrays of tables and the key whose equal value makes a later entry override an earlier one
+ARRAY_KEYS = {"nic": "match", "block": "match", "job": "name"}
+
+# the normalized policy has every section, empty when no file sets it
+SECTION_DEFAULTS: dict[str, Any] = {
+    "sysctl": {}, "nic": [], "nccl": {}, "block": [], "limits": {}, "cpu": {}, "vm": {},
+    "gpu": {}, "job": [],
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of one policy file, generated from FILE_SCHEMA."""
+    s = FILE_SCHEMA.json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://tunerd.invalid/policy.schema.json",
+        "title": "tunerd policy file",
+        **s,
+    }
