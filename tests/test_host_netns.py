@@ -25,6 +25,7 @@ from tests.host_helpers import (
     ns_mtu,
     ns_set_sysctl,
     ns_sysctl,
+    sh,
     wait_for,
 )
 
@@ -237,6 +238,8 @@ def test_apply_once_setting_is_not_drift_corrected(tmp_path: Path, ns: str,
 
 def test_refused_settings_are_reported_and_the_others_applied(
         tmp_path: Path, ns: str, daemons: list[NsDaemonProc]) -> None:
+    # a macvlan cannot take an MTU above its lower device's (9000 here): EINVAL
+    sh("ip", "-n", ns, "link", "add", "link", "veth0", "name", "mv0", "type", "macvlan")
     policy = """
 [policy]
 name = "partly-bad"
@@ -247,27 +250,31 @@ name = "partly-bad"
 match = "veth*"
 mtu = 9000
 [[nic]]
-match = "veth0"
-mtu = 70000
+match = "mv*"
+mtu = 9500
+txqueuelen = 777
 """
     d = start(daemons, tmp_path / "d", policy, ns)
     assert wait_for(lambda: ns_mtu(ns, "veth1") == 9000)
     assert ns_sysctl(ns, "net.core.somaxconn") == "1024"
-    assert ns_mtu(ns, "veth0") == 1500
+    assert ns_link(ns, "mv0")["txqlen"] == 777  # the other setting of the same NIC applied
+    assert ns_mtu(ns, "mv0") == 1500
     r = d.ctl("apply")
     assert r.rc == 1, r
-    assert ("error: nic:veth0:mtu = '70000': EINVAL Invalid argument "
-            "(/sys/class/net/veth0/mtu) [errno 22]") in r.out
+    assert ("error: nic:mv0:mtu = '9500': EINVAL Invalid argument "
+            "(/sys/class/net/mv0/mtu) [errno 22]") in r.out, r
     assert "error: sysctl:net.ipv4.tcp_no_such_knob = '1': ENOENT" in r.out
     errs = {e["key"]: e for e in d.ctl("--json", "apply").json()["errors"]}
-    assert (errs["nic:veth0:mtu"]["errno"], errs["nic:veth0:mtu"]["value"]) == (22, "70000")
+    assert (errs["nic:mv0:mtu"]["errno"], errs["nic:mv0:mtu"]["value"]) == (22, "9500")
     assert errs["sysctl:net.ipv4.tcp_no_such_knob"]["errno"] == 2
     st = d.ctl("status")
-    assert "nic:veth0:mtu = '70000': EINVAL" in st.out
+    assert "nic:mv0:mtu = '9500': EINVAL" in st.out
+    assert d.ctl("verify").rc == 1
     # nothing was changed for the refused ones, so there is nothing to restore for them
     r = d.ctl("--json", "revert")
     assert sorted(x["key"] for x in r.json()["restored"]) == [
-        "nic:veth1:mtu", "sysctl:net.core.somaxconn"]
+        "nic:mv0:txqueuelen", "nic:veth0:mtu", "nic:veth1:mtu", "sysctl:net.core.somaxconn"]
+    assert (ns_mtu(ns, "veth0"), ns_link(ns, "mv0")["txqlen"]) == (1500, 1000)
 
 
 def test_unprivileged_user_may_plan_but_not_apply_or_revert(
