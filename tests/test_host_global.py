@@ -150,8 +150,11 @@ def test_dry_run_plans_and_writes_nothing(tmp_path: Path, tree: Path,
                                           daemons: list[NsDaemonProc]) -> None:
     before = snapshot(tree)
     d = tree_daemon(tmp_path, tree, daemons)
-    d.extra_args.append("--dry-run")
+    snap = Path(__file__).parent / "fixtures/topologies/dgx-h100.json"
+    d.extra_args += ["--dry-run", "--topology", str(snap)]
     d.start()
+    # a replayed topology's GPUs are not this machine's: nothing planned for them
+    assert "gpu:*:persistence_mode: not available: topology replay" in d.ctl("plan").out
     r = d.ctl("--json", "apply")
     assert r.rc == 0 and r.json()["dry_run"] and r.json()["changed"] == []
     assert {c["key"] for c in r.json()["would_change"]} >= {"sysctl:vm.swappiness",

@@ -356,3 +356,20 @@ def test_build_tuners_uses_the_given_roots(tmp_path: Path, proc: Path, sysfs: Pa
     tuners = build_tuners(proc, sysfs, tmp_path)
     assert sorted(tuners) == ["block", "cpu", "gpu", "nccl", "nic", "sysctl", "vm"]
     assert tuners["nic"].read(["nic:eth0:mtu"]) == {"nic:eth0:mtu": "1500"}
+
+
+def test_gpu_on_a_topology_replay_is_not_available(nvml_backend: Any) -> None:
+    """The topology replay answers only what a snapshot records: no settings to read."""
+    import json
+
+    from tunerd.topology import Topology
+    from tunerd.topology.nvml_replay import ReplayNvml as TopologyReplay
+
+    snap = Path(__file__).parent / "fixtures/topologies/dgx-h100.json"
+    nvml_backend(TopologyReplay(Topology.from_json(json.loads(snap.read_text()))))
+    changes = GpuTuner().plan({"persistence_mode": True})
+    assert len(changes) == 8
+    assert all(not c.available and not c.needed for c in changes)
+    assert changes[7].key == "gpu:7:persistence_mode"
+    (c,) = GpuTuner("topology replay").plan({"power_limit_w": 500})
+    assert (c.key, c.available, c.reason) == ("gpu:*:power_limit_w", False, "topology replay")

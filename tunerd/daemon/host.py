@@ -40,7 +40,10 @@ class HostSettings:
         self.d = daemon
         daemon.host = self
         cfg = daemon.cfg
-        self.tuners: dict[str, Tuner] = build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root)
+        replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
+                  if cfg.topology is not None else None)
+        self.tuners: dict[str, Tuner] = build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
+                                                     gpu_unavailable=replay)
         self.lock = asyncio.Lock()
         # False after `tunerctl revert` until the next apply or policy reload: drift
         # correction and hotplug must not undo an operator's revert

@@ -20,8 +20,12 @@ SECTIONS = ("sysctl", "nic", "block", "vm", "cpu", "nccl", "gpu")
 
 
 def build_tuners(proc_root: Path | str = "/proc", sys_root: Path | str = "/sys",
-                 etc_root: Path | str = "/etc") -> dict[str, Tuner]:
-    """section name -> tuner; every section's key prefix is its section name."""
+                 etc_root: Path | str = "/etc", gpu_unavailable: str | None = None,
+                 ) -> dict[str, Tuner]:
+    """section name -> tuner; every section's key prefix is its section name.
+
+    ``gpu_unavailable``: a reason to plan no GPU setting at all (topology replay).
+    """
     return {
         "sysctl": SysctlTuner(proc_root),
         "nic": NicTuner(sys_root),
@@ -29,5 +33,5 @@ def build_tuners(proc_root: Path | str = "/proc", sys_root: Path | str = "/sys",
         "vm": VmTuner(proc_root, sys_root),
         "cpu": CpuTuner(sys_root),
         "nccl": NcclTuner(etc_root),
-        "gpu": GpuTuner(),
+        "gpu": GpuTuner(gpu_unavailable),
     }

@@ -32,6 +32,10 @@ def _raw(fn: str, *args: Any) -> Any:
 class GpuTuner:
     kind = "gpu"
 
+    def __init__(self, unavailable_reason: str | None = None) -> None:
+        # set when GPU settings must not be applied at all (daemon in topology replay)
+        self.unavailable_reason = unavailable_reason
+
     def count(self) -> int:
         n = nvml.call("nvmlDeviceGetCount", default=0)
         return n if isinstance(n, int) else 0
@@ -73,9 +77,11 @@ class GpuTuner:
         asked = [a for a in ATTRS if sec.get(a) is not None]
         if not asked:
             return []
-        if not nvml.available():
+        why = self.unavailable_reason or (None if nvml.available() else
+                                           nvml.reason() or "NVML not available")
+        if why:
             return [Change(f"gpu:*:{a}", None, to_setting_value(sec[a]), available=False,
-                           reason=nvml.reason() or "NVML not available") for a in asked]
+                           reason=why) for a in asked]
         if self.count() == 0:
             return [Change(f"gpu:*:{a}", None, to_setting_value(sec[a]), available=False,
                            reason="no GPU on this node") for a in asked]
