@@ -295,6 +295,11 @@ class HostSettings:
             mon = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
             for subsystem in _UEVENT_SECTIONS:
                 mon.filter_by(subsystem)
+            try:
+                # a burst of hotplug events (50 veths at once) must not overflow the socket
+                mon.set_receive_buffer_size(8 << 20)
+            except Exception as err:
+                log.debug("uevent socket keeps its default buffer: %s", err)
             mon.start()
         except Exception as err:  # no netlink permission, no libudev...
             log.warning("no hotplug re-apply: cannot listen to kernel uevents: %s", err)
