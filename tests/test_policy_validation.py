@@ -144,7 +144,7 @@ def test_every_problem_is_listed(tmp_path: Path) -> None:
         load_policy_dir(d, NodeFacts())
     errors = exc.value.details["errors"]
     assert len(errors) == 3
-    assert "(and 2 more problem(s))" in exc.value.message
+    assert "(and 2 more problem(s); `tunerctl policy check` lists them)" in exc.value.message
     assert any("a.toml: limits.nofile" in e for e in errors)
     assert any("a.toml: vm.numa_balancing" in e for e in errors)
     assert any("b.toml: gpu.power_limit_w" in e for e in errors)

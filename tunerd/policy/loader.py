@@ -323,5 +323,6 @@ def raise_for(reports: list[FileReport]) -> None:
     if not errors:
         return
     first = next(r for r in reports if r.errors)
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    more = (f" (and {len(errors) - 1} more problem(s); `tunerctl policy check` lists them)"
+            if len(errors) > 1 else "")
     raise PolicyError(errors[0] + more, file=str(first.path), errors=errors)

@@ -54,7 +54,8 @@ def _glob(what: str, pattern: str = _GLOB) -> Str:
 HOST_GLOBS = StrList(_glob("a hostname glob"),
                      description="fnmatch globs over the hostname (case-insensitive; "
                                  "the short name and the FQDN are both tried)")
-GPU_GLOBS = StrList(_glob("a GPU model glob"),
+# NVML model strings are free text ("NVIDIA GeForce RTX 4090", "NVIDIA A100 80GB PCIe")
+GPU_GLOBS = StrList(Str(what="a GPU model glob", max_len=256),
                     description="fnmatch globs matched against every GPU model, "
                                 "e.g. \"*H100*\" (case-insensitive)")
 
