@@ -223,17 +223,23 @@ def test_verify_names_drift_and_periodic_verify_fixes_it(tmp_path: Path, ns: str
 
 def test_apply_once_setting_is_not_drift_corrected(tmp_path: Path, ns: str,
                                                    daemons: list[NsDaemonProc]) -> None:
-    policy = POLICY.replace('name = "netns-test"',
-                            'name = "netns-test"\napply_once = ["sysctl:net.core.*"]')
+    policy = POLICY.replace(
+        'name = "netns-test"',
+        'name = "netns-test"\napply_once = ["sysctl:net.core.*", "nic:veth1:txqueuelen"]')
+    sh("ip", "-n", ns, "link", "set", "veth1", "txqueuelen", "4321")  # in sync when first seen
     d = start(daemons, tmp_path / "d", policy, ns, verify_interval=0.3)
     assert wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024")
     ns_set_sysctl(ns, "net.core.somaxconn", "99")  # the operator takes it over
+    sh("ip", "-n", ns, "link", "set", "veth1", "txqueuelen", "50")
     ns_set_sysctl(ns, "net.ipv4.tcp_rmem", "4096 1000 2000")
     assert wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456")
     time.sleep(0.7)
     assert ns_sysctl(ns, "net.core.somaxconn") == "99"
+    assert ns_link(ns, "veth1")["txqlen"] == 50
+    assert ns_link(ns, "veth0")["txqlen"] == 4321  # not apply_once: enforced
     r = d.ctl("verify")
     assert r.rc == 0 and "sysctl:net.core.somaxconn: apply_once, already applied" in r.out, r
+    assert "nic:veth1:txqueuelen: apply_once, already applied" in r.out, r
 
 
 def test_refused_settings_are_reported_and_the_others_applied(

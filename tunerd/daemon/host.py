@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tunerd.protocol import Failed
 from tunerd.tuners import SECTIONS, Change, SettingError, Tuner, build_tuners
+from tunerd.tuners.base import normalize
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon
@@ -137,7 +138,15 @@ class HostSettings:
                          c.desired)
             result["would_change"] = [c.to_dict() for c in todo]
             return result
+        # an apply_once setting already at the policy's value counts as applied: from
+        # now on it is the operator's
+        once = self._host_state["applied_once"]
+        seen = [c.key for c in changes if c.available and not c.needed
+                and self._is_once(c.key) and c.key not in once]
+        once.extend(seen)
         if not todo:
+            if seen:
+                self._save_quietly()
             return result
         # save every original first, in one durable write, before the first change
         new_keys = []
@@ -155,7 +164,7 @@ class HostSettings:
                 self.originals.pop(k, None)
             raise Failed(f"cannot save originals to {self.d.state.path}: {err.strerror}; "
                          "nothing was changed") from err
-        dirty = False  # state changed after the first save
+        dirty = bool(seen)  # state changed after the first save
         delay = self.d.cfg.debug_apply_delay
         for i, c in enumerate(todo):
             if delay and i:
@@ -168,7 +177,7 @@ class HostSettings:
                 log.error("%s: cannot set %s", reason, err.message)
                 result["errors"].append(err.to_error())
                 self.failed[c.key] = c.desired
-                if c.key in new_keys:  # nothing changed: no original to keep
+                if c.key in new_keys and self._unchanged(c):  # no original to keep
                     self.originals.pop(c.key, None)
                     dirty = True
                 continue
@@ -186,6 +195,13 @@ class HostSettings:
         if dirty:
             self._save_quietly()
         return result
+
+    def _unchanged(self, c: Change) -> bool:
+        """Whether a failed write left the setting at its original (a governor written
+        on some CPUs before one refused is not)."""
+        tuner = self._tuner_for(c.key)
+        now = tuner.read([c.key]).get(c.key) if tuner else None
+        return normalize(now) == normalize(c.current)
 
     def _save_quietly(self) -> None:
         try:
