@@ -34,6 +34,9 @@ class SysctlTuner(FileTuner):
             return None
         return sysctl_path(self.root, name)
 
+    # read() without keys gives {}: walking all of /proc/sys to list every sysctl would
+    # cost far more than any caller needs; read(["sysctl:NAME", ...]) reads those.
+
     def wanted(self, desired: Any) -> dict[str, str]:
         return {f"sysctl:{name}": to_setting_value(v)
                 for name, v in plain_section(desired).items()}
