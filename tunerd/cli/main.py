@@ -24,6 +24,10 @@ LAZY_COMMANDS: dict[str, str] = {
     "jobs": "tunerd.cli.cmd_bind:jobs",
     "policy": "tunerd.cli.cmd_policy:policy",
     # -- host settings:
+    "plan": "tunerd.cli.cmd_host:plan",
+    "apply": "tunerd.cli.cmd_host:apply",
+    "verify": "tunerd.cli.cmd_host:verify",
+    "revert": "tunerd.cli.cmd_host:revert",
     # -- topology:
     "topology": "tunerd.cli.cmd_topology:topology",
     # -- leases:

@@ -41,6 +41,7 @@ class Service(Protocol):
 SERVICE_FACTORIES: list[str] = [
     # -- binding:
     # -- host settings:
+    "tunerd.daemon.host:HostSettings",
     # -- leases / exec watcher:
     # -- monitor:
     # -- end

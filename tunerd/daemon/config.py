@@ -31,6 +31,11 @@ class DaemonConfig:
     history_seconds: float = 3600.0  # monitor history kept in memory
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
+    # -- host settings: roots the tuners read and write (tests point them at a temp tree)
+    proc_root: Path = Path("/proc")
+    sys_root: Path = Path("/sys")
+    etc_root: Path = Path("/etc")
+    debug_apply_delay: float = 0.0  # seconds slept between two host writes (crash tests)
 
     @property
     def socket_path(self) -> Path:
@@ -41,7 +46,8 @@ class DaemonConfig:
         return self.state_dir / "state.json"
 
 
-_PATH_KEYS = {"policy_dir", "runtime_dir", "state_dir", "topology"}
+_PATH_KEYS = {"policy_dir", "runtime_dir", "state_dir", "topology",
+              "proc_root", "sys_root", "etc_root"}
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:

@@ -20,6 +20,7 @@ HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_core",
     # -- binding (bind/unbind/jobs):
     # -- host settings (plan/apply/verify/revert):
+    "tunerd.daemon.cmd_host",
     # -- topology:
     "tunerd.daemon.cmd_topology",
     # -- leases (alloc/release/run):

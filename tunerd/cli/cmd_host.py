@@ -1,0 +1,105 @@
+"""tunerctl plan | apply | verify | revert: the policy's host settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from tunerd.cli.context import get_ctx
+
+
+def _v(value: Any) -> str:
+    return "(unset)" if value is None else str(value)
+
+
+def _unavailable(res: dict[str, Any]) -> list[str]:
+    return [f"{c['key']}: not available: {c.get('reason')}" for c in res.get("unavailable", [])]
+
+
+def _errors(res: dict[str, Any]) -> list[str]:
+    out = []
+    for e in res.get("errors", []):
+        num = f" [errno {e['errno']}]" if e.get("errno") else ""
+        out.append(f"error: {e['message']}{num}")
+    return out
+
+
+def _skipped(res: dict[str, Any]) -> list[str]:
+    return [f"{k}: apply_once, already applied (operator owns it)"
+            for k in res.get("apply_once_skipped", [])]
+
+
+def _human_plan(res: dict[str, Any]) -> str:
+    lines = [f"{c['key']}: {_v(c['current'])} -> {c['desired']}" for c in res["changes"]]
+    if not lines:
+        lines.append("nothing to change")
+    return "\n".join(lines + _skipped(res) + _unavailable(res))
+
+
+def _human_apply(res: dict[str, Any]) -> str:
+    lines = [f"reverted {r['key']} (no longer in the policy): {_v(r['from'])} -> {_v(r['to'])}"
+             for r in res.get("reverted", [])]
+    if res.get("dry_run"):
+        lines += [f"dry run: would set {c['key']}: {_v(c['current'])} -> {c['desired']}"
+                  for c in res.get("would_change", [])]
+    lines += [f"{c['key']}: {_v(c['from'])} -> {_v(c['to'])}" for c in res["changed"]]
+    if not res["changed"] and not res["errors"] and not res.get("would_change"):
+        lines.append("nothing to change")
+    return "\n".join(lines + _errors(res) + _skipped(res) + _unavailable(res))
+
+
+def _human_verify(res: dict[str, Any]) -> str:
+    lines = [f"drift: {c['key']}: current {_v(c['current'])}, policy wants {c['desired']}"
+             for c in res["drift"]]
+    if not lines:
+        lines.append(f"no drift ({res['checked']} setting(s) checked)")
+    if not res.get("enforcing", True):
+        lines.append("note: settings were reverted; `tunerctl apply` enforces them again")
+    return "\n".join(lines + _skipped(res) + _unavailable(res))
+
+
+def _human_revert(res: dict[str, Any]) -> str:
+    if res.get("dry_run"):
+        lines = [f"dry run: would restore {r['key']} to {_v(r['to'])}"
+                 for r in res.get("would_restore", [])]
+    else:
+        lines = [f"restored {r['key']}: {_v(r['from'])} -> {_v(r['to'])}" for r in res["restored"]]
+    if not lines and not res["errors"]:
+        lines.append("nothing to restore")
+    return "\n".join(lines + _errors(res))
+
+
+@click.command()
+def plan() -> int:
+    """Show the host settings the policy would change (current -> desired)."""
+    ctx = get_ctx()
+    ctx.emit(ctx.call("plan"), _human_plan)
+    return 0
+
+
+@click.command()
+def apply() -> int:
+    """Apply the policy's host settings now (root); exit 1 if any setting failed."""
+    ctx = get_ctx()
+    res = ctx.call("apply")
+    ctx.emit(res, _human_apply)
+    return 1 if res["errors"] else 0
+
+
+@click.command()
+def verify() -> int:
+    """Report drift from the policy; exit 1 if any setting drifted."""
+    ctx = get_ctx()
+    res = ctx.call("verify")
+    ctx.emit(res, _human_verify)
+    return 1 if res["drift"] else 0
+
+
+@click.command()
+def revert() -> int:
+    """Restore the saved original of every setting tunerd changed (root)."""
+    ctx = get_ctx()
+    res = ctx.call("revert")
+    ctx.emit(res, _human_revert)
+    return 1 if res["errors"] else 0

@@ -1,0 +1,388 @@
+"""HostSettings: plan, apply, verify and revert the policy's host settings.
+
+The first-seen original of every setting is written to state.json (section
+``host``) *before* the setting is changed, and kept across re-applies and
+restarts, so that ``revert`` restores what the node had before tunerd — even
+after a ``kill -9``. Drift is corrected by a periodic verify; a NIC or block
+device that appears gets its settings from a kernel uevent listener (pyudev
+on the kernel netlink group: no udevd needed) integrated with the loop through
+``add_reader``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fnmatch
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tunerd.protocol import Failed
+from tunerd.tuners import SECTIONS, Change, SettingError, Tuner, build_tuners
+from tunerd.tuners.base import normalize
+
+if TYPE_CHECKING:
+    from tunerd.daemon.app import Daemon
+
+log = logging.getLogger("tunerd.host")
+
+# policy sections that are lists of {match: glob, ...}
+_LIST_SECTIONS = {"nic", "block"}
+# uevent subsystem -> policy section whose settings are per device
+_UEVENT_SECTIONS = {"net": "nic", "block": "block"}
+
+
+class HostSettings:
+    name = "host"
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        daemon.host = self
+        cfg = daemon.cfg
+        replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
+                  if cfg.topology is not None else None)
+        self.tuners: dict[str, Tuner] = build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
+                                                     gpu_unavailable=replay)
+        self.lock = asyncio.Lock()
+        # False after `tunerctl revert` until the next apply or policy reload: drift
+        # correction and hotplug must not undo an operator's revert
+        self.enforcing = True
+        self.last_apply: dict[str, Any] | None = None
+        self.last_verify: dict[str, Any] | None = None
+        self.failed: dict[str, str | None] = {}  # key -> desired value whose write failed
+        self._monitor: Any = None
+        self._verify_task: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    # -- state --------------------------------------------------------------------
+    @property
+    def _host_state(self) -> dict[str, Any]:
+        sec: dict[str, Any] = self.d.state.section("host")
+        sec.setdefault("originals", {})
+        sec.setdefault("applied_once", [])
+        return sec
+
+    @property
+    def originals(self) -> dict[str, dict[str, Any]]:
+        return self._host_state["originals"]
+
+    def _section(self, name: str) -> Any:
+        data = self.d.policy.data if self.d.policy is not None else {}
+        return data.get(name, [] if name in _LIST_SECTIONS else {})
+
+    def _apply_once_globs(self) -> list[str]:
+        pol = self._section("policy")
+        globs = pol.get("apply_once", []) if isinstance(pol, dict) else []
+        return [str(g) for g in globs] if isinstance(globs, list) else []
+
+    def _is_once(self, key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, g) for g in self._apply_once_globs())
+
+    def _once_done(self, key: str) -> bool:
+        return self._is_once(key) and key in self._host_state["applied_once"]
+
+    def _tuner_for(self, key: str) -> Tuner | None:
+        return self.tuners.get(key.partition(":")[0])
+
+    # -- plan ---------------------------------------------------------------------
+    def plan_all(self) -> list[Change]:
+        changes: list[Change] = []
+        for section in SECTIONS:
+            try:
+                changes += self.tuners[section].plan(self._section(section))
+            except Exception as err:  # one broken tuner must not hide the others
+                log.exception("planning %s failed", section)
+                changes.append(Change(f"{section}:*", None, None, available=False,
+                                      reason=f"cannot read: {err!r}"))
+        return changes
+
+    def plan(self) -> dict[str, Any]:
+        changes = self.plan_all()
+        return {
+            "changes": [c.to_dict() for c in changes if c.needed and not self._once_done(c.key)],
+            "unavailable": [c.to_dict() for c in changes if not c.available],
+            "in_sync": sorted(c.key for c in changes if c.available and not c.needed),
+            "apply_once_skipped": sorted(c.key for c in changes
+                                         if c.needed and self._once_done(c.key)),
+            "dry_run": self.d.cfg.dry_run,
+        }
+
+    # -- apply --------------------------------------------------------------------
+    async def apply(self, reason: str = "apply") -> dict[str, Any]:
+        """Apply the whole policy (and revert settings it no longer names)."""
+        async with self.lock:
+            self.enforcing = True
+            self.failed.clear()
+            reverted = self._revert_unmentioned()
+            result = await self._apply_changes(self.plan_all(), reason)
+            result["reverted"] = reverted
+            self.last_apply = {"time": time.time(), "reason": reason,
+                               "changed": len(result["changed"]), "errors": len(result["errors"])}
+            return result
+
+    async def _apply_changes(self, changes: list[Change], reason: str,
+                             retry_failed: bool = True) -> dict[str, Any]:
+        todo = [c for c in changes if c.needed and not self._once_done(c.key)
+                and (retry_failed or self.failed.get(c.key, "\0") != c.desired)]
+        result: dict[str, Any] = {
+            "changed": [], "errors": [], "dry_run": self.d.cfg.dry_run,
+            "unavailable": [c.to_dict() for c in changes if not c.available],
+            "apply_once_skipped": sorted(c.key for c in changes
+                                         if c.needed and self._once_done(c.key)),
+        }
+        if self.d.cfg.dry_run:
+            for c in todo:
+                log.info("dry run (%s): would set %s: %s -> %s", reason, c.key, c.current,
+                         c.desired)
+            result["would_change"] = [c.to_dict() for c in todo]
+            return result
+        # an apply_once setting already at the policy's value counts as applied: from
+        # now on it is the operator's
+        once = self._host_state["applied_once"]
+        seen = [c.key for c in changes if c.available and not c.needed
+                and self._is_once(c.key) and c.key not in once]
+        once.extend(seen)
+        if not todo:
+            if seen:
+                self._save_quietly()
+            return result
+        # save every original first, in one durable write, before the first change
+        new_keys = []
+        for c in todo:
+            if c.key not in self.originals:
+                tuner = self._tuner_for(c.key)
+                assert tuner is not None
+                self.originals[c.key] = tuner.save_original(c)
+                new_keys.append(c.key)
+        try:
+            if new_keys:  # originals already in state.json are durable: no write needed
+                self.d.state.save()
+        except OSError as err:
+            for k in new_keys:
+                self.originals.pop(k, None)
+            raise Failed(f"cannot save originals to {self.d.state.path}: {err.strerror}; "
+                         "nothing was changed") from err
+        dirty = bool(seen)  # state changed after the first save
+        delay = self.d.cfg.debug_apply_delay
+        for i, c in enumerate(todo):
+            if delay and i:
+                await asyncio.sleep(delay)
+            tuner = self._tuner_for(c.key)
+            assert tuner is not None
+            try:
+                tuner.apply(c)
+            except SettingError as err:
+                log.error("%s: cannot set %s", reason, err.message)
+                result["errors"].append(err.to_error())
+                self.failed[c.key] = c.desired
+                if c.key in new_keys and self._unchanged(c):  # no original to keep
+                    self.originals.pop(c.key, None)
+                    dirty = True
+                continue
+            except Exception as err:  # a tuner bug must not stop the other settings
+                log.exception("%s: setting %s failed", reason, c.key)
+                result["errors"].append({"key": c.key, "value": c.desired, "errno": None,
+                                         "message": f"{c.key}: {err!r}"})
+                continue
+            self.failed.pop(c.key, None)
+            log.info("%s: set %s: %s -> %s", reason, c.key, c.current, c.desired)
+            result["changed"].append({"key": c.key, "from": c.current, "to": c.desired})
+            if self._is_once(c.key) and c.key not in self._host_state["applied_once"]:
+                self._host_state["applied_once"].append(c.key)
+                dirty = True
+        if dirty:
+            self._save_quietly()
+        return result
+
+    def _unchanged(self, c: Change) -> bool:
+        """Whether a failed write left the setting at its original (a governor written
+        on some CPUs before one refused is not)."""
+        tuner = self._tuner_for(c.key)
+        now = tuner.read([c.key]).get(c.key) if tuner else None
+        return normalize(now) == normalize(c.current)
+
+    def _save_quietly(self) -> None:
+        try:
+            self.d.state.save()
+        except OSError as err:
+            self.d.record_error("host", f"cannot save {self.d.state.path}: {err.strerror}")
+
+    # -- revert -------------------------------------------------------------------
+    def _revert_keys(self, keys: list[str]) -> dict[str, Any]:
+        restored: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+        if self.d.cfg.dry_run:
+            return {"restored": [], "errors": [], "dry_run": True,
+                    "would_restore": [{"key": k, "to": self.originals[k].get("value")}
+                                      for k in keys]}
+        for key in keys:
+            saved = self.originals[key]
+            tuner = self._tuner_for(key)
+            if tuner is None:
+                errors.append({"key": key, "value": saved.get("value"), "errno": None,
+                               "message": f"{key}: no tuner for this key"})
+                continue
+            before = tuner.read([key]).get(key)
+            try:
+                tuner.revert(key, saved)
+            except SettingError as err:
+                gone = err.errno == errno.ENOENT and key.split(":")[0] in _LIST_SECTIONS
+                if not gone:
+                    log.error("revert: cannot restore %s", err.message)
+                    errors.append(err.to_error())
+                    continue
+                # the device went away, and its settings with it
+                log.info("revert: %s: device is gone, nothing to restore", key)
+            log.info("revert: %s: %s -> %s", key, before, saved.get("value"))
+            restored.append({"key": key, "from": before, "to": saved.get("value")})
+            del self.originals[key]
+            once = self._host_state["applied_once"]
+            if key in once:
+                once.remove(key)
+        self._save_quietly()
+        return {"restored": restored, "errors": errors, "dry_run": False}
+
+    def _revert_unmentioned(self) -> list[dict[str, Any]]:
+        """Revert settings the policy in force no longer names."""
+        stale = []
+        for key in list(self.originals):
+            section = key.partition(":")[0]
+            tuner = self.tuners.get(section)
+            if tuner is None or not tuner.mentions(key, self._section(section)):
+                stale.append(key)
+        if not stale:
+            return []
+        log.info("policy no longer names %s: reverting", ", ".join(stale))
+        res = self._revert_keys(stale)
+        for e in res["errors"]:
+            self.d.record_error("host", f"revert: {e['message']}")
+        return res["restored"]
+
+    async def revert(self) -> dict[str, Any]:
+        """Restore every saved original; stop enforcing until the next apply or reload."""
+        async with self.lock:
+            self.enforcing = False
+            return self._revert_keys(list(self.originals))
+
+    # -- verify -------------------------------------------------------------------
+    def verify(self) -> dict[str, Any]:
+        changes = self.plan_all()
+        drift = [c for c in changes if c.needed and not self._once_done(c.key)]
+        self.last_verify = {"time": time.time(), "drift": len(drift)}
+        return {
+            "drift": [c.to_dict() for c in drift],
+            "checked": sum(1 for c in changes if c.available),
+            "unavailable": [c.to_dict() for c in changes if not c.available],
+            "apply_once_skipped": sorted(c.key for c in changes
+                                         if c.needed and self._once_done(c.key)),
+            "enforcing": self.enforcing,
+        }
+
+    async def correct_drift(self) -> dict[str, Any]:
+        """Periodic verify: re-apply each drifted setting (never apply_once ones)."""
+        async with self.lock:
+            changes = self.plan_all()
+            drift = [c for c in changes if c.needed and not self._once_done(c.key)]
+            self.last_verify = {"time": time.time(), "drift": len(drift)}
+            if not self.enforcing or not drift:
+                return {"changed": [], "errors": []}
+            for c in drift:
+                if self.failed.get(c.key, "\0") != c.desired:
+                    log.warning("drift: %s is %s, policy wants %s; re-applying", c.key,
+                                c.current, c.desired)
+            return await self._apply_changes(drift, "drift", retry_failed=False)
+
+    async def _verify_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.d.cfg.verify_interval)
+            try:
+                await self.correct_drift()
+            except Exception as err:
+                log.exception("periodic verify failed")
+                self.d.record_error("host", f"periodic verify failed: {err!r}")
+
+    # -- hotplug ------------------------------------------------------------------
+    def _start_uevents(self) -> None:
+        try:
+            import pyudev
+
+            mon = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
+            for subsystem in _UEVENT_SECTIONS:
+                mon.filter_by(subsystem)
+            try:
+                # a burst of hotplug events (50 veths at once) must not overflow the socket
+                mon.set_receive_buffer_size(8 << 20)
+            except Exception as err:
+                log.debug("uevent socket keeps its default buffer: %s", err)
+            mon.start()
+        except Exception as err:  # no netlink permission, no libudev...
+            log.warning("no hotplug re-apply: cannot listen to kernel uevents: %s", err)
+            return
+        self._monitor = mon
+        asyncio.get_running_loop().add_reader(mon.fileno(), self._on_uevent)
+        log.debug("listening to kernel uevents for %s", ", ".join(_UEVENT_SECTIONS))
+
+    def _on_uevent(self) -> None:
+        while True:
+            try:
+                dev = self._monitor.poll(timeout=0)
+            except Exception as err:  # ENOBUFS after a burst: the next events still come
+                log.warning("uevent read failed: %s", err)
+                return
+            if dev is None:
+                return
+            section = _UEVENT_SECTIONS.get(dev.subsystem or "")
+            if section is None or dev.action not in ("add", "move", "change", "online"):
+                continue
+            if section == "block" and dev.device_type != "disk":
+                continue  # partitions have no queue of their own
+            task = asyncio.ensure_future(self.apply_device(section, dev.sys_name, dev.action))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def apply_device(self, section: str, name: str, why: str = "add") -> dict[str, Any]:
+        """Apply the policy's settings for one NIC or block device."""
+        if not self.enforcing:
+            return {"changed": [], "errors": []}
+        tuner: Any = self.tuners[section]
+        async with self.lock:
+            changes = tuner.plan_device(self._section(section), name)
+            if not any(c.needed for c in changes):
+                return {"changed": [], "errors": []}
+            return await self._apply_changes(changes, f"uevent {why} {name}")
+
+    # -- service ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._start_uevents()
+        self._verify_task = asyncio.ensure_future(self._verify_loop())
+
+    async def policy_changed(self) -> None:
+        result = await self.apply("policy")
+        for e in result["errors"]:
+            self.d.record_error("host", f"apply: {e['message']}")
+
+    async def stop(self) -> None:
+        if self._verify_task is not None:
+            self._verify_task.cancel()
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._monitor.fileno())
+        for t in list(self._pending):
+            t.cancel()
+
+    def status(self) -> dict[str, Any]:
+        v = self.last_verify
+        drift = "not verified yet" if v is None else (
+            "no drift" if not v["drift"] else f"{v['drift']} drifted")
+        mode = "enforcing" if self.enforcing else "reverted (not enforcing until apply)"
+        return {
+            "summary": f"{len(self.originals)} setting(s) changed from their originals; "
+                       f"{drift}; {mode}" + (" (dry run)" if self.d.cfg.dry_run else ""),
+            "originals": len(self.originals),
+            "enforcing": self.enforcing,
+            "last_apply": self.last_apply,
+            "last_verify": self.last_verify,
+            "hotplug": self._monitor is not None,
+        }

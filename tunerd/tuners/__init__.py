@@ -1,0 +1,37 @@
+"""One tuner per host-setting kind; ``build_tuners`` makes them for a set of roots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tunerd.tuners.base import Change, SettingError, Tuner
+from tunerd.tuners.block import BlockTuner
+from tunerd.tuners.cpu import CpuTuner
+from tunerd.tuners.gpu import GpuTuner
+from tunerd.tuners.nccl import NcclTuner
+from tunerd.tuners.nic import NicTuner
+from tunerd.tuners.sysctl import SysctlTuner
+from tunerd.tuners.vm import VmTuner
+
+__all__ = ["SECTIONS", "Change", "SettingError", "Tuner", "build_tuners"]
+
+# policy section -> key prefix, in the order settings are applied
+SECTIONS = ("sysctl", "nic", "block", "vm", "cpu", "nccl", "gpu")
+
+
+def build_tuners(proc_root: Path | str = "/proc", sys_root: Path | str = "/sys",
+                 etc_root: Path | str = "/etc", gpu_unavailable: str | None = None,
+                 ) -> dict[str, Tuner]:
+    """section name -> tuner; every section's key prefix is its section name.
+
+    ``gpu_unavailable``: a reason to plan no GPU setting at all (topology replay).
+    """
+    return {
+        "sysctl": SysctlTuner(proc_root),
+        "nic": NicTuner(sys_root),
+        "block": BlockTuner(sys_root),
+        "vm": VmTuner(proc_root, sys_root),
+        "cpu": CpuTuner(sys_root),
+        "nccl": NcclTuner(etc_root),
+        "gpu": GpuTuner(gpu_unavailable),
+    }
