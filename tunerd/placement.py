@@ -368,7 +368,7 @@ def place(topo: Topology, req: PlacementRequest, *,
         whole, split = whole + w2, split + s2
 
     if req.mode == "core-complex" and req.cpus is None:
-        whole, split = _core_complex(idx, gpus, whole, split, within)
+        whole, split = _core_complex(topo, idx, gpus, whole, split, within)
 
     # how many CPUs
     smt = max((len(v) for v in idx.core_cpus.values()), default=1)
@@ -423,28 +423,38 @@ def place(topo: Topology, req: PlacementRequest, *,
                      mems=mems, score=score, explanation="; ".join(notes))
 
 
-def _core_complex(idx: _Index, gpus: list[Gpu], whole: list[tuple[int, ...]],
+def _core_complex(topo: Topology, idx: _Index, gpus: list[Gpu], whole: list[tuple[int, ...]],
                   split: list[tuple[int, ...]], within: frozenset[int] | None
                   ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Keep one L3 group per GPU: the one with the most free CPUs in its local set."""
+    """One L3 group (core complex) per GPU, as torch's ``core-complex`` affinity does.
+
+    The k-th GPU of a NUMA node starts at the k-th L3 group of that node, so workers
+    of one node land on different complexes when there are enough; a group with no
+    free CPU is skipped, and a group is never given twice in one placement.
+    """
     groups: dict[int | None, list[tuple[int, ...]]] = {}
     for core in whole + split:
         groups.setdefault(idx.core_l3[idx.cpu_core[core[0]]], []).append(core)
     if not groups:
         return whole, split
+    order = sorted(groups, key=lambda k: -1 if k is None else k)
     keep: list[int | None] = []
     targets: list[Gpu | None] = [*gpus] or [None]  # no GPUs: one group
     for g in targets:
         local = g.local_cpus if g is not None and g.local_cpus else within
-        ranked = sorted(groups, key=lambda k: (
-            -sum(len(c) for c in groups[k] if local is None or c[0] in local),
-            -1 if k is None else k))
-        for k in ranked:
+        mine = [k for k in order if local is None or any(c[0] in local for c in groups[k])]
+        mine = mine or order
+        start = 0
+        if g is not None and g.numa_node is not None:
+            peers = sorted(h.index for h in topo.gpus if h.numa_node == g.numa_node)
+            start = peers.index(g.index) if g.index in peers else 0
+        for k in mine[start % len(mine):] + mine[:start % len(mine)]:
             if k not in keep:
                 keep.append(k)
                 break
     kept = [c for k in keep for c in groups[k]]
-    return ([c for c in kept if c in whole], [c for c in kept if c not in whole])
+    whole_set = set(whole)
+    return ([c for c in kept if c in whole_set], [c for c in kept if c not in whole_set])
 
 
 def _take(whole: list[tuple[int, ...]], split: list[tuple[int, ...]], count: int,

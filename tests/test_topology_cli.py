@@ -1,0 +1,56 @@
+"""`tunerctl topology` against the real daemon (replaying a snapshot) and without one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers import run_ctl
+from tests.topology_helpers import TOPOLOGIES
+from tunerd.topology import load_topology
+
+
+def test_daemon_replays_snapshot_for_the_cli(daemon_factory, tmp_path: Path) -> None:
+    d = daemon_factory(args=["--topology", str(TOPOLOGIES / "dgx-h100.json")]).start()
+    r = d.ctl("topology")
+    assert r.rc == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0] == "dgx-h100 (replayed snapshot)"
+    assert lines[1] == "2 sockets, 112 cores / 224 CPUs, 2 NUMA nodes, 8 x NVIDIA H100 80GB HBM3"
+    gpu0 = next(line for line in lines if line.startswith("GPU0 "))
+    assert gpu0.split() == ["GPU0", "X", *["NV18"] * 7, "0-55,112-167", "0"]
+    assert any(line.startswith("NUMA node 1: CPUs 56-111,168-223 (112)") for line in lines)
+    assert any(line.startswith("ibp24s0") for line in lines)
+    assert max(len(line) for line in lines) <= 80
+
+    r = d.ctl("--json", "topology")
+    assert r.rc == 0
+    got = r.json()
+    want = json.loads((TOPOLOGIES / "dgx-h100.json").read_text())
+    assert got["gpus"] == want["gpus"] and got["links"] == want["links"]
+    assert got["replayed"] is True
+
+    out = tmp_path / "node.json"
+    r = d.ctl("topology", "--save", str(out))
+    assert r.rc == 0 and f"to {out}" in r.err
+    assert load_topology(out).to_json() == load_topology(TOPOLOGIES / "dgx-h100.json").to_json()
+
+
+def test_without_daemon_reads_this_machine(tmp_path: Path) -> None:
+    sock = tmp_path / "none.sock"
+    out = tmp_path / "here.json"
+    r = run_ctl("--socket", str(sock), "topology", "--save", str(out))
+    assert r.rc == 0, r.err
+    assert "not reachable" in r.err and "reading this machine's topology directly" in r.err
+    assert r.out.splitlines()[0].endswith("[read locally]")
+    topo = load_topology(out)
+    import os
+    assert topo.online_cpus() == frozenset(os.sched_getaffinity(0)) | topo.online_cpus()
+    assert len(topo.cpus) == os.cpu_count()
+
+
+def test_save_to_unwritable_place_fails_cleanly(tmp_path: Path) -> None:
+    r = run_ctl("--socket", str(tmp_path / "none.sock"), "topology", "--local",
+                "--save", str(tmp_path / "no/such/dir/x.json"))
+    assert r.rc == 1
+    assert "cannot write" in r.err and "no/such/dir/x.json" in r.err
