@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tunerd.placement import MODES, PlacementError, PlacementRequest, place, pair_cost  # noqa: E402
+from tunerd.placement import MODES, PlacementError, PlacementRequest, pair_cost, place  # noqa: E402
 from tunerd.topology import Topology, load_topology, read_system  # noqa: E402
 
 FIXTURES = REPO / "tests/fixtures/topologies"
@@ -40,7 +40,8 @@ def largest() -> Path:
                key=lambda p: (len(load_topology(p).cpus), len(load_topology(p).gpus)))
 
 
-def requests(topo: Topology, n: int, seed: int = 1) -> list[tuple[PlacementRequest, dict[int, str]]]:
+def requests(topo: Topology, n: int, seed: int = 1
+             ) -> list[tuple[PlacementRequest, dict[int, str]]]:
     rnd = random.Random(seed)
     ids = [g.index for g in topo.gpus]
     out = []
