@@ -54,3 +54,15 @@ def test_save_to_unwritable_place_fails_cleanly(tmp_path: Path) -> None:
                 "--save", str(tmp_path / "no/such/dir/x.json"))
     assert r.rc == 1
     assert "cannot write" in r.err and "no/such/dir/x.json" in r.err
+
+
+def test_daemon_refuses_a_bad_snapshot(daemon_factory, tmp_path: Path) -> None:
+    import subprocess
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "tunerd.topology/1", "hostname": "x", "cpus": [{"id": "a"}]}')
+    d = daemon_factory(args=["--topology", str(bad)])
+    p = subprocess.run(d.argv(), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert str(bad) in p.stderr and "$.cpus[0].id" in p.stderr
+    assert "Traceback" not in p.stderr

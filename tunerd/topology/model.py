@@ -103,7 +103,8 @@ class Topology:
     links: dict[tuple[int, int], Link] = field(default_factory=dict)
     nics: list[Nic] = field(default_factory=list)
     source: Any = None  # where a recorded snapshot's facts come from (URLs, "recorded")
-    # cache for tunerd.placement (derived indexes); not part of equality or the snapshot
+    # derived indexes for tunerd.placement; not part of equality or the snapshot. A
+    # Topology is read-only once built: build a new one (or clear this) to change it
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- queries -------------------------------------------------------------
