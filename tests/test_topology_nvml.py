@@ -83,3 +83,20 @@ def test_real_nvml_probe_here_never_crashes(tmp_path: Path) -> None:
         pass  # forget any earlier backend so the real probe runs
     gpus, _, note = read_gpus(tmp_path)
     assert gpus or note
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_real_readers_reproduce_every_recorded_node(tmp_path: Path, name: str) -> None:
+    """snapshot -> sysfs tree + NVML replay -> read_system() gives the snapshot back."""
+    from tests.topology_helpers import render_sysfs
+    from tunerd.topology import read_system
+
+    rec = fixture(name)
+    sysd, procd = render_sysfs(rec, tmp_path)
+    with nvml_backend(ReplayNvml(rec)):
+        got = read_system(sysd, procd)
+    a, b = got.to_json(), rec.to_json()
+    for key in ("hostname", "cpus", "numa_nodes", "gpus", "links"):
+        assert a[key] == b[key], key
+    assert sorted(a["nics"], key=lambda n: n["name"]) == sorted(b["nics"],
+                                                                key=lambda n: n["name"])

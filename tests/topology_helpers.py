@@ -92,3 +92,68 @@ def make_sysfs(root: Path) -> Path:
     os.symlink(sysd / "devices/virtual/net/lo", net / "lo")
     write(root, "proc/sys/kernel/hostname", "fakehost")
     return sysd
+
+
+def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
+    """Write ``topo`` as the sysfs/procfs tree the kernel would show; (sys, proc) roots.
+
+    Used to run the real readers end to end on recorded node types: snapshot ->
+    files -> read_system() must give the snapshot back.
+    """
+    from tunerd.cpulist import format_cpulist
+
+    sysd, procd = root / "sys", root / "proc"
+    write(procd, "sys/kernel/hostname", topo.hostname)
+    cpu = "devices/system/cpu"
+    write(sysd, f"{cpu}/online", format_cpulist(topo.cpus))
+    groups = topo.l3_groups()
+    for c in topo.cpus.values():
+        base = f"{cpu}/cpu{c.id}"
+        write(sysd, f"{base}/topology/physical_package_id", str(c.package))
+        write(sysd, f"{base}/topology/die_id", "0")
+        write(sysd, f"{base}/topology/core_id", str(c.core_id))
+        write(sysd, f"{base}/topology/thread_siblings_list", format_cpulist(c.siblings))
+        write(sysd, f"{base}/cache/index0/level", "1")
+        write(sysd, f"{base}/cache/index0/shared_cpu_list", format_cpulist(c.siblings))
+        if c.l3_id is not None:
+            write(sysd, f"{base}/cache/index3/level", "3")
+            write(sysd, f"{base}/cache/index3/shared_cpu_list", format_cpulist(groups[c.l3_id]))
+    node = "devices/system/node"
+    ids = sorted(topo.numa_nodes)
+    write(sysd, f"{node}/online", format_cpulist(ids))
+    for n in topo.numa_nodes.values():
+        write(sysd, f"{node}/node{n.id}/cpulist", format_cpulist(n.cpus))
+        write(sysd, f"{node}/node{n.id}/distance",
+              " ".join(str(n.distances.get(m, 255)) for m in ids))
+        write(sysd, f"{node}/node{n.id}/meminfo",
+              f"Node {n.id} MemTotal:       {n.memory_total_bytes // 1024} kB")
+    pci_links = sysd / "bus/pci/devices"
+    pci_links.mkdir(parents=True, exist_ok=True)
+
+    def pci_dev(bus: str, numa: int | None, local: frozenset[int]) -> Path:
+        d = sysd / f"devices/pci{bus[:4]}:{bus[5:7]}" / bus
+        write(d, "numa_node", str(-1 if numa is None else numa))
+        write(d, "local_cpulist", format_cpulist(local))
+        if not (pci_links / bus).exists():
+            os.symlink(d, pci_links / bus)
+        return d
+
+    for g in topo.gpus:
+        pci_dev(g.pci_bus_id, g.numa_node, g.local_cpus)
+    net = sysd / "class/net"
+    net.mkdir(parents=True, exist_ok=True)
+    for nic in topo.nics:
+        if nic.virtual or nic.pci_bus_id is None:
+            d = sysd / "devices/virtual/net" / nic.name
+        else:
+            local = topo.numa_nodes[nic.numa_node].cpus if nic.numa_node is not None \
+                else frozenset()
+            dev = pci_dev(nic.pci_bus_id, nic.numa_node, local)
+            d = dev / "net" / nic.name
+            d.mkdir(parents=True)
+            os.symlink(dev, d / "device")
+        write(d, "mtu", str(nic.mtu))
+        if nic.speed_mbps:
+            write(d, "speed", str(nic.speed_mbps))
+        os.symlink(d, net / nic.name)
+    return sysd, procd

@@ -25,7 +25,8 @@ to the nearest NUMA node by SLIT distance, and ``explanation`` says so. Modes:
   socket        every CPU of the GPUs' package(s)
   exclusive     gpu-local, whole cores, held by this job alone
   core-complex  one L3 group (CCX) per GPU inside its local CPUs, like
-                ``torchrun --numa-binding=core-complex``
+                ``torchrun --numa-binding=core-complex`` (torch.numa.binding.AffinityMode,
+                https://docs.pytorch.org/docs/main/elastic/numa.html)
   none          no locality: every eligible CPU
 
 Counts: ``cpus=None`` shared means every eligible CPU of the domain. Exclusive
