@@ -17,6 +17,7 @@ from tunerd.placement import (
     place,
 )
 from tunerd.protocol import ExitCode, Failed, UsageError
+from tunerd.topology import Topology
 
 R = PlacementRequest
 GPU_FIXTURES = [n for n in FIXTURE_NAMES if fixture(n).gpus]
@@ -250,3 +251,36 @@ def test_everything_stays_inside_allowed_minus_housekeeping(name: str,
     assert p.mems == frozenset(t.cpus[c].numa_node for c in p.cpus)
     if req.cpus is not None:
         assert len(p.cpus) >= req.cpus
+
+
+def _islands(n_islands: int, per: int) -> Topology:
+    """A synthetic big node: NVSwitch islands of ``per`` GPUs, SYS between islands."""
+    from tunerd.topology import Cpu, Gpu, Link, NumaNode
+
+    cpus = {i: Cpu(id=i, core_id=i, package=i // 4, numa_node=i // 4, l3_id=i // 4,
+                   siblings=frozenset({i})) for i in range(4 * n_islands)}
+    nodes = {n: NumaNode(id=n, cpus=frozenset(range(4 * n, 4 * n + 4)),
+                         memory_total_bytes=1 << 30,
+                         distances={m: 10 if m == n else 20 for m in range(n_islands)})
+             for n in range(n_islands)}
+    gpus = [Gpu(index=i, uuid=f"GPU-{i}", pci_bus_id=f"0000:{i:02x}:00.0", model="X",
+                memory_total_bytes=1, numa_node=i // per, local_cpus=nodes[i // per].cpus)
+            for i in range(n_islands * per)]
+    links = {(a, b): (Link("NVLINK", 18, "NODE") if a // per == b // per else Link("SYS", 0, "SYS"))
+             for a, b in itertools.combinations(range(n_islands * per), 2)}
+    return Topology(hostname="islands", cpus=cpus, numa_nodes=nodes, gpus=gpus, links=links)
+
+
+def test_large_nodes_use_the_greedy_search_and_still_find_an_island() -> None:
+    import math
+
+    from tunerd.placement import EXACT_LIMIT
+
+    t = _islands(3, 8)
+    assert math.comb(24, 8) > EXACT_LIMIT  # the greedy path
+    p = place(t, R(gpus=8), busy_gpus={0: "lease A"})
+    assert p.gpus == tuple(range(8, 16))
+    assert p.score == gpu_set_score(t, range(8, 16))
+    q = place(t, R(gpus=6), busy_gpus={i: "x" for i in (0, 1, 8, 9, 10)})
+    assert {g // 8 for g in q.gpus} in ({0}, {1}, {2})
+    assert q.gpus[0] // 8 == 0  # next to the busy ones: island 0 has exactly 6 free

@@ -230,16 +230,25 @@ def _choose_gpus(topo: Topology, idx: _Index, req: PlacementRequest,
 
     if math.comb(len(free), k) <= EXACT_LIMIT:
         best = min(itertools.combinations(free, k), key=key)
-    else:  # greedy: grow from every seed by the GPU that raises the score least
+    else:  # greedy: grow from every seed by the GPU that raises (worst, sum) least
         cands = []
         for seed in free:
             chosen = [seed]
+            worst = total = 0
             while len(chosen) < k:
-                nxt = min((g for g in free if g not in chosen),
-                          key=lambda g: (_score(cost, (*chosen, g)), g))
-                chosen.append(nxt)
+                pick: tuple[int, int, int] | None = None
+                for g in free:
+                    if g in chosen:
+                        continue
+                    add = [cost[(g, c)] for c in chosen]
+                    cand = (max(worst, *add), total + sum(add), g)
+                    if pick is None or cand < pick:
+                        pick = cand
+                assert pick is not None
+                worst, total = pick[0], pick[1]
+                chosen.append(pick[2])
             cands.append(tuple(sorted(chosen)))
-        best = min(cands, key=key)
+        best = min(set(cands), key=key)
     return best, _score(cost, best)
 
 
