@@ -284,3 +284,11 @@ def test_large_nodes_use_the_greedy_search_and_still_find_an_island() -> None:
     q = place(t, R(gpus=6), busy_gpus={i: "x" for i in (0, 1, 8, 9, 10)})
     assert {g // 8 for g in q.gpus} in ({0}, {1}, {2})
     assert q.gpus[0] // 8 == 0  # next to the busy ones: island 0 has exactly 6 free
+
+
+def test_gpus_on_two_nodes_get_cpus_on_both() -> None:
+    t = TOPOS["epyc-nps4.json"]
+    p = place(t, R(gpu_ids=(0, 2), exclusive=True))  # nodes 3 and 1, 2 GPUs each
+    per_node = {n: len(p.cpus & t.numa_nodes[n].cpus) for n in (1, 3)}
+    assert per_node == {1: 16, 3: 16}  # 16 cores / 2 GPUs = 8 cores = 16 CPUs per GPU
+    assert p.mems == frozenset({1, 3})

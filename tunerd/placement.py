@@ -282,10 +282,16 @@ class _Picker:
 
     def cores_in(self, nodes: Iterable[int], within: frozenset[int] | None
                  ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """(whole cores, split cores) as CPU tuples, in node then core order."""
-        whole: list[tuple[int, ...]] = []
-        split: list[tuple[int, ...]] = []
+        """(whole cores, split cores) as CPU tuples.
+
+        Core order inside a node; nodes take turns (round robin), so a job whose
+        GPUs sit on two nodes gets CPUs on both, in proportion.
+        """
+        per_whole: list[list[tuple[int, ...]]] = []
+        per_split: list[list[tuple[int, ...]]] = []
         for n in nodes:
+            whole: list[tuple[int, ...]] = []
+            split: list[tuple[int, ...]] = []
             for core in self.idx.node_cores.get(n, ()):
                 all_cpus = self.idx.core_cpus[core]
                 ok = tuple(c for c in all_cpus if c in self.eligible
@@ -293,7 +299,15 @@ class _Picker:
                 if not ok:
                     continue
                 (whole if len(ok) == len(all_cpus) else split).append(ok)
-        return whole, split
+            per_whole.append(whole)
+            per_split.append(split)
+        return _round_robin(per_whole), _round_robin(per_split)
+
+
+def _round_robin(lists: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    if len(lists) == 1:
+        return lists[0]
+    return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
 
 
 def _fair_share_cores(topo: Topology, idx: _Index, gpus: list[Gpu],
@@ -410,10 +424,12 @@ def place(topo: Topology, req: PlacementRequest, *,
     else:
         chosen = _take(whole, split, count, exclusive)
         if len(chosen) < count:
-            spill_nodes = order[len(home):]
-            w2, s2 = picker.cores_in(spill_nodes, None)
             before = len(chosen)
-            chosen += _take(w2, s2, count - before, exclusive)
+            for n in order[len(home):]:  # nearest node first, filled before the next
+                w2, s2 = picker.cores_in([n], None)
+                chosen += _take(w2, s2, count - len(chosen), exclusive)
+                if len(chosen) >= count:
+                    break
             if len(chosen) > before:
                 spilled = sorted({topo.cpus[c].numa_node for c in chosen[before:]})
                 notes.append(f"spilled {len(chosen) - before} CPU(s) to NUMA node "
