@@ -73,10 +73,11 @@ def render(data: dict[str, Any], origin: str = "") -> str:
     for n in node_ids:
         node = topo.numa_nodes[n]
         dist = " ".join(str(node.distances.get(m, "-")) for m in node_ids)
-        cpus = format_cpulist(node.cpus)
-        lines.append(f"NUMA node {n}: CPUs {cpus or 'none'}"
-                     + (f" ({len(node.cpus)})" if node.cpus else "")
-                     + f", {_size(node.memory_total_bytes)}, distances {dist}")
+        owners = [f"GPU{g.index}" for g in topo.gpus if n in g.memory_numa_nodes]
+        what = (f"CPUs {format_cpulist(node.cpus)} ({len(node.cpus)})" if node.cpus
+                else f"{' '.join(owners)} memory" if owners else "no CPUs")
+        lines.append(f"NUMA node {n}: {what}, {_size(node.memory_total_bytes)}, "
+                     f"distances {dist}")
 
     cores = topo.cores()
     threads = max((len(c) for c in cores.values()), default=1)
