@@ -66,3 +66,18 @@ def test_daemon_refuses_a_bad_snapshot(daemon_factory, tmp_path: Path) -> None:
     assert p.returncode == 2
     assert str(bad) in p.stderr and "$.cpus[0].id" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_render_pcie_matrix_and_memory_nodes() -> None:
+    from tunerd.topology.render import render
+
+    text = render(json.loads((TOPOLOGIES / "pcie-8gpu.json").read_text()))
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith("GPU") and "Tesla" not in line}
+    assert rows["GPU0"][1:9] == ["X", "PIX", "PXB", "PXB", "SYS", "SYS", "SYS", "SYS"]
+    assert rows["GPU6"][1:9] == ["SYS", "SYS", "SYS", "SYS", "NODE", "NODE", "X", "PIX"]
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+    gh = render(json.loads((TOPOLOGIES / "gh200.json").read_text()))
+    assert "NUMA node 1: GPU0 memory" in gh
+    assert "memory on NUMA node 1" in gh
