@@ -81,3 +81,17 @@ def test_render_pcie_matrix_and_memory_nodes() -> None:
     gh = render(json.loads((TOPOLOGIES / "gh200.json").read_text()))
     assert "NUMA node 1: GPU0 memory" in gh
     assert "memory on NUMA node 1" in gh
+
+
+def test_cli_path_stays_light() -> None:
+    """tunerctl must start fast: rendering a daemon reply imports no NVML/psutil/rich."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    code = ("import sys, tunerd.cli.cmd_topology, tunerd.topology.render, tunerd.placement; "
+            "print(sorted(m for m in ('pynvml', 'psutil', 'rich', 'pyudev') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"
