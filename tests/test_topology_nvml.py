@@ -100,3 +100,17 @@ def test_real_readers_reproduce_every_recorded_node(tmp_path: Path, name: str) -
         assert a[key] == b[key], key
     assert sorted(a["nics"], key=lambda n: n["name"]) == sorted(b["nics"],
                                                                 key=lambda n: n["name"])
+
+
+class _OldDriverReplay(ReplayNvml):
+    """The replay as a pre-r470 driver answers: no remote device type query."""
+
+    nvmlDeviceGetNvLinkRemoteDeviceType = None
+
+
+def test_nvswitch_links_found_without_remote_device_type(tmp_path: Path) -> None:
+    rec = fixture("dgx-h100.json")
+    with nvml_backend(_OldDriverReplay(rec)):
+        gpus, links, _ = read_gpus(tmp_path)
+    assert [g.nvswitch_links for g in gpus] == [18] * 8
+    assert {lk.label for lk in links.values()} == {"NV18"}

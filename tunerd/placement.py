@@ -36,6 +36,9 @@ cores = 28 CPUs per GPU); in node/socket mode the whole domain; without GPUs one
 core. An explicit exclusive count is rounded up to whole cores.
 
 Memory nodes are the NUMA nodes of the chosen CPUs.
+
+On a replayed topology (``tunerd --topology``) pass ``allowed_cpus=None``: the
+daemon's own cpuset describes this machine, not the recorded one.
 """
 
 from __future__ import annotations
