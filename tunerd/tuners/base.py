@@ -9,6 +9,7 @@ A tuner is one small class per setting kind with ``read()``, ``plan(desired)``,
 from __future__ import annotations
 
 import errno as errno_mod
+import fnmatch
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -235,3 +236,53 @@ def list_section(desired: Any) -> list[dict[str, Any]]:
     if not isinstance(desired, Iterable) or isinstance(desired, (str, dict)):
         return []
     return [e for e in desired if isinstance(e, dict)]
+
+
+class DeviceGlobTuner(FileTuner):
+    """Per-device files matched by name glob: ``KIND:<device>:<attr>`` (NICs, block queues).
+
+    ``attrs`` maps a policy attribute to the file below ``root/<device>/``. Later policy
+    entries override earlier ones for a device both match.
+    """
+
+    attrs: dict[str, str] = {}
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def devices(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir())
+        except OSError:
+            return []
+
+    def path_for(self, key: str) -> Path | None:
+        parts = key.split(":")
+        if len(parts) != 3 or parts[2] not in self.attrs or "/" in parts[1]:
+            return None
+        return self.root / parts[1] / self.attrs[parts[2]]
+
+    def known_keys(self) -> list[str]:
+        return [f"{self.kind}:{d}:{a}" for d in self.devices() for a in self.attrs]
+
+    def wanted(self, desired: Any, only: str | None = None) -> dict[str, str]:
+        out: dict[str, str] = {}
+        names = [only] if only else self.devices()
+        for entry in list_section(desired):
+            pattern = str(entry.get("match", ""))
+            for dev in names:
+                if not fnmatch.fnmatchcase(dev, pattern):
+                    continue
+                for attr in self.attrs:
+                    if entry.get(attr) is not None:
+                        out[f"{self.kind}:{dev}:{attr}"] = to_setting_value(entry[attr])
+        return out
+
+    def plan_device(self, desired: Any, dev: str) -> list[Change]:
+        """The plan for one device (used when a uevent says it appeared)."""
+        return self.plan_wanted(self.wanted(desired, only=dev))
+
+    def mentions(self, key: str, desired: Any) -> bool:
+        # by glob, not by the devices present now: a NIC that went away is still named
+        parts = key.split(":")
+        return len(parts) == 3 and key in self.wanted(desired, only=parts[1])
