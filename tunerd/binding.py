@@ -476,7 +476,11 @@ class Binder:
             undo.append(lambda: child.set(old_cpus, old_mems))
         else:
             child.create(plan.cpuset_cpus, mems)
-            undo.append(lambda: None if child.remove() else None)
+
+            def remove_child() -> None:
+                child.remove()
+
+            undo.append(remove_child)
         if current is None or current.path != child.path:
             self.check(t)
             try:
