@@ -245,11 +245,14 @@ class Binder:
         except ProcessLookupError as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         except OSError as err:
-            if err.errno == errno.EINVAL:  # a thread id, not a process
-                tgid = self._tgid(pid)
+            # a thread id, not a process: EINVAL on older kernels, ENOENT on newer ones
+            tgid = self._tgid(pid)
+            if tgid not in (str(pid), "?"):
                 raise UsageError(f"pid {pid} is a thread of process {tgid}; bind the process",
                                  pid=pid) from err
-            raise
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+            raise Failed(f"pidfd_open({pid}) failed: {err.strerror}", pid=pid) from err
         try:
             if self.start_time(pid) != st:
                 raise NoSuchProcess(f"process {pid} exited while being pinned", pid=pid)
@@ -428,6 +431,15 @@ class Binder:
         undo: list[Callable[[], None]] = []
         nofile_old: int | None = None
         pages_moved: int | None = None
+        masks: dict[int, frozenset[int]] = {}  # tid -> mask before, filled by the affinity step
+
+        def restore_masks() -> None:
+            for tid, mask in masks.items():
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    pass
+
         try:
             if plan.nofile is not None:
                 self.check(t)
@@ -440,9 +452,11 @@ class Binder:
                                         pid=t.pid) from None
                 nofile_old = old[0]
                 undo.append(lambda: self._set_nofile(t, old))
+            # masks are put back after the cpuset undo: moving back resets every mask
+            undo.append(restore_masks)
             if plan.cpuset is not None:
                 pages_moved = self._apply_cpuset(plan, undo)
-            threads = self._apply_affinity(plan, undo)
+            threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
                 pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
         except BaseException:
@@ -495,16 +509,22 @@ class Binder:
         outside = lambda d: sum(n for node, n in d.items() if node not in mems)  # noqa: E731
         return max(0, outside(before) - outside(after))
 
-    def _apply_affinity(self, plan: Plan, undo: list[Callable[[], None]]) -> int:
+    def _apply_affinity(self, plan: Plan, done: dict[int, frozenset[int]]) -> int:
         """Set every thread's mask; returns the number of live threads bound.
 
+        ``done`` collects tid -> mask before this bind (the caller's undo uses it).
+        Passes repeat while they find threads that needed a change: a thread found
+        later that already has the mask was created by a bound thread (inheritance),
+        so a process that keeps spawning threads still converges. A final pass
+        re-reads every mask: a thread cloned while its parent was being set may
+        have copied the old mask before it showed up in task/.
         With no CPUs requested (mems only) each thread gets back the mask it had,
         which attaching to the child cpuset reset.
         """
         t, orig = plan.target, plan.originals
         if plan.cpus is None and plan.cpuset is None:
             return len(self.tids(t.pid))
-        done: dict[int, frozenset[int]] = {}  # tid -> mask before this bind
+        known = orig.threads if plan.first else {}
 
         def want(tid: int) -> frozenset[int]:
             if plan.cpus is not None:
@@ -512,51 +532,46 @@ class Binder:
             m = orig.threads.get(tid, orig.process_cpus) & plan.cpuset_cpus
             return m or plan.cpuset_cpus
 
-        def restore_done() -> None:
-            for tid, mask in done.items():
-                try:
-                    os.sched_setaffinity(tid, mask)
-                except OSError:
-                    pass
-
-        undo.append(restore_done)
         self.check(t)
         verified = False
-        for _ in range(MAX_PASSES):
-            new = [tid for tid in self.tids(t.pid) if tid not in done]
-            if not new:
-                if verified:
-                    break
-                # one verification pass: a thread cloned while its parent was being
-                # set may have copied the old mask before it showed up in task/
-                verified = True
-                for tid in list(done):
-                    try:
-                        if frozenset(os.sched_getaffinity(tid)) != want(tid):
-                            os.sched_setaffinity(tid, want(tid))
-                    except ProcessLookupError:
-                        del done[tid]
-                continue
-            if t.exited():
-                raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
-            for tid in new:
+        for n_pass in range(MAX_PASSES):
+            changed = 0
+            for tid in self.tids(t.pid):
+                if tid in done:
+                    continue
+                if t.exited():
+                    raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
+                w = want(tid)
                 try:
                     before = frozenset(os.sched_getaffinity(tid))
-                    os.sched_setaffinity(tid, want(tid))
+                    if before != w:
+                        os.sched_setaffinity(tid, w)
+                        changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
                 except OSError as err:
                     raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
-                                 f"{format_cpulist(want(tid))}) failed: "
+                                 f"{format_cpulist(w)}) failed: "
                                  f"{errno.errorcode.get(err.errno or 0, err.errno)} "
                                  f"{err.strerror}", pid=t.pid) from err
-                done[tid] = before
-                if plan.first:  # a re-bind keeps the masks from before the first bind
+                done[tid] = known.get(tid, before)
+                if plan.first and (n_pass == 0 or before != w):
                     orig.threads.setdefault(tid, before)
+            if changed:
+                continue
+            if verified:
+                break
+            verified = True
+            for tid in list(done):
+                try:
+                    if frozenset(os.sched_getaffinity(tid)) != want(tid):
+                        os.sched_setaffinity(tid, want(tid))
+                        verified = False  # something was off: look again
+                except ProcessLookupError:
+                    del done[tid]
         else:
-            raise Failed(f"process {t.pid} keeps creating threads; gave up after "
-                         f"{MAX_PASSES} passes", pid=t.pid)
-        # drop threads that have exited meanwhile from the count
+            raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
+                         f"after {MAX_PASSES} passes", pid=t.pid)
         live = set(self.tids(t.pid))
         return len(live & set(done)) or len(done)
 
