@@ -77,11 +77,21 @@ def task_cpus(pid: int) -> dict[int, str]:
 
 
 def prlimit_nofile(pid: int) -> tuple[int, int]:
-    """(soft, hard) as util-linux prlimit(1) reports it."""
+    """(soft, hard) as util-linux prlimit(1) reports it.
+
+    prlimit(1) on another user's process needs CAP_SYS_RESOURCE, which root lacks
+    in this sandbox; /proc/PID/limits is read then.
+    """
     out = subprocess.run(["prlimit", "--pid", str(pid), "--nofile", "--raw", "--noheadings",
-                          "--output", "SOFT,HARD"], capture_output=True, text=True, check=True)
-    soft, hard = out.stdout.split()
-    return int(soft), int(hard)
+                          "--output", "SOFT,HARD"], capture_output=True, text=True)
+    if out.returncode == 0:
+        soft, hard = out.stdout.split()
+        return int(soft), int(hard)
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no nofile limit for pid {pid}: {out.stderr}")
 
 
 def cpuset_path(pid: int) -> str:
