@@ -174,5 +174,5 @@ def test_originals_survive_json() -> None:
                   cpuset_child=CpusetCgroup(1, Path("/sys/fs/cgroup/cpuset"), "/job/t"),
                   affinity_set=True)
     d = o.to_json()
-    assert d["process_cpus"] == "0-7" and d["threads"] == {"7": "1", "8": "0-7"}
+    assert d["process_cpus"] == "0-7" and d["threads"] == {"1": [7], "0-7": [8]}
     assert Originals.from_json(d) == o
