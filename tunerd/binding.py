@@ -545,21 +545,15 @@ class Binder:
         return max(0, outside(before) - outside(after))
 
     def _apply_affinity(self, plan: Plan, done: dict[int, frozenset[int]]) -> int:
-        """Set every thread's mask; returns the number of live threads bound.
+        """Set every thread's mask for ``plan``; returns the number of live threads bound.
 
         ``done`` collects tid -> mask before this bind (the caller's undo uses it).
-        Passes repeat while they find threads that needed a change: a thread found
-        later that already has the mask was created by a bound thread (inheritance),
-        so a process that keeps spawning threads still converges. A thread cloned
-        while its parent was being set may have copied the old mask before it showed
-        up in task/; it is new in a later listing, so its mask is read and fixed.
         With no CPUs requested (mems only) each thread gets back the mask it had,
         which attaching to the child cpuset reset.
         """
         t, orig = plan.target, plan.originals
         if plan.cpus is None and plan.cpuset is None:
             return len(self.tids(t.pid))
-        known = orig.threads if plan.first else {}
 
         def want(tid: int) -> frozenset[int]:
             if plan.cpus is not None:
@@ -568,6 +562,23 @@ class Binder:
             return m or plan.cpuset_cpus
 
         self.check(t)
+        live = self._set_masks(t, want, done, known=orig.threads if plan.first else {},
+                               record=orig.threads if plan.first else None)
+        return len(set(live) & done.keys()) or len(done)
+
+    def _set_masks(self, t: Target, want: Callable[[int], frozenset[int]],
+                   done: dict[int, frozenset[int]], known: dict[int, frozenset[int]],
+                   record: dict[int, frozenset[int]] | None) -> list[int]:
+        """Give every thread of ``t`` the mask ``want(tid)``; returns the last tid listing.
+
+        Passes repeat while they find threads that needed a change: a thread found
+        later that already has its mask was created by a set thread (masks are
+        inherited), so a process that keeps spawning threads still converges. A
+        thread cloned while its parent was being set may have copied the old mask
+        before it showed up in task/; it is new in a later listing, so its mask is
+        read and fixed. ``known``: masks read just before (skips a getaffinity in the
+        first pass); ``record``: where first-seen masks are kept as originals.
+        """
         quiet = 0
         live: list[int] = []
         for n_pass in range(MAX_PASSES):
@@ -578,7 +589,6 @@ class Binder:
                     continue
                 w = want(tid)
                 try:
-                    # first pass of a first bind: prepare() read these masks just now
                     before = (known[tid] if n_pass == 0 and tid in known
                               else frozenset(os.sched_getaffinity(tid)))
                     if before != w:
@@ -595,17 +605,15 @@ class Binder:
                                  f"{errno.errorcode.get(err.errno or 0, err.errno)} "
                                  f"{err.strerror}", pid=t.pid) from err
                 done[tid] = known.get(tid, before)
-                if plan.first and (n_pass == 0 or before != w):
-                    orig.threads.setdefault(tid, before)
+                if record is not None and (n_pass == 0 or before != w):
+                    record.setdefault(tid, before)
             # stop after two listings in a row that needed no write: the second one
             # catches a thread whose clone(2) was still in flight during the first
             quiet = 0 if changed else quiet + 1
             if quiet == 2:
-                break
-        else:
-            raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
-                         f"after {MAX_PASSES} passes", pid=t.pid)
-        return len(set(live) & done.keys()) or len(done)
+                return live
+        raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
+                     f"after {MAX_PASSES} passes", pid=t.pid)
 
     def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
         if not old:
@@ -668,22 +676,20 @@ class Binder:
         base = find_cpuset(t.pid, self.proc, self.sys)
         if base is not None:
             allowed &= base.effective_cpus()
-        restored = 0
-        for tid in self.tids(t.pid):
+        dropped: dict[int, frozenset[int]] = {}
+
+        def want(tid: int) -> frozenset[int]:
             mask = orig.threads.get(tid, orig.process_cpus)
-            eff = mask & allowed or allowed
-            try:
-                os.sched_setaffinity(tid, eff)
-                restored += 1
-            except ProcessLookupError:
-                continue
-            except OSError as err:
-                notes.append(f"thread {tid}: could not restore CPUs {format_cpulist(mask)}: "
-                             f"{err.strerror}")
-            if eff != mask and len(notes) < 20:
-                notes.append(f"thread {tid}: CPUs {format_cpulist(mask - eff)} are no longer "
-                             "allowed; restored the rest")
-        return {"pid": t.pid, "threads": restored, "notes": notes}
+            eff = mask & allowed
+            if eff != mask and len(dropped) < 20:
+                dropped[tid] = mask - eff
+            return eff or allowed
+
+        done: dict[int, frozenset[int]] = {}
+        live = self._set_masks(t, want, done, known={}, record=None)
+        notes.extend(f"thread {tid}: CPUs {format_cpulist(m)} are no longer allowed; "
+                     "restored the rest" for tid, m in dropped.items())
+        return {"pid": t.pid, "threads": len(set(live) & done.keys()), "notes": notes}
 
     def forget(self, orig: Originals) -> bool:
         """After the process exited: remove the child cpuset tunerd made (True when gone)."""

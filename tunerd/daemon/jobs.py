@@ -161,10 +161,11 @@ class JobRegistry:
                     "mems": _fmt(plan.mems), "nofile": nofile,
                     "notes": [*plan.notes, "dry run: nothing was changed"],
                     "elapsed_ms": _ms(t0)}
+        originals_on_disk = prev is not None and plan.originals == previous
         record: dict[str, Any] = {
             "pid": pid, "start_time": target.start_time, "uid": target.uid,
             "name": name if name is not None else (prev or {}).get("name") or self._comm(pid),
-            "cmdline": self._cmdline(pid),
+            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid),
             "cpus": _fmt(plan.cpus), "mems": _fmt(plan.mems),
             "gpus": list(gpus) if gpus else list((prev or {}).get("gpus") or []),
             "nofile": nofile if nofile is not None else (prev or {}).get("nofile"),
@@ -172,15 +173,18 @@ class JobRegistry:
             "lease": lease if lease is not None else (prev or {}).get("lease"),
             "bound_at": time.time(),
             "threads": (prev or {}).get("threads"),
-            "originals": (prev["originals"] if prev is not None and plan.originals == previous
+            "originals": (prev["originals"] if prev is not None and originals_on_disk
                           else plan.originals.to_json()),
         }
         n_threads_saved = len(plan.originals.threads)
         self._records[key] = record
         t_save = time.perf_counter()
-        # The originals are on disk before anything changes. The directory fsync is
-        # skipped: a power loss that could lose the rename also ends the process.
-        self.daemon.state.save(sync_dir=False)
+        if not originals_on_disk:
+            # The originals are on disk before anything changes. The directory fsync is
+            # skipped: a power loss that could lose the rename also ends the process.
+            self.daemon.state.save(sync_dir=False)
+        # else a re-bind with nothing new to remember: what restore needs is already
+        # on disk, and the new cpus/mems bookkeeping goes out with the deferred save
         save_ms = _ms(t_save)
         try:
             if plan.cpuset is not None or plan.migrate_from is not None:
@@ -194,7 +198,8 @@ class JobRegistry:
                 self._records[key] = prev
             else:
                 self._records.pop(key, None)
-            self.daemon.state.save()
+            if not originals_on_disk:
+                self.daemon.state.save()
             raise
         if target.exited():  # exited during an executor apply: the exit handler may have run
             self._records.pop(key, None)
