@@ -114,6 +114,8 @@ def _free_pid() -> int:
     (["--cpus", ONE, "--nofile", "999999999"], 2, "fs.nr_open"),  # nothing half-applied
     (["--cpus", ONE, "--mems", "5"], 2, "NUMA node 5 is not online"),
     ([], 2, "no --cpus/--mems given and GPU placement is not available"),
+    (["--gpus", "0"], 2, "no --cpus/--mems given and GPU placement is not available"),
+    (["--cpus", ONE, "--gpus", "0"], 2, "GPU placement is not available"),
 ])
 def test_bad_input_changes_nothing(daemon: DaemonProc, args: list[str], rc: int,
                                    message: str) -> None:

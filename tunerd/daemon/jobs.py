@@ -105,6 +105,14 @@ class JobRegistry:
         return [{k: rec.get(k) for k in _PUBLIC}
                 for rec in sorted(self._records.values(), key=lambda r: int(r["pid"]))]
 
+    def default_nofile(self) -> int | None:
+        """[limits] nofile of the policy in force: for rule/lease binds (the CLI passes
+        --nofile explicitly, so a plain `tunerctl bind` never touches limits)."""
+        policy = getattr(self.daemon, "policy", None)
+        limits = (getattr(policy, "data", None) or {}).get("limits") or {}
+        value = limits.get("nofile")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     def authorize(self, pid: int, peer: Peer) -> None:
         """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner)."""
         if peer.is_root:
