@@ -9,7 +9,7 @@ import pytest
 from tunerd.binding import Binder, Originals
 from tunerd.cpulist import parse_cpulist
 from tunerd.cpuset import CpusetCgroup, find_cpuset
-from tunerd.protocol import NoSuchProcess
+from tunerd.protocol import NoSuchProcess, UsageError
 
 
 def write(root: Path, rel: str, text: str) -> Path:
@@ -124,6 +124,20 @@ def test_start_time_is_field_22(roots: tuple[Path, Path]) -> None:
     proc, sys = roots
     write(proc, "4242/stat", STAT)
     assert Binder(proc, sys).start_time(4242) == 987654
+
+
+def test_kernel_threads_are_recognised(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "4242/stat", STAT)
+    # kthreadd: flags 0x208040 include PF_KTHREAD (0x200000)
+    write(proc, "2/stat", "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 "
+                          "1 0 0 18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 0 "
+                          "1 0 0 0 0 0\n")
+    b = Binder(proc, sys)
+    assert not b.is_kernel_thread(4242)
+    assert b.is_kernel_thread(2)
+    with pytest.raises(UsageError, match="pid 2 is a kernel thread"):
+        b.pin(2)  # refused before any pidfd is opened
 
 
 def test_zombie_and_missing_are_no_such_process(roots: tuple[Path, Path]) -> None:

@@ -56,6 +56,7 @@ from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
 CAP_SYS_RESOURCE = 24
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
 SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
 MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
 
@@ -215,8 +216,9 @@ class Binder:
         return self._cap_sys_resource
 
     # -- reading ---------------------------------------------------------------
-    def start_time(self, pid: int) -> int:
-        """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
+    def _stat(self, pid: int) -> list[bytes]:
+        """/proc/PID/stat from field 3 (state) on; the comm before it may hold spaces
+        and parentheses, so fields are counted after the last ")"."""
         try:
             raw = read_proc(f"{self._proc_s}/{pid}/stat")
         except (FileNotFoundError, ProcessLookupError) as err:
@@ -224,7 +226,15 @@ class Binder:
         fields = raw[raw.rindex(b")") + 2:].split()
         if fields[0] in (b"Z", b"X"):
             raise NoSuchProcess(f"process {pid} has exited", pid=pid)
-        return int(fields[19])  # fields[0] is field 3 (state)
+        return fields
+
+    def start_time(self, pid: int) -> int:
+        """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
+        return int(self._stat(pid)[19])
+
+    def is_kernel_thread(self, pid: int) -> bool:
+        """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
+        return bool(int(self._stat(pid)[6]) & PF_KTHREAD)
 
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
@@ -274,7 +284,11 @@ class Binder:
         """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
         if pid <= 0:
             raise UsageError(f"invalid pid {pid}")
-        st = self.start_time(pid)
+        fields = self._stat(pid)
+        st = int(fields[19])
+        if int(fields[6]) & PF_KTHREAD:
+            raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
+                             pid=pid)
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as err:
@@ -494,12 +508,15 @@ class Binder:
             threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
                 pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
-        except BaseException:
+        except BaseException as err:
             for fn in reversed(undo):
                 try:
                     fn()
                 except Exception:  # best effort: report the first error, not the undo's
                     pass
+            if isinstance(err, OSError):  # a cgroup write: name it, as a failure
+                raise Failed(f"binding pid {t.pid} failed, nothing changed: {err}",
+                             pid=t.pid) from err
             raise
         return BindResult(
             pid=t.pid, cpus=plan.cpus, mems=plan.mems, threads=threads,

@@ -151,6 +151,7 @@ class JobRegistry:
         prev = self._records.get(key)
         if prev is not None and int(prev["start_time"]) != target.start_time:
             self._drop(key)  # an earlier process with this pid: long gone
+            self._forget(prev)
             prev = None
         previous: Originals | None = None
         if prev is not None:
