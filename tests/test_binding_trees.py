@@ -109,6 +109,13 @@ def test_hybrid_with_cpuset_nowhere_is_none(roots: tuple[Path, Path]) -> None:
     assert find_cpuset(9, proc, sys) is None
 
 
+def test_a_cgroup_outside_our_view_is_unknown(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "7/cgroup", "4:cpuset:/other-namespace/job\n")
+    write(sys, "fs/cgroup/cpuset/cpuset.cpus", "0-7")
+    assert find_cpuset(7, proc, sys) is None
+
+
 def test_gone_process_raises(roots: tuple[Path, Path]) -> None:
     proc, sys = roots
     with pytest.raises(FileNotFoundError):

@@ -173,12 +173,15 @@ def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
             for name in _V1_DIRS:
                 mount = base / name
                 if (mount / "cpuset.cpus").exists():
-                    return CpusetCgroup(1, mount, path)
+                    cg = CpusetCgroup(1, mount, path)
+                    # not in this mount's view (another cgroup namespace): unknown
+                    return cg if cg.dir.is_dir() else None
             return None  # a v1 cpuset hierarchy the daemon cannot see
     if unified is not None:
         v2 = v2_mount(sys_root)
         if v2 is not None:
             ctrls = (v2 / "cgroup.controllers").read_text().split()
             if "cpuset" in ctrls:
-                return CpusetCgroup(2, v2, unified)
+                cg = CpusetCgroup(2, v2, unified)
+                return cg if cg.dir.is_dir() else None
     return None

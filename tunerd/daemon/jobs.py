@@ -47,6 +47,9 @@ class JobRegistry:
         self._callbacks: list[ExitCallback] = []
         self._locks: dict[int, asyncio.Lock] = {}
         self._save_handle: asyncio.TimerHandle | None = None
+        # records of processes that exited while the daemon was down (on_exit is not
+        # called for them: other services may not have started yet); for leases etc.
+        self.dropped_at_start: list[dict[str, Any]] = []
         daemon.jobs = self
 
     @property
@@ -71,6 +74,7 @@ class JobRegistry:
                 log.info("pid %d exited while tunerd was down; dropping its binding", pid)
                 del self._records[key]
                 self._forget(rec)
+                self.dropped_at_start.append(rec)
                 changed = True
                 continue
             self._watch(target)
