@@ -219,12 +219,17 @@ def test_restart_readopts_live_bindings_and_drops_dead_ones(daemon_factory) -> N
     with thread_child(threads=8) as live, thread_child(threads=8) as dying:
         before = snapshot(live.pid)
         bind_json(d, str(live.pid), "--cpus", ONE, "--nofile", "2048")
-        bind_json(d, str(dying.pid), "--cpus", ONE)
+        with_mems = (CPUSET_ROOT / "cpuset.cpus").exists()
+        bind_json(d, str(dying.pid), "--cpus", ONE, *(["--mems", "0"] if with_mems else []))
+        child_cg = CPUSET_ROOT / cpuset_path(dying.pid).lstrip("/")
         d.kill9()  # a crash: the originals must already be on disk
         dying.kill()
         dying.wait()
         d.start()
         assert jobs_pids(d) == [live.pid]
+        if with_mems:  # the dead process's child cpuset was cleaned up on start
+            assert child_cg.name.startswith("tunerd-")
+            wait_for(lambda: not child_cg.exists(), 10, f"{child_cg} to be removed")
         state = json.loads((d.state_dir / "state.json").read_text())
         assert list(state["bindings"]) == [str(live.pid)]
         # the re-adopted binding still restores exactly, and exits are still seen
