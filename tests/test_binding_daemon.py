@@ -261,3 +261,18 @@ def test_thread_id_is_refused(daemon: DaemonProc) -> None:
         r = daemon.ctl("bind", str(tid), "--cpus", ONE)
         assert r.rc == 2 and f"pid {tid} is a thread of process {p.pid}" in r.err
         assert os.path.exists(f"/proc/{p.pid}")
+
+
+@needs_cpuset_v1
+def test_start_sweeps_child_cpusets_of_processes_that_died_unwatched(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    first: DaemonProc = daemon_factory(name="first").start()
+    with thread_child(threads=2) as p:
+        bind_json(first, str(p.pid), "--mems", "0")
+        cdir = CPUSET_ROOT / cpuset_path(p.pid).lstrip("/")
+        first.stop()  # bindings outlive the daemon ...
+        assert cdir.exists()
+    # ... and the process exits while no daemon watches it; a daemon with another
+    # state directory (no record of it) still removes the empty child cpuset
+    second: DaemonProc = daemon_factory(name="second").start()
+    wait_for(lambda: not cdir.exists(), 10, f"{cdir} to be swept")
+    assert jobs_pids(second) == []

@@ -197,3 +197,20 @@ def test_originals_survive_json() -> None:
     d = o.to_json()
     assert d["process_cpus"] == "0-7" and d["threads"] == {"1": [7], "0-7": [8]}
     assert Originals.from_json(d) == o
+
+
+def test_sweep_removes_only_stale_child_cpusets(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "4242/stat", STAT)  # alive, start time 987654
+    cg = sys / "fs/cgroup/cpuset"
+    write(sys, "fs/cgroup/cpuset/cpuset.cpus", "0-7")
+    write(sys, "fs/cgroup/cpuset/cgroup.procs", "")
+    live = cg / "slurm/job_1/tunerd-4242-987654"
+    dead = cg / "slurm/job_1/tunerd-4243-5"  # no such process
+    reused = cg / "tunerd-4242-1"  # same pid, another start time: a stale one
+    other = cg / "tunerd-notes"
+    for d in (live, dead, reused, other):
+        d.mkdir(parents=True)
+    removed = Binder(proc, sys).sweep_stale_cpusets()
+    assert sorted(removed) == sorted([dead, reused])
+    assert live.exists() and other.exists() and not dead.exists() and not reused.exists()

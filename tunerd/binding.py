@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.cpuset import CpusetCgroup, find_cpuset, read_ids
+from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
 from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
@@ -402,7 +402,7 @@ class Binder:
                         f"{format_cpulist(allowed_mems)})")
             if base is not None and base.can_nest():
                 plan_cpuset = (previous.cpuset_child if previous and previous.cpuset_child
-                               else base.child(f"tunerd-{t.pid}-{t.start_time}"))
+                               else base.child(child_name(t.pid, t.start_time)))
                 cpuset_cpus = cpus if cpus is not None else allowed
             else:
                 migrate_from = nodes - mems
@@ -707,6 +707,27 @@ class Binder:
         notes.extend(f"thread {tid}: CPUs {format_cpulist(m)} are no longer allowed; "
                      "restored the rest" for tid, m in dropped.items())
         return {"pid": t.pid, "threads": len(set(live) & done.keys()), "notes": notes}
+
+    def sweep_stale_cpusets(self) -> list[Path]:
+        """Remove child cpusets left by processes that exited while no daemon watched them.
+
+        Only an empty one whose process (pid + start time, from its name) is gone is
+        removed; one being set up for a live process is left alone.
+        """
+        removed: list[Path] = []
+        for d, pid, st in tunerd_children(self.sys):
+            try:
+                alive = self.start_time(pid) == st
+            except NoSuchProcess:
+                alive = False
+            if alive:
+                continue
+            try:
+                d.rmdir()
+            except OSError:
+                continue  # still has tasks (or is gone already)
+            removed.append(d)
+        return removed
 
     def forget(self, orig: Originals) -> bool:
         """After the process exited: remove the child cpuset tunerd made (True when gone)."""

@@ -28,7 +28,10 @@ from pathlib import Path
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
 
-__all__ = ["CpusetCgroup", "find_cpuset", "read_ids"]
+__all__ = ["CHILD_PREFIX", "CpusetCgroup", "child_name", "find_cpuset", "read_ids",
+           "tunerd_children"]
+
+CHILD_PREFIX = "tunerd-"
 
 # v1 mount points a cpuset hierarchy is found at (relative to SYS/fs/cgroup)
 _V1_DIRS = ("cpuset", "cpu,cpuset", "cpuset,cpu")
@@ -143,6 +146,41 @@ class CpusetCgroup:
     @classmethod
     def from_json(cls, d: dict[str, object]) -> CpusetCgroup:
         return cls(int(str(d["version"])), Path(str(d["mount"])), str(d["path"]))
+
+
+def child_name(pid: int, start_time: int) -> str:
+    """Name of the child cpuset made for one process: pid and start time identify it."""
+    return f"{CHILD_PREFIX}{pid}-{start_time}"
+
+
+def tunerd_children(sys_root: Path = Path("/sys")) -> list[tuple[Path, int, int]]:
+    """Every child cpuset tunerd made, anywhere in the cpuset hierarchies: (dir, pid, start).
+
+    Used to sweep the ones left behind by processes that exited while no daemon was
+    running to remove them.
+    """
+    roots = [sys_root / "fs" / "cgroup" / n for n in _V1_DIRS]
+    v2 = v2_mount(sys_root)
+    if v2 is not None:
+        roots.append(v2)
+    found: list[tuple[Path, int, int]] = []
+    stack = [r for r in roots if (r / "cgroup.procs").exists()]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            if e.name.startswith(CHILD_PREFIX):
+                pid_s, _, st_s = e.name[len(CHILD_PREFIX):].partition("-")
+                if pid_s.isdigit() and st_s.isdigit():
+                    found.append((Path(e.path), int(pid_s), int(st_s)))
+                    continue
+            stack.append(Path(e.path))
+    return found
 
 
 def v2_mount(sys_root: Path) -> Path | None:

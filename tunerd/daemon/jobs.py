@@ -81,6 +81,8 @@ class JobRegistry:
             log.info("re-adopted binding of pid %d (cpus %s)", pid, rec.get("cpus"))
         if changed:
             self.daemon.state.save()
+        for d in self.binder.sweep_stale_cpusets():
+            log.info("removed child cpuset %s of a process that exited while unwatched", d)
 
     async def policy_changed(self) -> None:
         pass
