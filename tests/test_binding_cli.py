@@ -18,7 +18,7 @@ print(__import__("json").dumps({"rc": rc, "new": sorted(set(sys.modules) - befor
 """
 
 HEAVY = ("psutil", "rich", "pynvml", "pyudev", "prometheus_client", "torch",
-         "dataclasses", "socket", "asyncio", "tunerd.daemon", "tunerd.topology",
+         "dataclasses", "asyncio", "tunerd.daemon", "tunerd.topology",
          "tunerd.binding", "tunerd.policy")
 
 
