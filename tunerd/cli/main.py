@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from tunerd import __version__
 from tunerd.protocol import ExitCode, TunerdError
 
 # command name -> "module:attribute" of its click command
@@ -54,7 +55,7 @@ class LazyGroup(click.Group):
 @click.option("--socket", "socket_path", envvar="TUNERD_SOCKET", default=None,
               help="Control socket (default /run/tunerd/tunerd.sock, env TUNERD_SOCKET).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
-@click.version_option(package_name="tunerd", prog_name="tunerctl")
+@click.version_option(version=__version__, prog_name="tunerctl")
 @click.pass_context
 def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
     """Talk to the tunerd host-tuning daemon."""
