@@ -25,6 +25,10 @@ LAZY_COMMANDS: dict[str, str] = {
     # -- host settings:
     # -- topology:
     # -- leases:
+    "alloc": "tunerd.cli.cmd_leases:alloc",
+    "release": "tunerd.cli.cmd_leases:release",
+    "run": "tunerd.cli.cmd_leases:run",
+    "leases": "tunerd.cli.cmd_leases:leases",
     # -- monitor:
     # -- end
 }

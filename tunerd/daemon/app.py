@@ -42,6 +42,7 @@ SERVICE_FACTORIES: list[str] = [
     # -- binding:
     # -- host settings:
     # -- leases / exec watcher:
+    "tunerd.daemon.leases:LeaseService",
     # -- monitor:
     # -- end
 ]

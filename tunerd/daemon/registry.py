@@ -22,6 +22,7 @@ HANDLER_MODULES: list[str] = [
     # -- host settings (plan/apply/verify/revert):
     # -- topology:
     # -- leases (alloc/release/run):
+    "tunerd.daemon.cmd_leases",
     # -- monitor (metrics/top/advise/doctor):
     # -- end
 ]
