@@ -24,6 +24,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "policy": "tunerd.cli.cmd_policy:policy",
     # -- host settings:
     # -- topology:
+    "topology": "tunerd.cli.cmd_topology:topology",
     # -- leases:
     "alloc": "tunerd.cli.cmd_leases:alloc",
     "release": "tunerd.cli.cmd_leases:release",

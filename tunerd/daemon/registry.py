@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_core",
     # -- binding (bind/unbind/jobs):
+    "tunerd.daemon.cmd_bind",
     # -- host settings (plan/apply/verify/revert):
     # -- topology:
+    "tunerd.daemon.cmd_topology",
     # -- leases (alloc/release/run):
     "tunerd.daemon.cmd_leases",
     # -- monitor (metrics/top/advise/doctor):

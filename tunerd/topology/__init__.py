@@ -1,24 +1,92 @@
 """Node topology: CPUs, cores, NUMA nodes, GPUs, links, NICs.
 
-STUB from the foundation skeleton; the topology work item replaces it, keeping
-``load_topology(snapshot: Path | None) -> Topology`` with ``.hostname`` and
-``.gpus`` (each with ``.model``).
+``load_topology()`` reads the real node (sysfs + NVML); ``load_topology(path)``
+replays a snapshot written by ``tunerctl topology --save``.
 """
 
 from __future__ import annotations
 
+import json
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from tunerd.protocol import UsageError
+from tunerd.topology.model import (
+    LINK_KINDS,
+    SCHEMA,
+    Cpu,
+    Gpu,
+    Link,
+    Nic,
+    NumaNode,
+    SnapshotError,
+    Topology,
+)
+
+__all__ = [
+    "LINK_KINDS",
+    "SCHEMA",
+    "Cpu",
+    "Gpu",
+    "Link",
+    "Nic",
+    "NumaNode",
+    "SnapshotError",
+    "Topology",
+    "load_topology",
+    "read_snapshot",
+    "read_system",
+]
 
 
-@dataclass
-class Topology:
-    hostname: str = field(default_factory=socket.gethostname)
-    gpus: list[Any] = field(default_factory=list)
-    replayed: bool = False
+def read_snapshot(path: Path) -> Topology:
+    """Replay a snapshot file; a missing or malformed one is a UsageError naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UsageError(f"cannot read topology snapshot {path}: {err.strerror or err}") from err
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"topology snapshot {path} is not valid JSON: {err}") from err
+    try:
+        return Topology.from_json(data, origin=str(path))
+    except SnapshotError as err:
+        raise UsageError(f"bad topology snapshot {err}") from err
+
+
+def _hostname(proc_root: Path) -> str:
+    try:
+        name = (proc_root / "sys/kernel/hostname").read_text().strip()
+    except OSError:
+        name = ""
+    return name or socket.gethostname()
+
+
+def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) -> Topology:
+    """The real node: sysfs for CPUs/NUMA/PCI/NICs, NVML for GPUs and their links."""
+    from tunerd.topology.gpu import read_gpus
+    from tunerd.topology.sysfs import read_cpus, read_nics, read_numa_nodes
+
+    cpus = read_cpus(sys_root)
+    nodes = read_numa_nodes(sys_root, frozenset(cpus), proc_root)
+    gpus, links, note = read_gpus(sys_root, ncpus=max(cpus, default=0) + 1)
+    for i, g in enumerate(gpus):
+        if g.numa_node is None and g.local_cpus:
+            # sysfs gave no proximity (numa_node -1): the node holding most local CPUs
+            best = max(nodes.values(), key=lambda n: (len(n.cpus & g.local_cpus), -n.id))
+            if best.cpus & g.local_cpus:
+                gpus[i] = _replace_node(g, best.id)
+    return Topology(hostname=_hostname(proc_root), replayed=False, note=note, cpus=cpus,
+                    numa_nodes=nodes, gpus=gpus, links=links, nics=read_nics(sys_root))
+
+
+def _replace_node(g: Gpu, node: int) -> Gpu:
+    from dataclasses import replace
+
+    return replace(g, numa_node=node)
 
 
 def load_topology(snapshot: Path | None = None) -> Topology:
-    return Topology(replayed=snapshot is not None)
+    """The node's topology: replayed from ``snapshot`` if given, else read live."""
+    if snapshot is not None:
+        return read_snapshot(snapshot)
+    return read_system()

@@ -1,0 +1,105 @@
+"""Human text for a topology: an `nvidia-smi topo -m` style matrix and summaries.
+
+Works from the snapshot dict (what the daemon sends), stdlib only, so tunerctl
+stays fast. Aims at 80 columns; wide matrices (16+ GPUs) simply get wider.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunerd.cpulist import format_cpulist
+from tunerd.topology.model import Topology
+
+__all__ = ["render"]
+
+LEGEND = ("  X = self  NV# = # NVLinks  PIX = one PCIe switch  PXB = several switches\n"
+          "  PHB = a host bridge  NODE = host bridges of one NUMA node  SYS = across sockets")
+
+
+def _size(n: int) -> str:
+    if n <= 0:
+        return "-"
+    gib = n / (1 << 30)
+    return f"{gib:.0f} GiB" if gib >= 10 else f"{gib:.1f} GiB"
+
+
+def _table(rows: list[list[str]], gap: int = 2) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["".join(c.ljust(w + gap) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+
+
+def render(data: dict[str, Any], origin: str = "") -> str:
+    topo = Topology.from_json(data, origin="daemon reply")
+    replayed = bool(data.get("replayed"))
+    head = f"{topo.hostname}" + (" (replayed snapshot)" if replayed else "")
+    if origin:
+        head += f" [{origin}]"
+    lines = [f"{head}: {topo.summary()}"]
+    if topo.note:
+        lines.append(f"note: {topo.note}")
+
+    if topo.gpus:
+        lines.append("")
+        idx = [g.index for g in topo.gpus]
+        rows = [["", *[f"GPU{i}" for i in idx], "CPU Affinity", "NUMA Affinity"]]
+        for g in topo.gpus:
+            cells = []
+            for j in idx:
+                if j == g.index:
+                    cells.append("X")
+                else:
+                    lk = topo.link(g.index, j)
+                    cells.append(lk.label if lk else "?")
+            rows.append([f"GPU{g.index}", *cells, format_cpulist(g.local_cpus) or "N/A",
+                         "N/A" if g.numa_node is None else str(g.numa_node)])
+        lines += _table(rows)
+        lines.append(LEGEND)
+        lines.append("")
+        rows = []
+        for g in topo.gpus:
+            extra = []
+            if g.mig_enabled:
+                extra.append(f"MIG on, {len(g.mig_devices)} instance(s)")
+            if g.memory_numa_nodes:
+                extra.append(f"memory on NUMA node {format_cpulist(g.memory_numa_nodes)}")
+            rows.append([f"GPU{g.index}", g.model, _size(g.memory_total_bytes), g.pci_bus_id,
+                         ", ".join(extra)])
+        lines += _table(rows)
+
+    lines.append("")
+    node_ids = sorted(topo.numa_nodes)
+    for n in node_ids:
+        node = topo.numa_nodes[n]
+        dist = " ".join(str(node.distances.get(m, "-")) for m in node_ids)
+        cpus = format_cpulist(node.cpus)
+        lines.append(f"NUMA node {n}: CPUs {cpus or 'none'}"
+                     + (f" ({len(node.cpus)})" if node.cpus else "")
+                     + f", {_size(node.memory_total_bytes)}, distances {dist}")
+
+    cores = topo.cores()
+    threads = max((len(c) for c in cores.values()), default=1)
+    l3 = topo.l3_groups()
+    l3_sizes = sorted({len({topo.cpus[c].core_id for c in g}) for g in l3.values()})
+    lines.append(
+        f"CPUs: {len(topo.cpus)} online ({format_cpulist(topo.cpus)}), {len(cores)} cores, "
+        f"{threads} thread(s) per core, {len(topo.packages())} socket(s), {len(l3)} L3 group(s)"
+        + (f" of {'/'.join(map(str, l3_sizes))} cores" if l3_sizes else ""))
+
+    phys = [n for n in topo.nics if not n.virtual]
+    virt = [n.name for n in topo.nics if n.virtual]
+    if phys:
+        lines.append("")
+        rows = [["NIC", "PCI", "NUMA", "speed", "MTU"]]
+        for nic in phys:
+            speed = "-" if not nic.speed_mbps else (
+                f"{nic.speed_mbps / 1000:g} Gb/s" if nic.speed_mbps >= 1000
+                else f"{nic.speed_mbps} Mb/s")
+            rows.append([nic.name, nic.pci_bus_id or "-",
+                         "N/A" if nic.numa_node is None else str(nic.numa_node), speed,
+                         str(nic.mtu or "-")])
+        lines += _table(rows)
+    if virt:
+        lines.append(f"virtual interfaces: {', '.join(virt)}")
+    return "\n".join(lines)
