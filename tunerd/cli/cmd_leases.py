@@ -33,6 +33,8 @@ _COMMON = [
     click.option("--uuids", is_flag=True,
                  help="CUDA_VISIBLE_DEVICES with GPU UUIDs instead of indices."),
 ]
+_JSON = click.option("--json", "local_json", is_flag=True,
+                     help="JSON output (same as tunerctl --json).")
 
 
 def _common(fn: Any) -> Any:
@@ -63,13 +65,15 @@ def _notes(r: dict[str, Any]) -> None:
 
 @click.command()
 @_common
+@_JSON
 def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None,
-          uuids: bool) -> int:
+          uuids: bool, local_json: bool) -> int:
     """Reserve GPUs and CPUs without launching; prints shell `export` lines.
 
     Use as: eval "$(tunerctl alloc --gpus 2)"; end it with `tunerctl release $TUNERD_LEASE`.
     """
     ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
     r = ctx.call("alloc", gpus=gpus, cpus=cpus, exclusive=exclusive,
                  exclusive_scope=exclusive_scope)
     r["env"] = _env(r, uuids)
@@ -85,18 +89,22 @@ def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | N
 
 @click.command()
 @click.argument("lease")
-def release(lease: str) -> int:
+@_JSON
+def release(lease: str, local_json: bool) -> int:
     """End lease LEASE (e.g. L3) and give its GPUs and CPUs back."""
     ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
     r = ctx.call("release", lease=lease)
     ctx.emit(r, lambda r: f"released {_summary(r)}")
     return 0
 
 
 @click.command()
-def leases() -> int:
+@_JSON
+def leases(local_json: bool) -> int:
     """Current leases."""
     ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
     rs = ctx.call("leases")
 
     def human(rs: list[dict[str, Any]]) -> str:

@@ -51,4 +51,4 @@ async def release(d: Daemon, req: Request) -> dict[str, Any]:
 
 @command("leases")
 async def leases(d: Daemon, req: Request) -> list[dict[str, Any]]:
-    return _svc(d).records()
+    return _svc(d).list_leases()

@@ -105,12 +105,12 @@ class LeaseService:
         return {
             "summary": f"{n} lease(s)" + (f" holding GPU(s) {','.join(map(str, gpus))}"
                                           if gpus else "") + f"; {ab['summary']}",
-            "leases": self.records(),
+            "leases": self.list_leases(),
             "autobind": ab,
         }
 
     # -- queries -------------------------------------------------------------
-    def records(self) -> list[dict[str, Any]]:
+    def list_leases(self) -> list[dict[str, Any]]:
         return [self._public(r) for r in sorted(self.leases.values(),
                                                 key=lambda r: int(r["id"][1:]))]
 
@@ -165,8 +165,6 @@ class LeaseService:
             share = per_gpu_cpu_share(topo, gpu_ids[0] if gpu_ids else
                                       int(topo.gpus[0].index) if topo.gpus else -1, hk)
             cpus = share * gpus
-        if gpu_ids is None and gpus:
-            self._check_free(gpus, busy)
         req = PlacementRequest(gpus=gpus, cpus=cpus, mode=mode, exclusive=exclusive,
                                gpu_ids=gpu_ids)
         hard = {**self.exclusive_cpus(), **(extra_exclusive or {})}
@@ -182,25 +180,6 @@ class LeaseService:
         ok, notes = applicability(topo, frozenset(p.cpus), frozenset(p.mems), self.host)
         return PlacedJob(tuple(p.gpus), tuple(p.gpu_uuids), frozenset(p.cpus),
                          frozenset(p.mems), p.explanation, tuple(notes), ok)
-
-    def _check_free(self, want: int, busy: dict[int, str]) -> None:
-        """Over-allocation: say what is free and who holds the rest."""
-        topo = self.d.topology
-        all_gpus = [int(g.index) for g in topo.gpus]
-        free = [g for g in all_gpus if g not in busy]
-        if want <= len(free):
-            return
-        if want > len(all_gpus):
-            raise Failed(f"asked for {want} GPU(s) but this node has {len(all_gpus)}"
-                         + (f" ({topo.note})" if getattr(topo, "note", None) else ""),
-                         free=free)
-        holders: dict[str, list[int]] = {}
-        for g in sorted(busy):
-            holders.setdefault(busy[g], []).append(g)
-        held = "; ".join(f"GPU {','.join(map(str, gs))} held by {h}" for h, gs in holders.items())
-        free_s = f"GPU {','.join(map(str, free))}" if free else "none"
-        raise Failed(f"asked for {want} GPU(s) but only {len(free)} free ({free_s}); {held}",
-                     free=free, held={str(g): h for g, h in busy.items()})
 
     # -- alloc / run / release ----------------------------------------------
     def _validate(self, gpus: int, cpus: int | None, exclusive: bool,
