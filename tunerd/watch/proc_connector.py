@@ -247,8 +247,10 @@ class ExecWatcher:
     """
 
     def __init__(self, on_exec: Callable[[int], None], on_rescan: Callable[[], None], *,
-                 scan_interval: float = 2.0, use_connector: bool = True) -> None:
+                 scan_interval: float = 2.0, use_connector: bool = True,
+                 rcvbuf: int = 4 << 20) -> None:
         self.on_exec = on_exec
+        self.rcvbuf = rcvbuf
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
         self.use_connector = use_connector
@@ -264,7 +266,7 @@ class ExecWatcher:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.use_connector:
-            conn = ProcConnector(PROC_EVENT_EXEC)
+            conn = ProcConnector(PROC_EVENT_EXEC, self.rcvbuf)
             try:
                 conn.open()
             except ConnectorUnavailable as err:
