@@ -73,3 +73,17 @@ def autobind_status(d: DaemonProc) -> dict[str, Any]:
     r = d.ctl("--json", "status")
     out: dict[str, Any] = r.json()["services"]["leases"]["autobind"]
     return out
+
+
+def open_path_for_others(path: Path) -> None:
+    """Let another user reach ``path`` (a socket in a test tmp dir): o+x on its test dirs.
+
+    Only directories under pytest's own temporary root are touched.
+    """
+    p = path if path.is_dir() else path.parent
+    for d in [p, *p.parents]:
+        if not d.name.startswith("pytest-") and "pytest-of-" not in str(d):
+            break
+        d.chmod(d.stat().st_mode | 0o011)
+        if d.name.startswith("pytest-of-"):
+            break
