@@ -87,3 +87,26 @@ def open_path_for_others(path: Path) -> None:
         d.chmod(d.stat().st_mode | 0o011)
         if d.name.startswith("pytest-of-"):
             break
+
+
+def snapshot_with_gpus_here(path: Path) -> tuple[Path, int, int]:
+    """This machine's real topology plus two recorded GPUs, one local to each end CPU.
+
+    Every CPU of the snapshot exists here, so placements on it are really
+    applied; returns (snapshot path, CPU local to GPU 0, CPU local to GPU 1).
+    """
+    import json
+
+    from tunerd.topology import load_topology
+
+    j = load_topology().to_json()
+    cpus = sorted(c["id"] for c in j["cpus"])
+    lo, hi = cpus[0], cpus[-1]
+    node = next(c["numa_node"] for c in j["cpus"] if c["id"] == lo)
+    tmpl = json.loads(DGX_H100.read_text())["gpus"][0]
+    j["gpus"] = [{**tmpl, "index": i, "uuid": f"GPU-test-{i}", "pci_bus_id": f"0000:{i + 1:02x}:00.0",
+                  "numa_node": node, "local_cpus": str(c)} for i, c in enumerate((lo, hi))]
+    j["links"] = [{"a": 0, "b": 1, "kind": "NVLINK", "nvlinks": 18, "pcie": "NODE"}]
+    j["hostname"] = "this-machine-with-2-gpus"
+    path.write_text(json.dumps(j))
+    return path, lo, hi

@@ -14,6 +14,7 @@ from tests.leases_helpers import (
     cpus_allowed,
     kill,
     rule_policy,
+    snapshot_with_gpus_here,
     spawn,
     unique_sleeper,
     wait_for,
@@ -173,3 +174,22 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
                 os.kill(c, 9)
             except ProcessLookupError:
                 pass
+
+
+@needs_two_cpus
+def test_ranks_are_really_bound_near_their_gpus(tmp_path: Path, daemon_factory) -> None:
+    """A snapshot with every CPU of this machine: rank placement is applied for real."""
+    snap, lo, hi = snapshot_with_gpus_here(tmp_path / "snap.json")
+    exe = unique_sleeper(tmp_path, f"ab_real_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", _rule("torch", exe))
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(snap)]).start()
+    r0 = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+    r1 = spawn([str(exe), "30"], {"LOCAL_RANK": "1"})
+    try:
+        assert wait_for(lambda: cpus_allowed(r0.pid) == str(lo)
+                        and cpus_allowed(r1.pid) == str(hi), 10), d.log()
+        jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
+        assert jobs[r0.pid]["gpus"] == [0] and jobs[r1.pid]["gpus"] == [1]
+    finally:
+        kill(r0)
+        kill(r1)
