@@ -32,6 +32,8 @@ _COMMON = [
                       "(restored when the lease ends)."),
     click.option("--uuids", is_flag=True,
                  help="CUDA_VISIBLE_DEVICES with GPU UUIDs instead of indices."),
+    click.option("--tag", default=None, metavar="TEXT",
+                 help="Label for `release --tag` (default inside Slurm: slurm:$SLURM_JOB_ID)."),
 ]
 _JSON = click.option("--json", "local_json", is_flag=True,
                      help="JSON output (same as tunerctl --json).")
@@ -67,7 +69,7 @@ def _notes(r: dict[str, Any]) -> None:
 @_common
 @_JSON
 def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None,
-          uuids: bool, local_json: bool) -> int:
+          uuids: bool, tag: str | None, local_json: bool) -> int:
     """Reserve GPUs and CPUs without launching; prints shell `export` lines.
 
     Use as: eval "$(tunerctl alloc --gpus 2)"; end it with `tunerctl release $TUNERD_LEASE`.
@@ -75,7 +77,7 @@ def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | N
     ctx = get_ctx()
     ctx.as_json = ctx.as_json or local_json
     r = ctx.call("alloc", gpus=gpus, cpus=cpus, exclusive=exclusive,
-                 exclusive_scope=exclusive_scope)
+                 exclusive_scope=exclusive_scope, tag=_default_tag(tag))
     r["env"] = _env(r, uuids)
     if ctx.as_json:
         ctx.emit(r)
@@ -87,13 +89,27 @@ def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | N
     return 0
 
 
+def _default_tag(tag: str | None) -> str | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    return tag if tag is not None else (f"slurm:{job}" if job else None)
+
+
 @click.command()
-@click.argument("lease")
+@click.argument("lease", required=False)
+@click.option("--tag", default=None, metavar="TEXT",
+              help="Release every lease with this tag (yours; all of them for root).")
 @_JSON
-def release(lease: str, local_json: bool) -> int:
-    """End lease LEASE (e.g. L3) and give its GPUs and CPUs back."""
+def release(lease: str | None, tag: str | None, local_json: bool) -> int:
+    """End lease LEASE (e.g. L3), or all leases tagged TEXT, and give the GPUs and CPUs back."""
     ctx = get_ctx()
     ctx.as_json = ctx.as_json or local_json
+    if (lease is None) == (tag is None):
+        raise click.UsageError("give either LEASE or --tag TEXT")
+    if tag is not None:
+        r = ctx.call("release", tag=tag)
+        ctx.emit(r, lambda r: "\n".join(f"released {_summary(x)}" for x in r["released"])
+                 or f"no lease tagged {tag}")
+        return 0
     r = ctx.call("release", lease=lease)
     ctx.emit(r, lambda r: f"released {_summary(r)}")
     return 0
@@ -148,7 +164,7 @@ def _parse_list(text: str) -> set[int]:
 @_common
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None, uuids: bool,
-        command: tuple[str, ...]) -> int:
+        tag: str | None, command: tuple[str, ...]) -> int:
     """Allocate, then exec COMMAND bound, with CUDA_VISIBLE_DEVICES set.
 
     The lease ends when COMMAND exits. COMMAND not found: exit 127.
@@ -160,7 +176,7 @@ def run(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | Non
     if not argv:
         raise click.UsageError("run: missing COMMAND")
     r = ctx.call("run", gpus=gpus, cpus=cpus, exclusive=exclusive,
-                 exclusive_scope=exclusive_scope, command=argv)
+                 exclusive_scope=exclusive_scope, command=argv, tag=_default_tag(tag))
     ctx.client().close()
     env = _env(r, uuids)
     os.environ.update(env)

@@ -26,6 +26,7 @@ def _common(req: Request) -> dict[str, Any]:
         "cpus": req.arg("cpus", int, None),
         "exclusive": req.arg("exclusive", bool, False),
         "scope": scope,
+        "tag": req.arg("tag", str, None),
     }
 
 
@@ -46,6 +47,11 @@ async def run(d: Daemon, req: Request) -> dict[str, Any]:
 
 @command("release")
 async def release(d: Daemon, req: Request) -> dict[str, Any]:
+    """Release one lease (``lease``) or every lease with ``tag`` the caller may release."""
+    tag = req.arg("tag", str, None)
+    if tag is not None:
+        released = await _svc(d).release_tagged(req.peer, tag)
+        return {"tag": tag, "released": released}
     return await _svc(d).release(req.peer, req.arg("lease", str))
 
 

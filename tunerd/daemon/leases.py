@@ -195,13 +195,13 @@ class LeaseService:
 
     def _new_record(self, peer: Peer, placed: PlacedJob, *, exclusive: bool,
                     scope: str | None, origin: str, pid: int | None = None,
-                    cmd: list[str] | None = None) -> dict[str, Any]:
+                    cmd: list[str] | None = None, tag: str | None = None) -> dict[str, Any]:
         lid = f"L{self.section['next_id']}"
         self.section["next_id"] += 1
         return {
             "id": lid, "uid": peer.uid, "user": user_name(peer.uid), "origin": origin,
             "pid": pid, "start_time": procfs.read_start_time(pid) if pid else None,
-            "cmd": cmd, "created": time.time(), "exclusive": exclusive, "scope": scope,
+            "cmd": cmd, "tag": tag, "created": time.time(), "exclusive": exclusive, "scope": scope,
             "gpus": list(placed.gpus), "gpu_uuids": list(placed.gpu_uuids),
             "cpus": format_cpulist(placed.cpus), "mems": format_cpulist(placed.mems),
             "explanation": placed.explanation, "applied": placed.applicable,
@@ -209,10 +209,11 @@ class LeaseService:
         }
 
     async def alloc(self, peer: Peer, *, gpus: int, cpus: int | None, exclusive: bool,
-                    scope: str | None) -> dict[str, Any]:
+                    scope: str | None, tag: str | None = None) -> dict[str, Any]:
         self._validate(gpus, cpus, exclusive, scope)
         placed = self.place(gpus=gpus, cpus=cpus, exclusive=exclusive)
-        rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="alloc")
+        rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="alloc",
+                               tag=tag)
         self.leases[rec["id"]] = rec
         self.d.state.save()
         await self._exclusive(rec, None, peer)
@@ -221,7 +222,7 @@ class LeaseService:
         return self._public(rec)
 
     async def run(self, peer: Peer, *, gpus: int, cpus: int | None, exclusive: bool,
-                  scope: str | None, cmd: list[str]) -> dict[str, Any]:
+                  scope: str | None, cmd: list[str], tag: str | None = None) -> dict[str, Any]:
         """Lease for the peer process itself, bound before it exec()s ``cmd``."""
         self._validate(gpus, cpus, exclusive, scope)
         pid = peer.pid
@@ -232,7 +233,7 @@ class LeaseService:
             raise PermissionDenied(f"process {pid} is not yours", pid=pid)
         placed = self.place(gpus=gpus, cpus=cpus, exclusive=exclusive)
         rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="run",
-                               pid=pid, cmd=cmd[:8])
+                               pid=pid, cmd=cmd[:8], tag=tag)
         lid = rec["id"]
         self.leases[lid] = rec
         self.d.state.save()
@@ -266,6 +267,14 @@ class LeaseService:
                                   parse_cpulist(rec["cpus"]), pid, peer.uid)
         rec["moved"] = res["moved"]
         rec["notes"].extend(res["notes"])
+
+    async def release_tagged(self, peer: Peer, tag: str) -> list[dict[str, Any]]:
+        """Release every lease with ``tag`` that ``peer`` may release (all, for root)."""
+        out = []
+        for lid, rec in list(self.leases.items()):
+            if rec.get("tag") == tag and (peer.is_root or rec["uid"] == peer.uid):
+                out.append(await self.release(peer, lid))
+        return out
 
     async def release(self, peer: Peer, lid: str) -> dict[str, Any]:
         rec = self.leases.get(lid)
