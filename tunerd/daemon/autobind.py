@@ -51,6 +51,7 @@ class RuleBound:
     notes: tuple[str, ...]
     exec_seen: float  # time.monotonic() of the exec event
     bound_at: float | None = None
+    timing: dict[str, Any] | None = None
 
 
 class AutoBinder:
@@ -98,6 +99,7 @@ class AutoBinder:
                 "matched": self.matched, "failed": self.failed, "last_error": self.last_error,
                 "bound": [{"pid": b.pid, "rule": b.rule, "cpus": format_cpulist(b.cpus),
                            "gpus": list(b.gpus), "applied": b.applied, "notes": list(b.notes),
+                           "timing": b.timing,
                            "latency_ms": None if b.bound_at is None else
                            round((b.bound_at - b.exec_seen) * 1000, 3)}
                           for b in self.bound.values()]}
@@ -213,10 +215,19 @@ class AutoBinder:
                 return
             if self.d.jobs is None:
                 raise TunerdError("binding service not running")
-            await self.d.jobs.bind(pid, peer=self.peer, cpus=placed.cpus, mems=placed.mems,
-                                   nofile=m.rule.nofile, gpus=placed.gpus, origin="rule",
-                                   name=m.rule.name)
+            t_bind = time.monotonic()
+            # CPUs first: thread affinity is quick, while memory nodes need a cpuset
+            # cgroup (and page migration) -- the process should not run on the
+            # wrong CPUs while that is set up
+            res = await self.d.jobs.bind(pid, peer=self.peer, cpus=placed.cpus,
+                                         nofile=m.rule.nofile, gpus=placed.gpus,
+                                         origin="rule", name=m.rule.name)
             rb.bound_at = time.monotonic()
+            rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
+                         **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
+            if placed.mems:
+                await self.d.jobs.bind(pid, peer=self.peer, mems=placed.mems, origin="rule",
+                                       name=m.rule.name)
             log.info("rule %s: bound pid %d (%s) to CPUs %s near GPU(s) %s in %.1f ms",
                      m.rule.name, pid, m.cmdline[:80], format_cpulist(placed.cpus),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)

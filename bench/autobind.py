@@ -1,0 +1,101 @@
+"""Exec-to-bound latency of automatic binding ([[job]] rules), measured from outside.
+
+A launcher starts N matching processes one after another (subprocess.Popen
+returns once the child has exec'd) and then polls /proc/PID/status as fast as
+it can until Cpus_allowed_list equals the CPU set the rule gives that rank;
+after 1 s the process counts as "never bound". The placement is real: a
+snapshot of this machine plus two recorded GPUs local to its first and last
+CPU, so rank 0 -> first CPU, rank 1 -> last CPU, applied for real.
+
+Baseline in the same run: the same launcher and poller against a process the
+launcher pins itself right after the exec (os.sched_setaffinity), i.e. the
+cost of the measurement itself.
+
+    python bench/autobind.py [--n 200] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from _leases_common import Daemon, snapshot_with_gpus_here, summary, write_json
+
+GIVE_UP = 1.0
+
+
+def allowed(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    i = data.find(b"Cpus_allowed_list:")
+    return data[i + 18:data.index(b"\n", i)].strip().decode()
+
+
+def measure(exe: Path, n: int, expected: dict[int, str], pin_self: bool) -> tuple[list[float], int]:
+    lat: list[float] = []
+    missed = 0
+    for i in range(n):
+        rank = i % 2
+        p = subprocess.Popen([str(exe), "30"], env={**os.environ, "LOCAL_RANK": str(rank)})
+        t0 = time.perf_counter()
+        if pin_self:
+            os.sched_setaffinity(p.pid, {int(expected[rank])})
+        want = expected[rank]
+        while True:
+            if allowed(p.pid) == want:
+                lat.append((time.perf_counter() - t0) * 1000)
+                break
+            if time.perf_counter() - t0 > GIVE_UP:
+                missed += 1
+                break
+        p.kill()
+        p.wait()
+    return lat, missed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="tunerd-autobind-"))
+    exe = tmp / f"bench_train_{os.getpid()}"
+    shutil.copy("/bin/sleep", exe)
+    snap, lo, hi = snapshot_with_gpus_here(tmp / "snap.json")
+    expected = {0: str(lo), 1: str(hi)}
+    policy = ('[policy]\nname = "bench"\n\n[[job]]\nname = "bench"\n'
+              f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n')
+    d = Daemon(policy, snap)
+    try:
+        measure(exe, 10, expected, False)  # warm-up (imports, caches)
+        lat, missed = measure(exe, a.n, expected, False)
+        base, base_missed = measure(exe, a.n, expected, True)
+        st = d.status()["services"]["leases"]["autobind"]
+    finally:
+        d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"n": a.n, "autobind_ms": summary(lat), "never_bound": missed,
+           "baseline_self_pin_ms": summary(base), "baseline_missed": base_missed,
+           "watcher": st["watcher"]}
+    s, b = res["autobind_ms"], res["baseline_self_pin_ms"]
+    print(f"automatic binding, {a.n} process starts ({st['watcher']['mode']}, kernel event "
+          f"filter: {st['watcher'].get('kernel_event_filter')}):")
+    print(f"  exec->bound  median {s['median']:.2f} ms  p95 {s['p95']:.2f} ms  "
+          f"p99 {s['p99']:.2f} ms  max {s['max']:.2f} ms  never bound: {missed}/{a.n}")
+    print(f"  baseline (launcher pins itself) median {b['median']:.3f} ms  p95 {b['p95']:.3f} ms"
+          f"  p99 {b['p99']:.3f} ms  missed {base_missed}")
+    print(f"  ratio p99 autobind/baseline: {s['p99'] / max(b['p99'], 1e-6):.0f}x")
+    write_json(a.json, res)
+    return 0 if missed == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
