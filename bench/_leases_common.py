@@ -42,14 +42,16 @@ def summary(values: list[float]) -> dict[str, float]:
 class Daemon:
     """tunerd with a policy (and optionally a topology snapshot), stopped on exit."""
 
-    def __init__(self, policy: str, topology: Path | None = None) -> None:
+    def __init__(self, policy: str, topology: Path | None = None,
+                 state_dir: Path | None = None) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-"))
+        self.state_dir = state_dir or self.tmp / "state"
         (self.tmp / "pol").mkdir()
         (self.tmp / "pol" / "00-bench.toml").write_text(policy)
         self.socket = self.tmp / "run" / "tunerd.sock"
         argv = [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir",
                 str(self.tmp / "pol"), "--runtime-dir", str(self.tmp / "run"), "--state-dir",
-                str(self.tmp / "state"), "--metrics-listen", "off", "--log-level", "warning"]
+                str(self.state_dir), "--metrics-listen", "off", "--log-level", "warning"]
         if topology is not None:
             argv += ["--topology", str(topology)]
         self.log = open(self.tmp / "log", "wb")  # noqa: SIM115 - closed in stop()
@@ -77,6 +79,7 @@ class Daemon:
             self.proc.wait(15)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def snapshot_with_gpus_here(path: Path) -> tuple[Path, int, int]:

@@ -49,10 +49,27 @@ def _read(path: str) -> bytes | None:
 
 
 def read_cmdline(pid: int, proc: str = PROC) -> str | None:
-    """The command line with NUL separators turned into spaces (as ``ps`` shows it)."""
-    raw = _read(f"{proc}/{pid}/cmdline")
-    if raw is None:
+    """The command line with NUL separators turned into spaces (as ``ps`` shows it).
+
+    On the exec-event path for every exec on the host: one open/read/close
+    when the command line fits in 4 KiB (nearly always).
+    """
+    path = f"{proc}/{pid}/cmdline"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) == 4096:
+        full = _read(path)
+        if full is None:
+            return None
+        raw = full
     return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
 
 
