@@ -45,7 +45,7 @@ import resource
 import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +70,20 @@ class Target:
     uid: int  # real uid
     euid: int
 
+    _poll: Any = field(default=None, repr=False, compare=False)
+
     def close(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+            self._poll = None
 
     def exited(self) -> bool:
-        p = select.poll()
-        p.register(self.pidfd, select.POLLIN)
-        return bool(p.poll(0))
+        """True once the process has exited (its pidfd is readable); one cheap poll(2)."""
+        if self._poll is None:
+            self._poll = select.poll()
+            self._poll.register(self.pidfd, select.POLLIN)
+        return bool(self._poll.poll(0))
 
 
 @dataclass
@@ -99,7 +104,7 @@ class Originals:
             "pid": self.pid,
             "start_time": self.start_time,
             "process_cpus": format_cpulist(self.process_cpus),
-            "threads": {str(t): format_cpulist(c) for t, c in self.threads.items()},
+            "threads": _group_masks(self.threads),
             "nofile": list(self.nofile) if self.nofile else None,
             "cpuset_base": self.cpuset_base.to_json() if self.cpuset_base else None,
             "cpuset_child": self.cpuset_child.to_json() if self.cpuset_child else None,
@@ -110,11 +115,16 @@ class Originals:
     def from_json(cls, d: dict[str, Any]) -> Originals:
         nof = d.get("nofile")
         base, child = d.get("cpuset_base"), d.get("cpuset_child")
+        threads: dict[int, frozenset[int]] = {}
+        for text, tids in (d.get("threads") or {}).items():
+            mask = parse_cpulist(text)
+            for tid in tids:
+                threads[int(tid)] = mask
         return cls(
             pid=int(d["pid"]),
             start_time=int(d["start_time"]),
             process_cpus=parse_cpulist(d["process_cpus"]),
-            threads={int(t): parse_cpulist(c) for t, c in (d.get("threads") or {}).items()},
+            threads=threads,
             nofile=(int(nof[0]), int(nof[1])) if nof else None,
             cpuset_base=CpusetCgroup.from_json(base) if base else None,
             cpuset_child=CpusetCgroup.from_json(child) if child else None,
@@ -122,7 +132,15 @@ class Originals:
         )
 
     def copy(self) -> Originals:
-        return Originals.from_json(self.to_json())
+        return replace(self, threads=dict(self.threads))
+
+
+def _group_masks(masks: dict[int, frozenset[int]]) -> dict[str, list[int]]:
+    """cpulist -> [tid, ...]: threads mostly share one mask, so this stays small."""
+    by_mask: dict[frozenset[int], list[int]] = {}
+    for tid, mask in masks.items():
+        by_mask.setdefault(mask, []).append(tid)
+    return {format_cpulist(m): sorted(tids) for m, tids in by_mask.items()}
 
 
 @dataclass
@@ -167,6 +185,15 @@ class BindResult:
         }
 
 
+def read_proc(path: Path | str) -> bytes:
+    """One read of a small /proc or /sys file (cheaper than Path.read_bytes on hot paths)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
 def _has_cap(cap: int, proc_root: Path) -> bool:
     for line in (proc_root / "self" / "status").read_text().splitlines():
         if line.startswith("CapEff:"):
@@ -178,12 +205,20 @@ class Binder:
     def __init__(self, proc_root: Path | str = "/proc", sys_root: Path | str = "/sys") -> None:
         self.proc = Path(proc_root)
         self.sys = Path(sys_root)
+        self._proc_s = str(self.proc)
+        self._cap_sys_resource: bool | None = None
+
+    def has_cap_sys_resource(self) -> bool:
+        """Whether this process may raise hard limits and prlimit other users (cached)."""
+        if self._cap_sys_resource is None:
+            self._cap_sys_resource = _has_cap(CAP_SYS_RESOURCE, self.proc)
+        return self._cap_sys_resource
 
     # -- reading ---------------------------------------------------------------
     def start_time(self, pid: int) -> int:
         """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
         try:
-            raw = (self.proc / str(pid) / "stat").read_bytes()
+            raw = read_proc(f"{self._proc_s}/{pid}/stat")
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         fields = raw[raw.rindex(b")") + 2:].split()
@@ -194,7 +229,7 @@ class Binder:
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
         try:
-            text = (self.proc / str(pid) / "status").read_text()
+            text = read_proc(f"{self._proc_s}/{pid}/status").decode()
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         for line in text.splitlines():
@@ -204,8 +239,8 @@ class Binder:
         raise NoSuchProcess(f"process {pid} has no Uid line (exited?)", pid=pid)
 
     def tids(self, pid: int) -> list[int]:
-        try:
-            return [int(t) for t in os.listdir(self.proc / str(pid) / "task")]
+        try:  # a str path: pathlib's joins cost more than the listdir on this hot path
+            return [int(t) for t in os.listdir(f"{self._proc_s}/{pid}/task")]
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid) from err
 
@@ -245,11 +280,14 @@ class Binder:
         except ProcessLookupError as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         except OSError as err:
-            if err.errno == errno.EINVAL:  # a thread id, not a process
-                tgid = self._tgid(pid)
+            # a thread id, not a process: EINVAL on older kernels, ENOENT on newer ones
+            tgid = self._tgid(pid)
+            if tgid not in (str(pid), "?"):
                 raise UsageError(f"pid {pid} is a thread of process {tgid}; bind the process",
                                  pid=pid) from err
-            raise
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+            raise Failed(f"pidfd_open({pid}) failed: {err.strerror}", pid=pid) from err
         try:
             if self.start_time(pid) != st:
                 raise NoSuchProcess(f"process {pid} exited while being pinned", pid=pid)
@@ -408,7 +446,7 @@ class Binder:
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
         except PermissionError as err:
             raise self._prlimit_denied(t, "raising another user's limit") from err
-        if n > hard and not _has_cap(CAP_SYS_RESOURCE, self.proc):
+        if n > hard and not self.has_cap_sys_resource():
             raise PermissionDenied(
                 f"prlimit on pid {t.pid} (uid {t.uid}) would fail: EPERM — raising the hard "
                 f"limit {hard} to {n} needs CAP_SYS_RESOURCE, which tunerd does not have",
@@ -428,6 +466,15 @@ class Binder:
         undo: list[Callable[[], None]] = []
         nofile_old: int | None = None
         pages_moved: int | None = None
+        masks: dict[int, frozenset[int]] = {}  # tid -> mask before, filled by the affinity step
+
+        def restore_masks() -> None:
+            for tid, mask in masks.items():
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    pass
+
         try:
             if plan.nofile is not None:
                 self.check(t)
@@ -440,9 +487,11 @@ class Binder:
                                         pid=t.pid) from None
                 nofile_old = old[0]
                 undo.append(lambda: self._set_nofile(t, old))
+            # masks are put back after the cpuset undo: moving back resets every mask
+            undo.append(restore_masks)
             if plan.cpuset is not None:
                 pages_moved = self._apply_cpuset(plan, undo)
-            threads = self._apply_affinity(plan, undo)
+            threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
                 pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
         except BaseException:
@@ -495,16 +544,22 @@ class Binder:
         outside = lambda d: sum(n for node, n in d.items() if node not in mems)  # noqa: E731
         return max(0, outside(before) - outside(after))
 
-    def _apply_affinity(self, plan: Plan, undo: list[Callable[[], None]]) -> int:
+    def _apply_affinity(self, plan: Plan, done: dict[int, frozenset[int]]) -> int:
         """Set every thread's mask; returns the number of live threads bound.
 
+        ``done`` collects tid -> mask before this bind (the caller's undo uses it).
+        Passes repeat while they find threads that needed a change: a thread found
+        later that already has the mask was created by a bound thread (inheritance),
+        so a process that keeps spawning threads still converges. A thread cloned
+        while its parent was being set may have copied the old mask before it showed
+        up in task/; it is new in a later listing, so its mask is read and fixed.
         With no CPUs requested (mems only) each thread gets back the mask it had,
         which attaching to the child cpuset reset.
         """
         t, orig = plan.target, plan.originals
         if plan.cpus is None and plan.cpuset is None:
             return len(self.tids(t.pid))
-        done: dict[int, frozenset[int]] = {}  # tid -> mask before this bind
+        known = orig.threads if plan.first else {}
 
         def want(tid: int) -> frozenset[int]:
             if plan.cpus is not None:
@@ -512,53 +567,45 @@ class Binder:
             m = orig.threads.get(tid, orig.process_cpus) & plan.cpuset_cpus
             return m or plan.cpuset_cpus
 
-        def restore_done() -> None:
-            for tid, mask in done.items():
-                try:
-                    os.sched_setaffinity(tid, mask)
-                except OSError:
-                    pass
-
-        undo.append(restore_done)
         self.check(t)
-        verified = False
-        for _ in range(MAX_PASSES):
-            new = [tid for tid in self.tids(t.pid) if tid not in done]
-            if not new:
-                if verified:
-                    break
-                # one verification pass: a thread cloned while its parent was being
-                # set may have copied the old mask before it showed up in task/
-                verified = True
-                for tid in list(done):
-                    try:
-                        if frozenset(os.sched_getaffinity(tid)) != want(tid):
-                            os.sched_setaffinity(tid, want(tid))
-                    except ProcessLookupError:
-                        del done[tid]
-                continue
-            if t.exited():
-                raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
-            for tid in new:
+        quiet = 0
+        live: list[int] = []
+        for n_pass in range(MAX_PASSES):
+            changed = 0
+            live = self.tids(t.pid)
+            for tid in live:
+                if tid in done:
+                    continue
+                w = want(tid)
                 try:
-                    before = frozenset(os.sched_getaffinity(tid))
-                    os.sched_setaffinity(tid, want(tid))
+                    # first pass of a first bind: prepare() read these masks just now
+                    before = (known[tid] if n_pass == 0 and tid in known
+                              else frozenset(os.sched_getaffinity(tid)))
+                    if before != w:
+                        if t.exited():  # before every write: never touch a reused tid
+                            raise NoSuchProcess(f"process {t.pid} exited while being bound",
+                                                pid=t.pid)
+                        os.sched_setaffinity(tid, w)
+                        changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
                 except OSError as err:
                     raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
-                                 f"{format_cpulist(want(tid))}) failed: "
+                                 f"{format_cpulist(w)}) failed: "
                                  f"{errno.errorcode.get(err.errno or 0, err.errno)} "
                                  f"{err.strerror}", pid=t.pid) from err
-                done[tid] = before
-                if plan.first:  # a re-bind keeps the masks from before the first bind
+                done[tid] = known.get(tid, before)
+                if plan.first and (n_pass == 0 or before != w):
                     orig.threads.setdefault(tid, before)
+            # stop after two listings in a row that needed no write: the second one
+            # catches a thread whose clone(2) was still in flight during the first
+            quiet = 0 if changed else quiet + 1
+            if quiet == 2:
+                break
         else:
-            raise Failed(f"process {t.pid} keeps creating threads; gave up after "
-                         f"{MAX_PASSES} passes", pid=t.pid)
-        # drop threads that have exited meanwhile from the count
-        live = set(self.tids(t.pid))
-        return len(live & set(done)) or len(done)
+            raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
+                         f"after {MAX_PASSES} passes", pid=t.pid)
+        return len(set(live) & done.keys()) or len(done)
 
     def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
         if not old:

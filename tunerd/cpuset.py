@@ -35,7 +35,11 @@ _V1_DIRS = ("cpuset", "cpu,cpuset", "cpuset,cpu")
 
 
 def read_ids(path: Path) -> frozenset[int]:
-    return parse_cpulist(path.read_text())
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return parse_cpulist(os.read(fd, 1 << 16).decode())
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

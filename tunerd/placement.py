@@ -25,7 +25,8 @@ to the nearest NUMA node by SLIT distance, and ``explanation`` says so. Modes:
   socket        every CPU of the GPUs' package(s)
   exclusive     gpu-local, whole cores, held by this job alone
   core-complex  one L3 group (CCX) per GPU inside its local CPUs, like
-                ``torchrun --numa-binding=core-complex``
+                ``torchrun --numa-binding=core-complex`` (torch.numa.binding.AffinityMode,
+                https://docs.pytorch.org/docs/main/elastic/numa.html)
   none          no locality: every eligible CPU
 
 Counts: ``cpus=None`` shared means every eligible CPU of the domain. Exclusive
@@ -35,6 +36,9 @@ cores = 28 CPUs per GPU); in node/socket mode the whole domain; without GPUs one
 core. An explicit exclusive count is rounded up to whole cores.
 
 Memory nodes are the NUMA nodes of the chosen CPUs.
+
+On a replayed topology (``tunerd --topology``) pass ``allowed_cpus=None``: the
+daemon's own cpuset describes this machine, not the recorded one.
 """
 
 from __future__ import annotations
@@ -229,16 +233,25 @@ def _choose_gpus(topo: Topology, idx: _Index, req: PlacementRequest,
 
     if math.comb(len(free), k) <= EXACT_LIMIT:
         best = min(itertools.combinations(free, k), key=key)
-    else:  # greedy: grow from every seed by the GPU that raises the score least
+    else:  # greedy: grow from every seed by the GPU that raises (worst, sum) least
         cands = []
         for seed in free:
             chosen = [seed]
+            worst = total = 0
             while len(chosen) < k:
-                nxt = min((g for g in free if g not in chosen),
-                          key=lambda g: (_score(cost, (*chosen, g)), g))
-                chosen.append(nxt)
+                pick: tuple[int, int, int] | None = None
+                for g in free:
+                    if g in chosen:
+                        continue
+                    add = [cost[(g, c)] for c in chosen]
+                    cand = (max(worst, *add), total + sum(add), g)
+                    if pick is None or cand < pick:
+                        pick = cand
+                assert pick is not None
+                worst, total = pick[0], pick[1]
+                chosen.append(pick[2])
             cands.append(tuple(sorted(chosen)))
-        best = min(cands, key=key)
+        best = min(set(cands), key=key)
     return best, _score(cost, best)
 
 
@@ -272,10 +285,16 @@ class _Picker:
 
     def cores_in(self, nodes: Iterable[int], within: frozenset[int] | None
                  ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """(whole cores, split cores) as CPU tuples, in node then core order."""
-        whole: list[tuple[int, ...]] = []
-        split: list[tuple[int, ...]] = []
+        """(whole cores, split cores) as CPU tuples.
+
+        Core order inside a node; nodes take turns (round robin), so a job whose
+        GPUs sit on two nodes gets CPUs on both, in proportion.
+        """
+        per_whole: list[list[tuple[int, ...]]] = []
+        per_split: list[list[tuple[int, ...]]] = []
         for n in nodes:
+            whole: list[tuple[int, ...]] = []
+            split: list[tuple[int, ...]] = []
             for core in self.idx.node_cores.get(n, ()):
                 all_cpus = self.idx.core_cpus[core]
                 ok = tuple(c for c in all_cpus if c in self.eligible
@@ -283,7 +302,15 @@ class _Picker:
                 if not ok:
                     continue
                 (whole if len(ok) == len(all_cpus) else split).append(ok)
-        return whole, split
+            per_whole.append(whole)
+            per_split.append(split)
+        return _round_robin(per_whole), _round_robin(per_split)
+
+
+def _round_robin(lists: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    if len(lists) == 1:
+        return lists[0]
+    return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
 
 
 def _fair_share_cores(topo: Topology, idx: _Index, gpus: list[Gpu],
@@ -368,7 +395,7 @@ def place(topo: Topology, req: PlacementRequest, *,
         whole, split = whole + w2, split + s2
 
     if req.mode == "core-complex" and req.cpus is None:
-        whole, split = _core_complex(idx, gpus, whole, split, within)
+        whole, split = _core_complex(topo, idx, gpus, whole, split, within)
 
     # how many CPUs
     smt = max((len(v) for v in idx.core_cpus.values()), default=1)
@@ -400,10 +427,12 @@ def place(topo: Topology, req: PlacementRequest, *,
     else:
         chosen = _take(whole, split, count, exclusive)
         if len(chosen) < count:
-            spill_nodes = order[len(home):]
-            w2, s2 = picker.cores_in(spill_nodes, None)
             before = len(chosen)
-            chosen += _take(w2, s2, count - before, exclusive)
+            for n in order[len(home):]:  # nearest node first, filled before the next
+                w2, s2 = picker.cores_in([n], None)
+                chosen += _take(w2, s2, count - len(chosen), exclusive)
+                if len(chosen) >= count:
+                    break
             if len(chosen) > before:
                 spilled = sorted({topo.cpus[c].numa_node for c in chosen[before:]})
                 notes.append(f"spilled {len(chosen) - before} CPU(s) to NUMA node "
@@ -423,28 +452,38 @@ def place(topo: Topology, req: PlacementRequest, *,
                      mems=mems, score=score, explanation="; ".join(notes))
 
 
-def _core_complex(idx: _Index, gpus: list[Gpu], whole: list[tuple[int, ...]],
+def _core_complex(topo: Topology, idx: _Index, gpus: list[Gpu], whole: list[tuple[int, ...]],
                   split: list[tuple[int, ...]], within: frozenset[int] | None
                   ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Keep one L3 group per GPU: the one with the most free CPUs in its local set."""
+    """One L3 group (core complex) per GPU, as torch's ``core-complex`` affinity does.
+
+    The k-th GPU of a NUMA node starts at the k-th L3 group of that node, so workers
+    of one node land on different complexes when there are enough; a group with no
+    free CPU is skipped, and a group is never given twice in one placement.
+    """
     groups: dict[int | None, list[tuple[int, ...]]] = {}
     for core in whole + split:
         groups.setdefault(idx.core_l3[idx.cpu_core[core[0]]], []).append(core)
     if not groups:
         return whole, split
+    order = sorted(groups, key=lambda k: -1 if k is None else k)
     keep: list[int | None] = []
     targets: list[Gpu | None] = [*gpus] or [None]  # no GPUs: one group
     for g in targets:
         local = g.local_cpus if g is not None and g.local_cpus else within
-        ranked = sorted(groups, key=lambda k: (
-            -sum(len(c) for c in groups[k] if local is None or c[0] in local),
-            -1 if k is None else k))
-        for k in ranked:
+        mine = [k for k in order if local is None or any(c[0] in local for c in groups[k])]
+        mine = mine or order
+        start = 0
+        if g is not None and g.numa_node is not None:
+            peers = sorted(h.index for h in topo.gpus if h.numa_node == g.numa_node)
+            start = peers.index(g.index) if g.index in peers else 0
+        for k in mine[start % len(mine):] + mine[:start % len(mine)]:
             if k not in keep:
                 keep.append(k)
                 break
     kept = [c for k in keep for c in groups[k]]
-    return ([c for c in kept if c in whole], [c for c in kept if c not in whole])
+    whole_set = set(whole)
+    return ([c for c in kept if c in whole_set], [c for c in kept if c not in whole_set])
 
 
 def _take(whole: list[tuple[int, ...]], split: list[tuple[int, ...]], count: int,

@@ -67,6 +67,14 @@ def topology(save: Path | None, local: bool) -> int:
     from tunerd.topology.render import render
 
     if save is not None:
+        if not data.get("source"):
+            # a snapshot should always say where its facts come from
+            import time
+
+            data["source"] = {
+                "summary": f"recorded with `tunerctl topology --save` on {data.get('hostname')}",
+                "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
         _save(data, save)
         click.echo(f"saved the topology of {data.get('hostname')} to {save}", err=True)
     ctx.emit(data, lambda d: render(d, origin))

@@ -43,6 +43,7 @@ class JobRegistry:
         self.binder = binder or Binder()
         self.placer: Placer | None = None  # set by the leases area
         self._targets: dict[int, Target] = {}  # pid -> pinned process with a loop reader
+        self._originals: dict[int, Originals] = {}  # pid -> parsed record["originals"]
         self._callbacks: list[ExitCallback] = []
         self._locks: dict[int, asyncio.Lock] = {}
         self._save_handle: asyncio.TimerHandle | None = None
@@ -143,7 +144,11 @@ class JobRegistry:
         if prev is not None and int(prev["start_time"]) != target.start_time:
             self._drop(key)  # an earlier process with this pid: long gone
             prev = None
-        previous = Originals.from_json(prev["originals"]) if prev else None
+        previous: Originals | None = None
+        if prev is not None:
+            previous = self._originals.get(pid)  # parsed once, not on every re-bind
+            if previous is None or previous.start_time != target.start_time:
+                previous = Originals.from_json(prev["originals"])
         if prev is not None:  # keep what was bound before unless changed now
             if cpus is None and prev.get("cpus"):
                 cpus = parse_cpulist(prev["cpus"])
@@ -167,11 +172,15 @@ class JobRegistry:
             "lease": lease if lease is not None else (prev or {}).get("lease"),
             "bound_at": time.time(),
             "threads": (prev or {}).get("threads"),
-            "originals": plan.originals.to_json(),
+            "originals": (prev["originals"] if prev is not None and plan.originals == previous
+                          else plan.originals.to_json()),
         }
+        n_threads_saved = len(plan.originals.threads)
         self._records[key] = record
         t_save = time.perf_counter()
-        self.daemon.state.save()  # the originals are on disk before anything changes
+        # The originals are on disk before anything changes. The directory fsync is
+        # skipped: a power loss that could lose the rename also ends the process.
+        self.daemon.state.save(sync_dir=False)
         save_ms = _ms(t_save)
         try:
             if plan.cpuset is not None or plan.migrate_from is not None:
@@ -192,7 +201,9 @@ class JobRegistry:
             self._save_soon()
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
         record["threads"] = result.threads
-        record["originals"] = plan.originals.to_json()  # now with threads born meanwhile
+        if len(plan.originals.threads) != n_threads_saved:  # threads born meanwhile
+            record["originals"] = plan.originals.to_json()
+        self._originals[pid] = plan.originals
         self._save_soon()
         if pid not in self._targets:
             self._watch(target)
@@ -241,6 +252,7 @@ class JobRegistry:
     def _drop(self, key: str) -> dict[str, Any] | None:
         """Forget a record and stop watching its process (state not saved)."""
         rec = self._records.pop(key, None)
+        self._originals.pop(int(key), None)
         target = self._targets.pop(int(key), None)
         if target is not None:
             asyncio.get_running_loop().remove_reader(target.pidfd)

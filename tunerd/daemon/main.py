@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             "metrics_listen": args.metrics_listen, "dry_run": args.dry_run,
             "log_level": args.log_level,
         })
+        if cfg.topology is not None:  # a bad snapshot is a usage error, not a traceback
+            from tunerd.topology import read_snapshot
+
+            read_snapshot(cfg.topology)
     except TunerdError as err:
         print(f"tunerd: error: {err.message}", file=sys.stderr)
         return int(ExitCode.USAGE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from tunerd.protocol import UsageError
@@ -70,19 +71,19 @@ def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) 
     nodes = read_numa_nodes(sys_root, frozenset(cpus), proc_root)
     gpus, links, note = read_gpus(sys_root, ncpus=max(cpus, default=0) + 1)
     for i, g in enumerate(gpus):
-        if g.numa_node is None and g.local_cpus:
+        node = g.numa_node
+        if node is None and g.local_cpus:
             # sysfs gave no proximity (numa_node -1): the node holding most local CPUs
             best = max(nodes.values(), key=lambda n: (len(n.cpus & g.local_cpus), -n.id))
             if best.cpus & g.local_cpus:
-                gpus[i] = _replace_node(g, best.id)
+                node = best.id
+        # GPU memory as a NUMA node (Grace Hopper C2C) is a node without CPUs; drivers
+        # that answer nvmlDeviceGetNumaNodeId with the CPU node on x86 are not that
+        mem_nodes = tuple(n for n in g.memory_numa_nodes
+                          if n in nodes and not nodes[n].cpus and n != node)
+        gpus[i] = replace(g, numa_node=node, memory_numa_nodes=mem_nodes)
     return Topology(hostname=_hostname(proc_root), replayed=False, note=note, cpus=cpus,
                     numa_nodes=nodes, gpus=gpus, links=links, nics=read_nics(sys_root))
-
-
-def _replace_node(g: Gpu, node: int) -> Gpu:
-    from dataclasses import replace
-
-    return replace(g, numa_node=node)
 
 
 def load_topology(snapshot: Path | None = None) -> Topology:

@@ -8,6 +8,7 @@ uses for allocations), NVML's CPU affinity second.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,13 @@ def read_gpus(sys_root: Path = Path("/sys"), ncpus: int = 1024
             memory_numa_nodes=(gpu_mem_node,) if isinstance(gpu_mem_node, int)
             and gpu_mem_node >= 0 and gpu_mem_node != node else (),
         ))
+    # a link whose far end is no GPU of this node ends at an NVSwitch even when the
+    # driver is too old to say so (nvmlDeviceGetNvLinkRemoteDeviceType is r470+)
+    buses = {g.pci_bus_id for g in gpus}
+    for x, g in enumerate(gpus):
+        to_switch = sum(n for bus, n in direct[x].items() if bus not in buses)
+        if to_switch:
+            gpus[x] = replace(g, nvswitch_links=g.nvswitch_links + to_switch)
     links: dict[tuple[int, int], Link] = {}
     for x in range(len(gpus)):
         for y in range(x + 1, len(gpus)):

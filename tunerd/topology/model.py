@@ -103,7 +103,8 @@ class Topology:
     links: dict[tuple[int, int], Link] = field(default_factory=dict)
     nics: list[Nic] = field(default_factory=list)
     source: Any = None  # where a recorded snapshot's facts come from (URLs, "recorded")
-    # cache for tunerd.placement (derived indexes); not part of equality or the snapshot
+    # derived indexes for tunerd.placement; not part of equality or the snapshot. A
+    # Topology is read-only once built: build a new one (or clear this) to change it
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- queries -------------------------------------------------------------
@@ -140,13 +141,16 @@ class Topology:
         return {k: frozenset(v) for k, v in sorted(out.items())}
 
     def summary(self) -> str:
-        cores = len(self.cores())
-        models = sorted({g.model for g in self.gpus})
-        gpus = f"{len(self.gpus)} GPU" + ("" if len(self.gpus) == 1 else "s")
-        if models:
-            gpus += " (" + ", ".join(models) + ")"
-        return (f"{len(self.packages())} socket(s), {cores} cores / {len(self.cpus)} CPUs, "
-                f"{len(self.numa_nodes)} NUMA node(s), {gpus}")
+        """``2 sockets, 112 cores / 224 CPUs, 2 NUMA nodes, 8 x NVIDIA H100 80GB HBM3``."""
+        def n(k: int, word: str) -> str:
+            return f"{k} {word}" + ("" if k == 1 else "s")
+
+        models: dict[str, int] = {}
+        for g in self.gpus:
+            models[g.model] = models.get(g.model, 0) + 1
+        gpus = ", ".join(f"{k} x {m}" for m, k in sorted(models.items())) or "no GPUs"
+        return (f"{n(len(self.packages()), 'socket')}, {len(self.cores())} cores / "
+                f"{len(self.cpus)} CPUs, {n(len(self.numa_nodes), 'NUMA node')}, {gpus}")
 
     # -- snapshot ------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +199,10 @@ class Topology:
         return _Reader(origin).topology(d)
 
 
+_WORDS = {int: "an integer", str: "a string", bool: "true/false", list: "a list",
+          dict: "an object", type(None): "null"}
+
+
 class _Reader:
     """Strict snapshot reader: every error names the file and the key path."""
 
@@ -214,7 +222,8 @@ class _Reader:
         if isinstance(v, bool) and kind in (int, (int, type(None))):
             raise self.fail(f"{path}.{key}", f"expected an integer, got {v!r}")
         if not isinstance(v, kind):
-            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            names = " or ".join(_WORDS.get(k, k.__name__) for k in kinds)
             raise self.fail(f"{path}.{key}", f"expected {names}, got {v!r}")
         return v
 

@@ -14,7 +14,7 @@ from tunerd.topology.model import Topology
 __all__ = ["render"]
 
 LEGEND = ("  X = self  NV# = # NVLinks  PIX = one PCIe switch  PXB = several switches\n"
-          "  PHB = a host bridge  NODE = host bridges of one NUMA node  SYS = across sockets")
+          "  PHB = a host bridge  NODE = same NUMA node  SYS = across NUMA nodes / sockets")
 
 
 def _size(n: int) -> str:
@@ -36,7 +36,7 @@ def render(data: dict[str, Any], origin: str = "") -> str:
     head = f"{topo.hostname}" + (" (replayed snapshot)" if replayed else "")
     if origin:
         head += f" [{origin}]"
-    lines = [f"{head}: {topo.summary()}"]
+    lines = [head, topo.summary()]
     if topo.note:
         lines.append(f"note: {topo.note}")
 
@@ -54,7 +54,7 @@ def render(data: dict[str, Any], origin: str = "") -> str:
                     cells.append(lk.label if lk else "?")
             rows.append([f"GPU{g.index}", *cells, format_cpulist(g.local_cpus) or "N/A",
                          "N/A" if g.numa_node is None else str(g.numa_node)])
-        lines += _table(rows)
+        lines += _table(rows, gap=1)
         lines.append(LEGEND)
         lines.append("")
         rows = []
@@ -73,18 +73,19 @@ def render(data: dict[str, Any], origin: str = "") -> str:
     for n in node_ids:
         node = topo.numa_nodes[n]
         dist = " ".join(str(node.distances.get(m, "-")) for m in node_ids)
-        cpus = format_cpulist(node.cpus)
-        lines.append(f"NUMA node {n}: CPUs {cpus or 'none'}"
-                     + (f" ({len(node.cpus)})" if node.cpus else "")
-                     + f", {_size(node.memory_total_bytes)}, distances {dist}")
+        owners = [f"GPU{g.index}" for g in topo.gpus if n in g.memory_numa_nodes]
+        what = (f"CPUs {format_cpulist(node.cpus)} ({len(node.cpus)})" if node.cpus
+                else f"{' '.join(owners)} memory" if owners else "no CPUs")
+        lines.append(f"NUMA node {n}: {what}, {_size(node.memory_total_bytes)}, "
+                     f"distances {dist}")
 
     cores = topo.cores()
     threads = max((len(c) for c in cores.values()), default=1)
     l3 = topo.l3_groups()
     l3_sizes = sorted({len({topo.cpus[c].core_id for c in g}) for g in l3.values()})
     lines.append(
-        f"CPUs: {len(topo.cpus)} online ({format_cpulist(topo.cpus)}), {len(cores)} cores, "
-        f"{threads} thread(s) per core, {len(topo.packages())} socket(s), {len(l3)} L3 group(s)"
+        f"CPUs: {len(topo.cpus)} online ({format_cpulist(topo.cpus)}), {len(cores)} cores x "
+        f"{threads} thread{'s' if threads > 1 else ''}, {len(l3)} L3 group(s)"
         + (f" of {'/'.join(map(str, l3_sizes))} cores" if l3_sizes else ""))
 
     phys = [n for n in topo.nics if not n.virtual]
