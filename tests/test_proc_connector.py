@@ -154,3 +154,32 @@ def test_overrun_is_reported_and_triggers_one_rescan() -> None:
 
     asyncio.run(main())
     assert rescans
+
+
+def test_bursts_are_read_in_batches() -> None:
+    seen: set[int] = set()
+
+    async def main() -> tuple[list[int], ExecWatcher]:
+        w = ExecWatcher(seen.add, lambda: None)
+        w.start()
+        loop = asyncio.get_running_loop()
+
+        def spawn_many() -> list[int]:
+            pids = []
+            for _ in range(200):
+                p = subprocess.Popen(["/bin/true"])
+                p.wait()
+                pids.append(p.pid)
+            return pids
+
+        pids = await loop.run_in_executor(None, spawn_many)
+        for _ in range(100):
+            if set(pids) <= seen:
+                break
+            await asyncio.sleep(0.02)
+        w.stop()
+        return pids, w
+
+    pids, w = asyncio.run(main())
+    assert set(pids) <= seen  # nothing lost
+    assert w.wakeups < w.events / 2, (w.wakeups, w.events)
