@@ -39,7 +39,10 @@ def test_bind_reads_cuda_visible_devices_and_local_rank(tmp_path: Path, daemon_f
         assert d.ctl("bind", str(by_uuid.pid)).rc == 0
         assert cpus_allowed(by_uuid.pid) == str(hi)
         r = d.ctl("bind", str(no_gpu.pid))
-        assert r.rc == 2 and "uses no GPU" in r.err
+        assert r.rc == 2 and "GPU placement is not available" in r.err
+        # --nofile alone on such a process: limits only, CPUs unchanged
+        r = d.ctl("--json", "bind", str(no_gpu.pid), "--nofile", "4096")
+        assert r.rc == 0 and r.json()["nofile"]["new"] == 4096, r.err
         # --gpus overrides the environment
         assert d.ctl("bind", str(by_cvd.pid), "--gpus", "0").rc == 0
         assert cpus_allowed(by_cvd.pid) == str(lo)

@@ -53,11 +53,14 @@ async def bind(d: Daemon, req: Request) -> dict[str, Any]:
             placed = await jobs.placer(pid=pid, peer=req.peer,
                                        gpus=gpu_ids if gpus is not None else None,
                                        exclusive=exclusive)
-            if placed is None:
-                raise UsageError(NO_PLACEMENT)
-            cpus = cpus if cpus is not None else frozenset(placed["cpus"])
-            mems = mems if mems is not None else frozenset(placed["mems"])
-            gpu_ids = tuple(placed.get("gpus") or gpu_ids)
+            if placed is None:  # the process uses no GPU (or is bound already)
+                if nofile is None or gpus is not None:
+                    raise UsageError(NO_PLACEMENT)
+                notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
+            else:
+                cpus = cpus if cpus is not None else frozenset(placed["cpus"])
+                mems = mems if mems is not None else frozenset(placed["mems"])
+                gpu_ids = tuple(placed.get("gpus") or gpu_ids)
         elif nofile is None or gpus is not None:
             raise UsageError(NO_PLACEMENT)
         else:

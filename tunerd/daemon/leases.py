@@ -324,9 +324,16 @@ class LeaseService:
 
     # -- JobRegistry.placer: `tunerctl bind PID` without placement flags ----------
     async def place_for_bind(self, *, pid: int, peer: Peer, gpus: tuple[int, ...] | None = None,
-                             exclusive: bool = False) -> dict[str, Any]:
+                             exclusive: bool = False) -> dict[str, Any] | None:
+        """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
+
+        A process bound already keeps its place (None) unless --gpus names GPUs.
+        """
         topo = self.d.topology
         how = "--gpus"
+        if gpus is None and self.d.jobs is not None and any(
+                j.get("pid") == pid for j in self.d.jobs.jobs()):
+            return None
         if gpus is None:
             env = procfs.read_environ(pid)
             if env is None:
@@ -337,10 +344,8 @@ class LeaseService:
                 gpus = gpus_from_nvml(pid)
                 how = "NVML (GPUs it has contexts on)"
         if not gpus:
-            raise UsageError(
-                f"process {pid} uses no GPU tunerd can see (no CUDA_VISIBLE_DEVICES or "
-                "LOCAL_RANK in its environment, no NVML context); give --cpus/--mems or --gpus",
-                pid=pid)
+            log.info("bind %d: no GPU in its CUDA_VISIBLE_DEVICES/LOCAL_RANK or NVML", pid)
+            return None
         known = {int(g.index) for g in topo.gpus}
         unknown = [g for g in gpus if g not in known]
         if unknown:
