@@ -193,3 +193,20 @@ def test_ranks_are_really_bound_near_their_gpus(tmp_path: Path, daemon_factory) 
     finally:
         kill(r0)
         kill(r1)
+
+
+@needs_two_cpus
+def test_proc_scan_fallback_still_binds(tmp_path: Path, daemon_factory) -> None:
+    exe = unique_sleeper(tmp_path, f"ab_scan_{os.getpid()}")
+    target = max(HOST_CPUS)
+    pol = rule_policy(tmp_path / "pol", _rule("scan", exe, f'cpus = "{target}"'))
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("watch_execs = false\n")
+    d = daemon_factory(policy_dir=pol, args=["--config", str(cfg)]).start()
+    assert autobind_status(d)["watcher"]["mode"] == "proc-scan"
+    p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+    try:
+        assert wait_for(lambda: cpus_allowed(p.pid) == str(target), 10), d.log()
+        assert "scanning /proc every" in d.log()
+    finally:
+        kill(p)

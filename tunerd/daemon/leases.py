@@ -178,6 +178,9 @@ class LeaseService:
             p = do_place(topo, req, busy_gpus=busy, exclusive_cpus=hard, housekeeping=hk,
                          allowed_cpus=allowed_cpus)
         ok, notes = applicability(topo, frozenset(p.cpus), frozenset(p.mems), self.host)
+        if ok and self.d.cfg.dry_run:
+            ok = False
+            notes.append("dry run: placement computed, nothing was bound or moved")
         return PlacedJob(tuple(p.gpus), tuple(p.gpu_uuids), frozenset(p.cpus),
                          frozenset(p.mems), p.explanation, tuple(notes), ok)
 

@@ -296,7 +296,9 @@ class ExecWatcher:
                          "yes" if conn.kernel_filter else "no, BPF filter only")
                 return
         else:
-            self.reason = "disabled in the configuration"
+            self.reason = "disabled in the configuration (watch_execs = false)"
+            log.info("exec watcher: proc connector %s; scanning /proc every %g s", self.reason,
+                     self.scan_interval)
         self.mode = "proc-scan"
         self._scan_task = asyncio.ensure_future(self._scan_loop())
 
