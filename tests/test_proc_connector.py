@@ -183,3 +183,31 @@ def test_bursts_are_read_in_batches() -> None:
     pids, w = asyncio.run(main())
     assert set(pids) <= seen  # nothing lost
     assert w.wakeups < w.events / 2, (w.wakeups, w.events)
+
+
+def test_unprivileged_listener_is_refused_and_watcher_falls_back(unpriv_user) -> None:
+    from tests.helpers import run_as
+    from tunerd.watch.proc_connector import ConnectorUnavailable, listen_refusal
+
+    assert listen_refusal() is None  # root, init namespaces: this test's own process
+
+    def as_user() -> tuple[str, str, str | None]:
+        try:
+            ProcConnector().open()
+            opened = "opened"
+        except ConnectorUnavailable as err:
+            opened = f"{err.errno}:{err.strerror}"
+
+        async def main() -> tuple[str, str | None]:
+            w = ExecWatcher(lambda pid: None, lambda: None, scan_interval=0.05)
+            w.start()
+            await asyncio.sleep(0.01)
+            w.stop()
+            return ("proc-scan" if w.scans else "none"), w.reason
+
+        mode, reason = asyncio.run(main())
+        return opened, mode, reason
+
+    opened, mode, reason = run_as(*unpriv_user, as_user)
+    assert opened.startswith("1:") and "CAP_NET_ADMIN" in opened  # EPERM
+    assert mode == "proc-scan" and reason and "CAP_NET_ADMIN" in reason

@@ -37,6 +37,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 __all__ = [
@@ -58,6 +59,7 @@ CN_VAL_PROC = 1
 NLMSG_DONE = 3
 PROC_CN_MCAST_LISTEN = 1
 PROC_CN_MCAST_IGNORE = 2
+PROC_EVENT_NONE = 0x00000000  # the kernel's ack of a LISTEN/IGNORE request
 PROC_EVENT_EXEC = 0x00000002
 PROC_EVENT_EXIT = 0x80000000
 SO_ATTACH_FILTER = 26
@@ -70,6 +72,7 @@ _OFF_WHAT = 36
 _OFF_PID = 52
 _OFF_TGID = 56
 _MSG_MIN = 60
+CAP_NET_ADMIN = 12
 
 # classic BPF opcodes (include/uapi/linux/filter.h, bpf_common.h)
 _BPF_LD_W_ABS = 0x00 | 0x00 | 0x20
@@ -102,12 +105,36 @@ def kernel_has_event_filter(release: str | None = None) -> bool:
     Older kernels silently ignore a LISTEN message of the new size (they check
     ``msg->len == sizeof(int)``), so the size must be chosen by version.
     """
-    rel = release or os.uname().release
+    rel = release or os.uname().release  # e.g. "6.18.44-fc-v857"
     try:
         major, minor = (int(x) for x in rel.split("-")[0].split(".")[:2])
     except ValueError:
         return False
     return (major, minor) >= (6, 6)
+
+
+def listen_refusal(proc_self: str = "/proc/self") -> str | None:
+    """Why the kernel would ignore our LISTEN, or None if it will accept it.
+
+    LISTEN needs CAP_NET_ADMIN in the initial user namespace and a caller in the
+    initial PID namespace (drivers/connector/cn_proc.c, cn_proc_mcast_ctl). The
+    kernel refuses without an error we could see (its ack is filtered or never
+    sent), so check up front instead of waiting for events that never come.
+    """
+    try:
+        status = Path(proc_self, "status").read_text()
+        uid_map = Path(proc_self, "uid_map").read_text().split()
+    except OSError as err:
+        return f"cannot read {proc_self}: {err.strerror}"
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    cap_eff = int(fields.get("CapEff", "0").strip() or "0", 16)
+    if not cap_eff & (1 << CAP_NET_ADMIN):
+        return "CAP_NET_ADMIN is needed to listen to process events"
+    if uid_map[:3] != ["0", "0", "4294967295"]:
+        return "not in the initial user namespace (container?): the kernel ignores LISTEN"
+    if len(fields.get("NSpid", "").split()) > 1:
+        return "not in the initial PID namespace (container?): the kernel ignores LISTEN"
+    return None
 
 
 def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -168,6 +195,9 @@ class ProcConnector:
 
     def open(self) -> None:
         """Create, filter, bind and subscribe; raises ConnectorUnavailable."""
+        why = listen_refusal()
+        if why is not None:
+            raise ConnectorUnavailable(errno.EPERM, why)
         try:
             sock = socket.socket(
                 socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
@@ -193,15 +223,18 @@ class ProcConnector:
             self._sock = None
             raise ConnectorUnavailable(err.errno, f"proc connector: {err.strerror}") from err
 
-    def _subscribe(self, op: int) -> None:
+    def _subscribe(self, op: int) -> int:
+        """Send LISTEN/IGNORE; returns the sequence number the kernel's ack will carry."""
         assert self._sock is not None
+        seq = int.from_bytes(os.urandom(4), "little") or 1
         self.kernel_filter = kernel_has_event_filter()
         # struct proc_input {mcast_op, event_type} on >= 6.6, a bare mcast_op before
         payload = (struct.pack("II", op, self.events) if self.kernel_filter
                    else struct.pack("I", op))
-        cn = struct.pack("IIIIHH", CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(payload), 0) + payload
+        cn = struct.pack("IIIIHH", CN_IDX_PROC, CN_VAL_PROC, seq, 0, len(payload), 0) + payload
         msg = struct.pack("IHHII", 16 + len(cn), NLMSG_DONE, 0, 0, 0) + cn
         self._sock.send(msg)
+        return seq
 
     def fileno(self) -> int:
         assert self._sock is not None
