@@ -210,3 +210,43 @@ def test_proc_scan_fallback_still_binds(tmp_path: Path, daemon_factory) -> None:
         assert "scanning /proc every" in d.log()
     finally:
         kill(p)
+
+
+def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    exe = unique_sleeper(tmp_path, f"ab_lease_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", _rule("torch", exe))
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
+    # take GPUs 0-3 first so the run lease lands elsewhere
+    assert d.ctl("alloc", "--gpus", "4").rc == 0
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "run", "--gpus",
+         "2", "--", "sh", "-c", f"LOCAL_RANK=0 {exe} 30 & LOCAL_RANK=1 {exe} 30 & wait"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def state() -> tuple[dict, list[dict]] | None:
+            runs = [x for x in d.ctl("--json", "leases").json() if x["origin"] == "run"]
+            bound = autobind_status(d)["bound"]
+            return (runs[0], bound) if runs and len(bound) == 2 else None
+
+        got = wait_for(state, 15)
+        assert got, d.log()
+        lease, bound = got
+        assert sorted(b["gpus"][0] for b in bound) == sorted(lease["gpus"])
+        inside = parse_cpulist(lease["cpus"])
+        for b in bound:
+            assert parse_cpulist(b["cpus"]) <= inside
+        assert not parse_cpulist(bound[0]["cpus"]) & parse_cpulist(bound[1]["cpus"])
+    finally:
+        from tunerd.watch.procfs import descendants
+
+        for pid in reversed(descendants(launcher.pid)):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
