@@ -114,6 +114,8 @@ def _free_pid() -> int:
     (["--cpus", ONE, "--nofile", "999999999"], 2, "fs.nr_open"),  # nothing half-applied
     (["--cpus", ONE, "--mems", "5"], 2, "NUMA node 5 is not online"),
     ([], 2, "no --cpus/--mems given and GPU placement is not available"),
+    (["--gpus", "0"], 2, "no --cpus/--mems given and GPU placement is not available"),
+    (["--cpus", ONE, "--gpus", "0"], 2, "GPU placement is not available"),
 ])
 def test_bad_input_changes_nothing(daemon: DaemonProc, args: list[str], rc: int,
                                    message: str) -> None:
@@ -217,12 +219,17 @@ def test_restart_readopts_live_bindings_and_drops_dead_ones(daemon_factory) -> N
     with thread_child(threads=8) as live, thread_child(threads=8) as dying:
         before = snapshot(live.pid)
         bind_json(d, str(live.pid), "--cpus", ONE, "--nofile", "2048")
-        bind_json(d, str(dying.pid), "--cpus", ONE)
+        with_mems = (CPUSET_ROOT / "cpuset.cpus").exists()
+        bind_json(d, str(dying.pid), "--cpus", ONE, *(["--mems", "0"] if with_mems else []))
+        child_cg = CPUSET_ROOT / cpuset_path(dying.pid).lstrip("/")
         d.kill9()  # a crash: the originals must already be on disk
         dying.kill()
         dying.wait()
         d.start()
         assert jobs_pids(d) == [live.pid]
+        if with_mems:  # the dead process's child cpuset was cleaned up on start
+            assert child_cg.name.startswith("tunerd-")
+            wait_for(lambda: not child_cg.exists(), 10, f"{child_cg} to be removed")
         state = json.loads((d.state_dir / "state.json").read_text())
         assert list(state["bindings"]) == [str(live.pid)]
         # the re-adopted binding still restores exactly, and exits are still seen
@@ -254,3 +261,18 @@ def test_thread_id_is_refused(daemon: DaemonProc) -> None:
         r = daemon.ctl("bind", str(tid), "--cpus", ONE)
         assert r.rc == 2 and f"pid {tid} is a thread of process {p.pid}" in r.err
         assert os.path.exists(f"/proc/{p.pid}")
+
+
+@needs_cpuset_v1
+def test_start_sweeps_child_cpusets_of_processes_that_died_unwatched(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    first: DaemonProc = daemon_factory(name="first").start()
+    with thread_child(threads=2) as p:
+        bind_json(first, str(p.pid), "--mems", "0")
+        cdir = CPUSET_ROOT / cpuset_path(p.pid).lstrip("/")
+        first.stop()  # bindings outlive the daemon ...
+        assert cdir.exists()
+    # ... and the process exits while no daemon watches it; a daemon with another
+    # state directory (no record of it) still removes the empty child cpuset
+    second: DaemonProc = daemon_factory(name="second").start()
+    wait_for(lambda: not cdir.exists(), 10, f"{cdir} to be swept")
+    assert jobs_pids(second) == []

@@ -9,7 +9,7 @@ import pytest
 from tunerd.binding import Binder, Originals
 from tunerd.cpulist import parse_cpulist
 from tunerd.cpuset import CpusetCgroup, find_cpuset
-from tunerd.protocol import NoSuchProcess
+from tunerd.protocol import NoSuchProcess, UsageError
 
 
 def write(root: Path, rel: str, text: str) -> Path:
@@ -109,6 +109,13 @@ def test_hybrid_with_cpuset_nowhere_is_none(roots: tuple[Path, Path]) -> None:
     assert find_cpuset(9, proc, sys) is None
 
 
+def test_a_cgroup_outside_our_view_is_unknown(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "7/cgroup", "4:cpuset:/other-namespace/job\n")
+    write(sys, "fs/cgroup/cpuset/cpuset.cpus", "0-7")
+    assert find_cpuset(7, proc, sys) is None
+
+
 def test_gone_process_raises(roots: tuple[Path, Path]) -> None:
     proc, sys = roots
     with pytest.raises(FileNotFoundError):
@@ -124,6 +131,20 @@ def test_start_time_is_field_22(roots: tuple[Path, Path]) -> None:
     proc, sys = roots
     write(proc, "4242/stat", STAT)
     assert Binder(proc, sys).start_time(4242) == 987654
+
+
+def test_kernel_threads_are_recognised(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "4242/stat", STAT)
+    # kthreadd: flags 0x208040 include PF_KTHREAD (0x200000)
+    write(proc, "2/stat", "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 "
+                          "1 0 0 18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 0 "
+                          "1 0 0 0 0 0\n")
+    b = Binder(proc, sys)
+    assert not b.is_kernel_thread(4242)
+    assert b.is_kernel_thread(2)
+    with pytest.raises(UsageError, match="pid 2 is a kernel thread"):
+        b.pin(2)  # refused before any pidfd is opened
 
 
 def test_zombie_and_missing_are_no_such_process(roots: tuple[Path, Path]) -> None:
@@ -176,3 +197,20 @@ def test_originals_survive_json() -> None:
     d = o.to_json()
     assert d["process_cpus"] == "0-7" and d["threads"] == {"1": [7], "0-7": [8]}
     assert Originals.from_json(d) == o
+
+
+def test_sweep_removes_only_stale_child_cpusets(roots: tuple[Path, Path]) -> None:
+    proc, sys = roots
+    write(proc, "4242/stat", STAT)  # alive, start time 987654
+    cg = sys / "fs/cgroup/cpuset"
+    write(sys, "fs/cgroup/cpuset/cpuset.cpus", "0-7")
+    write(sys, "fs/cgroup/cpuset/cgroup.procs", "")
+    live = cg / "slurm/job_1/tunerd-4242-987654"
+    dead = cg / "slurm/job_1/tunerd-4243-5"  # no such process
+    reused = cg / "tunerd-4242-1"  # same pid, another start time: a stale one
+    other = cg / "tunerd-notes"
+    for d in (live, dead, reused, other):
+        d.mkdir(parents=True)
+    removed = Binder(proc, sys).sweep_stale_cpusets()
+    assert sorted(removed) == sorted([dead, reused])
+    assert live.exists() and other.exists() and not dead.exists() and not reused.exists()

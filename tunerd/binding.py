@@ -50,12 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.cpuset import CpusetCgroup, find_cpuset, read_ids
+from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
 from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
 CAP_SYS_RESOURCE = 24
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
 SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
 MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
 
@@ -215,8 +216,9 @@ class Binder:
         return self._cap_sys_resource
 
     # -- reading ---------------------------------------------------------------
-    def start_time(self, pid: int) -> int:
-        """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
+    def _stat(self, pid: int) -> list[bytes]:
+        """/proc/PID/stat from field 3 (state) on; the comm before it may hold spaces
+        and parentheses, so fields are counted after the last ")"."""
         try:
             raw = read_proc(f"{self._proc_s}/{pid}/stat")
         except (FileNotFoundError, ProcessLookupError) as err:
@@ -224,7 +226,15 @@ class Binder:
         fields = raw[raw.rindex(b")") + 2:].split()
         if fields[0] in (b"Z", b"X"):
             raise NoSuchProcess(f"process {pid} has exited", pid=pid)
-        return int(fields[19])  # fields[0] is field 3 (state)
+        return fields
+
+    def start_time(self, pid: int) -> int:
+        """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
+        return int(self._stat(pid)[19])
+
+    def is_kernel_thread(self, pid: int) -> bool:
+        """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
+        return bool(int(self._stat(pid)[6]) & PF_KTHREAD)
 
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
@@ -274,7 +284,11 @@ class Binder:
         """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
         if pid <= 0:
             raise UsageError(f"invalid pid {pid}")
-        st = self.start_time(pid)
+        fields = self._stat(pid)
+        st = int(fields[19])
+        if int(fields[6]) & PF_KTHREAD:
+            raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
+                             pid=pid)
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as err:
@@ -388,7 +402,7 @@ class Binder:
                         f"{format_cpulist(allowed_mems)})")
             if base is not None and base.can_nest():
                 plan_cpuset = (previous.cpuset_child if previous and previous.cpuset_child
-                               else base.child(f"tunerd-{t.pid}-{t.start_time}"))
+                               else base.child(child_name(t.pid, t.start_time)))
                 cpuset_cpus = cpus if cpus is not None else allowed
             else:
                 migrate_from = nodes - mems
@@ -494,12 +508,15 @@ class Binder:
             threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
                 pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
-        except BaseException:
+        except BaseException as err:
             for fn in reversed(undo):
                 try:
                     fn()
                 except Exception:  # best effort: report the first error, not the undo's
                     pass
+            if isinstance(err, OSError):  # a cgroup write: name it, as a failure
+                raise Failed(f"binding pid {t.pid} failed, nothing changed: {err}",
+                             pid=t.pid) from err
             raise
         return BindResult(
             pid=t.pid, cpus=plan.cpus, mems=plan.mems, threads=threads,
@@ -545,21 +562,15 @@ class Binder:
         return max(0, outside(before) - outside(after))
 
     def _apply_affinity(self, plan: Plan, done: dict[int, frozenset[int]]) -> int:
-        """Set every thread's mask; returns the number of live threads bound.
+        """Set every thread's mask for ``plan``; returns the number of live threads bound.
 
         ``done`` collects tid -> mask before this bind (the caller's undo uses it).
-        Passes repeat while they find threads that needed a change: a thread found
-        later that already has the mask was created by a bound thread (inheritance),
-        so a process that keeps spawning threads still converges. A thread cloned
-        while its parent was being set may have copied the old mask before it showed
-        up in task/; it is new in a later listing, so its mask is read and fixed.
         With no CPUs requested (mems only) each thread gets back the mask it had,
         which attaching to the child cpuset reset.
         """
         t, orig = plan.target, plan.originals
         if plan.cpus is None and plan.cpuset is None:
             return len(self.tids(t.pid))
-        known = orig.threads if plan.first else {}
 
         def want(tid: int) -> frozenset[int]:
             if plan.cpus is not None:
@@ -568,6 +579,23 @@ class Binder:
             return m or plan.cpuset_cpus
 
         self.check(t)
+        live = self._set_masks(t, want, done, known=orig.threads if plan.first else {},
+                               record=orig.threads if plan.first else None)
+        return len(set(live) & done.keys()) or len(done)
+
+    def _set_masks(self, t: Target, want: Callable[[int], frozenset[int]],
+                   done: dict[int, frozenset[int]], known: dict[int, frozenset[int]],
+                   record: dict[int, frozenset[int]] | None) -> list[int]:
+        """Give every thread of ``t`` the mask ``want(tid)``; returns the last tid listing.
+
+        Passes repeat while they find threads that needed a change: a thread found
+        later that already has its mask was created by a set thread (masks are
+        inherited), so a process that keeps spawning threads still converges. A
+        thread cloned while its parent was being set may have copied the old mask
+        before it showed up in task/; it is new in a later listing, so its mask is
+        read and fixed. ``known``: masks read just before (skips a getaffinity in the
+        first pass); ``record``: where first-seen masks are kept as originals.
+        """
         quiet = 0
         live: list[int] = []
         for n_pass in range(MAX_PASSES):
@@ -578,7 +606,6 @@ class Binder:
                     continue
                 w = want(tid)
                 try:
-                    # first pass of a first bind: prepare() read these masks just now
                     before = (known[tid] if n_pass == 0 and tid in known
                               else frozenset(os.sched_getaffinity(tid)))
                     if before != w:
@@ -595,17 +622,15 @@ class Binder:
                                  f"{errno.errorcode.get(err.errno or 0, err.errno)} "
                                  f"{err.strerror}", pid=t.pid) from err
                 done[tid] = known.get(tid, before)
-                if plan.first and (n_pass == 0 or before != w):
-                    orig.threads.setdefault(tid, before)
+                if record is not None and (n_pass == 0 or before != w):
+                    record.setdefault(tid, before)
             # stop after two listings in a row that needed no write: the second one
             # catches a thread whose clone(2) was still in flight during the first
             quiet = 0 if changed else quiet + 1
             if quiet == 2:
-                break
-        else:
-            raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
-                         f"after {MAX_PASSES} passes", pid=t.pid)
-        return len(set(live) & done.keys()) or len(done)
+                return live
+        raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
+                     f"after {MAX_PASSES} passes", pid=t.pid)
 
     def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
         if not old:
@@ -668,22 +693,41 @@ class Binder:
         base = find_cpuset(t.pid, self.proc, self.sys)
         if base is not None:
             allowed &= base.effective_cpus()
-        restored = 0
-        for tid in self.tids(t.pid):
+        dropped: dict[int, frozenset[int]] = {}
+
+        def want(tid: int) -> frozenset[int]:
             mask = orig.threads.get(tid, orig.process_cpus)
-            eff = mask & allowed or allowed
+            eff = mask & allowed
+            if eff != mask and len(dropped) < 20:
+                dropped[tid] = mask - eff
+            return eff or allowed
+
+        done: dict[int, frozenset[int]] = {}
+        live = self._set_masks(t, want, done, known={}, record=None)
+        notes.extend(f"thread {tid}: CPUs {format_cpulist(m)} are no longer allowed; "
+                     "restored the rest" for tid, m in dropped.items())
+        return {"pid": t.pid, "threads": len(set(live) & done.keys()), "notes": notes}
+
+    def sweep_stale_cpusets(self) -> list[Path]:
+        """Remove child cpusets left by processes that exited while no daemon watched them.
+
+        Only an empty one whose process (pid + start time, from its name) is gone is
+        removed; one being set up for a live process is left alone.
+        """
+        removed: list[Path] = []
+        for d, pid, st in tunerd_children(self.sys):
             try:
-                os.sched_setaffinity(tid, eff)
-                restored += 1
-            except ProcessLookupError:
+                alive = self.start_time(pid) == st
+            except NoSuchProcess:
+                alive = False
+            if alive:
                 continue
-            except OSError as err:
-                notes.append(f"thread {tid}: could not restore CPUs {format_cpulist(mask)}: "
-                             f"{err.strerror}")
-            if eff != mask and len(notes) < 20:
-                notes.append(f"thread {tid}: CPUs {format_cpulist(mask - eff)} are no longer "
-                             "allowed; restored the rest")
-        return {"pid": t.pid, "threads": restored, "notes": notes}
+            try:
+                d.rmdir()
+            except OSError:
+                continue  # still has tasks (or is gone already)
+            removed.append(d)
+        return removed
 
     def forget(self, orig: Originals) -> bool:
         """After the process exited: remove the child cpuset tunerd made (True when gone)."""

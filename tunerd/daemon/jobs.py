@@ -47,6 +47,9 @@ class JobRegistry:
         self._callbacks: list[ExitCallback] = []
         self._locks: dict[int, asyncio.Lock] = {}
         self._save_handle: asyncio.TimerHandle | None = None
+        # records of processes that exited while the daemon was down (on_exit is not
+        # called for them: other services may not have started yet); for leases etc.
+        self.dropped_at_start: list[dict[str, Any]] = []
         daemon.jobs = self
 
     @property
@@ -71,12 +74,15 @@ class JobRegistry:
                 log.info("pid %d exited while tunerd was down; dropping its binding", pid)
                 del self._records[key]
                 self._forget(rec)
+                self.dropped_at_start.append(rec)
                 changed = True
                 continue
             self._watch(target)
             log.info("re-adopted binding of pid %d (cpus %s)", pid, rec.get("cpus"))
         if changed:
             self.daemon.state.save()
+        for d in self.binder.sweep_stale_cpusets():
+            log.info("removed child cpuset %s of a process that exited while unwatched", d)
 
     async def policy_changed(self) -> None:
         pass
@@ -104,6 +110,14 @@ class JobRegistry:
     def jobs(self) -> list[dict[str, Any]]:
         return [{k: rec.get(k) for k in _PUBLIC}
                 for rec in sorted(self._records.values(), key=lambda r: int(r["pid"]))]
+
+    def default_nofile(self) -> int | None:
+        """[limits] nofile of the policy in force: for rule/lease binds (the CLI passes
+        --nofile explicitly, so a plain `tunerctl bind` never touches limits)."""
+        policy = getattr(self.daemon, "policy", None)
+        limits = (getattr(policy, "data", None) or {}).get("limits") or {}
+        value = limits.get("nofile")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def authorize(self, pid: int, peer: Peer) -> None:
         """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner)."""
@@ -143,6 +157,7 @@ class JobRegistry:
         prev = self._records.get(key)
         if prev is not None and int(prev["start_time"]) != target.start_time:
             self._drop(key)  # an earlier process with this pid: long gone
+            self._forget(prev)
             prev = None
         previous: Originals | None = None
         if prev is not None:
@@ -161,10 +176,11 @@ class JobRegistry:
                     "mems": _fmt(plan.mems), "nofile": nofile,
                     "notes": [*plan.notes, "dry run: nothing was changed"],
                     "elapsed_ms": _ms(t0)}
+        originals_on_disk = prev is not None and plan.originals == previous
         record: dict[str, Any] = {
             "pid": pid, "start_time": target.start_time, "uid": target.uid,
             "name": name if name is not None else (prev or {}).get("name") or self._comm(pid),
-            "cmdline": self._cmdline(pid),
+            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid),
             "cpus": _fmt(plan.cpus), "mems": _fmt(plan.mems),
             "gpus": list(gpus) if gpus else list((prev or {}).get("gpus") or []),
             "nofile": nofile if nofile is not None else (prev or {}).get("nofile"),
@@ -172,15 +188,18 @@ class JobRegistry:
             "lease": lease if lease is not None else (prev or {}).get("lease"),
             "bound_at": time.time(),
             "threads": (prev or {}).get("threads"),
-            "originals": (prev["originals"] if prev is not None and plan.originals == previous
+            "originals": (prev["originals"] if prev is not None and originals_on_disk
                           else plan.originals.to_json()),
         }
         n_threads_saved = len(plan.originals.threads)
         self._records[key] = record
         t_save = time.perf_counter()
-        # The originals are on disk before anything changes. The directory fsync is
-        # skipped: a power loss that could lose the rename also ends the process.
-        self.daemon.state.save(sync_dir=False)
+        if not originals_on_disk:
+            # The originals are on disk before anything changes. The directory fsync is
+            # skipped: a power loss that could lose the rename also ends the process.
+            self.daemon.state.save(sync_dir=False)
+        # else a re-bind with nothing new to remember: what restore needs is already
+        # on disk, and the new cpus/mems bookkeeping goes out with the deferred save
         save_ms = _ms(t_save)
         try:
             if plan.cpuset is not None or plan.migrate_from is not None:
@@ -194,7 +213,8 @@ class JobRegistry:
                 self._records[key] = prev
             else:
                 self._records.pop(key, None)
-            self.daemon.state.save()
+            if not originals_on_disk:
+                self.daemon.state.save()
             raise
         if target.exited():  # exited during an executor apply: the exit handler may have run
             self._records.pop(key, None)

@@ -352,8 +352,10 @@ class LeaseService:
         known = {int(g.index) for g in topo.gpus}
         unknown = [g for g in gpus if g not in known]
         if unknown:
-            raise UsageError(f"GPU {','.join(map(str, unknown))} does not exist on this node "
-                             f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
+            raise UsageError(
+                f"no --cpus/--mems given and GPU placement is not available for GPU "
+                f"{','.join(map(str, unknown))}: not on this node "
+                f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
         placed = self.place(gpus=len(gpus), gpu_ids=tuple(gpus), exclusive=exclusive, busy={})
         if not placed.applicable:
             raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
