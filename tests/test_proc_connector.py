@@ -211,3 +211,23 @@ def test_unprivileged_listener_is_refused_and_watcher_falls_back(unpriv_user) ->
     opened, mode, reason = run_as(*unpriv_user, as_user)
     assert opened.startswith("1:") and "CAP_NET_ADMIN" in opened  # EPERM
     assert mode == "proc-scan" and reason and "CAP_NET_ADMIN" in reason
+
+
+@pytest.mark.skipif(not kernel_has_event_filter(), reason="kernel < 6.6: no proc_input filter")
+def test_kernel_event_filter_works_without_bpf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ask the kernel for exec events only, with a BPF filter that would pass exits too."""
+    import tunerd.watch.proc_connector as pc
+
+    monkeypatch.setattr(pc, "build_filter",
+                        lambda events: build_filter(PROC_EVENT_EXEC | PROC_EVENT_EXIT))
+    conn = ProcConnector(PROC_EVENT_EXEC)
+    conn.open()
+    try:
+        assert conn.kernel_filter
+        p = subprocess.Popen(["/bin/true"])
+        p.wait()
+        events = drain(conn)
+    finally:
+        conn.close()
+    assert any(e.tgid == p.pid and e.what == PROC_EVENT_EXEC for e in events)
+    assert not [e for e in events if e.what == PROC_EVENT_EXIT]
