@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,8 @@ class AutoBinder:
         self.failed = 0
         self.last_error: str | None = None
         self._pending: dict[int, asyncio.Task[None]] = {}
+        # exec event handled -> CPUs bound, as the daemon sees it (the last 1000)
+        self.latencies_ms: deque[float] = deque(maxlen=1000)
 
     # -- lifecycle -------------------------------------------------------------
     async def policy_changed(self) -> None:
@@ -103,7 +107,12 @@ class AutoBinder:
         n = len(self.rules.rules)
         summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
+        lat = sorted(self.latencies_ms)
+        latency = {"n": len(lat), "median": round(statistics.median(lat), 3),
+                   "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
+                   "max": round(lat[-1], 3)} if lat else {"n": 0}
         return {"summary": summary, "rules": [r.name for r in self.rules.rules], "watcher": w,
+                "latency_ms": latency,
                 "matched": self.matched, "failed": self.failed, "last_error": self.last_error,
                 "bound": [{"pid": b.pid, "rule": b.rule, "cpus": format_cpulist(b.cpus),
                            "gpus": list(b.gpus), "applied": b.applied, "notes": list(b.notes),
@@ -231,9 +240,11 @@ class AutoBinder:
                                          nofile=m.rule.nofile, gpus=placed.gpus,
                                          origin="rule", name=m.rule.name)
             rb.bound_at = time.monotonic()
+            self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
                          **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
-            if placed.mems:
+            if placed.mems and not self.leases.host.mems <= placed.mems:
+                # (memory on every node of the machine is no binding at all: skip the cpuset)
                 await self.d.jobs.bind(pid, peer=self.peer, mems=placed.mems, origin="rule",
                                        name=m.rule.name)
             log.info("rule %s: bound pid %d (%s) to CPUs %s near GPU(s) %s in %.1f ms",

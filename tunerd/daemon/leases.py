@@ -246,8 +246,10 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
             if placed.applicable and self.d.jobs is not None:
+                # memory on every node of the machine is no binding: no cpuset for that
+                mems = None if self.host.mems <= placed.mems else placed.mems
                 job = await self.d.jobs.bind(
-                    pid, peer=peer, cpus=placed.cpus, mems=placed.mems, gpus=placed.gpus,
+                    pid, peer=peer, cpus=placed.cpus, mems=mems, gpus=placed.gpus,
                     origin="run", name=os.path.basename(cmd[0]) if cmd else None, lease=lid)
                 rec["cpus_bound"] = job.get("cpus") if isinstance(job, dict) else None
             elif self.d.jobs is None:
