@@ -63,3 +63,44 @@ def test_bind_on_replay_of_another_machine_applies_nothing(daemon_factory) -> No
         assert cpus_allowed(p.pid) == before
     finally:
         kill(p)
+
+
+def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
+    """In-process: which GPUs a process uses, from its environment or NVML (replayed)."""
+    from types import SimpleNamespace
+
+    from tunerd import nvml
+    from tunerd.daemon.placer import gpus_from_env, gpus_from_nvml
+    from tunerd.topology import load_topology
+    from tunerd.topology.nvml_replay import ReplayNvml
+
+    topo = load_topology(DGX_H100)
+    uuid5 = topo.gpus[5].uuid
+    assert gpus_from_env(topo, {}) is None
+    assert gpus_from_env(topo, {"LOCAL_RANK": "3"}) == (3,)
+    assert gpus_from_env(topo, {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == (5,)
+    assert gpus_from_env(topo, {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "6"}) == (6,)
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": f"2,{uuid5}"}) == (2, 5)
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": uuid5[:12]}) == (5,)
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}) == ()
+
+    p = spawn(["sleep", "30"])
+
+    class WithProcesses(ReplayNvml):
+        """The snapshot replay plus a recorded compute-process list (GPU 2 and 7)."""
+
+        def nvmlDeviceGetComputeRunningProcesses(self, h):  # type: ignore[no-untyped-def]
+            busy = {2: [p.pid], 7: [p.pid, 1]}.get(h.gpu, [1])
+            return [SimpleNamespace(pid=x, usedGpuMemory=1 << 30) for x in busy]
+
+    saved = dict(nvml._state)
+    try:
+        nvml.set_backend(WithProcesses(topo))
+        assert gpus_from_nvml(p.pid) == (2, 7)
+        assert gpus_from_nvml(999_999_999) == ()
+        nvml.set_backend(None, "no driver")
+        assert gpus_from_nvml(p.pid) == ()
+    finally:
+        nvml._state.update(saved)
+        kill(p)
