@@ -88,6 +88,8 @@ def test_bad_requests_are_usage_errors(replay) -> None:
     assert r.rc == 2 and "needs --exclusive" in r.err
     r = replay.ctl("alloc", "--gpus", "1", "--exclusive", "--exclusive-scope", "host")
     assert r.rc == 2 and "pid:N" in r.err
+    r = replay.ctl("alloc", "--gpus", "1", "--exclusive", "--exclusive-scope", "cgroup:/../x")
+    assert r.rc == 2 and "'..'" in r.err
     assert leases_of(replay) == []
 
 

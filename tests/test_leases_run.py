@@ -88,3 +88,15 @@ def test_run_on_replay_sets_env_but_applies_nothing(daemon_factory) -> None:
     assert lines[1] == "cvd=0,1"
     assert lines[3] == "0"  # no memory policy either
     assert "nothing was applied" in r.err
+
+
+def test_exclusive_scope_that_does_not_exist_leaves_no_lease(daemon, tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    r = daemon.ctl("alloc", "--cpus", "1", "--exclusive", "--exclusive-scope",
+                   f"pid:{gone.pid}")
+    assert r.rc == 2 and f"no process {gone.pid}" in r.err
+    r = daemon.ctl("alloc", "--cpus", "1", "--exclusive", "--exclusive-scope",
+                   f"cgroup:/tunerd-test-none-{os.getpid()}")
+    assert r.rc == 2 and "no such cgroup" in r.err
+    assert leases_of(daemon) == []

@@ -219,7 +219,12 @@ class LeaseService:
                                tag=tag)
         self.leases[rec["id"]] = rec
         self.d.state.save()
-        await self._exclusive(rec, None, peer)
+        try:
+            await self._exclusive(rec, None, peer)
+        except BaseException:
+            self._drop(rec["id"])  # nothing half-made: no lease without its exclusivity
+            raise
+        self.d.state.save()
         log.info("lease %s for %s: GPUs %s CPUs %s", rec["id"], rec["user"], rec["gpus"],
                  rec["cpus"])
         return self._public(rec)
