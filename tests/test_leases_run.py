@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,37 @@ def test_exclusive_scope_that_does_not_exist_leaves_no_lease(daemon, tmp_path: P
                    f"cgroup:/tunerd-test-none-{os.getpid()}")
     assert r.rc == 2 and "no such cgroup" in r.err
     assert leases_of(daemon) == []
+
+
+CPUSET = Path("/sys/fs/cgroup/cpuset")
+
+
+@pytest.mark.skipif(not (CPUSET / "cpuset.cpus").exists() or len(HOST_CPUS) < 2,
+                    reason="needs a cgroup v1 cpuset hierarchy and 2 CPUs")
+def test_run_exclusive_with_a_cgroup_scope(daemon) -> None:
+    cg = CPUSET / f"tunerd-test-excl-{os.getpid()}"
+    cg.mkdir()
+    bystander = None
+    try:
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            (cg / f).write_text((CPUSET / f).read_text())
+        bystander = spawn(["sleep", "60"])
+        (cg / "cgroup.procs").write_text(str(bystander.pid))
+        r = daemon.ctl("run", "--cpus", "1", "--exclusive", "--exclusive-scope",
+                       f"cgroup:/{cg.name}", "--", "sh", "-c",
+                       f"grep Cpus_allowed_list /proc/{bystander.pid}/status; "
+                       "grep Cpus_allowed_list /proc/self/status")
+        assert r.rc == 0, r.err
+        theirs, mine = (parse_cpulist(ln.split(":", 1)[1]) for ln in r.out.splitlines())
+        assert theirs == HOST_CPUS - mine
+        assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
+                        10)
+    finally:
+        if bystander is not None:
+            kill(bystander)
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:  # busy until the killed process is fully gone
+                time.sleep(0.05)
