@@ -135,3 +135,26 @@ def test_run_exclusive_with_a_cgroup_scope(daemon) -> None:
                 break
             except OSError:  # busy until the killed process is fully gone
                 time.sleep(0.05)
+
+
+@pytest.mark.skipif(len(HOST_CPUS) < 2, reason="needs 2 CPUs")
+def test_moves_are_put_back_after_a_daemon_crash(daemon) -> None:
+    bystander = spawn(["sleep", "60"])
+    job = subprocess.Popen([sys.executable, "-m", "tunerd.cli.main", "--socket",
+                            str(daemon.socket), "run", "--cpus", "1", "--exclusive",
+                            "--exclusive-scope", f"pid:{bystander.pid}", "--", "sleep", "60"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: len(parse_cpulist(cpus_allowed(bystander.pid) or "")) == 1, 15)
+        daemon.kill9()
+        job.kill()  # the job ends while no daemon is watching
+        job.wait()
+        daemon.start()
+        assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
+                        10), daemon.log()
+        assert leases_of(daemon) == []
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        kill(bystander)
