@@ -66,8 +66,10 @@ def test_bind_sets_every_thread_and_nofile_then_unbind_restores(daemon: DaemonPr
 
         u = daemon.ctl("unbind", str(p.pid))
         assert u.rc == 0, u.err
+        assert u.out.strip() == f"unbound pid {p.pid}: restored 41 threads"
         assert snapshot(p.pid) == before
         assert jobs_pids(daemon) == []
+        assert daemon.ctl("jobs").out.strip() == "no bound processes"
 
 
 def test_threads_created_during_bind_are_bound(daemon: DaemonProc) -> None:

@@ -685,8 +685,14 @@ class Binder:
                 orig.cpuset_base.attach(t.pid)  # resets every mask to the base cpuset
             except ProcessLookupError:
                 raise NoSuchProcess(f"process {t.pid} exited", pid=t.pid) from None
-            if not orig.cpuset_child.remove():
-                notes.append(f"child cpuset {orig.cpuset_child.dir} still busy; left in place")
+            except OSError as err:  # e.g. the scheduler removed the job's cgroup meanwhile
+                notes.append(f"could not move pid {t.pid} back to cpuset "
+                             f"{orig.cpuset_base.path} ({err}); it stays in "
+                             f"{orig.cpuset_child.path}")
+            else:
+                if not orig.cpuset_child.remove():
+                    notes.append(f"child cpuset {orig.cpuset_child.dir} still busy; "
+                                 "left in place")
             notes.append("pages moved by --mems stay where they are")
         if not orig.affinity_set:
             return {"pid": t.pid, "threads": len(self.tids(t.pid)), "notes": notes}
