@@ -117,7 +117,7 @@ class RuleSet:
     """All rules of the policy in force, with a one-regex early reject."""
 
     def __init__(self, rules: list[JobRule], proc: str = procfs.PROC) -> None:
-        self.rules = [r for r in rules if r.placement != "none" or r.cpus is not None]
+        self.rules = rules
         self.proc = proc
         # A rule without a cmdline glob must look at every exec; otherwise one
         # regex built from every rule's globs rejects unrelated commands at once.
