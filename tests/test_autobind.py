@@ -250,3 +250,24 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
             except ProcessLookupError:
                 pass
         launcher.wait()
+
+
+def test_a_rule_that_cannot_be_placed_reports_once(tmp_path: Path, daemon_factory) -> None:
+    import signal as sig
+
+    exe = unique_sleeper(tmp_path, f"ab_fail_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", _rule("too-big", exe, "gpus = 9"))
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
+    p = spawn([str(exe), "30"], {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        st = wait_for(lambda: (s := autobind_status(d))["failed"] and s, 10)
+        assert st and st["failed"] == 1
+        assert f"rule too-big, pid {p.pid}: need 9 GPU(s)" in st["last_error"]
+        errors = d.ctl("--json", "status").json()["errors"]
+        assert any(e["source"] == "autobind" and "too-big" in e["message"] for e in errors)
+        d.signal(sig.SIGHUP)  # reload -> rescan: the same process is not retried
+        time.sleep(1.0)
+        assert autobind_status(d)["failed"] == 1
+        assert cpus_allowed(p.pid) is not None
+    finally:
+        kill(p)

@@ -68,6 +68,9 @@ class AutoBinder:
         self.failed = 0
         self.last_error: str | None = None
         self._pending: dict[int, asyncio.Task[None]] = {}
+        # pid -> start time of processes whose binding failed: not retried (a /proc
+        # scan or an overrun rescan would otherwise repeat the same error forever)
+        self._failed: dict[int, int] = {}
         # exec event handled -> CPUs bound, as the daemon sees it (the last 1000)
         self.latencies_ms: deque[float] = deque(maxlen=1000)
 
@@ -202,7 +205,7 @@ class AutoBinder:
         pid = m.pid
         try:
             start = procfs.read_start_time(pid)
-            if start is None:
+            if start is None or self._failed.get(pid) == start:
                 return
             prev = self.bound.get(pid)
             if prev is not None and prev.start_time == start and prev.rule == m.rule.name:
@@ -256,17 +259,26 @@ class AutoBinder:
         except NoSuchProcess:
             self._forget(pid)  # exited before we got to it: the normal case for short jobs
         except TunerdError as err:
+            self._remember_failure(pid)
             self.failed += 1
             self.last_error = f"rule {m.rule.name}, pid {pid}: {err.message}"
             self.d.record_error("autobind", self.last_error)
             self._forget(pid)
         except Exception as err:
+            self._remember_failure(pid)
             self.failed += 1
             self.last_error = f"rule {m.rule.name}, pid {pid}: {err!r}"
             log.exception("automatic binding of pid %d failed", pid)
             self._forget(pid)
         finally:
             self._pending.pop(pid, None)
+
+    def _remember_failure(self, pid: int) -> None:
+        start = procfs.read_start_time(pid)
+        if start is not None:
+            if len(self._failed) > 10_000:
+                self._failed.clear()
+            self._failed[pid] = start
 
     def _watch(self, pid: int, start: int) -> None:
         if not self.leases.pidwatch.watch(pid, start, "rule", self._exited):
