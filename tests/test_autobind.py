@@ -271,3 +271,21 @@ def test_a_rule_that_cannot_be_placed_reports_once(tmp_path: Path, daemon_factor
         assert cpus_allowed(p.pid) is not None
     finally:
         kill(p)
+
+
+def test_leases_avoid_what_exclusive_rule_jobs_use(tmp_path: Path, daemon_factory) -> None:
+    exe = unique_sleeper(tmp_path, f"ab_hold_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", _rule("held", exe, "exclusive = true"))
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
+    p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+    try:
+        got = wait_for(lambda: autobind_status(d)["bound"], 10)
+        assert got and got[0]["gpus"] == [0]
+        rank_cpus = parse_cpulist(got[0]["cpus"])
+        r = d.ctl("alloc", "--gpus", "8")
+        assert r.rc == 1 and f"held by pid {p.pid} (rule held)" in r.err
+        lease = d.ctl("alloc", "--gpus", "3", "--json").json()
+        assert 0 not in lease["gpus"]
+        assert not parse_cpulist(lease["cpus"]) & rank_cpus
+    finally:
+        kill(p)

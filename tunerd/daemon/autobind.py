@@ -54,6 +54,7 @@ class RuleBound:
     exec_seen: float  # time.monotonic() of the exec event
     bound_at: float | None = None
     timing: dict[str, Any] | None = None
+    exclusive: bool = False  # its CPUs are off limits to leases and other rules
 
 
 class AutoBinder:
@@ -147,6 +148,14 @@ class AutoBinder:
             return f"{m.rule.name}/{run_id}"
         return f"{m.rule.name}/ppid {procfs.read_ppid(m.pid)}"
 
+    def busy_gpus(self) -> dict[int, str]:
+        return {g: f"pid {b.pid} (rule {b.rule})" for b in self.bound.values() for g in b.gpus}
+
+    def exclusive_cpus(self) -> dict[int, str]:
+        """CPUs held by processes of exclusive rules (placements must avoid them)."""
+        return {c: f"pid {b.pid} (rule {b.rule}, exclusive)" for b in self.bound.values()
+                if b.exclusive for c in b.cpus}
+
     def _lease_cpus_above(self, pid: int) -> frozenset[int] | None:
         """CPUs of the `tunerctl run` lease this process descends from, if any."""
         holders = {r["pid"]: r for r in self.leases.leases.values() if r.get("pid")}
@@ -186,9 +195,7 @@ class AutoBinder:
         if gpu_ids:
             kw: dict[str, Any] = {"gpus": len(gpu_ids), "gpu_ids": gpu_ids, "busy": {}}
         elif rule.gpus:
-            busy = {**self.leases.busy_gpus(),
-                    **{g: f"rank pid {b.pid}" for b in self.bound.values() for g in b.gpus}}
-            kw = {"gpus": int(rule.gpus), "busy": busy}
+            kw = {"gpus": int(rule.gpus), "busy": self.leases.busy_gpus()}
         else:
             kw = {"gpus": 0}
         try:
@@ -217,15 +224,17 @@ class AutoBinder:
                 return
             group = self._group(m)
             if job is not None and prev is None:  # bound before a daemon restart: adopt
-                self.bound[pid] = RuleBound(pid, start, m.rule.name, group,
-                                            parse_cpulist(str(job.get("cpus") or "")),
-                                            tuple(job.get("gpus") or ()), True, (), seen)
+                self.bound[pid] = RuleBound(
+                    pid, start, m.rule.name, group, parse_cpulist(str(job.get("cpus") or "")),
+                    tuple(job.get("gpus") or ()), True, (), seen,
+                    exclusive=m.rule.exclusive or m.rule.placement == "exclusive")
                 self._watch(pid, start)
                 return
             placed = self._place(m, group)
             # reserve before the first await so concurrent ranks see these CPUs taken
             rb = RuleBound(pid, start, m.rule.name, group, placed.cpus, placed.gpus,
-                           placed.applicable, placed.notes, seen)
+                           placed.applicable, placed.notes, seen,
+                           exclusive=m.rule.exclusive or m.rule.placement == "exclusive")
             self.bound[pid] = rb
             self._watch(pid, start)
             if not placed.applicable:

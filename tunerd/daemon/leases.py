@@ -123,11 +123,17 @@ class LeaseService:
         return who + ")"
 
     def busy_gpus(self) -> dict[int, str]:
-        return {g: self._holder(r) for r in self.leases.values() for g in r["gpus"]}
+        """GPUs held by leases, and used by processes that rules bound near them."""
+        out = self.autobind.busy_gpus()
+        out.update({g: self._holder(r) for r in self.leases.values() for g in r["gpus"]})
+        return out
 
     def exclusive_cpus(self, soft: bool = False) -> dict[int, str]:
-        """CPUs no other placement may take (``soft``: also every non-exclusive lease's)."""
-        out: dict[int, str] = {}
+        """CPUs no other placement may take (``soft``: also every non-exclusive lease's).
+
+        Exclusive leases and processes bound by exclusive rules hold theirs.
+        """
+        out: dict[int, str] = self.autobind.exclusive_cpus()
         for r in self.leases.values():
             if r.get("exclusive") or soft:
                 for c in parse_cpulist(r["cpus"]):
