@@ -59,7 +59,6 @@ CN_VAL_PROC = 1
 NLMSG_DONE = 3
 PROC_CN_MCAST_LISTEN = 1
 PROC_CN_MCAST_IGNORE = 2
-PROC_EVENT_NONE = 0x00000000  # the kernel's ack of a LISTEN/IGNORE request
 PROC_EVENT_EXEC = 0x00000002
 PROC_EVENT_EXIT = 0x80000000
 SO_ATTACH_FILTER = 26
@@ -223,18 +222,16 @@ class ProcConnector:
             self._sock = None
             raise ConnectorUnavailable(err.errno, f"proc connector: {err.strerror}") from err
 
-    def _subscribe(self, op: int) -> int:
-        """Send LISTEN/IGNORE; returns the sequence number the kernel's ack will carry."""
+    def _subscribe(self, op: int) -> None:
+        """Send LISTEN or IGNORE to the proc connector."""
         assert self._sock is not None
-        seq = int.from_bytes(os.urandom(4), "little") or 1
         self.kernel_filter = kernel_has_event_filter()
         # struct proc_input {mcast_op, event_type} on >= 6.6, a bare mcast_op before
         payload = (struct.pack("II", op, self.events) if self.kernel_filter
                    else struct.pack("I", op))
-        cn = struct.pack("IIIIHH", CN_IDX_PROC, CN_VAL_PROC, seq, 0, len(payload), 0) + payload
+        cn = struct.pack("IIIIHH", CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(payload), 0) + payload
         msg = struct.pack("IHHII", 16 + len(cn), NLMSG_DONE, 0, 0, 0) + cn
         self._sock.send(msg)
-        return seq
 
     def fileno(self) -> int:
         assert self._sock is not None
