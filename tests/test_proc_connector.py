@@ -19,7 +19,7 @@ from tunerd.watch.proc_connector import (
     kernel_has_event_filter,
 )
 
-pytestmark = pytest.mark.root  # subscribing to the proc connector needs CAP_NET_ADMIN
+ROOT = pytest.mark.root  # subscribing to the proc connector needs CAP_NET_ADMIN
 
 
 def drain(conn: ProcConnector, until: float = 0.3) -> list[ProcEvent]:
@@ -45,6 +45,7 @@ def test_filter_program_is_valid_bpf() -> None:
         assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 64
 
 
+@ROOT
 def test_exec_events_for_spawned_processes() -> None:
     conn = ProcConnector(PROC_EVENT_EXEC)
     conn.open()
@@ -66,6 +67,7 @@ def test_exec_events_for_spawned_processes() -> None:
         assert sum(1 for e in execs if e.tgid == pid) == 1
 
 
+@ROOT
 def test_exit_events_only_for_thread_group_leaders() -> None:
     conn = ProcConnector(PROC_EVENT_EXEC | PROC_EVENT_EXIT)
     conn.open()
@@ -86,6 +88,7 @@ def test_exit_events_only_for_thread_group_leaders() -> None:
     assert all(e.pid == e.tgid for e in events if e.what == PROC_EVENT_EXIT)
 
 
+@ROOT
 def test_exec_watcher_on_the_loop() -> None:
     seen: list[int] = []
     rescans: list[int] = []
@@ -125,6 +128,7 @@ def test_exec_watcher_fallback_scans_proc() -> None:
     assert len(rescans) >= 2
 
 
+@ROOT
 def test_overrun_is_reported_and_triggers_one_rescan() -> None:
     conn = ProcConnector(PROC_EVENT_EXEC, rcvbuf=1)  # the kernel rounds up to its minimum
     conn.open()
@@ -156,6 +160,7 @@ def test_overrun_is_reported_and_triggers_one_rescan() -> None:
     assert rescans
 
 
+@ROOT
 def test_bursts_are_read_in_batches() -> None:
     seen: set[int] = set()
 
@@ -185,6 +190,7 @@ def test_bursts_are_read_in_batches() -> None:
     assert w.wakeups < w.events / 2, (w.wakeups, w.events)
 
 
+@ROOT
 def test_unprivileged_listener_is_refused_and_watcher_falls_back(unpriv_user) -> None:
     from tests.helpers import run_as
     from tunerd.watch.proc_connector import ConnectorUnavailable, listen_refusal
@@ -213,6 +219,7 @@ def test_unprivileged_listener_is_refused_and_watcher_falls_back(unpriv_user) ->
     assert mode == "proc-scan" and reason and "CAP_NET_ADMIN" in reason
 
 
+@ROOT
 @pytest.mark.skipif(not kernel_has_event_filter(), reason="kernel < 6.6: no proc_input filter")
 def test_kernel_event_filter_works_without_bpf(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ask the kernel for exec events only, with a BPF filter that would pass exits too."""
