@@ -32,6 +32,10 @@ LAZY_COMMANDS: dict[str, str] = {
     # -- topology:
     "topology": "tunerd.cli.cmd_topology:topology",
     # -- leases:
+    "alloc": "tunerd.cli.cmd_leases:alloc",
+    "release": "tunerd.cli.cmd_leases:release",
+    "run": "tunerd.cli.cmd_leases:run",
+    "leases": "tunerd.cli.cmd_leases:leases",
     # -- monitor:
     # -- end
 }

@@ -44,6 +44,7 @@ SERVICE_FACTORIES: list[str] = [
     # -- host settings:
     "tunerd.daemon.host:HostSettings",
     # -- leases / exec watcher:
+    "tunerd.daemon.leases:LeaseService",
     # -- monitor:
     # -- end
 ]

@@ -53,15 +53,18 @@ async def bind(d: Daemon, req: Request) -> dict[str, Any]:
             placed = await jobs.placer(pid=pid, peer=req.peer,
                                        gpus=gpu_ids if gpus is not None else None,
                                        exclusive=exclusive)
-            if placed is None:
-                raise UsageError(NO_PLACEMENT)
-            if cpus is None:
-                cpus = frozenset(placed.get("cpus") or ())
-                if not cpus:
-                    raise UsageError(f"GPU placement gave no CPUs for pid {pid}")
-            if mems is None and placed.get("mems"):  # none known (e.g. replay): leave memory
-                mems = frozenset(placed["mems"])
-            gpu_ids = tuple(placed.get("gpus") or gpu_ids)
+            if placed is None:  # the process uses no GPU (or is bound already)
+                if nofile is None or gpus is not None:
+                    raise UsageError(NO_PLACEMENT)
+                notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
+            else:
+                if cpus is None:
+                    cpus = frozenset(placed.get("cpus") or ())
+                    if not cpus:
+                        raise UsageError(f"GPU placement gave no CPUs for pid {pid}")
+                if mems is None and placed.get("mems"):  # none known (e.g. replay): leave memory
+                    mems = frozenset(placed["mems"])
+                gpu_ids = tuple(placed.get("gpus") or gpu_ids)
         elif nofile is None or gpus is not None:
             raise UsageError(NO_PLACEMENT)
         else:

@@ -25,6 +25,7 @@ HANDLER_MODULES: list[str] = [
     # -- topology:
     "tunerd.daemon.cmd_topology",
     # -- leases (alloc/release/run):
+    "tunerd.daemon.cmd_leases",
     # -- monitor (metrics/top/advise/doctor):
     # -- end
 ]

@@ -1,0 +1,131 @@
+"""Exec-to-bound latency of automatic binding ([[job]] rules), measured from outside.
+
+A launcher starts N matching processes one after another (subprocess.Popen
+returns once the child has exec'd) and then polls /proc/PID/status as fast as
+it can until Cpus_allowed_list equals the CPU set the rule gives that rank;
+after 1 s the process counts as "never bound". The placement is real: a
+snapshot of this machine plus two recorded GPUs local to its first and last
+CPU, so rank 0 -> first CPU, rank 1 -> last CPU, applied for real.
+
+Two series per run: starts back to back (the next one as soon as the last
+was seen bound and killed) and starts 50 ms apart. Runs twice: state.json on
+the default disk (every bind fsyncs it before
+changing the process) and on tmpfs, to show what the fsync costs. Baseline
+in the same run: the launcher pins the process itself right after the exec
+(the cost of the measurement).
+
+    python bench/autobind.py [--n 200] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _leases_common import Daemon, snapshot_with_gpus_here, summary, write_json
+
+GIVE_UP = 1.0
+SPACING = 0.05  # seconds between starts in the "spaced" series
+
+
+def allowed(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    i = data.find(b"Cpus_allowed_list:")
+    return data[i + 18:data.index(b"\n", i)].strip().decode()
+
+
+def measure(exe: Path, n: int, expected: dict[int, str],
+            pin_self: bool, gap: float = 0.0) -> tuple[list[float], int]:
+    lat: list[float] = []
+    missed = 0
+    for i in range(n):
+        if gap:
+            time.sleep(gap)
+        rank = i % 2
+        p = subprocess.Popen([str(exe), "30"], env={**os.environ, "LOCAL_RANK": str(rank)})
+        t0 = time.perf_counter()
+        if pin_self:
+            os.sched_setaffinity(p.pid, {int(expected[rank])})
+        want = expected[rank]
+        while True:
+            if allowed(p.pid) == want:
+                lat.append((time.perf_counter() - t0) * 1000)
+                break
+            if time.perf_counter() - t0 > GIVE_UP:
+                missed += 1
+                break
+        p.kill()
+        p.wait()
+    return lat, missed
+
+
+def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
+            state_dir: Path | None) -> dict[str, Any]:
+    policy = ('[policy]\nname = "bench"\n\n[[job]]\nname = "bench"\n'
+              f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n')
+    d = Daemon(policy, snap, state_dir=state_dir)
+    try:
+        measure(exe, 10, expected, False)  # warm-up (imports, caches)
+        lat, missed = measure(exe, n, expected, False)
+        spaced, spaced_missed = measure(exe, n, expected, False, SPACING)
+        st = d.status()["services"]["leases"]["autobind"]
+    finally:
+        d.stop()
+    return {"daemon_side_ms": st["latency_ms"],
+            "exec_to_bound_ms": summary(lat), "never_bound": missed,
+            "spaced_exec_to_bound_ms": summary(spaced), "spaced_never_bound": spaced_missed,
+            "watcher": st["watcher"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="tunerd-autobind-"))
+    exe = tmp / f"bench_train_{os.getpid()}"
+    shutil.copy("/bin/sleep", exe)
+    snap, lo, hi = snapshot_with_gpus_here(tmp / "snap.json")
+    expected = {0: str(lo), 1: str(hi)}
+    try:
+        disk = one_run(exe, snap, expected, a.n, None)
+        shm = Path(tempfile.mkdtemp(prefix="tunerd-bench-state-", dir="/dev/shm"))
+        tmpfs = one_run(exe, snap, expected, a.n, shm)
+        base, base_missed = measure(exe, a.n, expected, True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"n": a.n, "state_on_disk": disk, "state_on_tmpfs": tmpfs,
+           "baseline_self_pin_ms": summary(base), "baseline_missed": base_missed}
+    w = disk["watcher"]
+    print(f"automatic binding, {a.n} process starts per run ({w['mode']}, kernel event "
+          f"filter: {w.get('kernel_event_filter')}); exec->bound:")
+    for name, r in (("state.json on disk ", disk), ("state.json on tmpfs", tmpfs)):
+        for series, key, miss in (("back-to-back", "exec_to_bound_ms", "never_bound"),
+                                  (f"{SPACING * 1000:.0f} ms apart", "spaced_exec_to_bound_ms",
+                                   "spaced_never_bound")):
+            s = r[key]
+            print(f"  {name}, {series:12s}: median {s['median']:.2f} ms  p95 {s['p95']:.2f} ms"
+                  f"  p99 {s['p99']:.2f} ms  max {s['max']:.2f} ms  never bound {r[miss]}")
+        s = r["daemon_side_ms"]
+        print(f"  {name}, inside the daemon (exec event handled -> bound, n={s['n']}): "
+              f"median {s['median']:.2f} ms  p99 {s['p99']:.2f} ms")
+    b = res["baseline_self_pin_ms"]
+    print(f"  baseline (launcher pins itself): median {b['median']:.3f} ms  p95 {b['p95']:.3f} "
+          f"ms  p99 {b['p99']:.3f} ms")
+    write_json(a.json, res)
+    missed_all = sum(r[k] for r in (disk, tmpfs) for k in ("never_bound", "spaced_never_bound"))
+    return 0 if missed_all == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

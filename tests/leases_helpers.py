@@ -1,0 +1,113 @@
+"""Helpers for the leases / automatic-binding tests (real daemon, real processes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import FIXTURES, DaemonProc, write_policy
+
+DGX_H100 = FIXTURES / "topologies" / "dgx-h100.json"
+
+
+def cpus_allowed(pid: int) -> str | None:
+    """Cpus_allowed_list of /proc/PID/status (None once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.01) -> Any:
+    """Poll ``cond`` until it returns something truthy; that value, or the last one."""
+    deadline = time.monotonic() + timeout
+    v = cond()
+    while not v and time.monotonic() < deadline:
+        time.sleep(every)
+        v = cond()
+    return v
+
+
+def unique_sleeper(tmp: Path, name: str) -> Path:
+    """A copy of sleep(1) under a test-unique name, so rules match only our processes."""
+    p = tmp / name
+    shutil.copy("/bin/sleep", p)
+    p.chmod(0o755)
+    return p
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+    p.wait()
+
+
+def rule_policy(directory: Path, body: str) -> Path:
+    write_policy(directory, "00-test.toml", '[policy]\nname = "test"\n\n' + body)
+    return directory
+
+
+def leases_of(d: DaemonProc) -> list[dict[str, Any]]:
+    r = d.ctl("--json", "leases")
+    assert r.rc == 0, r.err
+    out: list[dict[str, Any]] = r.json()
+    return out
+
+
+def autobind_status(d: DaemonProc) -> dict[str, Any]:
+    r = d.ctl("--json", "status")
+    out: dict[str, Any] = r.json()["services"]["leases"]["autobind"]
+    return out
+
+
+def open_path_for_others(path: Path) -> None:
+    """Let another user reach ``path`` (a socket in a test tmp dir): o+x on its test dirs.
+
+    Only directories under pytest's own temporary root are touched.
+    """
+    p = path if path.is_dir() else path.parent
+    for d in [p, *p.parents]:
+        if not d.name.startswith("pytest-") and "pytest-of-" not in str(d):
+            break
+        d.chmod(d.stat().st_mode | 0o011)
+        if d.name.startswith("pytest-of-"):
+            break
+
+
+def snapshot_with_gpus_here(path: Path) -> tuple[Path, int, int]:
+    """This machine's real topology plus two recorded GPUs, one local to each end CPU.
+
+    Every CPU of the snapshot exists here, so placements on it are really
+    applied; returns (snapshot path, CPU local to GPU 0, CPU local to GPU 1).
+    """
+    import json
+
+    from tunerd.topology import load_topology
+
+    j = load_topology().to_json()
+    cpus = sorted(c["id"] for c in j["cpus"])
+    lo, hi = cpus[0], cpus[-1]
+    node = next(c["numa_node"] for c in j["cpus"] if c["id"] == lo)
+    tmpl = json.loads(DGX_H100.read_text())["gpus"][0]
+    j["gpus"] = [{**tmpl, "index": i, "uuid": f"GPU-test-{i}",
+                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node,
+                  "local_cpus": str(c)} for i, c in enumerate((lo, hi))]
+    j["links"] = [{"a": 0, "b": 1, "kind": "NVLINK", "nvlinks": 18, "pcie": "NODE"}]
+    j["hostname"] = "this-machine-with-2-gpus"
+    path.write_text(json.dumps(j))
+    return path, lo, hi

@@ -1,0 +1,240 @@
+"""The proc connector watcher against the real kernel: events for processes we spawn."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tunerd.watch.proc_connector import (
+    PROC_EVENT_EXEC,
+    PROC_EVENT_EXIT,
+    ExecWatcher,
+    ProcConnector,
+    ProcEvent,
+    build_filter,
+    kernel_has_event_filter,
+)
+
+ROOT = pytest.mark.root  # subscribing to the proc connector needs CAP_NET_ADMIN
+
+
+def drain(conn: ProcConnector, until: float = 0.3) -> list[ProcEvent]:
+    out: list[ProcEvent] = []
+    deadline = time.monotonic() + until
+    while time.monotonic() < deadline:
+        out += conn.read()
+        time.sleep(0.02)
+    return out
+
+
+def test_kernel_version_gate() -> None:
+    assert kernel_has_event_filter("6.6.0")
+    assert kernel_has_event_filter("6.18.44-fc-v857")
+    assert not kernel_has_event_filter("6.5.13-generic")
+    assert not kernel_has_event_filter("5.15.0")
+    assert not kernel_has_event_filter("weird")
+
+
+def test_filter_program_is_valid_bpf() -> None:
+    for events in (PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_EXEC | PROC_EVENT_EXIT):
+        prog = build_filter(events)
+        assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 64
+
+
+@ROOT
+def test_exec_events_for_spawned_processes() -> None:
+    conn = ProcConnector(PROC_EVENT_EXEC)
+    conn.open()
+    try:
+        pids = []
+        for _ in range(5):
+            p = subprocess.Popen(["/bin/true"])
+            p.wait()
+            pids.append(p.pid)
+        events = drain(conn)
+    finally:
+        conn.close()
+    execs = [e for e in events if e.what == PROC_EVENT_EXEC]
+    seen = {e.tgid for e in execs}
+    assert set(pids) <= seen, f"missing exec events for {set(pids) - seen}"
+    # the BPF filter passes nothing but exec events
+    assert all(e.what == PROC_EVENT_EXEC for e in events)
+    for pid in pids:
+        assert sum(1 for e in execs if e.tgid == pid) == 1
+
+
+@ROOT
+def test_exit_events_only_for_thread_group_leaders() -> None:
+    conn = ProcConnector(PROC_EVENT_EXEC | PROC_EVENT_EXIT)
+    conn.open()
+    try:
+        # a process whose extra threads exit before it does
+        code = ("import threading\n"
+                "ts=[threading.Thread(target=lambda: None) for _ in range(4)]\n"
+                "[t.start() for t in ts]; [t.join() for t in ts]\n")
+        p = subprocess.Popen([sys.executable, "-c", code])
+        p.wait()
+        events = drain(conn)
+    finally:
+        conn.close()
+    mine = [e for e in events if e.tgid == p.pid]
+    assert [e.what for e in mine if e.what == PROC_EVENT_EXEC] == [PROC_EVENT_EXEC]
+    exits = [e for e in mine if e.what == PROC_EVENT_EXIT]
+    assert len(exits) == 1 and exits[0].pid == p.pid  # the 4 thread exits were dropped
+    assert all(e.pid == e.tgid for e in events if e.what == PROC_EVENT_EXIT)
+
+
+@ROOT
+def test_exec_watcher_on_the_loop() -> None:
+    seen: list[int] = []
+    rescans: list[int] = []
+
+    async def main() -> int:
+        w = ExecWatcher(seen.append, lambda: rescans.append(1))
+        w.start()
+        assert w.mode == "proc-connector"
+        p = await asyncio.create_subprocess_exec("/bin/true")
+        await p.wait()
+        for _ in range(100):
+            if p.pid in seen:
+                break
+            await asyncio.sleep(0.01)
+        w.stop()
+        assert w.mode == "stopped"
+        return p.pid
+
+    pid = asyncio.run(main())
+    assert pid in seen
+    assert not rescans
+
+
+def test_exec_watcher_fallback_scans_proc() -> None:
+    rescans: list[float] = []
+
+    async def main() -> str:
+        w = ExecWatcher(lambda pid: None, lambda: rescans.append(time.monotonic()),
+                        scan_interval=0.1, use_connector=False)
+        w.start()
+        await asyncio.sleep(0.35)
+        mode = w.mode
+        w.stop()
+        return mode
+
+    assert asyncio.run(main()) == "proc-scan"
+    assert len(rescans) >= 2
+
+
+@ROOT
+def test_overrun_is_reported_and_triggers_one_rescan() -> None:
+    conn = ProcConnector(PROC_EVENT_EXEC, rcvbuf=1)  # the kernel rounds up to its minimum
+    conn.open()
+    try:
+        for _ in range(150):
+            subprocess.Popen(["/bin/true"]).wait()
+        with pytest.raises(OSError) as info:
+            conn.read()
+        assert type(info.value).__name__ == "Overrun"
+    finally:
+        conn.close()
+
+    rescans: list[int] = []
+
+    async def main() -> None:
+        w = ExecWatcher(lambda pid: None, lambda: rescans.append(1), rcvbuf=1)
+        w.start()
+        # a burst while the loop is blocked and cannot read
+        for _ in range(150):
+            subprocess.Popen(["/bin/true"]).wait()
+        for _ in range(50):
+            if w.overruns:
+                break
+            await asyncio.sleep(0.02)
+        w.stop()
+        assert w.overruns >= 1
+
+    asyncio.run(main())
+    assert rescans
+
+
+@ROOT
+def test_bursts_are_read_in_batches() -> None:
+    seen: set[int] = set()
+
+    async def main() -> tuple[list[int], ExecWatcher]:
+        w = ExecWatcher(seen.add, lambda: None)
+        w.start()
+        loop = asyncio.get_running_loop()
+
+        def spawn_many() -> list[int]:
+            pids = []
+            for _ in range(200):
+                p = subprocess.Popen(["/bin/true"])
+                p.wait()
+                pids.append(p.pid)
+            return pids
+
+        pids = await loop.run_in_executor(None, spawn_many)
+        for _ in range(100):
+            if set(pids) <= seen:
+                break
+            await asyncio.sleep(0.02)
+        w.stop()
+        return pids, w
+
+    pids, w = asyncio.run(main())
+    assert set(pids) <= seen  # nothing lost
+    assert w.wakeups < w.events / 2, (w.wakeups, w.events)
+
+
+@ROOT
+def test_unprivileged_listener_is_refused_and_watcher_falls_back(unpriv_user) -> None:
+    from tests.helpers import run_as
+    from tunerd.watch.proc_connector import ConnectorUnavailable, listen_refusal
+
+    assert listen_refusal() is None  # root, init namespaces: this test's own process
+
+    def as_user() -> tuple[str, str, str | None]:
+        try:
+            ProcConnector().open()
+            opened = "opened"
+        except ConnectorUnavailable as err:
+            opened = f"{err.errno}:{err.strerror}"
+
+        async def main() -> tuple[str, str | None]:
+            w = ExecWatcher(lambda pid: None, lambda: None, scan_interval=0.05)
+            w.start()
+            await asyncio.sleep(0.01)
+            w.stop()
+            return ("proc-scan" if w.scans else "none"), w.reason
+
+        mode, reason = asyncio.run(main())
+        return opened, mode, reason
+
+    opened, mode, reason = run_as(*unpriv_user, as_user)
+    assert opened.startswith("1:") and "CAP_NET_ADMIN" in opened  # EPERM
+    assert mode == "proc-scan" and reason and "CAP_NET_ADMIN" in reason
+
+
+@ROOT
+@pytest.mark.skipif(not kernel_has_event_filter(), reason="kernel < 6.6: no proc_input filter")
+def test_kernel_event_filter_works_without_bpf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ask the kernel for exec events only, with a BPF filter that would pass exits too."""
+    import tunerd.watch.proc_connector as pc
+
+    monkeypatch.setattr(pc, "build_filter",
+                        lambda events: build_filter(PROC_EVENT_EXEC | PROC_EVENT_EXIT))
+    conn = ProcConnector(PROC_EVENT_EXEC)
+    conn.open()
+    try:
+        assert conn.kernel_filter
+        p = subprocess.Popen(["/bin/true"])
+        p.wait()
+        events = drain(conn)
+    finally:
+        conn.close()
+    assert any(e.tgid == p.pid and e.what == PROC_EVENT_EXEC for e in events)
+    assert not [e for e in events if e.what == PROC_EVENT_EXIT]

@@ -1,0 +1,209 @@
+"""tunerctl alloc / release / run / leases.
+
+``run`` is on the job-launch path: stdlib + click only, and ``ctypes`` for
+set_mempolicy just before the exec.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from typing import Any
+
+import click
+
+from tunerd.cli.context import get_ctx
+
+# set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
+_NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
+MPOL_BIND = 2
+
+_COMMON = [
+    click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Number of GPUs."),
+    click.option("--cpus", type=click.IntRange(min=1), default=None,
+                 help="Number of CPUs (default: this node's per-GPU share)."),
+    click.option("--exclusive", is_flag=True,
+                 help="No other lease or rule may use these CPUs."),
+    click.option("--exclusive-scope", metavar="pid:N|cgroup:/PATH", default=None,
+                 help="With --exclusive: also move these processes off the CPUs "
+                      "(restored when the lease ends)."),
+    click.option("--uuids", is_flag=True,
+                 help="CUDA_VISIBLE_DEVICES with GPU UUIDs instead of indices."),
+    click.option("--tag", default=None, metavar="TEXT",
+                 help="Label for `release --tag` (default inside Slurm: slurm:$SLURM_JOB_ID)."),
+]
+_JSON = click.option("--json", "local_json", is_flag=True,
+                     help="JSON output (same as tunerctl --json).")
+
+
+def _common(fn: Any) -> Any:
+    for opt in reversed(_COMMON):
+        fn = opt(fn)
+    return fn
+
+
+def _env(result: dict[str, Any], uuids: bool) -> dict[str, str]:
+    env = dict(result["env"])
+    if uuids and env.get("TUNERD_GPU_UUIDS"):
+        env["CUDA_VISIBLE_DEVICES"] = env["TUNERD_GPU_UUIDS"]
+    return env
+
+
+def _summary(r: dict[str, Any]) -> str:
+    gpus = ",".join(str(g) for g in r["gpus"]) or "none"
+    s = f"lease {r['id']}: GPUs {gpus}, CPUs {r['cpus']}, memory nodes {r['mems']}"
+    if r.get("exclusive"):
+        s += " (exclusive)"
+    return s
+
+
+def _notes(r: dict[str, Any]) -> None:
+    for n in r.get("notes") or []:
+        click.echo(f"tunerctl: note: {n}", err=True)
+
+
+@click.command()
+@_common
+@_JSON
+def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None,
+          uuids: bool, tag: str | None, local_json: bool) -> int:
+    """Reserve GPUs and CPUs without launching; prints shell `export` lines.
+
+    Use as: eval "$(tunerctl alloc --gpus 2)"; end it with `tunerctl release $TUNERD_LEASE`.
+    """
+    ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
+    r = ctx.call("alloc", gpus=gpus, cpus=cpus, exclusive=exclusive,
+                 exclusive_scope=exclusive_scope, tag=_default_tag(tag))
+    r["env"] = _env(r, uuids)
+    if ctx.as_json:
+        ctx.emit(r)
+        return 0
+    for k, v in r["env"].items():
+        click.echo(f"export {k}={shlex.quote(v)}")
+    click.echo(f"# {_summary(r)}")
+    _notes(r)
+    return 0
+
+
+def _default_tag(tag: str | None) -> str | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    return tag if tag is not None else (f"slurm:{job}" if job else None)
+
+
+@click.command()
+@click.argument("lease", required=False)
+@click.option("--tag", default=None, metavar="TEXT",
+              help="Release every lease with this tag (yours; all of them for root).")
+@_JSON
+def release(lease: str | None, tag: str | None, local_json: bool) -> int:
+    """End lease LEASE (e.g. L3), or all leases tagged TEXT, and give the GPUs and CPUs back."""
+    ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
+    if (lease is None) == (tag is None):
+        raise click.UsageError("give either LEASE or --tag TEXT")
+    if tag is not None:
+        r = ctx.call("release", tag=tag)
+        ctx.emit(r, lambda r: "\n".join(f"released {_summary(x)}" for x in r["released"])
+                 or f"no lease tagged {tag}")
+        return 0
+    r = ctx.call("release", lease=lease)
+    ctx.emit(r, lambda r: f"released {_summary(r)}")
+    return 0
+
+
+@click.command()
+@_JSON
+def leases(local_json: bool) -> int:
+    """Current leases."""
+    ctx = get_ctx()
+    ctx.as_json = ctx.as_json or local_json
+    rs = ctx.call("leases")
+
+    def human(rs: list[dict[str, Any]]) -> str:
+        if not rs:
+            return "no leases"
+        return "\n".join(f"{_summary(r)}; {r['user']}"
+                         + (f", pid {r['pid']}" if r.get("pid") else "") for r in rs)
+
+    ctx.emit(rs, human)
+    return 0
+
+
+def set_mempolicy_bind(nodes: set[int]) -> None:
+    """MPOL_BIND this process to ``nodes`` (kept across exec and inherited by children)."""
+    import ctypes
+
+    nr = _NR_SET_MEMPOLICY.get(platform.machine())
+    if nr is None or not nodes:
+        return
+    bits = max(nodes) + 1
+    words = (bits + 63) // 64
+    mask = (ctypes.c_ulong * words)()
+    for n in nodes:
+        mask[n // 64] |= 1 << (n % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # the kernel reads maxnode-1 bits (mm/mempolicy.c get_nodes), hence +1
+    if libc.syscall(nr, MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1)) != 0:
+        err = ctypes.get_errno()
+        click.echo(f"tunerctl: note: set_mempolicy(MPOL_BIND, {sorted(nodes)}): "
+                   f"{os.strerror(err)}", err=True)
+
+
+def _parse_list(text: str) -> set[int]:
+    from tunerd.cpulist import parse_cpulist
+
+    return set(parse_cpulist(text))
+
+
+@click.command(context_settings={"ignore_unknown_options": True,
+                                 "allow_interspersed_args": False})
+@_common
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None, uuids: bool,
+        tag: str | None, command: tuple[str, ...]) -> int:
+    """Allocate, then exec COMMAND bound, with CUDA_VISIBLE_DEVICES set.
+
+    The lease ends when COMMAND exits. COMMAND not found: exit 127.
+    """
+    ctx = get_ctx()
+    argv = list(command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise click.UsageError("run: missing COMMAND")
+    r = ctx.call("run", gpus=gpus, cpus=cpus, exclusive=exclusive,
+                 exclusive_scope=exclusive_scope, command=argv, tag=_default_tag(tag))
+    ctx.client().close()
+    env = _env(r, uuids)
+    os.environ.update(env)
+    if r.get("applied"):
+        # belt and braces: the daemon bound this process already; both are
+        # inherited across exec by COMMAND and its children
+        try:
+            os.sched_setaffinity(0, _parse_list(r["cpus"]))
+        except OSError as err:
+            click.echo(f"tunerctl: note: sched_setaffinity: {err.strerror}", err=True)
+        set_mempolicy_bind(_parse_list(r["mems"]))
+    if ctx.as_json:
+        import json
+
+        click.echo(json.dumps({**r, "env": env}, sort_keys=True), err=True)
+    _notes(r)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except FileNotFoundError:
+        click.echo(f"tunerctl: {argv[0]}: command not found", err=True)
+        return 127
+    except PermissionError as err:
+        click.echo(f"tunerctl: {argv[0]}: {err.strerror}", err=True)
+        return 126
+    except OSError as err:
+        click.echo(f"tunerctl: {argv[0]}: {err.strerror}", err=True)
+        return 126
+    return 0  # not reached
