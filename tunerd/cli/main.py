@@ -26,6 +26,10 @@ LAZY_COMMANDS: dict[str, str] = {
     # -- topology:
     # -- leases:
     # -- monitor:
+    "top": "tunerd.cli.cmd_monitor:top",
+    "metrics": "tunerd.cli.cmd_monitor:metrics",
+    "doctor": "tunerd.cli.cmd_monitor:doctor",
+    "advise": "tunerd.cli.cmd_monitor:advise",
     # -- end
 }
 

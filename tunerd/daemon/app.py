@@ -43,6 +43,7 @@ SERVICE_FACTORIES: list[str] = [
     # -- host settings:
     # -- leases / exec watcher:
     # -- monitor:
+    "tunerd.monitor.service:Monitor",
     # -- end
 ]
 

@@ -23,6 +23,7 @@ HANDLER_MODULES: list[str] = [
     # -- topology:
     # -- leases (alloc/release/run):
     # -- monitor (metrics/top/advise/doctor):
+    "tunerd.monitor.handlers",
     # -- end
 ]
 
