@@ -109,10 +109,10 @@ def probe_torch(python: str, timeout: float, environ: Mapping[str, str]) -> dict
     except ValueError:
         return {"fail": f"torch probe exited {p.returncode}: {p.stderr.strip()[-300:]}"}
     if "import_error" in data:
-        err = data["import_error"]
-        if err.startswith("ModuleNotFoundError") and "'torch'" in err:
+        why = str(data["import_error"])
+        if why.startswith("ModuleNotFoundError") and "'torch'" in why:
             return {"skip": f"torch is not installed for {python}"}
-        return {"fail": f"import torch failed: {err}"}
+        return {"fail": f"import torch failed: {why}"}
     return data
 
 
@@ -130,7 +130,7 @@ def _text(v: Any) -> str:
 # -- GPU stack -----------------------------------------------------------------
 def nvidia_pci_devices(env: Env) -> list[str]:
     base = env.sys_root / "bus/pci/devices"
-    out = []
+    out: list[str] = []
     try:
         names = sorted(os.listdir(base))
     except OSError:

@@ -67,11 +67,11 @@ def doctor(data_dir: Path | None, python: str | None) -> int:
     if python:
         env.python = python
     results = run_checks(data_dir=data_dir or Path.cwd(), env=env)
-    report = {"checks": [r.to_dict() for r in results],
-              "summary": {s: sum(1 for r in results if r.status == s)
-                          for s in ("PASS", "WARN", "FAIL", "SKIP")}}
+    summary = {s: sum(1 for r in results if r.status == s)
+               for s in ("PASS", "WARN", "FAIL", "SKIP")}
+    report = {"checks": [r.to_dict() for r in results], "summary": summary}
     ctx.emit(report, lambda _r: format_report(results))
-    return 1 if report["summary"]["FAIL"] else 0
+    return 1 if summary["FAIL"] else 0
 
 
 def _human_advice(res: dict[str, Any]) -> str:
