@@ -40,6 +40,7 @@ class Service(Protocol):
 # "module:Class" of each service; each class is built as Class(daemon)
 SERVICE_FACTORIES: list[str] = [
     # -- binding:
+    "tunerd.daemon.jobs:JobRegistry",
     # -- host settings:
     # -- leases / exec watcher:
     # -- monitor:

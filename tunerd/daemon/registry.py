@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_core",
     # -- binding (bind/unbind/jobs):
+    "tunerd.daemon.cmd_bind",
     # -- host settings (plan/apply/verify/revert):
     # -- topology:
     # -- leases (alloc/release/run):

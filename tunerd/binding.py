@@ -1,0 +1,648 @@
+"""Apply a placement (CPUs, memory nodes, fd limit) to a running process, and undo it.
+
+Pure mechanism: no daemon, no policy. Roots (``/proc``, ``/sys``) are arguments.
+
+Identity. A PID alone may be reused, so a target is pinned with a pidfd plus the
+start time (field 22 of /proc/PID/stat). The pidfd turns readable when the process
+exits; while it is not readable the PID cannot have been reused. Before each step
+(and before each thread write) the pidfd is polled, and the start time is read
+again before each step, so a reused PID is never touched.
+
+CPUs. ``sched_setaffinity`` works per thread, so every /proc/PID/task/* is set;
+passes repeat until one finds no new thread (threads created while binding), then
+one verification pass re-reads every mask. Requested CPUs are intersected with the
+process's cgroup cpuset (Slurm/Kubernetes), which the kernel would enforce anyway.
+
+Memory nodes. There is no system call to set another process's mempolicy
+(set_mempolicy/mbind act on the caller). What others do, and what is done here:
+ - numad and LSF affinity jobs move a running process into a cpuset cgroup whose
+   cpuset.mems is the target node(s), with memory_migrate set so already-touched
+   pages follow; new allocations are confined by the kernel from then on.
+ - Slurm task/cgroup nests job/step/task cpusets inside its own hierarchy; so the
+   child cpuset is made *under the process's current cpuset cgroup*, keeping the
+   scheduler's hierarchy and accounting intact (tunerd-PID-STARTTIME).
+ - torchrun --numa-binding wraps the command in numactl: only at launch, not for
+   a process already running, so not usable here.
+ - Where no cpuset can be nested (cgroup v2 without the cpuset controller), only
+   migrate_pages(2) is left: pages move, but new allocations are not confined, and
+   the result says so.
+
+Limits. RLIMIT_NOFILE via prlimit(2): soft = N, hard = max(hard, N) (the hard
+limit is never lowered, so restore always works). Raising a hard limit, and
+prlimit on another user's process, need CAP_SYS_RESOURCE.
+
+Everything is validated first; steps then run in order (limits, cpuset, affinity,
+migrate_pages) and a failing step rolls back the earlier ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import resource
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.cpuset import CpusetCgroup, find_cpuset, read_ids
+from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
+
+__all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
+
+CAP_SYS_RESOURCE = 24
+SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
+MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
+
+
+@dataclass
+class Target:
+    """A process pinned by pidfd + start time."""
+
+    pid: int
+    start_time: int
+    pidfd: int
+    uid: int  # real uid
+    euid: int
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    def exited(self) -> bool:
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return bool(p.poll(0))
+
+
+@dataclass
+class Originals:
+    """What bind changed, as it was before the first bind (JSON-able, kept in state)."""
+
+    pid: int
+    start_time: int
+    process_cpus: frozenset[int]
+    threads: dict[int, frozenset[int]] = field(default_factory=dict)
+    nofile: tuple[int, int] | None = None
+    cpuset_base: CpusetCgroup | None = None  # cgroup the process was in
+    cpuset_child: CpusetCgroup | None = None  # the child cpuset tunerd made
+    affinity_set: bool = False  # whether bind changed CPU masks (restore only what changed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "process_cpus": format_cpulist(self.process_cpus),
+            "threads": {str(t): format_cpulist(c) for t, c in self.threads.items()},
+            "nofile": list(self.nofile) if self.nofile else None,
+            "cpuset_base": self.cpuset_base.to_json() if self.cpuset_base else None,
+            "cpuset_child": self.cpuset_child.to_json() if self.cpuset_child else None,
+            "affinity_set": self.affinity_set,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Originals:
+        nof = d.get("nofile")
+        base, child = d.get("cpuset_base"), d.get("cpuset_child")
+        return cls(
+            pid=int(d["pid"]),
+            start_time=int(d["start_time"]),
+            process_cpus=parse_cpulist(d["process_cpus"]),
+            threads={int(t): parse_cpulist(c) for t, c in (d.get("threads") or {}).items()},
+            nofile=(int(nof[0]), int(nof[1])) if nof else None,
+            cpuset_base=CpusetCgroup.from_json(base) if base else None,
+            cpuset_child=CpusetCgroup.from_json(child) if child else None,
+            affinity_set=bool(d.get("affinity_set")),
+        )
+
+    def copy(self) -> Originals:
+        return Originals.from_json(self.to_json())
+
+
+@dataclass
+class Plan:
+    """A validated bind: what will be written, and the originals to save first."""
+
+    target: Target
+    originals: Originals
+    cpus: frozenset[int] | None
+    mems: frozenset[int] | None
+    nofile: tuple[int, int] | None  # new (soft, hard)
+    cpuset: CpusetCgroup | None = None  # child cpuset to create/update and attach to
+    cpuset_cpus: frozenset[int] = frozenset()
+    migrate_from: frozenset[int] | None = None  # migrate_pages fallback: old nodes
+    notes: list[str] = field(default_factory=list)
+    first: bool = True  # False for a re-bind of an already bound process
+
+
+@dataclass
+class BindResult:
+    pid: int
+    cpus: frozenset[int] | None
+    mems: frozenset[int] | None
+    threads: int
+    pages_moved: int | None
+    nofile_old: int | None
+    nofile_new: int | None
+    notes: list[str]
+    elapsed_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "cpus": format_cpulist(self.cpus) if self.cpus is not None else None,
+            "mems": format_cpulist(self.mems) if self.mems is not None else None,
+            "threads": self.threads,
+            "pages_moved": self.pages_moved,
+            "nofile": ({"old": self.nofile_old, "new": self.nofile_new}
+                       if self.nofile_new is not None else None),
+            "notes": self.notes,
+            "elapsed_ms": round(self.elapsed_ms, 3),
+        }
+
+
+def _has_cap(cap: int, proc_root: Path) -> bool:
+    for line in (proc_root / "self" / "status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
+class Binder:
+    def __init__(self, proc_root: Path | str = "/proc", sys_root: Path | str = "/sys") -> None:
+        self.proc = Path(proc_root)
+        self.sys = Path(sys_root)
+
+    # -- reading ---------------------------------------------------------------
+    def start_time(self, pid: int) -> int:
+        """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
+        try:
+            raw = (self.proc / str(pid) / "stat").read_bytes()
+        except (FileNotFoundError, ProcessLookupError) as err:
+            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+        fields = raw[raw.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            raise NoSuchProcess(f"process {pid} has exited", pid=pid)
+        return int(fields[19])  # fields[0] is field 3 (state)
+
+    def owner(self, pid: int) -> tuple[int, int]:
+        """(real uid, effective uid) from /proc/PID/status."""
+        try:
+            text = (self.proc / str(pid) / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError) as err:
+            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+        for line in text.splitlines():
+            if line.startswith("Uid:"):
+                parts = line.split()
+                return int(parts[1]), int(parts[2])
+        raise NoSuchProcess(f"process {pid} has no Uid line (exited?)", pid=pid)
+
+    def tids(self, pid: int) -> list[int]:
+        try:
+            return [int(t) for t in os.listdir(self.proc / str(pid) / "task")]
+        except (FileNotFoundError, ProcessLookupError) as err:
+            raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid) from err
+
+    def online_cpus(self) -> frozenset[int]:
+        return read_ids(self.sys / "devices" / "system" / "cpu" / "online")
+
+    def online_nodes(self) -> frozenset[int]:
+        p = self.sys / "devices" / "system" / "node" / "online"
+        return read_ids(p) if p.exists() else frozenset({0})  # no NUMA: one node 0
+
+    def nr_open(self) -> int:
+        return int((self.proc / "sys" / "fs" / "nr_open").read_text())
+
+    def pages_per_node(self, pid: int) -> dict[int, int]:
+        """Pages of ``pid`` per NUMA node, summed over /proc/PID/numa_maps (N<node>=<pages>)."""
+        out: dict[int, int] = {}
+        try:
+            text = (self.proc / str(pid) / "numa_maps").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return out
+        for line in text.splitlines():
+            for tok in line.split():
+                if tok[0] == "N" and "=" in tok:
+                    node, _, n = tok[1:].partition("=")
+                    if node.isdigit():
+                        out[int(node)] = out.get(int(node), 0) + int(n)
+        return out
+
+    # -- pinning ---------------------------------------------------------------
+    def pin(self, pid: int) -> Target:
+        """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
+        if pid <= 0:
+            raise UsageError(f"invalid pid {pid}")
+        st = self.start_time(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError as err:
+            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+        except OSError as err:
+            if err.errno == errno.EINVAL:  # a thread id, not a process
+                tgid = self._tgid(pid)
+                raise UsageError(f"pid {pid} is a thread of process {tgid}; bind the process",
+                                 pid=pid) from err
+            raise
+        try:
+            if self.start_time(pid) != st:
+                raise NoSuchProcess(f"process {pid} exited while being pinned", pid=pid)
+            uid, euid = self.owner(pid)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Target(pid=pid, start_time=st, pidfd=fd, uid=uid, euid=euid)
+
+    def adopt(self, pid: int, start_time: int) -> Target | None:
+        """Pin ``pid`` only if it is still the process that started at ``start_time``."""
+        try:
+            t = self.pin(pid)
+        except (NoSuchProcess, UsageError):
+            return None
+        if t.start_time != start_time:
+            t.close()
+            return None
+        return t
+
+    def check(self, t: Target) -> None:
+        """Raise NoSuchProcess unless ``t`` is still alive and still the same process."""
+        if t.exited():
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
+        try:
+            st = self.start_time(t.pid)
+        except NoSuchProcess:
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
+        if st != t.start_time:
+            raise NoSuchProcess(f"pid {t.pid} was reused by another process", pid=t.pid)
+
+    def _tgid(self, tid: int) -> str:
+        try:
+            for line in (self.proc / str(tid) / "status").read_text().splitlines():
+                if line.startswith("Tgid:"):
+                    return line.split()[1]
+        except OSError:
+            pass
+        return "?"
+
+    # -- validation --------------------------------------------------------------
+    def prepare(self, t: Target, *, cpus: frozenset[int] | None = None,
+                mems: frozenset[int] | None = None, nofile: int | None = None,
+                previous: Originals | None = None) -> Plan:
+        """Validate a bind and read the originals; changes nothing.
+
+        ``previous``: the originals saved by an earlier bind of the same process
+        (a re-bind keeps them, and stays inside the cpuset the process had first).
+        """
+        notes: list[str] = []
+        if cpus is None and mems is None and nofile is None:
+            raise UsageError("nothing to bind: give cpus, mems or nofile")
+        self.check(t)
+        try:
+            base = (previous.cpuset_base if previous and previous.cpuset_child
+                    else find_cpuset(t.pid, self.proc, self.sys))
+        except (FileNotFoundError, ProcessLookupError):
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
+        online = self.online_cpus()
+        allowed = online & base.effective_cpus() if base else online
+        where = f"cgroup cpuset {base.path}" if base else "online CPUs"
+
+        if cpus is not None:
+            if not cpus:
+                raise UsageError("empty CPU list")
+            offline = cpus - online
+            if offline:
+                raise UsageError(
+                    f"CPU {format_cpulist(offline)} is not online (online: "
+                    f"{format_cpulist(online)})", cpus=format_cpulist(offline))
+            eff = cpus & allowed
+            if not eff:
+                raise UsageError(
+                    f"CPUs {format_cpulist(cpus)} are outside what process {t.pid} may use: "
+                    f"{where} allows {format_cpulist(allowed)}")
+            if eff != cpus:
+                notes.append(f"CPUs {format_cpulist(cpus - eff)} dropped: {where} allows "
+                             f"{format_cpulist(allowed)}")
+            cpus = eff
+
+        plan_cpuset: CpusetCgroup | None = None
+        cpuset_cpus: frozenset[int] = frozenset()
+        migrate_from: frozenset[int] | None = None
+        if mems is not None:
+            if not mems:
+                raise UsageError("empty memory-node list")
+            nodes = self.online_nodes()
+            bad = mems - nodes
+            if bad:
+                raise UsageError(f"NUMA node {format_cpulist(bad)} is not online (online: "
+                                 f"{format_cpulist(nodes)})", mems=format_cpulist(bad))
+            if base is not None:
+                allowed_mems = base.effective_mems()
+                if not mems <= allowed_mems:
+                    raise UsageError(
+                        f"NUMA nodes {format_cpulist(mems - allowed_mems)} are outside cgroup "
+                        f"cpuset {base.path} of process {t.pid} (it allows mems "
+                        f"{format_cpulist(allowed_mems)})")
+            if base is not None and base.can_nest():
+                plan_cpuset = (previous.cpuset_child if previous and previous.cpuset_child
+                               else base.child(f"tunerd-{t.pid}-{t.start_time}"))
+                cpuset_cpus = cpus if cpus is not None else allowed
+            else:
+                migrate_from = nodes - mems
+                why = ("cgroup v2 without the cpuset controller for this process"
+                       if base is not None else "no cpuset cgroup hierarchy is mounted")
+                notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
+                             f"{why}; existing pages moved with migrate_pages(2)")
+        elif previous is not None and previous.cpuset_child is not None and cpus is not None:
+            # a re-bind that changes CPUs must widen/narrow the child cpuset too
+            plan_cpuset = previous.cpuset_child
+            cpuset_cpus = cpus
+
+        new_nofile: tuple[int, int] | None = None
+        old_nofile: tuple[int, int] | None = None
+        if nofile is not None:
+            new_nofile, old_nofile = self._check_nofile(t, nofile)
+
+        if previous is not None:
+            orig = previous.copy()
+            if orig.nofile is None:
+                orig.nofile = old_nofile
+        else:
+            proc_cpus = self._affinity(t, t.pid)
+            orig = Originals(pid=t.pid, start_time=t.start_time, process_cpus=proc_cpus,
+                             nofile=old_nofile)
+            for tid in self.tids(t.pid):
+                try:
+                    orig.threads[tid] = frozenset(os.sched_getaffinity(tid))
+                except ProcessLookupError:
+                    pass
+        if plan_cpuset is not None and orig.cpuset_child is None:
+            orig.cpuset_base, orig.cpuset_child = base, plan_cpuset
+        if cpus is not None or plan_cpuset is not None:
+            orig.affinity_set = True
+        return Plan(target=t, originals=orig, cpus=cpus, mems=mems, nofile=new_nofile,
+                    cpuset=plan_cpuset, cpuset_cpus=cpuset_cpus, migrate_from=migrate_from,
+                    notes=notes, first=previous is None)
+
+    def _affinity(self, t: Target, tid: int) -> frozenset[int]:
+        try:
+            return frozenset(os.sched_getaffinity(tid))
+        except ProcessLookupError:
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
+
+    def _check_nofile(self, t: Target, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        nr_open = self.nr_open()
+        if n < 1:
+            raise UsageError(f"nofile must be at least 1, got {n}")
+        if n > nr_open:
+            raise UsageError(f"nofile {n} is above the kernel maximum fs.nr_open = {nr_open}",
+                             nofile=n, nr_open=nr_open)
+        try:  # the permission check of a read is the same as that of a write
+            soft, hard = resource.prlimit(t.pid, resource.RLIMIT_NOFILE)
+        except ProcessLookupError:
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
+        except PermissionError as err:
+            raise self._prlimit_denied(t, "raising another user's limit") from err
+        if n > hard and not _has_cap(CAP_SYS_RESOURCE, self.proc):
+            raise PermissionDenied(
+                f"prlimit on pid {t.pid} (uid {t.uid}) would fail: EPERM — raising the hard "
+                f"limit {hard} to {n} needs CAP_SYS_RESOURCE, which tunerd does not have",
+                pid=t.pid)
+        return (n, max(hard, n)), (soft, hard)
+
+    def _prlimit_denied(self, t: Target, what: str) -> PermissionDenied:
+        return PermissionDenied(
+            f"prlimit on pid {t.pid} (uid {t.uid}) failed: EPERM — {what} needs "
+            "CAP_SYS_RESOURCE", pid=t.pid)
+
+    # -- applying ----------------------------------------------------------------
+    def apply(self, plan: Plan) -> BindResult:
+        """Carry out ``plan``; on failure undo the steps already done and re-raise."""
+        t0 = time.perf_counter()
+        t = plan.target
+        undo: list[Callable[[], None]] = []
+        nofile_old: int | None = None
+        pages_moved: int | None = None
+        try:
+            if plan.nofile is not None:
+                self.check(t)
+                try:
+                    old = resource.prlimit(t.pid, resource.RLIMIT_NOFILE, plan.nofile)
+                except PermissionError as err:
+                    raise self._prlimit_denied(t, "changing this limit") from err
+                except ProcessLookupError:
+                    raise NoSuchProcess(f"process {t.pid} exited while being bound",
+                                        pid=t.pid) from None
+                nofile_old = old[0]
+                undo.append(lambda: self._set_nofile(t, old))
+            if plan.cpuset is not None:
+                pages_moved = self._apply_cpuset(plan, undo)
+            threads = self._apply_affinity(plan, undo)
+            if plan.migrate_from is not None and plan.mems is not None:
+                pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
+        except BaseException:
+            for fn in reversed(undo):
+                try:
+                    fn()
+                except Exception:  # best effort: report the first error, not the undo's
+                    pass
+            raise
+        return BindResult(
+            pid=t.pid, cpus=plan.cpus, mems=plan.mems, threads=threads,
+            pages_moved=pages_moved, nofile_old=nofile_old,
+            nofile_new=plan.nofile[0] if plan.nofile else None, notes=list(plan.notes),
+            elapsed_ms=(time.perf_counter() - t0) * 1000)
+
+    def _set_nofile(self, t: Target, value: tuple[int, int]) -> None:
+        if not t.exited():
+            resource.prlimit(t.pid, resource.RLIMIT_NOFILE, value)
+
+    def _apply_cpuset(self, plan: Plan, undo: list[Callable[[], None]]) -> int | None:
+        t, child = plan.target, plan.cpuset
+        assert child is not None
+        mems = plan.mems if plan.mems is not None else child.cpus_mems()[1]
+        before = self.pages_per_node(t.pid)
+        self.check(t)
+        base = plan.originals.cpuset_base
+        current = find_cpuset(t.pid, self.proc, self.sys)
+        if child.dir.exists():
+            old_cpus, old_mems = child.cpus_mems()
+            child.set(plan.cpuset_cpus, mems)
+            undo.append(lambda: child.set(old_cpus, old_mems))
+        else:
+            child.create(plan.cpuset_cpus, mems)
+
+            def remove_child() -> None:
+                child.remove()
+
+            undo.append(remove_child)
+        if current is None or current.path != child.path:
+            self.check(t)
+            try:
+                child.attach(t.pid)
+            except ProcessLookupError:
+                raise NoSuchProcess(f"process {t.pid} exited while being bound",
+                                    pid=t.pid) from None
+            back = current or base
+            if back is not None:
+                undo.append(lambda: back.attach(t.pid) if not t.exited() else None)
+        after = self.pages_per_node(t.pid)
+        outside = lambda d: sum(n for node, n in d.items() if node not in mems)  # noqa: E731
+        return max(0, outside(before) - outside(after))
+
+    def _apply_affinity(self, plan: Plan, undo: list[Callable[[], None]]) -> int:
+        """Set every thread's mask; returns the number of live threads bound.
+
+        With no CPUs requested (mems only) each thread gets back the mask it had,
+        which attaching to the child cpuset reset.
+        """
+        t, orig = plan.target, plan.originals
+        if plan.cpus is None and plan.cpuset is None:
+            return len(self.tids(t.pid))
+        done: dict[int, frozenset[int]] = {}  # tid -> mask before this bind
+
+        def want(tid: int) -> frozenset[int]:
+            if plan.cpus is not None:
+                return plan.cpus
+            m = orig.threads.get(tid, orig.process_cpus) & plan.cpuset_cpus
+            return m or plan.cpuset_cpus
+
+        def restore_done() -> None:
+            for tid, mask in done.items():
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    pass
+
+        undo.append(restore_done)
+        self.check(t)
+        verified = False
+        for _ in range(MAX_PASSES):
+            new = [tid for tid in self.tids(t.pid) if tid not in done]
+            if not new:
+                if verified:
+                    break
+                # one verification pass: a thread cloned while its parent was being
+                # set may have copied the old mask before it showed up in task/
+                verified = True
+                for tid in list(done):
+                    try:
+                        if frozenset(os.sched_getaffinity(tid)) != want(tid):
+                            os.sched_setaffinity(tid, want(tid))
+                    except ProcessLookupError:
+                        del done[tid]
+                continue
+            if t.exited():
+                raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
+            for tid in new:
+                try:
+                    before = frozenset(os.sched_getaffinity(tid))
+                    os.sched_setaffinity(tid, want(tid))
+                except ProcessLookupError:
+                    continue  # the thread exited: fine
+                except OSError as err:
+                    raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
+                                 f"{format_cpulist(want(tid))}) failed: "
+                                 f"{errno.errorcode.get(err.errno or 0, err.errno)} "
+                                 f"{err.strerror}", pid=t.pid) from err
+                done[tid] = before
+                if plan.first:  # a re-bind keeps the masks from before the first bind
+                    orig.threads.setdefault(tid, before)
+        else:
+            raise Failed(f"process {t.pid} keeps creating threads; gave up after "
+                         f"{MAX_PASSES} passes", pid=t.pid)
+        # drop threads that have exited meanwhile from the count
+        live = set(self.tids(t.pid))
+        return len(live & set(done)) or len(done)
+
+    def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
+        if not old:
+            return 0
+        before = self.pages_per_node(t.pid)
+        self.check(t)
+        nr = SYS_MIGRATE_PAGES.get(platform.machine())
+        if nr is None:
+            raise Failed(f"migrate_pages: unknown syscall number on {platform.machine()}")
+        maxnode = max(old | new) + 2
+        words = (maxnode + 63) // 64
+        mask_t = ctypes.c_ulong * words
+
+        def mask(ids: frozenset[int]) -> Any:
+            m = mask_t()
+            for i in ids:
+                m[i // 64] |= 1 << (i % 64)
+            return m
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        rc = libc.syscall(ctypes.c_long(nr), ctypes.c_long(t.pid), ctypes.c_ulong(maxnode),
+                          mask(old), mask(new))
+        if rc < 0:
+            e = ctypes.get_errno()
+            raise Failed(f"migrate_pages(pid {t.pid}, {format_cpulist(old)} -> "
+                         f"{format_cpulist(new)}) failed: {os.strerror(e)}", pid=t.pid)
+        after = self.pages_per_node(t.pid)
+        outside = sum(n for node, n in before.items() if node not in new)
+        return max(0, outside - sum(n for node, n in after.items() if node not in new))
+
+    # -- restoring -----------------------------------------------------------------
+    def restore(self, t: Target, orig: Originals) -> dict[str, Any]:
+        """Put back what ``orig`` recorded: cpuset membership, per-thread masks, nofile.
+
+        Threads that appeared since the bind get the process-level original mask.
+        Returns a summary with notes on anything that could not be put back.
+        """
+        notes: list[str] = []
+        self.check(t)
+        if orig.nofile is not None:
+            try:
+                resource.prlimit(t.pid, resource.RLIMIT_NOFILE, orig.nofile)
+            except PermissionError:
+                notes.append(f"nofile not restored to {orig.nofile[0]}/{orig.nofile[1]}: "
+                             "EPERM (raising a hard limit needs CAP_SYS_RESOURCE)")
+            except ProcessLookupError:
+                raise NoSuchProcess(f"process {t.pid} exited", pid=t.pid) from None
+        allowed = self.online_cpus()
+        if orig.cpuset_child is not None and orig.cpuset_base is not None:
+            try:
+                orig.cpuset_base.attach(t.pid)  # resets every mask to the base cpuset
+            except ProcessLookupError:
+                raise NoSuchProcess(f"process {t.pid} exited", pid=t.pid) from None
+            if not orig.cpuset_child.remove():
+                notes.append(f"child cpuset {orig.cpuset_child.dir} still busy; left in place")
+            notes.append("pages moved by --mems stay where they are")
+        if not orig.affinity_set:
+            return {"pid": t.pid, "threads": len(self.tids(t.pid)), "notes": notes}
+        base = find_cpuset(t.pid, self.proc, self.sys)
+        if base is not None:
+            allowed &= base.effective_cpus()
+        restored = 0
+        for tid in self.tids(t.pid):
+            mask = orig.threads.get(tid, orig.process_cpus)
+            eff = mask & allowed or allowed
+            try:
+                os.sched_setaffinity(tid, eff)
+                restored += 1
+            except ProcessLookupError:
+                continue
+            except OSError as err:
+                notes.append(f"thread {tid}: could not restore CPUs {format_cpulist(mask)}: "
+                             f"{err.strerror}")
+            if eff != mask and len(notes) < 20:
+                notes.append(f"thread {tid}: CPUs {format_cpulist(mask - eff)} are no longer "
+                             "allowed; restored the rest")
+        return {"pid": t.pid, "threads": restored, "notes": notes}
+
+    def forget(self, orig: Originals) -> bool:
+        """After the process exited: remove the child cpuset tunerd made (True when gone)."""
+        if orig.cpuset_child is None:
+            return True
+        try:
+            return orig.cpuset_child.remove()
+        except OSError:
+            return False

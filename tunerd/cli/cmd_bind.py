@@ -1,0 +1,117 @@
+"""tunerctl bind | unbind | jobs.
+
+On the start-up path of job prologs: imports click, the stdlib and
+tunerd.cli.context only (tunerd.cpulist, stdlib-only, is imported when a list is
+parsed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from tunerd.cli.context import get_ctx
+
+
+class CpuListType(click.ParamType):
+    """The kernel's cpulist syntax, checked here so a typo never reaches the daemon."""
+
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+
+        try:
+            ids = parse_cpulist(str(value))
+        except CpuListError as err:
+            self.fail(str(err), param, ctx)
+        if not ids:
+            self.fail("empty list", param, ctx)
+        return format_cpulist(ids)
+
+
+CPULIST = CpuListType()
+
+
+def _human_bind(r: dict[str, Any]) -> str:
+    where = []
+    if r.get("cpus") is not None:
+        where.append(f"cpus {r['cpus']}")
+    if r.get("mems") is not None:
+        moved = r.get("pages_moved")
+        where.append(f"mems {r['mems']}" + (f" ({moved} pages moved)" if moved else ""))
+    if r.get("gpus"):
+        where.append("gpus " + ",".join(str(g) for g in r["gpus"]))
+    head = f"bound pid {r['pid']} ({r.get('threads')} threads)"
+    if r.get("dry_run"):
+        head = f"dry run: would bind pid {r['pid']}"
+    text = head + (" to " + ", ".join(where) if where else "")
+    nof = r.get("nofile")
+    if isinstance(nof, dict):
+        text += f"; nofile {nof.get('old')} -> {nof.get('new')}"
+    return "\n".join([text, *(f"note: {n}" for n in r.get("notes") or [])])
+
+
+@click.command()
+@click.argument("pid", type=click.IntRange(min=1))
+@click.option("--cpus", type=CPULIST, help="CPUs to run on (cpulist, e.g. 2-5,8).")
+@click.option("--mems", type=CPULIST, help="NUMA nodes for memory (cpulist); moves pages.")
+@click.option("--gpus", type=CPULIST, help="GPUs the process uses: place near them.")
+@click.option("--nofile", type=click.IntRange(min=1), help="RLIMIT_NOFILE to set.")
+@click.option("--exclusive", is_flag=True, help="Do not share the CPUs with other jobs.")
+def bind(pid: int, cpus: str | None, mems: str | None, gpus: str | None,
+         nofile: int | None, exclusive: bool) -> int:
+    """Pin a running process (all its threads) and set its limits.
+
+    With no --cpus/--mems: near the GPUs it uses (needs GPU placement).
+    """
+    ctx = get_ctx()
+    args: dict[str, Any] = {"pid": pid, "cpus": cpus, "mems": mems, "gpus": gpus,
+                            "nofile": nofile}
+    if exclusive:
+        args["exclusive"] = True
+    ctx.emit(ctx.call("bind", **args), _human_bind)
+    return 0
+
+
+@click.command()
+@click.argument("pid", type=click.IntRange(min=1))
+def unbind(pid: int) -> int:
+    """Restore what bind changed."""
+    ctx = get_ctx()
+
+    def human(r: dict[str, Any]) -> str:
+        return "\n".join([f"unbound pid {r['pid']}: restored {r.get('threads')} threads",
+                          *(f"note: {n}" for n in r.get("notes") or [])])
+
+    ctx.emit(ctx.call("unbind", pid=pid), human)
+    return 0
+
+
+def _human_jobs(r: dict[str, Any]) -> str:
+    rows = [("PID", "NAME", "CPUS", "MEMS", "GPUS", "NOFILE", "THREADS", "ORIGIN", "LEASE")]
+    for j in r.get("jobs") or []:
+        rows.append((str(j["pid"]), str(j.get("name") or "")[:16], j.get("cpus") or "-",
+                     j.get("mems") or "-", ",".join(map(str, j.get("gpus") or [])) or "-",
+                     str(j.get("nofile") or "-"), str(j.get("threads") or "-"),
+                     str(j.get("origin") or ""), str(j.get("lease") or "-")))
+    if len(rows) == 1:
+        out = ["no bound processes"]
+    else:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+               .rstrip() for row in rows]
+    leases = r.get("leases")
+    if leases:
+        out.append(f"{len(leases)} lease(s): see `tunerctl --json jobs`")
+    return "\n".join(out)
+
+
+@click.command()
+def jobs() -> int:
+    """Bound processes and leases."""
+    ctx = get_ctx()
+    ctx.emit(ctx.call("jobs"), _human_jobs)
+    return 0
