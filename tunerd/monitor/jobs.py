@@ -103,8 +103,12 @@ class _JobState:
 
 class JobSampler:
     def __init__(self, proc_root: Path = Path("/proc"), runtime_dir: Path | None = None,
-                 slow_every: int = 10) -> None:
+                 slow_every: int = 10, node_cpus: dict[int, frozenset[int]] | None = None
+                 ) -> None:
         self.proc = Path(proc_root)
+        # NUMA node -> its CPUs: a job bound without --mems counts as local the nodes of
+        # its CPUs (the kernel allocates there first under the default policy)
+        self.node_cpus = node_cpus or {}
         self.runtime_dir = runtime_dir
         self.slow_every = max(1, slow_every)
         self._state: dict[tuple[Any, Any], _JobState] = {}
@@ -160,7 +164,8 @@ class JobSampler:
             cur.numa, cur.runnable, cur.torch = prev.numa, prev.runnable, prev.torch
             cur.slow_at = prev.slow_at
         cpus = _cpuset(rec.get("cpus"))
-        mems = _cpuset(rec.get("mems"))
+        mems = _cpuset(rec.get("mems")) or frozenset(
+            n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
         if prev is None or self._cycle - cur.slow_at >= self.slow_every:
             cur.slow_at = self._cycle
             cur.numa = self._numa(base)
@@ -184,6 +189,7 @@ class JobSampler:
         utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
         return {
             "pid": pid, "start_time": rec.get("start_time"), "name": rec.get("name"),
+            "local_nodes": sorted(mems),
             "uid": status.get("uid"), "cpu_seconds_total": ticks / CLK_TCK,
             "cpus": rec.get("cpus"), "mems": rec.get("mems"), "gpus": gpus,
             "ncpus": len(cpus) or None,

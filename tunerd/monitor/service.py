@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,8 @@ class Monitor:
         self.host = HostSampler()
         # numa_maps and per-thread states every ~10 s whatever the interval
         self.jobs = JobSampler(runtime_dir=cfg.runtime_dir,
-                               slow_every=max(1, round(10.0 / self.interval)))
+                               slow_every=max(1, round(10.0 / self.interval)),
+                               node_cpus=self.host.node_cpus)
         self.history = History(cfg.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
@@ -76,10 +78,25 @@ class Monitor:
         self.registry.register(MonitorCollector(self))
         # tunerd_process_cpu_seconds_total, tunerd_process_resident_memory_bytes, ...
         ProcessCollector(namespace="tunerd", registry=self.registry)
+        self._make_jobs_dir()
         if self.listen is not None:
             self._start_http(*self.listen)
         await self.cycle()  # a first sample before anyone asks
         self._task = asyncio.ensure_future(self._run())
+
+    def _make_jobs_dir(self) -> None:
+        """RUNTIME_DIR/jobs: where jobs drop torch memory stats (tunerd.torch).
+
+        World-writable with the sticky bit, like /tmp: any job may add its own file and
+        nobody may remove another's; the sampler trusts a file only if the job's user
+        owns it (see JobSampler._torch).
+        """
+        d = self.daemon.cfg.runtime_dir / "jobs"
+        try:
+            d.mkdir(exist_ok=True)
+            os.chmod(d, 0o1777)
+        except OSError as err:
+            self.daemon.record_error("monitor", f"cannot create {d}: {err.strerror or err}")
 
     def _start_http(self, host: str, port: int) -> None:
         from prometheus_client import start_http_server
