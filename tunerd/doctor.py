@@ -287,6 +287,17 @@ def pci_bridges(env: Env) -> list[str]:
     return [b for b in names if (_read(base / b / "class") or "").startswith("0x0604")]
 
 
+def acs_source_validation(setpci_out: str) -> bool | None:
+    """ACS Control register (``setpci -s BDF ECAP_ACS+6.w``): bit 0 = Source Validation.
+
+    None when the output is not a register value (no ACS capability, not root).
+    """
+    val = setpci_out.strip()
+    if not re.fullmatch(r"[0-9a-fA-F]{4}", val):
+        return None
+    return bool(int(val, 16) & 0x1)
+
+
 def check_acs(env: Env) -> Check:
     title = "PCIe ACS on bridges (NCCL P2P)"
     bridges = pci_bridges(env)
@@ -303,12 +314,11 @@ def check_acs(env: Env) -> Check:
         except (OSError, subprocess.TimeoutExpired):
             unreadable += 1
             continue
-        val = p.stdout.strip()
-        if p.returncode != 0 or not re.fullmatch(r"[0-9a-fA-F]{4}", val):
+        sv = acs_source_validation(p.stdout) if p.returncode == 0 else None
+        if sv is None:
             unreadable += 1  # no ACS capability on this bridge, or not root
-            continue
-        if int(val, 16) & 0x1:  # ACS Source Validation: peer traffic goes up to the root
-            enabled.append(f"{bdf}={val}")
+        elif sv:  # Source Validation on: peer-to-peer traffic is sent up to the root port
+            enabled.append(f"{bdf}={p.stdout.strip()}")
     if enabled:
         return Check("pcie-acs", title, WARN,
                      f"ACS enabled on {len(enabled)} bridge(s): {', '.join(enabled[:6])}",
