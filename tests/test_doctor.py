@@ -32,7 +32,7 @@ def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> N
     rep = json.loads(r.out)
     assert r.rc == (1 if rep["summary"]["FAIL"] else 0), r.err
     checks = {c["id"]: c for c in rep["checks"]}
-    assert GPU_CHECKS <= set(checks)
+    assert set(checks) >= GPU_CHECKS
     assert {"pcie-acs", "iommu", "data-fs", "data-device", "nofile", "numa-balancing",
             "cpu-governor", "nccl-mtu", "cuda-toolkit", "libcudart"} <= set(checks)
     for c in rep["checks"]:

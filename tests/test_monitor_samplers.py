@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import FIXTURES
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
 from tunerd.monitor.gpu import GpuSampler
@@ -42,11 +43,7 @@ DISK_1 = "259 0 nvme0n1 100 0 2000 0 50 0 1000 0 0 300 0 0 0 0 0\n" \
 DISK_2 = "259 0 nvme0n1 200 0 4000 0 60 0 1200 0 0 800 0 0 0 0 0\n" \
          "259 1 nvme0n1p1 90 0 1800 0 40 0 800 0 0 250 0 0 0 0 0\n" \
          "7 0 loop0 5 0 10 0 0 0 0 0 0 1 0 0 0 0 0\n"
-NET = """Inter-|   Receive                                                |  Transmit
- face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
-    lo:    3193      29    0    0    0     0          0         0     3193      29    0    0    0     0       0          0
-ens1f0: 68801557    1863    2    1    0     0          0         0   124035    1203    0    4    0     0       0          0
-"""
+NET = (FIXTURES / "monitor/net_dev.txt").read_text()  # a recorded /proc/net/dev
 
 
 def make_tree(root: Path, psi: bool = True) -> tuple[Path, Path]:
@@ -112,7 +109,7 @@ def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
 
 
 def test_host_sampler_missing_sources_degrade_independently(tmp_path: Path) -> None:
-    proc, sys_ = make_tree(tmp_path, psi=False)
+    proc, _ = make_tree(tmp_path, psi=False)
     (proc / "diskstats").unlink()
     s = HostSampler(proc_root=proc, sys_root=tmp_path / "nosys").sample()
     assert set(s["unavailable"]) == {"pressure", "disks", "memory"}
