@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def test_torch_probe_never_hangs(tmp_path: Path) -> None:
 
 def test_torch_checks_with_a_real_torch_if_installed() -> None:
     py = os.environ.get("TUNERD_TEST_TORCH_PYTHON", "/work/venv-torch/bin/python")
-    if not os.path.exists(py):
+    if not os.path.exists(py) or subprocess.run([py, "-c", "import torch"],
+                                                capture_output=True).returncode != 0:
         pytest.skip(f"no Python with torch at {py} (set TUNERD_TEST_TORCH_PYTHON)")
     checks = {c.id: c for c in doctor.check_torch(Env(python=py))}
     assert checks["torch"].status == "PASS" and checks["torch"].data["version"]
