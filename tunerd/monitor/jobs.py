@@ -167,7 +167,10 @@ class JobSampler:
         mems = _cpuset(rec.get("mems")) or frozenset(
             n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
         if prev is None or self._cycle - cur.slow_at >= self.slow_every:
-            cur.slow_at = self._cycle
+            # jobs bound together would all take their costly reads in the same cycle;
+            # offsetting by pid spreads them over the slow period (the first read is
+            # still immediate)
+            cur.slow_at = self._cycle - (pid % self.slow_every if prev is None else 0)
             cur.numa = self._numa(base)
             cur.runnable = self._runnable(base)
             cur.torch = self._torch(pid, status.get("uid"))

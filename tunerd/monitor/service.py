@@ -223,6 +223,8 @@ class Monitor:
         where = ("metrics off" if self.listen is None else self.metrics_error
                  or f"metrics on {self.daemon.cfg.metrics_listen}")
         last_cpu = s.get("cpu_seconds")
+        recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
+                        if v == v)  # NaN-free
         return {
             "summary": f"sampling every {self.interval:g} s; {gpu_txt}; "
                        f"{len(s.get('jobs') or [])} job(s); {where}",
@@ -230,6 +232,9 @@ class Monitor:
             "last_sample_cpu_seconds": last_cpu,
             "last_sample_duration_seconds": s.get("duration_seconds"),
             "sample_cpu_seconds_total": self.sample_cpu_seconds_total,
+            # CPU per cycle over the newest (up to 300) cycles: the overhead budget
+            "sample_cpu_seconds_median": recent[len(recent) // 2] if recent else None,
+            "sample_cpu_seconds_p95": recent[int(len(recent) * 0.95)] if recent else None,
             "history_capacity": self.history.capacity,
             "history_bytes": self.history.nbytes(),
             "history_bound_bytes": self.history.bound_bytes(),
