@@ -239,3 +239,45 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
     busy_child.kill()
     busy_child.wait()
     wait_for(lambda: not d.ctl("--json", "top").json()["sample"]["jobs"], 10, "job to leave")
+
+
+REPORTER = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import tunerd.torch
+# what report_memory() writes on a GPU node, with the numbers given directly (no GPU here)
+tunerd.torch.write_stats([{{"device": 0, "reserved_bytes": 60 << 30,
+                           "allocated_bytes": 20 << 30}}])
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.root
+def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
+                                                    tmp_path: Path) -> None:
+    from tests.helpers import REPO
+
+    d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
+    jobs_dir = d.runtime_dir / "jobs"
+    assert jobs_dir.stat().st_mode & 0o7777 == 0o1777
+    p = subprocess.Popen([sys.executable, "-c", REPORTER.format(repo=str(REPO))],
+                         stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TUNERD_RUNTIME_DIR": str(d.runtime_dir)})
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        assert (jobs_dir / f"{p.pid}.json").exists()
+        assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
+
+        def frag() -> Any:
+            res = json.loads(d.ctl("--json", "advise", str(p.pid)).out)
+            fs = [f for j in res.get("jobs", []) for f in j["findings"]
+                  if f["id"] == "gpu-memory-fragmentation"]
+            return fs[0] if fs else None
+
+        f = wait_for(frag, 20, "fragmentation finding")
+        assert f["evidence"]["reserved_bytes"] == 60 << 30
+        assert f["evidence"]["reserved_over_allocated"] == 3.0
+    finally:
+        p.kill()
+        p.wait()

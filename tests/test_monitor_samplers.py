@@ -275,3 +275,19 @@ def test_gpu_sampler_on_replayed_telemetry(nvml_backend: None) -> None:
         {"gpu": 0, "pid": 4242, "used_memory_bytes": 70866960384.0},
         {"gpu": 1, "pid": 4243, "used_memory_bytes": 39728447488.0},
         {"gpu": 1, "pid": 4244, "used_memory_bytes": None}]
+
+
+@pytest.mark.root
+def test_torch_stats_of_another_user_are_ignored(tmp_path: Path) -> None:
+    """RUNTIME_DIR/jobs is world-writable: only the job owner's (or root's) file counts."""
+    (tmp_path / "jobs").mkdir()
+    f = tmp_path / "jobs" / "777.json"
+    f.write_text('{"devices": []}')
+    js = JobSampler(runtime_dir=tmp_path)
+    assert js._torch(777, uid=1000) == {"devices": []}  # root-owned: trusted
+    os.chown(f, 4321, 4321)
+    assert js._torch(777, uid=1000) is None
+    assert js._torch(777, uid=4321) == {"devices": []}
+    link = tmp_path / "jobs" / "778.json"
+    link.symlink_to(f)
+    assert js._torch(778, uid=4321) is None  # never follow a planted link

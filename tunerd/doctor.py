@@ -251,8 +251,9 @@ def check_torch(env: Env) -> list[Check]:
     if t.get("nccl"):
         out.append(Check("nccl", "NCCL version", PASS, f"NCCL {t['nccl']}"))
     else:
+        why = t.get("nccl_error")
         out.append(Check("nccl", "NCCL version", SKIP,
-                         t.get("nccl_error") or "torch was built without NCCL"))
+                         "torch was built without NCCL" + (f" ({why})" if why else "")))
     return out
 
 
