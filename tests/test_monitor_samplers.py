@@ -130,9 +130,9 @@ def test_host_sampler_on_this_machine() -> None:
 def test_parse_psi_and_stat_with_odd_comm() -> None:
     assert parse_psi("some avg10=0.50 avg60=0 avg300=0 total=7\n") == {
         "some_avg10": 0.005, "some_total_seconds": 7e-6}
-    st = parse_stat("42 (a) b (c) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 7 18 999 20")
+    st = parse_stat("42 (a) b (c) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 7 18 999 20 5000")
     assert st["state"] == "R" and st["utime"] == 11 and st["threads"] == 7
-    assert st["start_time"] == 999
+    assert st["start_time"] == 999 and st["rss_pages"] == 5000
 
 
 def test_parse_numa_maps() -> None:
