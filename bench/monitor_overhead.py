@@ -142,17 +142,19 @@ def psutil_sweep_baseline(n: int) -> list[float]:
     return out
 
 
-def scrape_cpu(pid: int, url: str, n: int) -> tuple[float, int]:
-    """CPU seconds ``pid`` spends per scrape of ``url`` (n scrapes, 1 per 0.5 s)."""
+def scrape_cpu(pid: int, url: str, n: int, gap: float = 0.1) -> tuple[float, int]:
+    """CPU seconds ``pid`` spends per scrape of ``url``: n scrapes ``gap`` s apart, minus
+    its own background CPU over as long a quiet period (utime+stime count 10 ms ticks,
+    hence many scrapes)."""
     size = 0
     idle0 = cpu_seconds(pid)
-    time.sleep(0.5 * n)
-    idle = cpu_seconds(pid) - idle0  # its own background CPU over the same time
+    time.sleep(gap * n)
+    idle = cpu_seconds(pid) - idle0
     c0 = cpu_seconds(pid)
     for _ in range(n):
         with urllib.request.urlopen(url, timeout=10) as r:
             size = len(r.read())
-        time.sleep(0.5)
+        time.sleep(gap)
     return max(0.0, (cpu_seconds(pid) - c0 - idle) / n), size
 
 
@@ -229,13 +231,13 @@ def main() -> int:
             "history_bytes": m1["history_bytes"], "history_bound_bytes":
                 m1["history_bound_bytes"], "rss_bytes": rss_bytes(d.proc.pid),
         }
-        per, size = scrape_cpu(d.proc.pid, f"http://127.0.0.1:{port}/metrics", 10)
+        per, size = scrape_cpu(d.proc.pid, f"http://127.0.0.1:{port}/metrics", 100)
         res["tunerd"]["cpu_ms_per_scrape"] = per * 1e3
         res["tunerd"]["scrape_bytes"] = size
         sweep = psutil_sweep_baseline(10)
         res["psutil_sweep"] = {"cpu_ms_median": statistics.median(sweep) * 1e3,
                                "cpu_ms_p95": pct(sweep, 0.95) * 1e3}
-        ne = node_exporter_baseline(10)
+        ne = node_exporter_baseline(100)
         res["node_exporter"] = None if ne is None else {
             "cpu_ms_per_scrape": ne["cpu_seconds_per_scrape"] * 1e3, "bytes": ne["bytes"]}
         for j in jobs:
