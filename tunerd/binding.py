@@ -45,17 +45,18 @@ import resource
 import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.cpuset import CpusetCgroup, find_cpuset, read_ids
+from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
 from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
 CAP_SYS_RESOURCE = 24
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
 SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
 MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
 
@@ -70,15 +71,20 @@ class Target:
     uid: int  # real uid
     euid: int
 
+    _poll: Any = field(default=None, repr=False, compare=False)
+
     def close(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+            self._poll = None
 
     def exited(self) -> bool:
-        p = select.poll()
-        p.register(self.pidfd, select.POLLIN)
-        return bool(p.poll(0))
+        """True once the process has exited (its pidfd is readable); one cheap poll(2)."""
+        if self._poll is None:
+            self._poll = select.poll()
+            self._poll.register(self.pidfd, select.POLLIN)
+        return bool(self._poll.poll(0))
 
 
 @dataclass
@@ -99,7 +105,7 @@ class Originals:
             "pid": self.pid,
             "start_time": self.start_time,
             "process_cpus": format_cpulist(self.process_cpus),
-            "threads": {str(t): format_cpulist(c) for t, c in self.threads.items()},
+            "threads": _group_masks(self.threads),
             "nofile": list(self.nofile) if self.nofile else None,
             "cpuset_base": self.cpuset_base.to_json() if self.cpuset_base else None,
             "cpuset_child": self.cpuset_child.to_json() if self.cpuset_child else None,
@@ -110,11 +116,16 @@ class Originals:
     def from_json(cls, d: dict[str, Any]) -> Originals:
         nof = d.get("nofile")
         base, child = d.get("cpuset_base"), d.get("cpuset_child")
+        threads: dict[int, frozenset[int]] = {}
+        for text, tids in (d.get("threads") or {}).items():
+            mask = parse_cpulist(text)
+            for tid in tids:
+                threads[int(tid)] = mask
         return cls(
             pid=int(d["pid"]),
             start_time=int(d["start_time"]),
             process_cpus=parse_cpulist(d["process_cpus"]),
-            threads={int(t): parse_cpulist(c) for t, c in (d.get("threads") or {}).items()},
+            threads=threads,
             nofile=(int(nof[0]), int(nof[1])) if nof else None,
             cpuset_base=CpusetCgroup.from_json(base) if base else None,
             cpuset_child=CpusetCgroup.from_json(child) if child else None,
@@ -122,7 +133,15 @@ class Originals:
         )
 
     def copy(self) -> Originals:
-        return Originals.from_json(self.to_json())
+        return replace(self, threads=dict(self.threads))
+
+
+def _group_masks(masks: dict[int, frozenset[int]]) -> dict[str, list[int]]:
+    """cpulist -> [tid, ...]: threads mostly share one mask, so this stays small."""
+    by_mask: dict[frozenset[int], list[int]] = {}
+    for tid, mask in masks.items():
+        by_mask.setdefault(mask, []).append(tid)
+    return {format_cpulist(m): sorted(tids) for m, tids in by_mask.items()}
 
 
 @dataclass
@@ -167,6 +186,15 @@ class BindResult:
         }
 
 
+def read_proc(path: Path | str) -> bytes:
+    """One read of a small /proc or /sys file (cheaper than Path.read_bytes on hot paths)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
 def _has_cap(cap: int, proc_root: Path) -> bool:
     for line in (proc_root / "self" / "status").read_text().splitlines():
         if line.startswith("CapEff:"):
@@ -178,23 +206,40 @@ class Binder:
     def __init__(self, proc_root: Path | str = "/proc", sys_root: Path | str = "/sys") -> None:
         self.proc = Path(proc_root)
         self.sys = Path(sys_root)
+        self._proc_s = str(self.proc)
+        self._cap_sys_resource: bool | None = None
+
+    def has_cap_sys_resource(self) -> bool:
+        """Whether this process may raise hard limits and prlimit other users (cached)."""
+        if self._cap_sys_resource is None:
+            self._cap_sys_resource = _has_cap(CAP_SYS_RESOURCE, self.proc)
+        return self._cap_sys_resource
 
     # -- reading ---------------------------------------------------------------
-    def start_time(self, pid: int) -> int:
-        """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold spaces)."""
+    def _stat(self, pid: int) -> list[bytes]:
+        """/proc/PID/stat from field 3 (state) on; the comm before it may hold spaces
+        and parentheses, so fields are counted after the last ")"."""
         try:
-            raw = (self.proc / str(pid) / "stat").read_bytes()
+            raw = read_proc(f"{self._proc_s}/{pid}/stat")
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         fields = raw[raw.rindex(b")") + 2:].split()
         if fields[0] in (b"Z", b"X"):
             raise NoSuchProcess(f"process {pid} has exited", pid=pid)
-        return int(fields[19])  # fields[0] is field 3 (state)
+        return fields
+
+    def start_time(self, pid: int) -> int:
+        """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
+        return int(self._stat(pid)[19])
+
+    def is_kernel_thread(self, pid: int) -> bool:
+        """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
+        return bool(int(self._stat(pid)[6]) & PF_KTHREAD)
 
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
         try:
-            text = (self.proc / str(pid) / "status").read_text()
+            text = read_proc(f"{self._proc_s}/{pid}/status").decode()
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         for line in text.splitlines():
@@ -204,8 +249,8 @@ class Binder:
         raise NoSuchProcess(f"process {pid} has no Uid line (exited?)", pid=pid)
 
     def tids(self, pid: int) -> list[int]:
-        try:
-            return [int(t) for t in os.listdir(self.proc / str(pid) / "task")]
+        try:  # a str path: pathlib's joins cost more than the listdir on this hot path
+            return [int(t) for t in os.listdir(f"{self._proc_s}/{pid}/task")]
         except (FileNotFoundError, ProcessLookupError) as err:
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid) from err
 
@@ -239,17 +284,24 @@ class Binder:
         """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
         if pid <= 0:
             raise UsageError(f"invalid pid {pid}")
-        st = self.start_time(pid)
+        fields = self._stat(pid)
+        st = int(fields[19])
+        if int(fields[6]) & PF_KTHREAD:
+            raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
+                             pid=pid)
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as err:
             raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
         except OSError as err:
-            if err.errno == errno.EINVAL:  # a thread id, not a process
-                tgid = self._tgid(pid)
+            # a thread id, not a process: EINVAL on older kernels, ENOENT on newer ones
+            tgid = self._tgid(pid)
+            if tgid not in (str(pid), "?"):
                 raise UsageError(f"pid {pid} is a thread of process {tgid}; bind the process",
                                  pid=pid) from err
-            raise
+            if err.errno in (errno.ENOENT, errno.ESRCH):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
+            raise Failed(f"pidfd_open({pid}) failed: {err.strerror}", pid=pid) from err
         try:
             if self.start_time(pid) != st:
                 raise NoSuchProcess(f"process {pid} exited while being pinned", pid=pid)
@@ -350,7 +402,7 @@ class Binder:
                         f"{format_cpulist(allowed_mems)})")
             if base is not None and base.can_nest():
                 plan_cpuset = (previous.cpuset_child if previous and previous.cpuset_child
-                               else base.child(f"tunerd-{t.pid}-{t.start_time}"))
+                               else base.child(child_name(t.pid, t.start_time)))
                 cpuset_cpus = cpus if cpus is not None else allowed
             else:
                 migrate_from = nodes - mems
@@ -408,7 +460,7 @@ class Binder:
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
         except PermissionError as err:
             raise self._prlimit_denied(t, "raising another user's limit") from err
-        if n > hard and not _has_cap(CAP_SYS_RESOURCE, self.proc):
+        if n > hard and not self.has_cap_sys_resource():
             raise PermissionDenied(
                 f"prlimit on pid {t.pid} (uid {t.uid}) would fail: EPERM — raising the hard "
                 f"limit {hard} to {n} needs CAP_SYS_RESOURCE, which tunerd does not have",
@@ -428,6 +480,15 @@ class Binder:
         undo: list[Callable[[], None]] = []
         nofile_old: int | None = None
         pages_moved: int | None = None
+        masks: dict[int, frozenset[int]] = {}  # tid -> mask before, filled by the affinity step
+
+        def restore_masks() -> None:
+            for tid, mask in masks.items():
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    pass
+
         try:
             if plan.nofile is not None:
                 self.check(t)
@@ -440,17 +501,22 @@ class Binder:
                                         pid=t.pid) from None
                 nofile_old = old[0]
                 undo.append(lambda: self._set_nofile(t, old))
+            # masks are put back after the cpuset undo: moving back resets every mask
+            undo.append(restore_masks)
             if plan.cpuset is not None:
                 pages_moved = self._apply_cpuset(plan, undo)
-            threads = self._apply_affinity(plan, undo)
+            threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
                 pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
-        except BaseException:
+        except BaseException as err:
             for fn in reversed(undo):
                 try:
                     fn()
                 except Exception:  # best effort: report the first error, not the undo's
                     pass
+            if isinstance(err, OSError):  # a cgroup write: name it, as a failure
+                raise Failed(f"binding pid {t.pid} failed, nothing changed: {err}",
+                             pid=t.pid) from err
             raise
         return BindResult(
             pid=t.pid, cpus=plan.cpus, mems=plan.mems, threads=threads,
@@ -495,16 +561,16 @@ class Binder:
         outside = lambda d: sum(n for node, n in d.items() if node not in mems)  # noqa: E731
         return max(0, outside(before) - outside(after))
 
-    def _apply_affinity(self, plan: Plan, undo: list[Callable[[], None]]) -> int:
-        """Set every thread's mask; returns the number of live threads bound.
+    def _apply_affinity(self, plan: Plan, done: dict[int, frozenset[int]]) -> int:
+        """Set every thread's mask for ``plan``; returns the number of live threads bound.
 
+        ``done`` collects tid -> mask before this bind (the caller's undo uses it).
         With no CPUs requested (mems only) each thread gets back the mask it had,
         which attaching to the child cpuset reset.
         """
         t, orig = plan.target, plan.originals
         if plan.cpus is None and plan.cpuset is None:
             return len(self.tids(t.pid))
-        done: dict[int, frozenset[int]] = {}  # tid -> mask before this bind
 
         def want(tid: int) -> frozenset[int]:
             if plan.cpus is not None:
@@ -512,53 +578,59 @@ class Binder:
             m = orig.threads.get(tid, orig.process_cpus) & plan.cpuset_cpus
             return m or plan.cpuset_cpus
 
-        def restore_done() -> None:
-            for tid, mask in done.items():
-                try:
-                    os.sched_setaffinity(tid, mask)
-                except OSError:
-                    pass
-
-        undo.append(restore_done)
         self.check(t)
-        verified = False
-        for _ in range(MAX_PASSES):
-            new = [tid for tid in self.tids(t.pid) if tid not in done]
-            if not new:
-                if verified:
-                    break
-                # one verification pass: a thread cloned while its parent was being
-                # set may have copied the old mask before it showed up in task/
-                verified = True
-                for tid in list(done):
-                    try:
-                        if frozenset(os.sched_getaffinity(tid)) != want(tid):
-                            os.sched_setaffinity(tid, want(tid))
-                    except ProcessLookupError:
-                        del done[tid]
-                continue
-            if t.exited():
-                raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
-            for tid in new:
+        live = self._set_masks(t, want, done, known=orig.threads if plan.first else {},
+                               record=orig.threads if plan.first else None)
+        return len(set(live) & done.keys()) or len(done)
+
+    def _set_masks(self, t: Target, want: Callable[[int], frozenset[int]],
+                   done: dict[int, frozenset[int]], known: dict[int, frozenset[int]],
+                   record: dict[int, frozenset[int]] | None) -> list[int]:
+        """Give every thread of ``t`` the mask ``want(tid)``; returns the last tid listing.
+
+        Passes repeat while they find threads that needed a change: a thread found
+        later that already has its mask was created by a set thread (masks are
+        inherited), so a process that keeps spawning threads still converges. A
+        thread cloned while its parent was being set may have copied the old mask
+        before it showed up in task/; it is new in a later listing, so its mask is
+        read and fixed. ``known``: masks read just before (skips a getaffinity in the
+        first pass); ``record``: where first-seen masks are kept as originals.
+        """
+        quiet = 0
+        live: list[int] = []
+        for n_pass in range(MAX_PASSES):
+            changed = 0
+            live = self.tids(t.pid)
+            for tid in live:
+                if tid in done:
+                    continue
+                w = want(tid)
                 try:
-                    before = frozenset(os.sched_getaffinity(tid))
-                    os.sched_setaffinity(tid, want(tid))
+                    before = (known[tid] if n_pass == 0 and tid in known
+                              else frozenset(os.sched_getaffinity(tid)))
+                    if before != w:
+                        if t.exited():  # before every write: never touch a reused tid
+                            raise NoSuchProcess(f"process {t.pid} exited while being bound",
+                                                pid=t.pid)
+                        os.sched_setaffinity(tid, w)
+                        changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
                 except OSError as err:
                     raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
-                                 f"{format_cpulist(want(tid))}) failed: "
+                                 f"{format_cpulist(w)}) failed: "
                                  f"{errno.errorcode.get(err.errno or 0, err.errno)} "
                                  f"{err.strerror}", pid=t.pid) from err
-                done[tid] = before
-                if plan.first:  # a re-bind keeps the masks from before the first bind
-                    orig.threads.setdefault(tid, before)
-        else:
-            raise Failed(f"process {t.pid} keeps creating threads; gave up after "
-                         f"{MAX_PASSES} passes", pid=t.pid)
-        # drop threads that have exited meanwhile from the count
-        live = set(self.tids(t.pid))
-        return len(live & set(done)) or len(done)
+                done[tid] = known.get(tid, before)
+                if record is not None and (n_pass == 0 or before != w):
+                    record.setdefault(tid, before)
+            # stop after two listings in a row that needed no write: the second one
+            # catches a thread whose clone(2) was still in flight during the first
+            quiet = 0 if changed else quiet + 1
+            if quiet == 2:
+                return live
+        raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
+                     f"after {MAX_PASSES} passes", pid=t.pid)
 
     def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
         if not old:
@@ -613,30 +685,55 @@ class Binder:
                 orig.cpuset_base.attach(t.pid)  # resets every mask to the base cpuset
             except ProcessLookupError:
                 raise NoSuchProcess(f"process {t.pid} exited", pid=t.pid) from None
-            if not orig.cpuset_child.remove():
-                notes.append(f"child cpuset {orig.cpuset_child.dir} still busy; left in place")
+            except OSError as err:  # e.g. the scheduler removed the job's cgroup meanwhile
+                notes.append(f"could not move pid {t.pid} back to cpuset "
+                             f"{orig.cpuset_base.path} ({err}); it stays in "
+                             f"{orig.cpuset_child.path}")
+            else:
+                if not orig.cpuset_child.remove():
+                    notes.append(f"child cpuset {orig.cpuset_child.dir} still busy; "
+                                 "left in place")
             notes.append("pages moved by --mems stay where they are")
         if not orig.affinity_set:
             return {"pid": t.pid, "threads": len(self.tids(t.pid)), "notes": notes}
         base = find_cpuset(t.pid, self.proc, self.sys)
         if base is not None:
             allowed &= base.effective_cpus()
-        restored = 0
-        for tid in self.tids(t.pid):
+        dropped: dict[int, frozenset[int]] = {}
+
+        def want(tid: int) -> frozenset[int]:
             mask = orig.threads.get(tid, orig.process_cpus)
-            eff = mask & allowed or allowed
+            eff = mask & allowed
+            if eff != mask and len(dropped) < 20:
+                dropped[tid] = mask - eff
+            return eff or allowed
+
+        done: dict[int, frozenset[int]] = {}
+        live = self._set_masks(t, want, done, known={}, record=None)
+        notes.extend(f"thread {tid}: CPUs {format_cpulist(m)} are no longer allowed; "
+                     "restored the rest" for tid, m in dropped.items())
+        return {"pid": t.pid, "threads": len(set(live) & done.keys()), "notes": notes}
+
+    def sweep_stale_cpusets(self) -> list[Path]:
+        """Remove child cpusets left by processes that exited while no daemon watched them.
+
+        Only an empty one whose process (pid + start time, from its name) is gone is
+        removed; one being set up for a live process is left alone.
+        """
+        removed: list[Path] = []
+        for d, pid, st in tunerd_children(self.sys):
             try:
-                os.sched_setaffinity(tid, eff)
-                restored += 1
-            except ProcessLookupError:
+                alive = self.start_time(pid) == st
+            except NoSuchProcess:
+                alive = False
+            if alive:
                 continue
-            except OSError as err:
-                notes.append(f"thread {tid}: could not restore CPUs {format_cpulist(mask)}: "
-                             f"{err.strerror}")
-            if eff != mask and len(notes) < 20:
-                notes.append(f"thread {tid}: CPUs {format_cpulist(mask - eff)} are no longer "
-                             "allowed; restored the rest")
-        return {"pid": t.pid, "threads": restored, "notes": notes}
+            try:
+                d.rmdir()
+            except OSError:
+                continue  # still has tasks (or is gone already)
+            removed.append(d)
+        return removed
 
     def forget(self, orig: Originals) -> bool:
         """After the process exited: remove the child cpuset tunerd made (True when gone)."""

@@ -36,12 +36,14 @@ def parse_cpulist(text: str) -> frozenset[int]:
         used = 0
         rng = part
         if ":" in part:
+            # "lo-hi:used/group": the first ``used`` of every ``group`` ids, as in
+            # bitmap_parselist (e.g. 0-1023:2/256 = 0,1,256,257,512,513,768,769)
             rng, _, step = part.partition(":")
-            step_s, sep, used_s = step.partition("/")
+            used_s, sep, group_s = step.partition("/")
             if not sep:
                 raise CpuListError(f"malformed cpulist {text!r}: {part!r} needs ':used/group'")
             used = _num(used_s, text)
-            stride = _num(step_s, text)
+            stride = _num(group_s, text)
             if stride == 0 or used == 0 or used > stride:
                 raise CpuListError(f"malformed cpulist {text!r}: bad stride in {part!r}")
         lo_s, dash, hi_s = rng.partition("-")
@@ -61,7 +63,8 @@ def parse_cpulist(text: str) -> frozenset[int]:
 
 def _num(s: str, text: str) -> int:
     s = s.strip()
-    if not s.isdigit():
+    # str.isdigit() is true for non-ASCII digits too ("\u0663"); the kernel takes ASCII only
+    if not (s.isascii() and s.isdigit()):
         raise CpuListError(f"malformed cpulist {text!r}: {s!r} is not a number")
     return int(s)
 

@@ -28,14 +28,21 @@ from pathlib import Path
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
 
-__all__ = ["CpusetCgroup", "find_cpuset", "read_ids"]
+__all__ = ["CHILD_PREFIX", "CpusetCgroup", "child_name", "find_cpuset", "read_ids",
+           "tunerd_children"]
+
+CHILD_PREFIX = "tunerd-"
 
 # v1 mount points a cpuset hierarchy is found at (relative to SYS/fs/cgroup)
 _V1_DIRS = ("cpuset", "cpu,cpuset", "cpuset,cpu")
 
 
 def read_ids(path: Path) -> frozenset[int]:
-    return parse_cpulist(path.read_text())
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return parse_cpulist(os.read(fd, 1 << 16).decode())
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,41 @@ class CpusetCgroup:
         return cls(int(str(d["version"])), Path(str(d["mount"])), str(d["path"]))
 
 
+def child_name(pid: int, start_time: int) -> str:
+    """Name of the child cpuset made for one process: pid and start time identify it."""
+    return f"{CHILD_PREFIX}{pid}-{start_time}"
+
+
+def tunerd_children(sys_root: Path = Path("/sys")) -> list[tuple[Path, int, int]]:
+    """Every child cpuset tunerd made, anywhere in the cpuset hierarchies: (dir, pid, start).
+
+    Used to sweep the ones left behind by processes that exited while no daemon was
+    running to remove them.
+    """
+    roots = [sys_root / "fs" / "cgroup" / n for n in _V1_DIRS]
+    v2 = v2_mount(sys_root)
+    if v2 is not None:
+        roots.append(v2)
+    found: list[tuple[Path, int, int]] = []
+    stack = [r for r in roots if (r / "cgroup.procs").exists()]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            if e.name.startswith(CHILD_PREFIX):
+                pid_s, _, st_s = e.name[len(CHILD_PREFIX):].partition("-")
+                if pid_s.isdigit() and st_s.isdigit():
+                    found.append((Path(e.path), int(pid_s), int(st_s)))
+                    continue
+            stack.append(Path(e.path))
+    return found
+
+
 def v2_mount(sys_root: Path) -> Path | None:
     """The unified hierarchy: SYS/fs/cgroup (pure v2) or SYS/fs/cgroup/unified (hybrid)."""
     base = sys_root / "fs" / "cgroup"
@@ -169,12 +211,15 @@ def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
             for name in _V1_DIRS:
                 mount = base / name
                 if (mount / "cpuset.cpus").exists():
-                    return CpusetCgroup(1, mount, path)
+                    cg = CpusetCgroup(1, mount, path)
+                    # not in this mount's view (another cgroup namespace): unknown
+                    return cg if cg.dir.is_dir() else None
             return None  # a v1 cpuset hierarchy the daemon cannot see
     if unified is not None:
         v2 = v2_mount(sys_root)
         if v2 is not None:
             ctrls = (v2 / "cgroup.controllers").read_text().split()
             if "cpuset" in ctrls:
-                return CpusetCgroup(2, v2, unified)
+                cg = CpusetCgroup(2, v2, unified)
+                return cg if cg.dir.is_dir() else None
     return None

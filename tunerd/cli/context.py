@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -14,11 +12,12 @@ from tunerd.client import Client
 from tunerd.protocol import TunerdError
 
 
-@dataclass
 class CliContext:
-    socket_path: str | None = None
-    as_json: bool = False
-    _client: Client | None = field(default=None, repr=False)
+    # a plain class, not a dataclass: tunerctl start-up time matters (job prologs)
+    def __init__(self, socket_path: str | None = None, as_json: bool = False) -> None:
+        self.socket_path = socket_path
+        self.as_json = as_json
+        self._client: Client | None = None
 
     def client(self) -> Client:
         if self._client is None:
@@ -31,6 +30,8 @@ class CliContext:
     def emit(self, result: Any, human: Callable[[Any], str | None] | None = None) -> None:
         """Print ``result`` as JSON (--json) or through the ``human`` formatter."""
         if self.as_json or human is None:
+            import json
+
             click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
             return
         text = human(result)
@@ -46,6 +47,8 @@ def get_ctx() -> CliContext:
 
 def report_error(err: TunerdError, as_json: bool) -> None:
     if as_json:
+        import json
+
         click.echo(json.dumps({"ok": False, "error": err.to_dict()}, indent=2, default=str))
     click.echo(f"tunerctl: error: {err.message}", err=True)
     sys.stderr.flush()

@@ -55,8 +55,12 @@ async def bind(d: Daemon, req: Request) -> dict[str, Any]:
                                        exclusive=exclusive)
             if placed is None:
                 raise UsageError(NO_PLACEMENT)
-            cpus = cpus if cpus is not None else frozenset(placed["cpus"])
-            mems = mems if mems is not None else frozenset(placed["mems"])
+            if cpus is None:
+                cpus = frozenset(placed.get("cpus") or ())
+                if not cpus:
+                    raise UsageError(f"GPU placement gave no CPUs for pid {pid}")
+            if mems is None and placed.get("mems"):  # none known (e.g. replay): leave memory
+                mems = frozenset(placed["mems"])
             gpu_ids = tuple(placed.get("gpus") or gpu_ids)
         elif nofile is None or gpus is not None:
             raise UsageError(NO_PLACEMENT)

@@ -43,9 +43,13 @@ class JobRegistry:
         self.binder = binder or Binder()
         self.placer: Placer | None = None  # set by the leases area
         self._targets: dict[int, Target] = {}  # pid -> pinned process with a loop reader
+        self._originals: dict[int, Originals] = {}  # pid -> parsed record["originals"]
         self._callbacks: list[ExitCallback] = []
         self._locks: dict[int, asyncio.Lock] = {}
         self._save_handle: asyncio.TimerHandle | None = None
+        # records of processes that exited while the daemon was down (on_exit is not
+        # called for them: other services may not have started yet); for leases etc.
+        self.dropped_at_start: list[dict[str, Any]] = []
         daemon.jobs = self
 
     @property
@@ -70,12 +74,15 @@ class JobRegistry:
                 log.info("pid %d exited while tunerd was down; dropping its binding", pid)
                 del self._records[key]
                 self._forget(rec)
+                self.dropped_at_start.append(rec)
                 changed = True
                 continue
             self._watch(target)
             log.info("re-adopted binding of pid %d (cpus %s)", pid, rec.get("cpus"))
         if changed:
             self.daemon.state.save()
+        for d in self.binder.sweep_stale_cpusets():
+            log.info("removed child cpuset %s of a process that exited while unwatched", d)
 
     async def policy_changed(self) -> None:
         pass
@@ -103,6 +110,14 @@ class JobRegistry:
     def jobs(self) -> list[dict[str, Any]]:
         return [{k: rec.get(k) for k in _PUBLIC}
                 for rec in sorted(self._records.values(), key=lambda r: int(r["pid"]))]
+
+    def default_nofile(self) -> int | None:
+        """[limits] nofile of the policy in force: for rule/lease binds (the CLI passes
+        --nofile explicitly, so a plain `tunerctl bind` never touches limits)."""
+        policy = getattr(self.daemon, "policy", None)
+        limits = (getattr(policy, "data", None) or {}).get("limits") or {}
+        value = limits.get("nofile")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def authorize(self, pid: int, peer: Peer) -> None:
         """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner)."""
@@ -142,8 +157,13 @@ class JobRegistry:
         prev = self._records.get(key)
         if prev is not None and int(prev["start_time"]) != target.start_time:
             self._drop(key)  # an earlier process with this pid: long gone
+            self._forget(prev)
             prev = None
-        previous = Originals.from_json(prev["originals"]) if prev else None
+        previous: Originals | None = None
+        if prev is not None:
+            previous = self._originals.get(pid)  # parsed once, not on every re-bind
+            if previous is None or previous.start_time != target.start_time:
+                previous = Originals.from_json(prev["originals"])
         if prev is not None:  # keep what was bound before unless changed now
             if cpus is None and prev.get("cpus"):
                 cpus = parse_cpulist(prev["cpus"])
@@ -156,10 +176,11 @@ class JobRegistry:
                     "mems": _fmt(plan.mems), "nofile": nofile,
                     "notes": [*plan.notes, "dry run: nothing was changed"],
                     "elapsed_ms": _ms(t0)}
+        originals_on_disk = prev is not None and plan.originals == previous
         record: dict[str, Any] = {
             "pid": pid, "start_time": target.start_time, "uid": target.uid,
             "name": name if name is not None else (prev or {}).get("name") or self._comm(pid),
-            "cmdline": self._cmdline(pid),
+            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid),
             "cpus": _fmt(plan.cpus), "mems": _fmt(plan.mems),
             "gpus": list(gpus) if gpus else list((prev or {}).get("gpus") or []),
             "nofile": nofile if nofile is not None else (prev or {}).get("nofile"),
@@ -167,11 +188,18 @@ class JobRegistry:
             "lease": lease if lease is not None else (prev or {}).get("lease"),
             "bound_at": time.time(),
             "threads": (prev or {}).get("threads"),
-            "originals": plan.originals.to_json(),
+            "originals": (prev["originals"] if prev is not None and originals_on_disk
+                          else plan.originals.to_json()),
         }
+        n_threads_saved = len(plan.originals.threads)
         self._records[key] = record
         t_save = time.perf_counter()
-        self.daemon.state.save()  # the originals are on disk before anything changes
+        if not originals_on_disk:
+            # The originals are on disk before anything changes. The directory fsync is
+            # skipped: a power loss that could lose the rename also ends the process.
+            self.daemon.state.save(sync_dir=False)
+        # else a re-bind with nothing new to remember: what restore needs is already
+        # on disk, and the new cpus/mems bookkeeping goes out with the deferred save
         save_ms = _ms(t_save)
         try:
             if plan.cpuset is not None or plan.migrate_from is not None:
@@ -185,14 +213,17 @@ class JobRegistry:
                 self._records[key] = prev
             else:
                 self._records.pop(key, None)
-            self.daemon.state.save()
+            if not originals_on_disk:
+                self.daemon.state.save()
             raise
         if target.exited():  # exited during an executor apply: the exit handler may have run
             self._records.pop(key, None)
             self._save_soon()
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
         record["threads"] = result.threads
-        record["originals"] = plan.originals.to_json()  # now with threads born meanwhile
+        if len(plan.originals.threads) != n_threads_saved:  # threads born meanwhile
+            record["originals"] = plan.originals.to_json()
+        self._originals[pid] = plan.originals
         self._save_soon()
         if pid not in self._targets:
             self._watch(target)
@@ -241,6 +272,7 @@ class JobRegistry:
     def _drop(self, key: str) -> dict[str, Any] | None:
         """Forget a record and stop watching its process (state not saved)."""
         rec = self._records.pop(key, None)
+        self._originals.pop(int(key), None)
         target = self._targets.pop(int(key), None)
         if target is not None:
             asyncio.get_running_loop().remove_reader(target.pidfd)

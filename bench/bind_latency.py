@@ -1,0 +1,184 @@
+"""End-to-end latency of `tunerctl bind` on a 64-thread process, next to Python baselines.
+
+Run as root from the repository root:  python bench/bind_latency.py [--runs 40] [--json FILE]
+
+It starts a real tunerd (temporary dirs) and a child with 64 threads, then runs,
+interleaved and with the same interpreter:
+  pass   python -c pass
+  click  python -c "import click"
+  bind   tunerctl bind PID --cpus A|B   (human output; alternating sets, so every call
+         changes something; an untimed --json bind in between supplies the daemon's times)
+`tunerctl` is the installed console script when there is one on PATH, else the same
+entry point the console script calls (python -c 'from tunerd.cli.main import main; main()').
+Daemon-side time is the reply's elapsed_ms (whole handler: pidfd pin, validation,
+every thread's mask, and the state.json write when there is something new to keep);
+apply_ms and save_ms split it. A re-bind keeps the first bind's originals, which are
+on disk already, so its state write is deferred; "first bind" (after an unbind) shows
+the cost with the synchronous write-ahead save (fsync).
+Targets: bind median <= 1.3 x click; daemon side <= 1 ms for 64 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+THREADS = 64
+CHILD = ("import threading\nev = threading.Event()\n"
+         f"for _ in range({THREADS}): threading.Thread(target=ev.wait, daemon=True).start()\n"
+         "print('ready', flush=True)\nev.wait()\n")
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "p95": pct(xs, 95), "min": min(xs), "n": len(xs)}
+
+
+def tunerctl_argv() -> tuple[list[str], str]:
+    exe = shutil.which("tunerctl")
+    if exe:
+        return [exe], f"installed console script {exe}"
+    return ([sys.executable, "-c", "from tunerd.cli.main import main; main()"],
+            "python -c 'from tunerd.cli.main import main; main()' (the console script's "
+            "entry point; tunerd is not installed here)")
+
+
+def wait_socket(sock: Path, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"tunerd did not start (rc {proc.poll()})")
+        time.sleep(0.05)
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
+    dt = (time.perf_counter() - t0) * 1000
+    if p.returncode != 0:
+        raise SystemExit(f"{argv} failed ({p.returncode}): {p.stderr}")
+    return dt, p.stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--json", dest="json_out", type=Path)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root (the daemon binds processes)")
+
+    online = (Path("/sys/devices/system/cpu/online").read_text().strip())
+    cpus = sorted({int(x) for part in online.split(",")
+                   for x in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)})
+    if len(cpus) < 2:
+        raise SystemExit("needs 2 online CPUs to alternate between")
+    half = max(1, len(cpus) // 2)
+    sets = [",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))]
+
+    # An installed tunerctl runs from byte-compiled modules; PYTHONDONTWRITEBYTECODE
+    # (set in some dev shells) would otherwise make every run compile tunerd from source.
+    compileall.compile_dir(str(REPO / "tunerd"), quiet=1)
+    tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-bind-"))
+    (tmp / "policies").mkdir()
+    (tmp / "policies" / "00.toml").write_text('[policy]\nname = "bench"\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "policies"),
+         "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
+         "--metrics-listen", "off", "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        sock = tmp / "run" / "tunerd.sock"
+        wait_socket(sock, daemon)
+        ctl, how = tunerctl_argv()
+        human = [*ctl, "--socket", str(sock), "bind", str(child.pid), "--cpus"]
+        as_json = [*ctl, "--socket", str(sock), "--json", "bind", str(child.pid), "--cpus"]
+        timed([*as_json, sets[1]], env)  # warm-up (first bind also pins and saves originals)
+        results: dict[str, list[float]] = {"pass": [], "click": [], "bind": []}
+        daemon_ms: list[float] = []
+        apply_ms: list[float] = []
+        save_ms: list[float] = []
+        threads = 0
+        for i in range(args.runs):
+            results["pass"].append(timed([sys.executable, "-c", "pass"], env)[0])
+            results["click"].append(timed([sys.executable, "-c", "import click"], env)[0])
+            # timed: the human-output command a user or prolog runs
+            dt = timed([*human, sets[i % 2]], env)[0]
+            results["bind"].append(dt)
+            # untimed: the same operation back to the other set, for the daemon's numbers
+            reply: dict[str, Any] = json.loads(timed([*as_json, sets[(i + 1) % 2]], env)[1])
+            daemon_ms.append(reply["elapsed_ms"])
+            apply_ms.append(reply["apply_ms"])
+            save_ms.append(reply["save_ms"])
+            threads = reply["threads"]
+        # a first bind (after unbind) also reads every thread's original mask and
+        # writes them to state.json with fsync before touching the process
+        first_ms: list[float] = []
+        unbind = [*ctl, "--socket", str(sock), "--json", "unbind", str(child.pid)]
+        for i in range(max(10, args.runs // 3)):
+            timed(unbind, env)
+            first_ms.append(json.loads(timed([*as_json, sets[i % 2]], env)[1])["elapsed_ms"])
+    finally:
+        child.kill()
+        child.wait()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(15)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    out_doc: dict[str, Any] = {
+        "tunerctl": how, "python": sys.executable, "threads": threads, "runs": args.runs,
+        "cpu_sets": sets,
+        "wall_ms": {k: summary(v) for k, v in results.items()},
+        "daemon_ms": summary(daemon_ms), "apply_ms": summary(apply_ms),
+        "save_ms": summary(save_ms), "daemon_first_bind_ms": summary(first_ms),
+    }
+    med = {k: v["median"] for k, v in out_doc["wall_ms"].items()}
+    out_doc["ratio_bind_to_click"] = med["bind"] / med["click"]
+    out_doc["ratio_bind_to_pass"] = med["bind"] / med["pass"]
+    out_doc["targets_met"] = {
+        "bind_median_le_1.3x_click": out_doc["ratio_bind_to_click"] <= 1.3,
+        "daemon_median_le_1ms": out_doc["daemon_ms"]["median"] <= 1.0,
+    }
+
+    print(f"tunerctl: {how}")
+    print(f"target: {threads} threads, alternating cpus {sets[0]} / {sets[1]}, "
+          f"{args.runs} runs each, interleaved")
+    print(f"{'':28}{'median':>9}{'p95':>9}{'min':>9}  (ms)")
+    for k, label in (("pass", "python -c pass"), ("click", 'python -c "import click"'),
+                     ("bind", "tunerctl bind")):
+        s = out_doc["wall_ms"][k]
+        print(f"{label:28}{s['median']:9.1f}{s['p95']:9.1f}{s['min']:9.1f}")
+    for k, label in (("daemon_ms", "daemon side (elapsed_ms)"), ("apply_ms", "  of which apply"),
+                     ("save_ms", "  of which state save"),
+                     ("daemon_first_bind_ms", "daemon side, first bind")):
+        s = out_doc[k]
+        print(f"{label:28}{s['median']:9.3f}{s['p95']:9.3f}{s['min']:9.3f}")
+    print(f"bind / click = {out_doc['ratio_bind_to_click']:.2f}x (target <= 1.3x); "
+          f"bind / pass = {out_doc['ratio_bind_to_pass']:.2f}x; daemon side median "
+          f"{out_doc['daemon_ms']['median']:.3f} ms (target <= 1 ms)")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(out_doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

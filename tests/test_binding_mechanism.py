@@ -1,0 +1,112 @@
+"""Binder on real processes, without the daemon: rollback, identity, migrate_pages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.binding_helpers import CPUSET_ROOT, snapshot, task_cpus, thread_child
+from tunerd.binding import Binder
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.protocol import Failed, NoSuchProcess
+
+pytestmark = pytest.mark.root
+
+ONLINE = parse_cpulist(Path("/sys/devices/system/cpu/online").read_text())
+ONE = frozenset({max(ONLINE)})
+
+
+def test_a_failing_step_rolls_back_the_earlier_ones() -> None:
+    b = Binder()
+    with thread_child(threads=32) as p:
+        before = snapshot(p.pid)
+        t = b.pin(p.pid)
+        plan = b.prepare(t, cpus=ONE, nofile=2048)
+        plan.cpus = frozenset({4000})  # no such CPU: sched_setaffinity fails with EINVAL
+        with pytest.raises(Failed, match=f"sched_setaffinity\\(thread \\d+ of pid {p.pid}"):
+            b.apply(plan)
+        assert snapshot(p.pid) == before  # nofile put back too
+        t.close()
+
+
+@pytest.mark.skipif(not (CPUSET_ROOT / "cpuset.cpus").exists(), reason="needs cgroup v1")
+def test_rollback_leaves_the_cgroup_as_it_was() -> None:
+    b = Binder()
+    with thread_child(threads=8) as p:
+        before = snapshot(p.pid)
+        t = b.pin(p.pid)
+        plan = b.prepare(t, cpus=ONE, mems=frozenset({0}))
+        assert plan.cpuset is not None
+        child_dir = plan.cpuset.dir
+        plan.cpus = frozenset({4000})
+        with pytest.raises(Failed):
+            b.apply(plan)
+        assert not child_dir.exists()
+        assert snapshot(p.pid) == before
+        t.close()
+
+
+def test_an_exited_target_is_never_touched() -> None:
+    b = Binder()
+    with thread_child(threads=2) as p:
+        t = b.pin(p.pid)
+        plan = b.prepare(t, cpus=ONE)
+        p.kill()
+        p.wait()  # reaped: the PID may now be reused by anyone
+    with pytest.raises(NoSuchProcess, match=f"process {p.pid} exited while being bound"):
+        b.apply(plan)
+    with pytest.raises(NoSuchProcess, match=str(p.pid)):
+        b.check(t)
+    t.close()
+
+
+def test_adopt_refuses_a_different_start_time() -> None:
+    b = Binder()
+    with thread_child(threads=1) as p:
+        t = b.pin(p.pid)
+        assert b.adopt(p.pid, t.start_time - 1) is None
+        again = b.adopt(p.pid, t.start_time)
+        assert again is not None and again.start_time == t.start_time
+        again.close()
+        t.close()
+
+
+def test_migrate_pages_fallback_without_cpusets(tmp_path: Path) -> None:
+    """No cpuset hierarchy: pages move with migrate_pages(2) and the reply says
+    new allocations are not confined (a sys tree without fs/cgroup stands in)."""
+    sys = tmp_path / "sys"
+    (sys / "devices/system/cpu").mkdir(parents=True)
+    shutil.copy("/sys/devices/system/cpu/online", sys / "devices/system/cpu/online")
+    (sys / "devices/system/node").mkdir(parents=True)
+    (sys / "devices/system/node/online").write_text("0-1\n")  # pretend node 1 exists
+    b = Binder("/proc", sys)
+    with thread_child(threads=4) as p:
+        before = task_cpus(p.pid)
+        t = b.pin(p.pid)
+        plan = b.prepare(t, mems=frozenset({0}))
+        assert plan.cpuset is None and plan.migrate_from == frozenset({1})
+        r = b.apply(plan)  # the real syscall: node 1 holds nothing, so 0 pages move
+        assert r.pages_moved == 0
+        assert any("new allocations not confined to nodes 0" in n for n in r.notes)
+        assert task_cpus(p.pid) == before
+        assert Path(f"/proc/{p.pid}/cpuset").read_text().strip() == snapshot(p.pid)["cpuset"]
+        t.close()
+
+
+def test_restore_only_touches_what_bind_changed() -> None:
+    b = Binder()
+    with thread_child(threads=4) as p:
+        t = b.pin(p.pid)
+        plan = b.prepare(t, nofile=3000)
+        b.apply(plan)
+        # the process changes its own masks after a limits-only bind ...
+        for tid in task_cpus(p.pid):
+            os.sched_setaffinity(tid, ONE)
+        b.restore(t, plan.originals)
+        # ... and unbind leaves them alone
+        assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
+        assert snapshot(p.pid)["nofile"][0] == 1024
+        t.close()
