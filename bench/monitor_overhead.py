@@ -265,9 +265,10 @@ def main() -> int:
     finally:
         for dd in daemons:
             dd.stop()
-        for p in [*jobs, *sleepers]:
+        procs: list[subprocess.Popen[Any]] = [*jobs, *sleepers]
+        for p in procs:
             p.kill()
-        for p in [*jobs, *sleepers]:
+        for p in procs:
             p.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     report(res)
