@@ -50,6 +50,12 @@ def test_data_loading_bound() -> None:
     # CPUs not saturated: the GPU idles for another reason, not data loading
     assert data_loading(JOB, cols(gpu_utilization_ratio=[.2] * 5, cpu_ratio=[.4] * 5)) is None
     assert data_loading(JOB, cols(gpu_utilization_ratio=[.2, .2], cpu_ratio=[1, 1])) is None
+    # DataLoader workers are child processes: the job's own CPU time is low, but its
+    # bound CPUs are pegged -> still data-loading bound
+    workers = cols(gpu_utilization_ratio=[.2] * 4, cpu_ratio=[.15] * 4,
+                   cpus_busy_ratio=[.97, .99, .98, 1.0])
+    f2 = data_loading(JOB, workers)
+    assert f2 is not None and f2.evidence["cpu_saturation_median"] == 0.985
 
 
 def test_io_bound() -> None:

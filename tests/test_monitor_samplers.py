@@ -215,8 +215,10 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / f"{pid}.json").write_text(
         '{"devices": [{"device": 0, "reserved_bytes": 9, "allocated_bytes": 4}]}')
-    js.sample([rec], gpu)
-    [s] = js.sample([rec], gpu)
+    host = {"cpus": [{"cpu": 0, "busy_ratio": 0.75}, {"cpu": 1, "busy_ratio": 0.1}]}
+    js.sample([rec], gpu, host)
+    [s] = js.sample([rec], gpu, host)
+    assert s["cpus_busy_ratio"] == 0.75  # the job is bound to cpu 0 only
     assert s["rss_bytes"] > 64 << 20
     assert s["open_fds"] == len(os.listdir(f"/proc/{pid}/fd"))
     assert (s["nofile_soft"], s["nofile_hard"]) == (300, 400)

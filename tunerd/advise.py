@@ -61,7 +61,9 @@ def _r(v: float | None, nd: int = 3) -> float | None:
 
 def data_loading(job: dict[str, Any], cols: Columns) -> Finding | None:
     gpu = _vals(cols, "gpu_utilization_ratio")
-    cpu = _vals(cols, "cpu_ratio")
+    # the busy share of the job's CPUs counts its DataLoader worker processes too; the
+    # job's own CPU time (cpu_ratio) is the fallback where per-CPU stats are missing
+    cpu = _vals(cols, "cpus_busy_ratio") or _vals(cols, "cpu_ratio")
     if len(gpu) < MIN_SAMPLES or len(cpu) < MIN_SAMPLES:
         return None
     g, c = _median(gpu), _median(cpu)

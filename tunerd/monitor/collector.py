@@ -48,6 +48,8 @@ GPU_COUNTERS = [
 ]
 JOB_GAUGES = [
     ("cpu_ratio", "tunerd_job_cpu_saturation_ratio", "CPU use over the job's bound CPUs"),
+    ("cpus_busy_ratio", "tunerd_job_cpus_busy_ratio",
+     "Busy share of the job's bound CPUs (all processes on them, /proc/stat)"),
     ("threads", "tunerd_job_threads", "Threads"),
     ("runnable_threads", "tunerd_job_runnable_threads", "Threads in state R (slow cadence)"),
     ("rss_bytes", "tunerd_job_resident_memory_bytes", "Resident memory"),

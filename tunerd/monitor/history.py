@@ -24,8 +24,8 @@ HOST_FIELDS = ("time", "cpu_busy_ratio", "iowait_ratio", "psi_cpu_some", "psi_me
 GPU_FIELDS = ("time", "utilization_ratio", "memory_used_bytes", "power_watts",
               "temperature_celsius", "sm_clock_hertz", "throttle_reasons",
               "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
-JOB_FIELDS = ("time", "cpu_cores", "cpu_ratio", "ncpus", "threads", "runnable_threads",
-              "rss_bytes", "locality_ratio", "open_fds", "nofile_soft",
+JOB_FIELDS = ("time", "cpu_cores", "cpu_ratio", "cpus_busy_ratio", "ncpus", "threads",
+              "runnable_threads", "rss_bytes", "locality_ratio", "open_fds", "nofile_soft",
               "read_bytes_per_second", "write_bytes_per_second", "gpu_memory_bytes",
               "gpu_utilization_ratio", "gpu_throttle_reasons", "torch_reserved_bytes",
               "torch_allocated_bytes", "iowait_ratio", "psi_io_some", "disk_busy_max")
@@ -113,7 +113,8 @@ class History:
             bits = [throttle[g] for g in j.get("gpus") or [] if g in throttle]
             reserved, allocated = torch_totals(j.get("torch"))
             ring.append((
-                t, j.get("cpu_cores"), j.get("cpu_ratio"), j.get("ncpus"), j.get("threads"),
+                t, j.get("cpu_cores"), j.get("cpu_ratio"), j.get("cpus_busy_ratio"),
+                j.get("ncpus"), j.get("threads"),
                 j.get("runnable_threads"), j.get("rss_bytes"), j.get("locality_ratio"),
                 j.get("open_fds"), j.get("nofile_soft"), j.get("read_bytes_per_second"),
                 j.get("write_bytes_per_second"), j.get("gpu_memory_bytes"),

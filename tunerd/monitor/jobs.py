@@ -119,19 +119,26 @@ class JobSampler:
         self._state: dict[tuple[Any, Any], _JobState] = {}
         self._cycle = 0
 
-    def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any]) -> list[dict[str, Any]]:
-        """One sample per bound job record; a job that is gone is left out."""
+    def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
+               host: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """One sample per bound job record; a job that is gone is left out.
+
+        ``gpu`` and ``host`` are this cycle's samples: GPU memory per pid, utilization
+        of the job's GPUs and the busy share of the job's CPUs come from them.
+        """
         self._cycle += 1
         gpu_mem: dict[int, float] = {}
         for p in gpu.get("processes") or []:
             if p.get("used_memory_bytes") is not None:
                 gpu_mem[p["pid"]] = gpu_mem.get(p["pid"], 0.0) + p["used_memory_bytes"]
         gpu_util = {g["gpu"]: g.get("utilization_ratio") for g in gpu.get("gpus") or []}
+        cpu_busy = {c["cpu"]: c["busy_ratio"] for c in (host or {}).get("cpus") or []
+                    if c.get("busy_ratio") is not None}
         out = []
         seen = set()
         for rec in records:
             try:
-                s = self._one(rec, gpu_mem, gpu_util)
+                s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited between the registry's snapshot and this read
             except (OSError, ValueError, IndexError) as err:
@@ -146,7 +153,8 @@ class JobSampler:
         return out
 
     def _one(self, rec: dict[str, Any], gpu_mem: dict[int, float],
-             gpu_util: dict[int, float | None]) -> dict[str, Any] | None:
+             gpu_util: dict[int, float | None],
+             cpu_busy: dict[int, float]) -> dict[str, Any] | None:
         pid = int(rec["pid"])
         base = f"{self.proc}/{pid}"  # str paths: pathlib joins were ~15% of a cycle
         st = parse_stat(_read(f"{base}/stat"))
@@ -205,6 +213,10 @@ class JobSampler:
             "ncpus": len(cpus) or None,
             "cpu_cores": cores,
             "cpu_ratio": cores / len(cpus) if cores is not None and cpus else None,
+            # busy share of the job's CPUs from /proc/stat: unlike cpu_ratio it includes
+            # the job's children (DataLoader workers are processes, not threads)
+            "cpus_busy_ratio": sum(busy) / len(busy) if (busy := [
+                cpu_busy[c] for c in cpus if c in cpu_busy]) else None,
             "threads": st["threads"], "state": st["state"],
             "runnable_threads": cur.runnable,
             "rss_bytes": st["rss_pages"] * PAGE_SIZE,

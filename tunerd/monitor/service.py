@@ -197,7 +197,7 @@ class Monitor:
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
         host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
-        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu), [])
+        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host), [])
         return {
             "time": time.time(), "interval": self.interval,
             "duration_seconds": time.perf_counter() - wall0,
