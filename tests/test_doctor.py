@@ -144,7 +144,12 @@ def test_governor_numa_balancing_iommu_on_trees(tmp_path: Path) -> None:
     assert doctor.check_governor(Env(sys_root=tmp_path / "none")).status == "SKIP"
     (proc / "sys/kernel").mkdir(parents=True)
     (proc / "sys/kernel/numa_balancing").write_text("1\n")
-    assert doctor.check_numa_balancing(Env(proc_root=proc)).status == "WARN"
+    for n in (0, 1):
+        (sys_ / f"devices/system/node/node{n}").mkdir(parents=True)
+    assert doctor.check_numa_balancing(Env(proc_root=proc, sys_root=sys_)).status == "WARN"
+    (sys_ / "devices/system/node/node1").rmdir()
+    one = doctor.check_numa_balancing(Env(proc_root=proc, sys_root=sys_))
+    assert one.status == "PASS" and "one NUMA node" in one.evidence
     (sys_ / "class/iommu/dmar0").mkdir(parents=True)
     (proc / "cmdline").write_text("ro quiet intel_iommu=on\n")
     assert doctor.check_iommu(Env(sys_root=sys_, proc_root=proc)).status == "WARN"

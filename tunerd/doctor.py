@@ -425,6 +425,14 @@ def check_numa_balancing(env: Env) -> Check:
                      "kernel without CONFIG_NUMA_BALANCING")
     if val == "0":
         return Check("numa-balancing", "Automatic NUMA balancing", PASS, "numa_balancing=0")
+    try:
+        nodes = [n for n in os.listdir(env.sys_root / "devices/system/node")
+                 if re.fullmatch(r"node\d+", n)]
+    except OSError:
+        nodes = []
+    if len(nodes) == 1:
+        return Check("numa-balancing", "Automatic NUMA balancing", PASS,
+                     f"numa_balancing={val}, but one NUMA node: nothing to migrate")
     return Check("numa-balancing", "Automatic NUMA balancing", WARN,
                  f"numa_balancing={val}: the kernel migrates pages and tasks behind the binding",
                  "sysctl kernel.numa_balancing=0 (policy [vm] numa_balancing = false) when jobs "
