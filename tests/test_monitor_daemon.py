@@ -281,3 +281,34 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
     finally:
         p.kill()
         p.wait()
+
+
+def _call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> Any:
+    from tunerd.client import Client
+
+    with Client(sock) as c:
+        return c.call(cmd, **(args or {}))
+
+
+@pytest.mark.root
+def test_another_user_may_read_metrics_top_and_advise(unpriv_user: tuple[int, int]) -> None:
+    """Read-only monitor commands are open to every user (DESIGN: privileges)."""
+    import shutil
+    import tempfile
+
+    from tests.helpers import run_as, write_policy
+
+    base = Path(tempfile.mkdtemp(prefix="tunerd-mon-auth-", dir="/tmp"))
+    os.chmod(base, 0o755)  # pytest's tmp dirs are root-only: the user must reach the socket
+    write_policy(base / "policies", "00.toml", '[policy]\nname = "t"\n')
+    d = DaemonProc(tmp=base, policy_dir=base / "policies")
+    try:
+        d.start()
+        uid, gid = unpriv_user
+        sock = str(d.socket)
+        assert "tunerd_up 1.0" in run_as(uid, gid, _call, sock, "metrics")["text"]
+        assert run_as(uid, gid, _call, sock, "top")["sample"]["host"]["cpus"]
+        assert run_as(uid, gid, _call, sock, "advise") == {"jobs": [], "interval": 1.0}
+    finally:
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
