@@ -188,6 +188,13 @@ def test_acs_register_decoding() -> None:
     assert doctor.acs_source_validation("0000") is False
     assert doctor.acs_source_validation("") is None
     assert doctor.acs_source_validation("Capability not found") is None
+    lspci = ("00:01.0 PCI bridge: PLX Technology, Inc. PEX 8747\n"
+             "\t\tACSCap:\tSrcValid+ TransBlk+ ReqRedir+ CmpltRedir+ UpstreamFwd+\n"
+             "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+\n")
+    assert doctor.acs_from_lspci(lspci) is True
+    assert doctor.acs_from_lspci(lspci.replace("ACSCtl:\tSrcValid+", "ACSCtl:\tSrcValid-")) \
+        is False
+    assert doctor.acs_from_lspci("00:00.0 Host bridge: Intel\n") is None
 
 
 def test_nofile_check_reads_this_process() -> None:
@@ -196,3 +203,13 @@ def test_nofile_check_reads_this_process() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     c = doctor.check_nofile(Env())
     assert c.status == ("WARN" if soft < 65536 else "PASS") and str(soft) in c.evidence
+
+
+def test_read_acs_runs_the_real_pciutils_on_a_device_without_acs() -> None:
+    import shutil
+
+    setpci, lspci = shutil.which("setpci"), shutil.which("lspci")
+    if setpci is None or not os.path.exists("/sys/bus/pci/devices/0000:00:00.0"):
+        pytest.skip("no pciutils or no PCI device 00:00.0 here")
+    # the host bridge has no ACS capability: setpci fails, lspci shows no ACSCtl
+    assert doctor.read_acs("0000:00:00.0", setpci, lspci) == (None, "unreadable")

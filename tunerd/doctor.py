@@ -299,27 +299,48 @@ def acs_source_validation(setpci_out: str) -> bool | None:
     return bool(int(val, 16) & 0x1)
 
 
+def acs_from_lspci(text: str) -> bool | None:
+    """``lspci -vvv`` prints ``ACSCtl: SrcValid+ TransBlk- ...`` for a bridge with ACS."""
+    m = re.search(r"ACSCtl:\s*SrcValid([+-])", text)
+    return None if m is None else m.group(1) == "+"
+
+
+def read_acs(bdf: str, setpci: str | None, lspci: str | None) -> tuple[bool | None, str]:
+    """(Source Validation on?, evidence): the register via setpci, else lspci's decoding."""
+    cmds: list[tuple[list[str], Callable[[str], bool | None]]] = []
+    if setpci:
+        cmds.append(([setpci, "-s", bdf, "ECAP_ACS+6.w"], acs_source_validation))
+    if lspci:
+        cmds.append(([lspci, "-vvv", "-s", bdf], acs_from_lspci))
+    for argv, decode in cmds:
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        sv = decode(p.stdout) if p.returncode == 0 else None
+        if sv is not None:
+            what = (f"ACS ctl {p.stdout.strip()}" if decode is acs_source_validation
+                    else "lspci ACSCtl SrcValid+" if sv else "lspci ACSCtl SrcValid-")
+            return sv, what
+    return None, "unreadable"
+
+
 def check_acs(env: Env) -> Check:
     title = "PCIe ACS on bridges (NCCL P2P)"
     bridges = pci_bridges(env)
     if not bridges:
         return Check("pcie-acs", title, SKIP, "no PCI-to-PCI bridges on this node")
-    setpci = env.which("setpci")
-    if setpci is None:
-        return Check("pcie-acs", title, SKIP, "setpci not found (apt-get install pciutils)")
-    enabled, unreadable = [], 0
+    setpci, lspci = env.which("setpci"), env.which("lspci")
+    if setpci is None and lspci is None:
+        return Check("pcie-acs", title, SKIP, "setpci/lspci not found (apt-get install pciutils)")
+    enabled: list[str] = []
+    unreadable = 0
     for bdf in bridges:
-        try:
-            p = subprocess.run([setpci, "-s", bdf, "ECAP_ACS+6.w"], capture_output=True,
-                               text=True, timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            unreadable += 1
-            continue
-        sv = acs_source_validation(p.stdout) if p.returncode == 0 else None
+        sv, how = read_acs(bdf, setpci, lspci)
         if sv is None:
             unreadable += 1  # no ACS capability on this bridge, or not root
         elif sv:  # Source Validation on: peer-to-peer traffic is sent up to the root port
-            enabled.append(f"{bdf}={p.stdout.strip()}")
+            enabled.append(f"{bdf} ({how})")
     if enabled:
         return Check("pcie-acs", title, WARN,
                      f"ACS enabled on {len(enabled)} bridge(s): {', '.join(enabled[:6])}",
