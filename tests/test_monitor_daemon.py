@@ -312,3 +312,16 @@ def test_another_user_may_read_metrics_top_and_advise(unpriv_user: tuple[int, in
     finally:
         d.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_metrics_port_in_use_is_reported_and_the_daemon_keeps_serving(
+        daemon_factory: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d: DaemonProc = daemon_factory(args=["--metrics-listen", f"127.0.0.1:{port}"]).start()
+        st = d.ctl("status")
+        assert st.rc == 0
+        assert f"cannot listen on 127.0.0.1:{port}" in st.out
+        assert "tunerd_up 1.0" in d.ctl("metrics").out  # the socket path still works
