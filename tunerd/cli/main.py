@@ -37,6 +37,10 @@ LAZY_COMMANDS: dict[str, str] = {
     "run": "tunerd.cli.cmd_leases:run",
     "leases": "tunerd.cli.cmd_leases:leases",
     # -- monitor:
+    "top": "tunerd.cli.cmd_monitor:top",
+    "metrics": "tunerd.cli.cmd_monitor:metrics",
+    "doctor": "tunerd.cli.cmd_monitor:doctor",
+    "advise": "tunerd.cli.cmd_monitor:advise",
     # -- end
 }
 

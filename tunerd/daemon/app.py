@@ -46,6 +46,7 @@ SERVICE_FACTORIES: list[str] = [
     # -- leases / exec watcher:
     "tunerd.daemon.leases:LeaseService",
     # -- monitor:
+    "tunerd.monitor.service:Monitor",
     # -- end
 ]
 

@@ -27,6 +27,7 @@ HANDLER_MODULES: list[str] = [
     # -- leases (alloc/release/run):
     "tunerd.daemon.cmd_leases",
     # -- monitor (metrics/top/advise/doctor):
+    "tunerd.monitor.handlers",
     # -- end
 ]
 

@@ -1,0 +1,219 @@
+"""tunerctl doctor: run for real here (no GPU), on temporary trees, and on NVML replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_ctl
+from tests.monitor_helpers import TelemetryReplay
+from tunerd import doctor, nvml
+from tunerd.doctor import Env
+
+GPU_CHECKS = {"nvidia-driver", "torch", "torch-cuda", "cuda-version", "cudnn", "nccl"}
+
+
+@pytest.fixture
+def nvml_backend() -> Iterator[None]:
+    saved = dict(nvml._state)
+    try:
+        yield
+    finally:
+        nvml._state.clear()
+        nvml._state.update(saved)
+
+
+def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> None:
+    r = run_ctl("--json", "doctor", "--data-dir", str(tmp_path))
+    rep = json.loads(r.out)
+    assert r.rc == (1 if rep["summary"]["FAIL"] else 0), r.err
+    checks = {c["id"]: c for c in rep["checks"]}
+    assert set(checks) >= GPU_CHECKS
+    assert {"pcie-acs", "iommu", "data-fs", "data-device", "nofile", "numa-balancing",
+            "cpu-governor", "nccl-mtu", "cuda-toolkit", "libcudart"} <= set(checks)
+    for c in rep["checks"]:
+        assert set(c) == {"id", "title", "status", "evidence", "fix", "data"}
+        assert c["status"] in ("PASS", "WARN", "FAIL", "SKIP") and c["evidence"]
+        if c["status"] in ("WARN", "FAIL"):
+            assert c["fix"], c
+    # no GPU and no torch on this machine: skipped, each saying why
+    assert checks["nvidia-driver"]["status"] == "SKIP"
+    assert "no NVIDIA GPU" in checks["nvidia-driver"]["evidence"]
+    assert checks["torch"]["status"] == "SKIP"
+    assert "torch is not installed" in checks["torch"]["evidence"]
+    assert sum(rep["summary"].values()) == len(rep["checks"])
+    human = run_ctl("doctor", "--data-dir", str(tmp_path))
+    assert "SKIP  NVIDIA driver and NVML" in human.out and "PASS" in human.out
+
+
+def test_driver_check_passes_on_replayed_nvml(nvml_backend: None) -> None:
+    nvml.set_backend(TelemetryReplay())
+    c = doctor.check_driver(Env())
+    assert c.status == "PASS"
+    assert c.evidence == "driver 550.54.15, NVML 12.550.54.15, CUDA driver API 12.4, 2 GPU(s)"
+
+
+def test_driver_check_fails_when_nvidia_hardware_has_no_driver(nvml_backend: None,
+                                                               tmp_path: Path) -> None:
+    nvml.set_backend(None, "libnvidia-ml.so not found")
+    dev = tmp_path / "sys/bus/pci/devices/0000:18:00.0"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x10de\n")
+    (dev / "class").write_text("0x030200\n")
+    c = doctor.check_driver(Env(sys_root=tmp_path / "sys"))
+    assert c.status == "FAIL" and "0000:18:00.0" in c.evidence and c.fix
+
+
+@pytest.mark.parametrize(("torch_cuda", "driver", "status"), [
+    ("12.1", 12040, "PASS"), ("12.4", 12040, "PASS"), ("12.6", 12040, "WARN"),
+    ("13.0", 12040, "FAIL"), (None, 12040, "SKIP"), ("12.1", None, "SKIP")])
+def test_cuda_version_compatibility(torch_cuda: str | None, driver: int | None,
+                                    status: str) -> None:
+    assert doctor.check_cuda_versions(torch_cuda, driver).status == status
+
+
+def test_torch_probe_never_hangs(tmp_path: Path) -> None:
+    slow = tmp_path / "python"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    env = Env(python=str(slow), torch_timeout=0.5)
+    [c] = doctor.check_torch(env)
+    assert c.status == "FAIL" and "did not finish in 0.5 s" in c.evidence
+    missing = Env(python=str(tmp_path / "nope"))
+    assert {c.status for c in doctor.check_torch(missing)} == {"SKIP"}
+
+
+def test_torch_checks_with_a_real_torch_if_installed() -> None:
+    py = os.environ.get("TUNERD_TEST_TORCH_PYTHON", "/work/venv-torch/bin/python")
+    if not os.path.exists(py) or subprocess.run([py, "-c", "import torch"],
+                                                capture_output=True).returncode != 0:
+        pytest.skip(f"no Python with torch at {py} (set TUNERD_TEST_TORCH_PYTHON)")
+    checks = {c.id: c for c in doctor.check_torch(Env(python=py))}
+    assert checks["torch"].status == "PASS" and checks["torch"].data["version"]
+    if not nvml.available():
+        assert checks["torch-cuda"].status == "SKIP"
+
+
+def _net(root: Path, name: str, mtu: int, physical: bool = True) -> None:
+    d = root / "class/net" / name
+    d.mkdir(parents=True)
+    (d / "mtu").write_text(f"{mtu}\n")
+    if physical:
+        (d / "device").mkdir()
+
+
+def test_nccl_mtu(tmp_path: Path) -> None:
+    sys_, etc = tmp_path / "sys", tmp_path / "etc"
+    etc.mkdir()
+    _net(sys_, "ens1f0", 1500)
+    _net(sys_, "ens1f1", 9000)
+    _net(sys_, "lo", 65536, physical=False)
+    assert doctor.check_nccl_mtu(Env(sys_root=sys_, etc_root=etc, environ={})).status == "SKIP"
+    (etc / "nccl.conf").write_text("NCCL_DEBUG=INFO\nNCCL_SOCKET_IFNAME=ens\n")
+    c = doctor.check_nccl_mtu(Env(sys_root=sys_, etc_root=etc, environ={}))
+    assert c.status == "WARN" and "ens1f0 mtu 1500" in c.evidence and "ens1f0" in c.fix
+    ok = doctor.check_nccl_mtu(Env(sys_root=sys_, etc_root=etc,
+                                   environ={"NCCL_SOCKET_IFNAME": "=ens1f1"}))
+    assert ok.status == "PASS" and "env NCCL_SOCKET_IFNAME" in ok.evidence
+    none = doctor.check_nccl_mtu(Env(sys_root=sys_, etc_root=etc,
+                                     environ={"NCCL_SOCKET_IFNAME": "=ib0"}))
+    assert none.status == "FAIL" and "matches no interface" in none.evidence
+
+
+def test_match_ifnames_follows_nccl_syntax() -> None:
+    names = ["docker0", "ens1f0", "ens1f1", "eth0", "lo"]
+    assert doctor.match_ifnames("ens", names) == ["ens1f0", "ens1f1"]
+    assert doctor.match_ifnames("=ens1f1,eth0", names) == ["ens1f1", "eth0"]
+    assert doctor.match_ifnames("^docker,lo", names) == ["ens1f0", "ens1f1", "eth0"]
+    assert doctor.match_ifnames("^=ens1f0", names) == ["docker0", "ens1f1", "eth0", "lo"]
+
+
+def test_governor_numa_balancing_iommu_on_trees(tmp_path: Path) -> None:
+    sys_, proc = tmp_path / "sys", tmp_path / "proc"
+    for cpu, gov in ((0, "performance"), (1, "powersave")):
+        d = sys_ / f"devices/system/cpu/cpu{cpu}/cpufreq"
+        d.mkdir(parents=True)
+        (d / "scaling_governor").write_text(gov + "\n")
+    g = doctor.check_governor(Env(sys_root=sys_))
+    assert g.status == "WARN" and "powersave on 1 CPU(s)" in g.evidence
+    assert doctor.check_governor(Env(sys_root=tmp_path / "none")).status == "SKIP"
+    (proc / "sys/kernel").mkdir(parents=True)
+    (proc / "sys/kernel/numa_balancing").write_text("1\n")
+    for n in (0, 1):
+        (sys_ / f"devices/system/node/node{n}").mkdir(parents=True)
+    assert doctor.check_numa_balancing(Env(proc_root=proc, sys_root=sys_)).status == "WARN"
+    (sys_ / "devices/system/node/node1").rmdir()
+    one = doctor.check_numa_balancing(Env(proc_root=proc, sys_root=sys_))
+    assert one.status == "PASS" and "one NUMA node" in one.evidence
+    (sys_ / "class/iommu/dmar0").mkdir(parents=True)
+    (proc / "cmdline").write_text("ro quiet intel_iommu=on\n")
+    assert doctor.check_iommu(Env(sys_root=sys_, proc_root=proc)).status == "WARN"
+    (proc / "cmdline").write_text("ro quiet intel_iommu=on iommu=pt\n")
+    assert doctor.check_iommu(Env(sys_root=sys_, proc_root=proc)).status == "PASS"
+
+
+def test_data_dir_filesystem_and_device(tmp_path: Path) -> None:
+    proc, sys_ = tmp_path / "proc", tmp_path / "sys"
+    data = tmp_path / "data"
+    data.mkdir()
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/mountinfo").write_text(
+        "22 1 0:21 / / rw - overlay overlay rw\n"
+        f"30 22 259:1 / {tmp_path} rw,relatime - xfs /dev/nvme0n1p1 rw\n")
+    disk = sys_ / "devices/pci/nvme/nvme0n1"
+    (disk / "nvme0n1p1").mkdir(parents=True)
+    (disk / "nvme0n1p1/partition").write_text("1\n")
+    (disk / "queue").mkdir()
+    (disk / "queue/rotational").write_text("0\n")
+    (sys_ / "dev/block").mkdir(parents=True)
+    (sys_ / "dev/block/259:1").symlink_to(disk / "nvme0n1p1")
+    fs, dev = doctor.check_data_fs(Env(proc_root=proc, sys_root=sys_, data_dir=data))
+    assert (fs.status, dev.status) == ("PASS", "PASS")
+    assert "xfs" in fs.evidence and "nvme0n1 (NVMe)" in dev.evidence
+    (disk / "queue/rotational").write_text("1\n")
+    (proc / "self/mountinfo").write_text(f"30 1 259:1 / {tmp_path} rw - nfs4 srv:/x rw\n")
+    fs, dev = doctor.check_data_fs(Env(proc_root=proc, sys_root=sys_, data_dir=data))
+    assert (fs.status, dev.status) == ("WARN", "WARN")
+    [missing] = doctor.check_data_fs(Env(data_dir=tmp_path / "absent"))
+    assert missing.status == "FAIL"
+
+
+def test_acs_register_decoding() -> None:
+    assert doctor.acs_source_validation("001d\n") is True
+    assert doctor.acs_source_validation("0000") is False
+    assert doctor.acs_source_validation("") is None
+    assert doctor.acs_source_validation("Capability not found") is None
+    lspci = ("00:01.0 PCI bridge: PLX Technology, Inc. PEX 8747\n"
+             "\t\tACSCap:\tSrcValid+ TransBlk+ ReqRedir+ CmpltRedir+ UpstreamFwd+\n"
+             "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+\n")
+    assert doctor.acs_from_lspci(lspci) is True
+    assert doctor.acs_from_lspci(lspci.replace("ACSCtl:\tSrcValid+", "ACSCtl:\tSrcValid-")) \
+        is False
+    assert doctor.acs_from_lspci("00:00.0 Host bridge: Intel\n") is None
+
+
+def test_nofile_check_reads_this_process() -> None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    c = doctor.check_nofile(Env())
+    assert c.status == ("WARN" if soft < 65536 else "PASS") and str(soft) in c.evidence
+
+
+def test_read_acs_runs_the_real_pciutils_on_a_device_without_acs() -> None:
+    import shutil
+
+    setpci, lspci = shutil.which("setpci"), shutil.which("lspci")
+    if setpci is None or not os.path.exists("/sys/bus/pci/devices/0000:00:00.0"):
+        pytest.skip("no pciutils or no PCI device 00:00.0 here")
+    raw = subprocess.run([lspci or "lspci", "-vvv", "-s", "0000:00:00.0"],
+                         capture_output=True, text=True).stdout
+    if "ACSCtl" in raw:
+        pytest.skip("this host bridge has ACS")
+    # a device without the ACS capability: setpci fails, lspci shows no ACSCtl
+    assert doctor.read_acs("0000:00:00.0", setpci, lspci) == (None, "unreadable")

@@ -1,0 +1,295 @@
+"""Samplers on recorded /proc and /sys trees, on real processes, and on NVML replay."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FIXTURES
+from tests.monitor_helpers import TelemetryReplay
+from tunerd import nvml
+from tunerd.monitor.gpu import GpuSampler
+from tunerd.monitor.history import JOB_FIELDS, MAX_JOB_RINGS, History
+from tunerd.monitor.host import HostSampler, parse_psi
+from tunerd.monitor.jobs import JobSampler, parse_numa_maps, parse_stat
+from tunerd.monitor.ring import Ring
+
+STAT_1 = """cpu  200 0 100 1000 50 0 0 0 0 0
+cpu0 100 0 50 500 25 0 0 0 0 0
+cpu1 100 0 50 500 25 0 0 0 0 0
+cpu2 0 0 0 0 0 0 0 0 0 0
+cpu3 0 0 0 0 0 0 0 0 0 0
+intr 1 2 3
+"""
+# +100 jiffies per CPU: cpu0 60 busy / 30 idle / 10 iowait; cpu1 idle; cpu2/3 fully busy
+STAT_2 = """cpu  400 0 200 1100 70 0 0 0 0 0
+cpu0 140 0 70 530 35 0 0 0 0 0
+cpu1 100 0 50 600 25 0 0 0 0 0
+cpu2 100 0 0 0 0 0 0 0 0 0
+cpu3 50 0 50 0 0 0 0 0 0 0
+"""
+PSI_IO = "some avg10=25.50 avg60=1.00 avg300=0.50 total=1500000\n" \
+         "full avg10=10.00 avg60=0.00 avg300=0.00 total=250000\n"
+DISK_1 = "259 0 nvme0n1 100 0 2000 0 50 0 1000 0 0 300 0 0 0 0 0\n" \
+         "259 1 nvme0n1p1 90 0 1800 0 40 0 800 0 0 250 0 0 0 0 0\n" \
+         "7 0 loop0 5 0 10 0 0 0 0 0 0 1 0 0 0 0 0\n"
+DISK_2 = "259 0 nvme0n1 200 0 4000 0 60 0 1200 0 0 800 0 0 0 0 0\n" \
+         "259 1 nvme0n1p1 90 0 1800 0 40 0 800 0 0 250 0 0 0 0 0\n" \
+         "7 0 loop0 5 0 10 0 0 0 0 0 0 1 0 0 0 0 0\n"
+NET = (FIXTURES / "monitor/net_dev.txt").read_text()  # a recorded /proc/net/dev
+
+
+def make_tree(root: Path, psi: bool = True) -> tuple[Path, Path]:
+    proc, sys_ = root / "proc", root / "sys"
+    (proc / "net").mkdir(parents=True)
+    (proc / "stat").write_text(STAT_1)
+    (proc / "diskstats").write_text(DISK_1)
+    (proc / "net/dev").write_text(NET)
+    if psi:
+        (proc / "pressure").mkdir()
+        (proc / "pressure/io").write_text(PSI_IO)
+        (proc / "pressure/cpu").write_text("some avg10=1.00 avg60=0 avg300=0 total=10\n")
+        (proc / "pressure/memory").write_text(
+            "some avg10=0.00 avg60=0 avg300=0 total=0\nfull avg10=0.00 avg60=0 avg300=0 "
+            "total=0\n")
+    for n, cpus, total in ((0, "0-1", 1 << 30), (1, "2-3", 2 << 30)):
+        d = sys_ / f"devices/system/node/node{n}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(
+            f"Node {n} MemTotal:       {total // 1024} kB\n"
+            f"Node {n} MemFree:        {total // 4096} kB\n"
+            f"Node {n} MemUsed:        {3 * total // 4096} kB\n"
+            f"Node {n} HugePages_Total:     0\n")
+    (sys_ / "block/nvme0n1").mkdir(parents=True)
+    (sys_ / "block/loop0").mkdir(parents=True)
+    return proc, sys_
+
+
+def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
+    proc, sys_ = make_tree(tmp_path)
+    h = HostSampler(proc_root=proc, sys_root=sys_)
+    assert h.node_cpus == {0: frozenset({0, 1}), 1: frozenset({2, 3})}
+    first = h.sample()
+    assert first["cpus"][0]["busy_ratio"] is None  # no previous counters yet
+    (proc / "stat").write_text(STAT_2)
+    (proc / "diskstats").write_text(DISK_2)
+    s = h.sample()
+    assert s["unavailable"] == {}
+    by_cpu = {c["cpu"]: c for c in s["cpus"]}
+    assert by_cpu[0]["busy_ratio"] == pytest.approx(0.6)
+    assert by_cpu[0]["iowait_ratio"] == pytest.approx(0.1)
+    assert by_cpu[1]["busy_ratio"] == 0.0
+    assert by_cpu[2]["busy_ratio"] == 1.0
+    assert s["cpu_busy_ratio"] == pytest.approx(260 / 400)
+    numa = {n["node"]: n for n in s["numa"]}
+    assert numa[0]["busy_ratio"] == pytest.approx(0.3)
+    assert numa[1]["busy_ratio"] == 1.0
+    assert numa[1]["cpus"] == "2-3"
+    assert numa[1]["memory_total_bytes"] == 2 << 30
+    assert numa[0]["memory_used_bytes"] == 3 * (1 << 30) // 4
+    assert s["psi"]["io"] == {"some_avg10": 0.255, "some_total_seconds": 1.5,
+                              "full_avg10": 0.1, "full_total_seconds": 0.25}
+    # whole disks only: the partition and the loop device are left out
+    assert [d["device"] for d in s["disks"]] == ["nvme0n1"]
+    d = s["disks"][0]
+    assert d["read_bytes_total"] == 4000 * 512 and d["written_bytes_total"] == 1200 * 512
+    assert d["io_time_seconds_total"] == 0.8
+    assert 0 < d["busy_ratio"] <= 1.0
+    nic = {n["interface"]: n for n in s["nics"]}["ens1f0"]
+    assert nic["receive_bytes_total"] == 68801557
+    assert nic["receive_errors_total"] == 2 and nic["transmit_drop_total"] == 4
+
+
+def test_host_sampler_missing_sources_degrade_independently(tmp_path: Path) -> None:
+    proc, _ = make_tree(tmp_path, psi=False)
+    (proc / "diskstats").unlink()
+    s = HostSampler(proc_root=proc, sys_root=tmp_path / "nosys").sample()
+    assert set(s["unavailable"]) == {"pressure", "disks", "memory"}
+    assert "No such file" in s["unavailable"]["disks"]
+    assert len(s["cpus"]) == 4 and s["nics"]  # the rest still came
+
+
+def test_host_sampler_on_this_machine() -> None:
+    h = HostSampler()
+    h.sample()
+    time.sleep(0.05)
+    s = h.sample()
+    assert len(s["cpus"]) == os.cpu_count()
+    assert all(0.0 <= c["busy_ratio"] <= 1.0 for c in s["cpus"] if c["busy_ratio"] is not None)
+    assert s["numa"] and s["numa"][0]["memory_total_bytes"] > 0
+
+
+def test_parse_psi_and_stat_with_odd_comm() -> None:
+    assert parse_psi("some avg10=0.50 avg60=0 avg300=0 total=7\n") == {
+        "some_avg10": 0.005, "some_total_seconds": 7e-6}
+    st = parse_stat("42 (a) b (c) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 7 18 999 20 5000")
+    assert st["state"] == "R" and st["utime"] == 11 and st["threads"] == 7
+    assert st["start_time"] == 999 and st["rss_pages"] == 5000
+
+
+def test_parse_numa_maps() -> None:
+    text = ("7f00 default anon=3 dirty=3 N0=2 N1=1 kernelpagesize_kB=4\n"
+            "7f10 bind:1 file=/x huge anon=1 N1=1 kernelpagesize_kB=2048\n"
+            "7f20 default\n")
+    assert parse_numa_maps(text) == {0: 8192, 1: 4096 + 2048 * 1024}
+
+
+# -- rings and history ---------------------------------------------------------
+def test_ring_wraps_keeps_order_and_bound() -> None:
+    r = Ring(("t", "v"), capacity=3)
+    size = r.nbytes
+    assert size == 3 * 2 * 8
+    for i in range(5):
+        r.append((i, None if i == 4 else i * 10))
+    assert len(r) == 3 and r.nbytes == size
+    rows = r.rows()
+    assert [row[0] for row in rows] == [2.0, 3.0, 4.0]
+    assert math.isnan(rows[-1][1])
+    assert r.columns(2)["t"] == [3.0, 4.0]
+    with pytest.raises(ValueError, match="3 values"):
+        r.append((1, 2, 3))
+
+
+def _job(pid: int) -> dict[str, object]:
+    return {"pid": pid, "start_time": pid * 7, "gpus": [0], "cpu_ratio": 0.5,
+            "open_fds": 10, "torch": {"devices": [{"reserved_bytes": 5, "allocated_bytes": 2}]}}
+
+
+def test_history_memory_is_bounded_by_construction() -> None:
+    h = History(history_seconds=10, sample_interval=1)
+    assert h.capacity == 10
+    for t in range(25):
+        h.add({"time": float(t), "host": {"iowait_ratio": 0.1},
+               "gpu": {"gpus": [{"gpu": 0, "throttle_reasons": 4}]},
+               "jobs": [_job(p) for p in range(MAX_JOB_RINGS + 5)]})
+    assert len(h.jobs) == MAX_JOB_RINGS and h.dropped_jobs > 0
+    assert h.nbytes() == h.bound_bytes() == 10 * 8 * (
+        9 + 9 + MAX_JOB_RINGS * len(JOB_FIELDS))
+    cols = h.job(0).columns()  # type: ignore[union-attr]
+    assert cols["time"] == [float(t) for t in range(15, 25)]
+    assert cols["gpu_throttle_reasons"][-1] == 4.0
+    assert cols["torch_reserved_bytes"][-1] == 5.0 and cols["iowait_ratio"][-1] == 0.1
+    h.add({"time": 99.0, "jobs": [_job(1)]})  # the other jobs ended: their rings go
+    assert list(h.jobs) == [(1, 7)]
+
+
+# -- jobs: real processes ------------------------------------------------------
+CHILD = """
+import os, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 400))
+fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(50)]
+buf = bytearray(64 << 20)
+for i in range(0, len(buf), 4096): buf[i] = 1
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[str]]:
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path: Path) -> None:
+    pid = child.pid
+    start = parse_stat(Path(f"/proc/{pid}/stat").read_text())["start_time"]
+    rec = {"pid": pid, "start_time": start, "name": "child", "cpus": "0", "mems": "0",
+           "gpus": [0]}
+    gpu = {"gpus": [{"gpu": 0, "utilization_ratio": 0.25}],
+           "processes": [{"gpu": 0, "pid": pid, "used_memory_bytes": 1e9}]}
+    js = JobSampler(runtime_dir=tmp_path)
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / f"{pid}.json").write_text(
+        '{"devices": [{"device": 0, "reserved_bytes": 9, "allocated_bytes": 4}]}')
+    host = {"cpus": [{"cpu": 0, "busy_ratio": 0.75}, {"cpu": 1, "busy_ratio": 0.1}]}
+    js.sample([rec], gpu, host)
+    [s] = js.sample([rec], gpu, host)
+    assert s["cpus_busy_ratio"] == 0.75  # the job is bound to cpu 0 only
+    assert s["rss_bytes"] > 64 << 20
+    assert s["open_fds"] == len(os.listdir(f"/proc/{pid}/fd"))
+    assert (s["nofile_soft"], s["nofile_hard"]) == (300, 400)
+    assert s["threads"] == 1 and s["cpu_cores"] is not None and s["cpu_cores"] >= 0
+    assert s["gpu_memory_bytes"] == 1e9 and s["gpu_utilization_ratio"] == 0.25
+    assert s["locality_ratio"] == 1.0  # one NUMA node here: every page is on node 0
+    assert sum(s["numa_bytes"].values()) > 64 << 20
+    assert s["torch"]["devices"][0]["reserved_bytes"] == 9
+    assert s["voluntary_ctxt_switches_total"] >= 0
+    # a PID reused by another process is not the job any more; an exited one is dropped
+    assert js.sample([{**rec, "start_time": start + 1}], gpu) == []
+    child.kill()
+    child.wait()
+    assert js.sample([rec], gpu) == []
+
+
+# -- GPUs ------------------------------------------------------------------------
+@pytest.fixture
+def nvml_backend() -> Iterator[None]:
+    saved = dict(nvml._state)
+    try:
+        yield
+    finally:
+        nvml._state.clear()
+        nvml._state.update(saved)
+
+
+def test_gpu_sampler_without_driver(nvml_backend: None) -> None:
+    nvml.set_backend(None, "no NVIDIA driver on this test node")
+    s = GpuSampler().sample()
+    assert s == {"available": False,
+                 "reason": "not available: no NVIDIA driver on this test node",
+                 "gpus": [], "processes": []}
+
+
+def test_gpu_sampler_on_replayed_telemetry(nvml_backend: None) -> None:
+    replay = TelemetryReplay()
+    nvml.set_backend(replay)
+    s = GpuSampler().sample()
+    assert s["available"] and len(s["gpus"]) == 2
+    g0, g1 = s["gpus"]
+    assert g0["uuid"] == "GPU-5b3a9a1e-6f0c-2d4e-8a31-0c1f7d2e9b10"
+    assert g0["utilization_ratio"] == pytest.approx(0.97)
+    assert g0["power_watts"] == pytest.approx(612.345)
+    assert g0["sm_clock_hertz"] == 1.98e9 and g0["temperature_celsius"] == 67
+    assert g0["pcie_rx_bytes_per_second"] == 5324800 * 1024
+    assert g0["ecc_corrected_errors_total"] == 3 and g0["remapped_rows_correctable"] == 1
+    assert g0["throttle_reason_names"] == [] and g0["xid_events_total"] == 0
+    # GPU 1: thermal + power cap, the PCIe getter unsupported, an Xid 79 pending
+    assert g1["throttle_reason_names"] == ["sw_power_cap", "sw_thermal"]
+    assert g1["pcie_tx_bytes_per_second"] is None
+    assert g1["xid_events_total"] == 1 and g1["last_xid"] == 79
+    assert g1["remapped_rows_pending"] is True
+    assert replay.registered == {0, 1}
+    assert s["processes"] == [
+        {"gpu": 0, "pid": 4242, "used_memory_bytes": 70866960384.0},
+        {"gpu": 1, "pid": 4243, "used_memory_bytes": 39728447488.0},
+        {"gpu": 1, "pid": 4244, "used_memory_bytes": None}]
+
+
+@pytest.mark.root
+def test_torch_stats_of_another_user_are_ignored(tmp_path: Path) -> None:
+    """RUNTIME_DIR/jobs is world-writable: only the job owner's (or root's) file counts."""
+    (tmp_path / "jobs").mkdir()
+    f = tmp_path / "jobs" / "777.json"
+    f.write_text('{"devices": []}')
+    js = JobSampler(runtime_dir=tmp_path)
+    assert js._torch(777, uid=1000) == {"devices": []}  # root-owned: trusted
+    os.chown(f, 4321, 4321)
+    assert js._torch(777, uid=1000) is None
+    assert js._torch(777, uid=4321) == {"devices": []}
+    link = tmp_path / "jobs" / "778.json"
+    link.symlink_to(f)
+    assert js._torch(778, uid=4321) is None  # never follow a planted link

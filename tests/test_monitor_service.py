@@ -1,0 +1,112 @@
+"""The Monitor service in-process: GPU series from NVML replay, sampler isolation, listen."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.monitor_helpers import TelemetryReplay
+from tunerd import nvml
+from tunerd.daemon.config import DaemonConfig
+from tunerd.monitor.listen import parse_listen
+from tunerd.monitor.service import Monitor
+from tunerd.protocol import UsageError
+
+
+class HostDaemon:
+    """The attributes of tunerd.daemon.app.Daemon that the Monitor uses; no jobs service."""
+
+    def __init__(self, runtime: Path) -> None:
+        self.cfg = DaemonConfig(runtime_dir=runtime, metrics_listen="off")
+        self.jobs: Any = None
+        self.monitor: Any = None
+        self.errors: list[dict[str, Any]] = []
+
+    def record_error(self, source: str, message: str) -> None:
+        self.errors.append({"time": time.time(), "source": source, "message": message})
+
+
+@pytest.fixture
+def replay() -> Iterator[TelemetryReplay]:
+    saved = dict(nvml._state)
+    r = TelemetryReplay()
+    nvml.set_backend(r)
+    try:
+        yield r
+    finally:
+        nvml._state.clear()
+        nvml._state.update(saved)
+
+
+def run_cycles(mon: Monitor, n: int = 2) -> None:
+    async def go() -> None:
+        await mon.start()
+        for _ in range(n - 1):
+            await mon.cycle()
+        await mon.stop()
+
+    asyncio.run(go())
+
+
+def test_gpu_series_from_replayed_nvml_pass_promtool(tmp_path: Path,
+                                                     replay: TelemetryReplay) -> None:
+    d = HostDaemon(tmp_path)
+    mon = Monitor(d)  # type: ignore[arg-type]
+    assert d.monitor is mon
+    run_cycles(mon)
+    text = mon.exposition()
+    p = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stdout + p.stderr
+    u0 = 'gpu="0",uuid="GPU-5b3a9a1e-6f0c-2d4e-8a31-0c1f7d2e9b10"'
+    assert f"tunerd_gpu_power_watts{{{u0}}} 612.345" in text
+    assert f"tunerd_gpu_sm_clock_hertz{{{u0}}} 1.98e+09" in text
+    assert f"tunerd_gpu_ecc_corrected_errors_total{{{u0}}} 3.0" in text
+    assert 'tunerd_gpu_throttle_reasons{gpu="1",' in text and "} 36.0" in text
+    assert 'tunerd_gpu_xid_events_total{gpu="1",' in text
+    assert 'tunerd_gpu_process_memory_used_bytes{gpu="0",pid="4242"} 7.0866960384e+10' in text
+    assert "tunerd_gpu_monitoring_available 1.0" in text
+    # GPU 1 does not support the PCIe getter: that series is absent, not zero
+    assert 'tunerd_gpu_pcie_transmit_bytes_per_second{gpu="1"' not in text
+    assert len(mon.history.gpus[1]) == 2
+    assert mon.status()["summary"].startswith("sampling every 1 s; 2 GPU(s); 0 job(s)")
+
+
+def test_a_failing_sampler_does_not_stop_the_others(tmp_path: Path) -> None:
+    mon = Monitor(HostDaemon(tmp_path))  # type: ignore[arg-type]
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("simulated bug in the host sampler")
+
+    mon.host.sample = broken  # type: ignore[method-assign]
+    run_cycles(mon, 3)
+    st = mon.sampler_status
+    assert st["host"]["ok"] is False and st["host"]["errors"] == 3
+    assert "simulated bug" in st["host"]["last_error"]
+    assert st["gpu"]["ok"] and st["jobs"]["ok"]
+    assert mon.latest is not None and mon.latest["gpu"]["reason"].startswith("not available")
+    text = mon.exposition()
+    assert 'tunerd_sampler_up{sampler="host"} 0.0' in text
+    assert 'tunerd_sampler_errors_total{sampler="host"} 3.0' in text
+    assert 'tunerd_sampler_up{sampler="gpu"} 1.0' in text
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    ("off", None), ("OFF", None), ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+    ("0.0.0.0:1", ("0.0.0.0", 1)), ("[::1]:9464", ("::1", 9464)),
+    ("gpu-node-01:9100", ("gpu-node-01", 9100))])
+def test_parse_listen(value: str, want: tuple[str, int] | None) -> None:
+    assert parse_listen(value) == want
+
+
+@pytest.mark.parametrize("bad", ["", "9464", ":9464", "host:", "host:0", "host:65536",
+                                 "::1:9464", "[::1]9464", "[nothost]:1", "h:12ab"])
+def test_parse_listen_rejects(bad: str) -> None:
+    with pytest.raises(UsageError, match="metrics_listen"):
+        parse_listen(bad)

@@ -1,0 +1,223 @@
+"""Bottleneck findings for a bound job, from its recent sample history.
+
+Every rule is a pure function of (job, columns): ``job`` is the latest job
+sample, ``columns`` maps a history field (tunerd.monitor.history.JOB_FIELDS) to
+its values, oldest first, NaN where not available. Rules are tested on recorded
+sequences; the daemon runs them on its live rings (``tunerctl advise``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Thresholds, with the reason for each number.
+GPU_IDLE_BELOW = 0.5  # a GPU busy less than half the time is waiting for something
+CPU_SATURATED_ABOVE = 0.9  # the job uses >90% of the CPUs it is bound to
+IO_PRESSURE_ABOVE = 0.2  # PSI io "some" avg10: tasks stalled on I/O >20% of the time
+IOWAIT_ABOVE = 0.2
+DISK_BUSY_ABOVE = 0.9
+LOCALITY_BELOW = 0.8  # <80% of pages on the bound nodes: remote accesses cost ~1.5-2x
+FRAG_MIN_GAP_BYTES = 2 << 30  # reserved-but-unallocated memory worth reporting
+FRAG_RATIO = 1.5
+THROTTLE_SHARE = 0.2  # throttled in more than a fifth of the samples
+FD_USED_ABOVE = 0.8
+OVERSUB_FACTOR = 2.0  # runnable threads more than twice the CPUs
+MIN_SAMPLES = 3
+THROTTLE_POWER_THERMAL = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # see tunerd.monitor.gpu
+
+
+@dataclass
+class Finding:
+    id: str
+    severity: str  # "info" | "warning" | "critical"
+    title: str
+    evidence: dict[str, Any]
+    why: str
+    fix: str
+    docs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Columns = dict[str, list[float]]
+
+
+def _vals(cols: Columns, name: str) -> list[float]:
+    return [v for v in cols.get(name, []) if v is not None and not math.isnan(v)]
+
+
+def _median(vals: Sequence[float]) -> float | None:
+    return statistics.median(vals) if vals else None
+
+
+def _r(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def data_loading(job: dict[str, Any], cols: Columns) -> Finding | None:
+    gpu = _vals(cols, "gpu_utilization_ratio")
+    # the busy share of the job's CPUs counts its DataLoader worker processes too; the
+    # job's own CPU time (cpu_ratio) is the fallback where per-CPU stats are missing
+    cpu = _vals(cols, "cpus_busy_ratio") or _vals(cols, "cpu_ratio")
+    if len(gpu) < MIN_SAMPLES or len(cpu) < MIN_SAMPLES:
+        return None
+    g, c = _median(gpu), _median(cpu)
+    assert g is not None and c is not None
+    if g >= GPU_IDLE_BELOW or c <= CPU_SATURATED_ABOVE:
+        return None
+    return Finding(
+        "data-loading-bound", "warning", "GPU waits for input while the job's CPUs are full",
+        {"gpu_utilization_median": _r(g), "cpu_saturation_median": _r(c),
+         "bound_cpus": job.get("cpus"), "samples": min(len(gpu), len(cpu))},
+        "The GPUs idle while every CPU the job may use is busy: data loading and "
+        "augmentation on the CPU cannot keep up with the GPU.",
+        "Give the job more CPUs (tunerctl bind PID --cpus LIST, or a wider placement) and "
+        "raise DataLoader(num_workers=...) to use them; set pin_memory=True and "
+        "persistent_workers=True; move decoding/augmentation to the GPU (e.g. DALI).",
+        ["https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"])
+
+
+def io_bound(job: dict[str, Any], cols: Columns) -> Finding | None:
+    psi = _vals(cols, "psi_io_some")
+    iow = _vals(cols, "iowait_ratio")
+    disk = _vals(cols, "disk_busy_max")
+    p, w, d = _median(psi), _median(iow), _median(disk)
+    hits = {k: v for k, v, lim in (("io_pressure_some_median", p, IO_PRESSURE_ABOVE),
+                                   ("iowait_median", w, IOWAIT_ABOVE),
+                                   ("disk_busy_max_median", d, DISK_BUSY_ABOVE))
+            if v is not None and v > lim}
+    if not hits or max(len(psi), len(iow), len(disk)) < MIN_SAMPLES:
+        return None
+    reads = _median(_vals(cols, "read_bytes_per_second"))
+    gpu = _median(_vals(cols, "gpu_utilization_ratio"))
+    # only the job's problem if it reads, or its GPU starves
+    if not ((reads or 0) > 1 << 20 or (gpu is not None and gpu < GPU_IDLE_BELOW)):
+        return None
+    return Finding(
+        "io-bound", "warning", "Storage I/O stalls the node while the job reads or waits",
+        {**{k: _r(v) for k, v in hits.items()}, "job_read_bytes_per_second": _r(reads, 0),
+         "gpu_utilization_median": _r(gpu)},
+        "Tasks spend a large share of time waiting on block I/O (PSI io / iowait), or a "
+        "disk is saturated; training steps wait for data.",
+        "Stage the dataset on local NVMe (XFS/ext4) or page cache, use a sharded/streaming "
+        "format (WebDataset, TFRecord), raise DataLoader prefetch_factor, check the block "
+        "queue settings (tunerctl plan) and `tunerctl doctor --data-dir DIR`.")
+
+
+def remote_numa(job: dict[str, Any], cols: Columns) -> Finding | None:
+    loc = _vals(cols, "locality_ratio")
+    if not loc or loc[-1] >= LOCALITY_BELOW:
+        return None
+    return Finding(
+        "remote-numa-memory", "warning",
+        f"Only {loc[-1]:.0%} of the job's memory is on its NUMA node(s)",
+        {"locality_ratio": _r(loc[-1]), "threshold": LOCALITY_BELOW,
+         "bound_mems": job.get("mems"), "numa_bytes": job.get("numa_bytes")},
+        "CPU accesses to memory on a remote NUMA node are slower and cross the socket "
+        "interconnect, which also carries GPU and NIC traffic.",
+        f"Bind memory with the CPUs: tunerctl bind {job.get('pid')} --mems "
+        f"{job.get('mems') or 'NODES'} (new allocations), and move existing pages with "
+        f"`migratepages {job.get('pid')} <from-nodes> {job.get('mems') or 'NODES'}`; "
+        "start jobs with `tunerctl run` so memory is local from the first page.")
+
+
+def gpu_fragmentation(job: dict[str, Any], cols: Columns) -> Finding | None:
+    res = _vals(cols, "torch_reserved_bytes")
+    alloc = _vals(cols, "torch_allocated_bytes")
+    if not res or not alloc:
+        return None
+    r, a = res[-1], alloc[-1]
+    if r - a < FRAG_MIN_GAP_BYTES or r < FRAG_RATIO * a:
+        return None
+    return Finding(
+        "gpu-memory-fragmentation", "warning",
+        "PyTorch holds much more GPU memory than its tensors use",
+        {"reserved_bytes": int(r), "allocated_bytes": int(a),
+         "reserved_over_allocated": _r(r / a if a else math.inf, 2)},
+        "The caching allocator keeps freed blocks that do not fit new requests; this can "
+        "end in out-of-memory errors with plenty of memory nominally free.",
+        "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (or max_split_size_mb:512), "
+        "keep tensor shapes stable (pad variable-length batches), and avoid "
+        "torch.cuda.empty_cache() in the step loop.",
+        ["https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"])
+
+
+def throttling(job: dict[str, Any], cols: Columns) -> Finding | None:
+    bits = [int(v) for v in _vals(cols, "gpu_throttle_reasons")]
+    if len(bits) < MIN_SAMPLES:
+        return None
+    hot = [b for b in bits if b & THROTTLE_POWER_THERMAL]
+    share = len(hot) / len(bits)
+    if share <= THROTTLE_SHARE:
+        return None
+    seen = 0
+    for b in hot:
+        seen |= b & THROTTLE_POWER_THERMAL
+    from tunerd.monitor.gpu import THROTTLE_REASONS
+
+    return Finding(
+        "gpu-throttling", "critical" if seen & (0x8 | 0x40 | 0x80) else "warning",
+        "The job's GPUs are slowed by power or thermal limits",
+        {"throttled_share": _r(share), "reasons": [n for bit, n in THROTTLE_REASONS.items()
+                                                   if seen & bit], "gpus": job.get("gpus")},
+        "Clock throttling lowers the SM clock, so every step takes longer than it should.",
+        "Check cooling and airflow (nvidia-smi -q -d PERFORMANCE,TEMPERATURE), the power "
+        "limit (policy [gpu] power_limit_w, nvidia-smi -pl) and the PSU/power brake "
+        "signals; hardware slowdown events warrant a hardware ticket.")
+
+
+def fd_limit(job: dict[str, Any], cols: Columns) -> Finding | None:
+    fds, lim = _vals(cols, "open_fds"), _vals(cols, "nofile_soft")
+    if not fds or not lim or lim[-1] <= 0:
+        return None
+    used = fds[-1] / lim[-1]
+    if used < FD_USED_ABOVE:
+        return None
+    return Finding(
+        "fd-limit", "critical" if used >= 0.95 else "warning",
+        f"The job uses {used:.0%} of its open-file limit",
+        {"open_fds": int(fds[-1]), "nofile_soft": int(lim[-1]), "used_ratio": _r(used)},
+        "DataLoader workers sharing tensors through file descriptors, datasets of many "
+        "files and NCCL sockets use fds; at the limit the job fails with 'Too many open "
+        "files'.",
+        f"Raise the limit: tunerctl bind {job.get('pid')} --nofile 1048576 (or policy "
+        "[limits] nofile); with DataLoader, torch.multiprocessing.set_sharing_strategy("
+        "'file_system') also helps.")
+
+
+def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
+    run = _vals(cols, "runnable_threads")
+    ncpus = _vals(cols, "ncpus")
+    if not run or not ncpus:
+        return None
+    r, n = _median(run), ncpus[-1]
+    assert r is not None
+    if r <= OVERSUB_FACTOR * n or r < n + 2:
+        return None
+    return Finding(
+        "cpu-oversubscription", "warning",
+        f"{r:.0f} runnable threads compete for {n:.0f} CPU(s)",
+        {"runnable_threads_median": _r(r, 1), "bound_cpus": job.get("cpus"),
+         "ncpus": int(n), "threads": job.get("threads")},
+        "More runnable threads than CPUs means time slicing, cache thrash and lock "
+        "convoys; intra-op thread pools (OpenMP/MKL) default to every CPU of the node.",
+        "Set OMP_NUM_THREADS / torch.set_num_threads() to the job's CPUs divided by the "
+        "processes sharing them, lower DataLoader num_workers, or bind more CPUs.")
+
+
+RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
+    data_loading, io_bound, remote_numa, gpu_fragmentation, throttling, fd_limit,
+    cpu_oversubscription,
+]
+
+
+def advise(job: dict[str, Any], cols: Columns) -> list[Finding]:
+    """Every finding the rules make for one job, most severe first."""
+    order = {"critical": 0, "warning": 1, "info": 2}
+    found = [f for rule in RULES if (f := rule(job, cols)) is not None]
+    return sorted(found, key=lambda f: order.get(f.severity, 3))

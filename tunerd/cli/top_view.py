@@ -1,0 +1,106 @@
+"""What `tunerctl top` draws: GPUs, NUMA nodes and bound jobs, in 80 columns.
+
+Imported only by the ``top`` command (it imports rich). ``render`` is a pure
+function of the daemon's ``top`` reply, so the layout is tested at 80 columns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+
+def fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for unit, div in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(v) >= div:
+            return f"{v / div:.1f}{unit}"
+    return f"{v:.0f}B"
+
+
+def fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 expand=False, title_style="bold")
+
+
+def _gpus(sample: dict[str, Any]) -> RenderableType:
+    gpu = sample.get("gpu") or {}
+    if not gpu.get("available"):
+        return Text(f"GPUs: {gpu.get('reason') or 'not available'}", style="yellow")
+    t = _table("GPUs")
+    for col in ("GPU", "Util", "Memory", "Power", "Temp", "SM clock", "Throttle"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis",
+                     justify="left" if col in ("GPU", "Throttle") else "right")
+    for g in gpu.get("gpus") or []:
+        mem = f"{fmt_bytes(g.get('memory_used_bytes'))}/{fmt_bytes(g.get('memory_total_bytes'))}"
+        power = "-" if g.get("power_watts") is None else f"{g['power_watts']:.0f}W"
+        temp = "-" if g.get("temperature_celsius") is None else f"{g['temperature_celsius']:.0f}C"
+        clk = "-" if g.get("sm_clock_hertz") is None else f"{g['sm_clock_hertz'] / 1e6:.0f}MHz"
+        names = [n for n in g.get("throttle_reason_names") or [] if n != "gpu_idle"]
+        t.add_row(str(g["gpu"]), fmt_pct(g.get("utilization_ratio")), mem, power, temp, clk,
+                  Text(",".join(names) or "-", style="red" if names else ""))
+    return t
+
+
+def _numa(sample: dict[str, Any]) -> RenderableType:
+    host = sample.get("host") or {}
+    t = _table("NUMA nodes")
+    for col in ("Node", "CPUs", "CPU", "Mem used", "Mem total"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis",
+                     justify="right" if col != "CPUs" else "left", max_width=30)
+    for n in host.get("numa") or []:
+        t.add_row(str(n["node"]), n.get("cpus") or "-", fmt_pct(n.get("busy_ratio")),
+                  fmt_bytes(n.get("memory_used_bytes")), fmt_bytes(n.get("memory_total_bytes")))
+    return t
+
+
+def _jobs(sample: dict[str, Any]) -> RenderableType:
+    jobs = sample.get("jobs") or []
+    if not jobs:
+        return Text("No bound jobs (tunerctl bind PID / tunerctl run -- CMD).", style="dim")
+    t = _table("Jobs")
+    t.add_column("PID", justify="right", no_wrap=True)
+    t.add_column("Name", no_wrap=True, overflow="ellipsis", max_width=14)
+    t.add_column("CPUs", no_wrap=True, overflow="ellipsis", max_width=11)
+    t.add_column("Mems", no_wrap=True, overflow="ellipsis", max_width=5)
+    t.add_column("GPUs", no_wrap=True, overflow="ellipsis", max_width=7)
+    for col in ("CPU", "RSS", "Local"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for j in jobs:
+        if "error" in j:
+            t.add_row(str(j.get("pid")), j.get("name") or "-", Text(j["error"], style="red"))
+            continue
+        cpu = "-" if j.get("cpu_cores") is None else f"{j['cpu_cores'] * 100:.0f}%"
+        loc = j.get("locality_ratio")
+        t.add_row(str(j["pid"]), j.get("name") or "-", j.get("cpus") or "-",
+                  j.get("mems") or "-", ",".join(str(g) for g in j.get("gpus") or []) or "-",
+                  cpu, fmt_bytes(j.get("rss_bytes")),
+                  Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""))
+    return t
+
+
+def render(reply: dict[str, Any]) -> RenderableType:
+    sample = reply.get("sample") or {}
+    host = sample.get("host") or {}
+    psi = host.get("psi") or {}
+
+    def avg(res: str) -> str:
+        return fmt_pct((psi.get(res) or {}).get("some_avg10"))
+
+    when = time.strftime("%H:%M:%S", time.localtime(sample.get("time") or time.time()))
+    head = Text.assemble(
+        ("tunerd top ", "bold"), f"{when}  cpu {fmt_pct(host.get('cpu_busy_ratio'))}  "
+        f"iowait {fmt_pct(host.get('iowait_ratio'))}  "
+        f"psi cpu {avg('cpu')} mem {avg('memory')} io {avg('io')}")
+    head.truncate(80, overflow="ellipsis")
+    return Group(head, _gpus(sample), _numa(sample), _jobs(sample))

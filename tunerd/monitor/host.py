@@ -1,0 +1,231 @@
+"""Host sampler: CPU per core and NUMA node, memory per node, PSI, disks, NICs.
+
+Reads only the kernel's aggregate files (one open+read each, a few KiB): never a
+sweep over /proc/PID. Each source is read on its own, so a kernel without PSI or
+a container without /sys/devices/system/node still gives the other numbers; the
+missing part is listed under ``unavailable`` with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tunerd.cpulist import format_cpulist, parse_cpulist
+
+SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's block size
+# Devices that are not real disks: loop, RAM disks, floppies (as node_exporter skips them)
+_SKIP_DISK_PREFIXES = ("loop", "ram", "zram", "fd")
+PSI_RESOURCES = ("cpu", "memory", "io")
+
+
+def read_text(path: Path) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("ascii", "replace")
+
+
+def parse_proc_stat(text: str) -> dict[int, tuple[int, int, int]]:
+    """cpu id -> (total, idle, iowait) jiffies from the ``cpuN`` lines of /proc/stat."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for line in text.splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        parts = line.split()
+        # user nice system idle iowait irq softirq steal (guest* are already in user/nice)
+        vals = [int(v) for v in parts[1:9]]
+        out[int(parts[0][3:])] = (sum(vals), vals[3], vals[4])
+    return out
+
+
+def parse_node_meminfo(text: str) -> dict[str, int]:
+    """``Node 0 MemTotal:  4810524 kB`` lines -> {"MemTotal": bytes, ...}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0] == "Node":
+            key = parts[2].rstrip(":")
+            val = int(parts[3])
+            out[key] = val * 1024 if len(parts) > 4 and parts[4] == "kB" else val
+    return out
+
+
+def parse_psi(text: str) -> dict[str, float]:
+    """/proc/pressure/X -> {"some_avg10": ratio, "some_total_seconds": s, "full_...": ...}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        kind = parts[0]
+        for kv in parts[1:]:
+            k, _, v = kv.partition("=")
+            if k == "avg10":
+                out[f"{kind}_avg10"] = float(v) / 100.0
+            elif k == "total":
+                out[f"{kind}_total_seconds"] = int(v) / 1e6
+    return out
+
+
+def parse_diskstats(text: str) -> dict[str, tuple[int, int, int, int, int]]:
+    """device -> (reads, sectors read, writes, sectors written, io ms) from /proc/diskstats."""
+    out: dict[str, tuple[int, int, int, int, int]] = {}
+    for line in text.splitlines():
+        p = line.split()
+        if len(p) < 14:
+            continue
+        out[p[2]] = (int(p[3]), int(p[5]), int(p[7]), int(p[9]), int(p[12]))
+    return out
+
+
+def parse_net_dev(text: str) -> dict[str, tuple[int, ...]]:
+    """interface -> (rx bytes, rx packets, rx errs, rx drop, tx bytes, tx packets, tx errs,
+    tx drop) from /proc/net/dev."""
+    out: dict[str, tuple[int, ...]] = {}
+    for line in text.splitlines()[2:]:
+        name, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        v = [int(x) for x in rest.split()]
+        out[name.strip()] = (v[0], v[1], v[2], v[3], v[8], v[9], v[10], v[11])
+    return out
+
+
+class HostSampler:
+    """Samples the host; keeps the previous counters to turn them into rates."""
+
+    def __init__(self, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys")) -> None:
+        self.proc = Path(proc_root)
+        self.sys = Path(sys_root)
+        self.node_cpus = self._read_node_cpus()
+        self._prev_t: float | None = None
+        self._prev_stat: dict[int, tuple[int, int, int]] = {}
+        self._prev_disk: dict[str, tuple[int, int, int, int, int]] = {}
+        self._prev_net: dict[str, tuple[int, ...]] = {}
+
+    def _read_node_cpus(self) -> dict[int, frozenset[int]]:
+        nodes: dict[int, frozenset[int]] = {}
+        base = self.sys / "devices/system/node"
+        try:
+            names = os.listdir(base)
+        except OSError:
+            return nodes
+        for name in names:
+            if name.startswith("node") and name[4:].isdigit():
+                try:
+                    nodes[int(name[4:])] = parse_cpulist(read_text(base / name / "cpulist"))
+                except (OSError, ValueError):
+                    continue
+        return dict(sorted(nodes.items()))
+
+    def sample(self) -> dict[str, Any]:
+        now = time.monotonic()
+        dt = None if self._prev_t is None else max(now - self._prev_t, 1e-6)
+        out: dict[str, Any] = {"unavailable": {}}
+        parts = (("cpu", self._cpu), ("memory", self._memory), ("pressure", self._psi),
+                 ("disks", self._disks), ("network", self._net))
+        for name, fn in parts:
+            try:
+                fn(out, dt)
+            except (OSError, ValueError, IndexError) as err:
+                out["unavailable"][name] = f"{type(err).__name__}: {err}"
+        self._prev_t = now
+        return out
+
+    # -- parts ---------------------------------------------------------------
+    def _cpu(self, out: dict[str, Any], dt: float | None) -> None:
+        cur = parse_proc_stat(read_text(self.proc / "stat"))
+        prev, self._prev_stat = self._prev_stat, cur
+        cpus: list[dict[str, Any]] = []
+        agg: dict[int, list[int]] = {}  # cpu -> [dtotal, dbusy, diowait]
+        for cpu, (total, idle, iowait) in sorted(cur.items()):
+            p = prev.get(cpu)
+            if p is None or total <= p[0]:
+                cpus.append({"cpu": cpu, "busy_ratio": None, "iowait_ratio": None})
+                continue
+            d_total = total - p[0]
+            d_idle, d_io = idle - p[1], iowait - p[2]
+            agg[cpu] = [d_total, d_total - d_idle - d_io, d_io]
+            cpus.append({"cpu": cpu, "busy_ratio": (d_total - d_idle - d_io) / d_total,
+                         "iowait_ratio": d_io / d_total})
+        out["cpus"] = cpus
+
+        def ratio(ids: Any, k: int) -> float | None:
+            tot = sum(agg[c][0] for c in ids if c in agg)
+            return sum(agg[c][k] for c in ids if c in agg) / tot if tot else None
+
+        out["cpu_busy_ratio"] = ratio(agg, 1)
+        out["iowait_ratio"] = ratio(agg, 2)
+        out["numa"] = [{"node": n, "cpus": format_cpulist(ids), "busy_ratio": ratio(ids, 1)}
+                       for n, ids in self.node_cpus.items()]
+
+    def _memory(self, out: dict[str, Any], dt: float | None) -> None:
+        base = self.sys / "devices/system/node"
+        nodes = out.setdefault("numa", [{"node": n} for n in self.node_cpus])
+        if not nodes:
+            raise OSError(f"no NUMA nodes under {base}")
+        for entry in nodes:
+            mi = parse_node_meminfo(read_text(base / f"node{entry['node']}" / "meminfo"))
+            entry["memory_total_bytes"] = mi.get("MemTotal")
+            entry["memory_free_bytes"] = mi.get("MemFree")
+            entry["memory_used_bytes"] = mi.get("MemUsed")
+
+    def _psi(self, out: dict[str, Any], dt: float | None) -> None:
+        psi: dict[str, dict[str, float]] = {}
+        errors = []
+        for res in PSI_RESOURCES:
+            try:
+                psi[res] = parse_psi(read_text(self.proc / "pressure" / res))
+            except OSError as err:  # kernel without CONFIG_PSI or booted with psi=0
+                errors.append(f"{res}: {err.strerror or err}")
+        out["psi"] = psi
+        if errors:
+            out["unavailable"]["pressure"] = "; ".join(errors)
+
+    def _disks(self, out: dict[str, Any], dt: float | None) -> None:
+        cur = parse_diskstats(read_text(self.proc / "diskstats"))
+        try:  # whole disks only: partitions are summed into their disk by the kernel
+            whole = set(os.listdir(self.sys / "block"))
+        except OSError:
+            whole = set(cur)
+        prev, self._prev_disk = self._prev_disk, cur
+        disks = []
+        for dev, (rd, rsec, wr, wsec, io_ms) in sorted(cur.items()):
+            if dev.startswith(_SKIP_DISK_PREFIXES) or dev.replace("/", "!") not in whole:
+                continue
+            d: dict[str, Any] = {
+                "device": dev, "reads_total": rd, "writes_total": wr,
+                "read_bytes_total": rsec * SECTOR_BYTES,
+                "written_bytes_total": wsec * SECTOR_BYTES,
+                "io_time_seconds_total": io_ms / 1000.0,
+                "busy_ratio": None, "read_bytes_per_second": None,
+                "write_bytes_per_second": None,
+            }
+            p = prev.get(dev)
+            if p is not None and dt is not None:
+                d["busy_ratio"] = min(1.0, max(0.0, (io_ms - p[4]) / 1000.0 / dt))
+                d["read_bytes_per_second"] = (rsec - p[1]) * SECTOR_BYTES / dt
+                d["write_bytes_per_second"] = (wsec - p[3]) * SECTOR_BYTES / dt
+            disks.append(d)
+        out["disks"] = disks
+
+    def _net(self, out: dict[str, Any], dt: float | None) -> None:
+        cur = parse_net_dev(read_text(self.proc / "net/dev"))
+        prev, self._prev_net = self._prev_net, cur
+        nics = []
+        for name, v in sorted(cur.items()):
+            n: dict[str, Any] = {
+                "interface": name,
+                "receive_bytes_total": v[0], "receive_packets_total": v[1],
+                "receive_errors_total": v[2], "receive_drop_total": v[3],
+                "transmit_bytes_total": v[4], "transmit_packets_total": v[5],
+                "transmit_errors_total": v[6], "transmit_drop_total": v[7],
+                "receive_bytes_per_second": None, "transmit_bytes_per_second": None,
+            }
+            p = prev.get(name)
+            if p is not None and dt is not None:
+                n["receive_bytes_per_second"] = max(0, v[0] - p[0]) / dt
+                n["transmit_bytes_per_second"] = max(0, v[4] - p[4]) / dt
+            nics.append(n)
+        out["nics"] = nics

@@ -1,0 +1,244 @@
+"""The Monitor service: samples GPUs, host and bound jobs on a timer; serves metrics.
+
+Where the sampling runs, and why: a cycle is a few dozen reads of small procfs
+files (well under a millisecond of CPU) plus NVML calls, but
+``nvmlDeviceGetPcieThroughput`` sleeps ~20 ms per GPU inside the driver and
+numa_maps of a large process walks its page tables. So each cycle runs in ONE
+dedicated executor thread — the loop is never blocked and the samplers' own
+state (previous counters) is only ever touched by that thread. The job list is
+snapshotted on the loop before, and the finished sample is stored on the loop
+after, so the daemon's state still changes on the loop only. A cycle that
+overruns the interval delays the next one; cycles never overlap or pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from tunerd.monitor.gpu import GpuSampler
+from tunerd.monitor.history import History
+from tunerd.monitor.host import HostSampler
+from tunerd.monitor.jobs import JobSampler
+from tunerd.monitor.listen import parse_listen
+
+if TYPE_CHECKING:
+    from tunerd.daemon.app import Daemon
+
+log = logging.getLogger("tunerd.monitor")
+
+
+class Monitor:
+    name = "monitor"
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        cfg = daemon.cfg
+        daemon.monitor = self
+        self.interval = cfg.sample_interval
+        self.listen: tuple[str, int] | None = None
+        self.gpu = GpuSampler()
+        self.host = HostSampler()
+        # numa_maps and per-thread states every ~10 s whatever the interval
+        self.jobs = JobSampler(runtime_dir=cfg.runtime_dir,
+                               slow_every=max(1, round(10.0 / self.interval)),
+                               node_cpus=self.host.node_cpus)
+        self.history = History(cfg.history_seconds, self.interval)
+        self.latest: dict[str, Any] | None = None
+        self.samples_total = 0
+        self.sample_cpu_seconds_total = 0.0
+        self.errors_total = 0
+        self.sampler_status: dict[str, dict[str, Any]] = {
+            n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
+        self._seen_jobs: set[tuple[Any, Any]] = set()
+        self._binds_seen = 0
+        self._last_error_time = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunerd-sampler")
+        self._task: asyncio.Task[None] | None = None
+        self._http: Any = None
+        self.registry: Any = None
+        self.metrics_error: str | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+    async def start(self) -> None:
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.process_collector import ProcessCollector
+
+        from tunerd.monitor.collector import MonitorCollector
+
+        # a bad value is a UsageError here, inside the daemon's start-up error handling
+        self.listen = parse_listen(self.daemon.cfg.metrics_listen)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(MonitorCollector(self))
+        # tunerd_process_cpu_seconds_total, tunerd_process_resident_memory_bytes, ...
+        ProcessCollector(namespace="tunerd", registry=self.registry)
+        self._make_jobs_dir()
+        if self.listen is not None:
+            self._start_http(*self.listen)
+        await self.cycle()  # a first sample before anyone asks
+        self._task = asyncio.ensure_future(self._run())
+
+    def _make_jobs_dir(self) -> None:
+        """RUNTIME_DIR/jobs: where jobs drop torch memory stats (tunerd.torch).
+
+        World-writable with the sticky bit, like /tmp: any job may add its own file and
+        nobody may remove another's; the sampler trusts a file only if the job's user
+        owns it (see JobSampler._torch).
+        """
+        d = self.daemon.cfg.runtime_dir / "jobs"
+        try:
+            d.mkdir(exist_ok=True)
+            os.chmod(d, 0o1777)
+        except OSError as err:
+            self.daemon.record_error("monitor", f"cannot create {d}: {err.strerror or err}")
+
+    def _start_http(self, host: str, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            # monitoring is not worth refusing to tune the node for: report and go on
+            self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
+            self.daemon.record_error("monitor", self.metrics_error)
+            return
+        log.info("Prometheus metrics on http://%s/metrics",
+                 f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    async def policy_changed(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self.interval
+            delay = next_at - loop.time()
+            if delay < 0:  # overran: skip the missed ticks instead of catching up
+                next_at = loop.time()
+                delay = 0.0
+            await asyncio.sleep(delay)
+            try:
+                await self.cycle()
+            except Exception as err:  # never let one bad cycle end sampling
+                log.exception("monitor cycle failed")
+                self.daemon.record_error("monitor", f"sampling cycle failed: {err!r}")
+
+    # -- one cycle -----------------------------------------------------------
+    def job_records(self) -> list[dict[str, Any]]:
+        reg = self.daemon.jobs
+        if reg is None:
+            return []
+        try:
+            return [dict(r) for r in reg.jobs()]
+        except Exception as err:
+            log.warning("cannot list bound jobs: %r", err)
+            return []
+
+    async def cycle(self) -> dict[str, Any]:
+        records = self.job_records()
+        loop = asyncio.get_running_loop()
+        sample = await loop.run_in_executor(self._pool, self.collect, records)
+        # back on the loop: publish and remember
+        self.latest = sample
+        self.samples_total += 1
+        self.sample_cpu_seconds_total += sample["cpu_seconds"]
+        for name, st in sample["samplers"].items():
+            s = self.sampler_status[name]
+            s["ok"] = st is None
+            if st is not None:
+                s["errors"] += 1
+                s["last_error"] = st
+        self.history.add(sample)
+        for r in records:
+            key = (r.get("pid"), r.get("start_time"))
+            if key not in self._seen_jobs:
+                self._seen_jobs.add(key)
+                self._binds_seen += 1
+        self._seen_jobs &= {(r.get("pid"), r.get("start_time")) for r in records}
+        new = [e for e in self.daemon.errors if e["time"] > self._last_error_time]
+        if new:
+            self.errors_total += len(new)
+            self._last_error_time = max(e["time"] for e in new)
+        return sample
+
+    def collect(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """One sample of everything (runs in the sampler thread)."""
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        failed: dict[str, str | None] = {}
+
+        def guarded(name: str, fn: Callable[[], Any], fallback: Any) -> Any:
+            try:
+                out = fn()
+                failed[name] = None
+                return out
+            except Exception as err:  # one sampler failing must not stop the others
+                log.warning("%s sampler failed: %r", name, err)
+                failed[name] = f"{type(err).__name__}: {err}"
+                return fallback
+
+        gpu = guarded("gpu", self.gpu.sample, {
+            "available": False, "reason": "not available: sampler failed", "gpus": [],
+            "processes": []})
+        host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
+        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host), [])
+        return {
+            "time": time.time(), "interval": self.interval,
+            "duration_seconds": time.perf_counter() - wall0,
+            "cpu_seconds": time.thread_time() - cpu0,
+            "gpu": gpu, "host": host, "jobs": jobs, "samplers": failed,
+        }
+
+    # -- reporting -----------------------------------------------------------
+    def binds_total(self) -> int:
+        count = getattr(self.daemon.jobs, "binds_total", None)
+        return int(count) if isinstance(count, int) else self._binds_seen
+
+    def exposition(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def status(self) -> dict[str, Any]:
+        s = self.latest or {}
+        gpu = s.get("gpu") or {}
+        gpu_txt = (f"{len(gpu.get('gpus') or [])} GPU(s)" if gpu.get("available")
+                   else "GPUs not available")
+        where = ("metrics off" if self.listen is None else self.metrics_error
+                 or f"metrics on {self.daemon.cfg.metrics_listen}")
+        last_cpu = s.get("cpu_seconds")
+        recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
+                        if v == v)  # NaN-free
+        return {
+            "summary": f"sampling every {self.interval:g} s; {gpu_txt}; "
+                       f"{len(s.get('jobs') or [])} job(s); {where}",
+            "samples_total": self.samples_total,
+            "last_sample_cpu_seconds": last_cpu,
+            "last_sample_duration_seconds": s.get("duration_seconds"),
+            "sample_cpu_seconds_total": self.sample_cpu_seconds_total,
+            # CPU per cycle over the newest (up to 300) cycles: the overhead budget
+            "sample_cpu_seconds_median": recent[len(recent) // 2] if recent else None,
+            "sample_cpu_seconds_p95": recent[int(len(recent) * 0.95)] if recent else None,
+            "history_capacity": self.history.capacity,
+            "history_bytes": self.history.nbytes(),
+            "history_bound_bytes": self.history.bound_bytes(),
+            "samplers": self.sampler_status,
+            "metrics_listen": self.daemon.cfg.metrics_listen,
+            "metrics_error": self.metrics_error,
+        }
