@@ -35,6 +35,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e '.[test]'
+# torch is an optional extra: the daemon never imports it. The tests use a real one for
+# `tunerctl doctor`, the training-side helpers and `tunerctl bench`'s built-in workload.
+# 2.13.0 is the CPU build (a newer unpinned release would pull a multi-GB CUDA build).
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0 numpy
 
 echo "== ruff"; .venv/bin/ruff check .
 echo "== mypy"; .venv/bin/mypy
