@@ -41,7 +41,6 @@ LAZY_COMMANDS: dict[str, str] = {
     "metrics": "tunerd.cli.cmd_monitor:metrics",
     "doctor": "tunerd.cli.cmd_monitor:doctor",
     "advise": "tunerd.cli.cmd_monitor:advise",
-    # -- end
 }
 
 

@@ -47,7 +47,6 @@ SERVICE_FACTORIES: list[str] = [
     "tunerd.daemon.leases:LeaseService",
     # -- monitor:
     "tunerd.monitor.service:Monitor",
-    # -- end
 ]
 
 

@@ -28,7 +28,6 @@ HANDLER_MODULES: list[str] = [
     "tunerd.daemon.cmd_leases",
     # -- monitor (metrics/top/advise/doctor):
     "tunerd.monitor.handlers",
-    # -- end
 ]
 
 T = TypeVar("T")
