@@ -232,6 +232,7 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
     assert str(pid) in text
     metrics = d.ctl("metrics").out
     assert f'tunerd_job_max_fds{{job="{job["name"]}",pid="{pid}"}} 128.0' in metrics
+    assert "tunerd_binds_total 1.0" in metrics  # counted by the JobRegistry at bind time
     promtool_check(metrics)
     # an unbound pid is a clear error; an exited job leaves top
     bad = d.ctl("advise", "1")

@@ -188,7 +188,7 @@ def test_readme_example_policy_is_valid(tmp_path: Path) -> None:
     from tests.helpers import REPO
 
     readme = (REPO / "README.md").read_text()
-    section = readme.split("<!-- policy -->", 1)[1]
+    section = readme.split("\n## Policies\n", 1)[1]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     write_policy(tmp_path, "example.toml", example)
     p = load_policy_dir(tmp_path, NodeFacts("dgx-01", ("NVIDIA H100 80GB HBM3",) * 8))

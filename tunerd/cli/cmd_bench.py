@@ -23,7 +23,7 @@ from tunerd.cli.context import get_ctx
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def bench(runs: int, warmup: int, gpus: int | None, cpus: int | None, exclusive: bool,
           timeout: float, cmd: tuple[str, ...]) -> int:
-    """A/B-test CMD: as it is (A) vs. `tunerctl run` placement (B).
+    """A/B-test CMD as it is (A) against `tunerctl run` placement (B).
 
     Without CMD a small built-in training loop is used (torch if installed). A command can
     report its own metric by printing `TUNERD_METRIC <name> <value> [higher|lower]`.

@@ -100,7 +100,7 @@ def _default_tag(tag: str | None) -> str | None:
               help="Release every lease with this tag (yours; all of them for root).")
 @_JSON
 def release(lease: str | None, tag: str | None, local_json: bool) -> int:
-    """End lease LEASE (e.g. L3), or all leases tagged TEXT, and give the GPUs and CPUs back."""
+    """End lease LEASE (such as L3), or all leases tagged TEXT; give GPUs and CPUs back."""
     ctx = get_ctx()
     ctx.as_json = ctx.as_json or local_json
     if (lease is None) == (tag is None):

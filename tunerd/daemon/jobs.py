@@ -50,6 +50,7 @@ class JobRegistry:
         # records of processes that exited while the daemon was down (on_exit is not
         # called for them: other services may not have started yet); for leases etc.
         self.dropped_at_start: list[dict[str, Any]] = []
+        self.binds_total = 0  # successful binds since start (tunerd_binds_total)
         daemon.jobs = self
 
     @property
@@ -224,6 +225,7 @@ class JobRegistry:
         if len(plan.originals.threads) != n_threads_saved:  # threads born meanwhile
             record["originals"] = plan.originals.to_json()
         self._originals[pid] = plan.originals
+        self.binds_total += 1
         self._save_soon()
         if pid not in self._targets:
             self._watch(target)

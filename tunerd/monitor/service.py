@@ -56,8 +56,6 @@ class Monitor:
         self.errors_total = 0
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
-        self._seen_jobs: set[tuple[Any, Any]] = set()
-        self._binds_seen = 0
         self._last_error_time = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunerd-sampler")
         self._task: asyncio.Task[None] | None = None
@@ -166,12 +164,6 @@ class Monitor:
                 s["errors"] += 1
                 s["last_error"] = st
         self.history.add(sample)
-        for r in records:
-            key = (r.get("pid"), r.get("start_time"))
-            if key not in self._seen_jobs:
-                self._seen_jobs.add(key)
-                self._binds_seen += 1
-        self._seen_jobs &= {(r.get("pid"), r.get("start_time")) for r in records}
         new = [e for e in self.daemon.errors if e["time"] > self._last_error_time]
         if new:
             self.errors_total += len(new)
@@ -207,8 +199,8 @@ class Monitor:
 
     # -- reporting -----------------------------------------------------------
     def binds_total(self) -> int:
-        count = getattr(self.daemon.jobs, "binds_total", None)
-        return int(count) if isinstance(count, int) else self._binds_seen
+        jobs = self.daemon.jobs
+        return int(jobs.binds_total) if jobs is not None else 0
 
     def exposition(self) -> str:
         from prometheus_client import generate_latest
