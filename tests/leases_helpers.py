@@ -57,6 +57,35 @@ def kill(p: subprocess.Popen[bytes]) -> None:
     p.wait()
 
 
+def descendants(pid: int) -> list[int]:
+    """PIDs of the children, grandchildren... of ``pid`` (from /proc/PID/task/*/children)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k, *descendants(k)]
+    return out
+
+
+def kill_tree(p: subprocess.Popen[bytes]) -> None:
+    """Kill a process this test started and every process it started, by PID."""
+    kids = descendants(p.pid)
+    kill(p)
+    for k in kids:
+        try:
+            os.kill(k, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def rule_policy(directory: Path, body: str) -> Path:
     write_policy(directory, "00-test.toml", '[policy]\nname = "test"\n\n' + body)
     return directory

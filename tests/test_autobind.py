@@ -13,6 +13,7 @@ from tests.leases_helpers import (
     autobind_status,
     cpus_allowed,
     kill,
+    kill_tree,
     rule_policy,
     snapshot_with_gpus_here,
     spawn,
@@ -168,12 +169,7 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
         assert wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == HOST_CPUS
                                     for p in tree), 5), [cpus_allowed(p) for p in tree]
     finally:
-        kill(bystander)
-        for c in children:
-            try:
-                os.kill(c, 9)
-            except ProcessLookupError:
-                pass
+        kill_tree(bystander)
 
 
 @needs_two_cpus

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, run_ctl
-from tests.leases_helpers import DGX_H100, cpus_allowed, kill, leases_of, spawn, wait_for
+from tests.leases_helpers import (
+    DGX_H100,
+    cpus_allowed,
+    kill,
+    kill_tree,
+    leases_of,
+    spawn,
+    wait_for,
+)
 from tunerd.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
@@ -77,7 +85,7 @@ def test_run_exclusive_moves_scope_off_and_back(daemon) -> None:
         assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
                         10)
     finally:
-        kill(bystander)
+        kill_tree(bystander)
 
 
 def test_run_on_replay_sets_env_but_applies_nothing(daemon_factory) -> None:
