@@ -161,8 +161,12 @@ def test_exit_of_a_bound_process_drops_its_job(daemon: DaemonProc) -> None:
         assert jobs_pids(daemon) == [p.pid]
         p.kill()  # the pidfd turns readable; no reaping needed
         wait_for(lambda: jobs_pids(daemon) == [], 10, "the job to be dropped")
-    state = json.loads((daemon.state_dir / "state.json").read_text())
-    assert state["bindings"] == {}
+
+    def saved_bindings() -> object:
+        return json.loads((daemon.state_dir / "state.json").read_text())["bindings"]
+
+    # the record of a dead process goes to disk with the next coalesced save (<= 0.5 s)
+    wait_for(lambda: saved_bindings() == {}, 5, "the dropped job to be saved")
 
 
 @needs_cpuset_v1

@@ -288,7 +288,10 @@ class JobRegistry:
         if rec is None:
             return
         self._forget(rec)
-        self.daemon.state.save()
+        # Deferred: a record of a dead process is harmless if a crash loses this save
+        # (a restarted daemon drops records whose pid and start time no longer match),
+        # and an fsync here would hold up the next exec event on the loop.
+        self._save_soon()
         for cb in list(self._callbacks):
             try:
                 cb(pid, rec)

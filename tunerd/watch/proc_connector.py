@@ -278,23 +278,29 @@ class ExecWatcher:
     Waking the loop costs far more than handling one event (measured here:
     ~2 us per event drained in a batch, 100-200 us per wake-up of an idle
     Python loop on a busy machine). So on a quiet host each exec is handled at
-    once, but in a burst (``burst_events`` or more per wake-up, or wake-ups
-    closer than ``burst_gap``) the socket is left alone for ``batch_window`` seconds and
-    read in batches: at most 1/batch_window wake-ups a second, the kernel
-    queueing the rest in the 4 MiB receive buffer.
+    once, but in a burst (``burst_events`` or more per wake-up, or
+    ``burst_wakeups`` wake-ups in a row each closer than ``burst_gap`` to the
+    last) the socket is left alone for ``batch_window`` seconds and read in
+    batches: at most 1/batch_window wake-ups a second, the kernel queueing the
+    rest in the 4 MiB receive buffer. One job ending as the next starts (an
+    exit and an exec together) is no burst: it must not cost that job the
+    batch window.
     """
 
     def __init__(self, on_exec: Callable[[int], None], on_rescan: Callable[[], None], *,
                  scan_interval: float = 2.0, use_connector: bool = True,
                  rcvbuf: int = 4 << 20, batch_window: float = 0.01,
-                 burst_gap: float = 0.002, burst_events: int = 2) -> None:
+                 burst_gap: float = 0.002, burst_events: int = 4,
+                 burst_wakeups: int = 3) -> None:
         self.on_exec = on_exec
         self.rcvbuf = rcvbuf
         self.batch_window = batch_window
         self.burst_gap = burst_gap
         self.burst_events = burst_events
+        self.burst_wakeups = burst_wakeups
         self.wakeups = 0
         self._last_wake = 0.0
+        self._close_wakes = 0  # consecutive wake-ups closer than burst_gap
         self._resume_handle: asyncio.TimerHandle | None = None
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
@@ -350,8 +356,9 @@ class ExecWatcher:
         self.wakeups += 1
         now = self._loop.time()
         n = self._drain()
-        busy = n >= self.burst_events or now - self._last_wake < self.burst_gap
+        self._close_wakes = self._close_wakes + 1 if now - self._last_wake < self.burst_gap else 0
         self._last_wake = now
+        busy = n >= self.burst_events or self._close_wakes >= self.burst_wakeups
         if busy and self.batch_window > 0 and self._conn is not None:
             self._loop.remove_reader(self._conn.fileno())
             self._resume_handle = self._loop.call_later(self.batch_window, self._resume)
