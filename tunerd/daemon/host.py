@@ -328,8 +328,14 @@ class HostSettings:
         while True:
             try:
                 dev = self._monitor.poll(timeout=0)
-            except Exception as err:  # ENOBUFS after a burst: the next events still come
-                log.warning("uevent read failed: %s", err)
+            except Exception as err:
+                # ENOBUFS after a burst: events were dropped, so a device that appeared
+                # may be unseen. Check every setting once instead of waiting for the
+                # periodic verify; the next events still come.
+                log.warning("uevent read failed (%s); checking every setting now", err)
+                task = asyncio.ensure_future(self.correct_drift())
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
                 return
             if dev is None:
                 return
