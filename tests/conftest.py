@@ -41,6 +41,15 @@ def unpriv_user() -> tuple[int, int]:
 
 
 @pytest.fixture
+def nvml_backend() -> Iterator[object]:
+    """Yields tunerd.nvml.set_backend; the NVML backend a test sets is undone after it."""
+    from tunerd import nvml
+
+    with nvml.restoring_backend():
+        yield nvml.set_backend
+
+
+@pytest.fixture
 def policy_dir(tmp_path: Path) -> Path:
     d = tmp_path / "policies"
     write_policy(d, "00-test.toml", MINIMAL_POLICY)

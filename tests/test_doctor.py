@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from tunerd import doctor, nvml
 from tunerd.doctor import Env
 
 GPU_CHECKS = {"nvidia-driver", "torch", "torch-cuda", "cuda-version", "cudnn", "nccl"}
-
-
-@pytest.fixture
-def nvml_backend() -> Iterator[None]:
-    saved = dict(nvml._state)
-    try:
-        yield
-    finally:
-        nvml._state.clear()
-        nvml._state.update(saved)
 
 
 def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tunerd import nvml
 from tunerd.tuners import SettingError, build_tuners
 from tunerd.tuners.base import Change, bracketed, normalize
 from tunerd.tuners.block import BlockTuner
@@ -309,14 +307,6 @@ class ReplayNvml:
         if not g["min"] <= mw <= g["max"]:
             raise NVMLError("Invalid Argument")
         g["pl"] = mw
-
-
-@pytest.fixture
-def nvml_backend() -> Iterator[Any]:
-    saved = dict(nvml._state)
-    yield nvml.set_backend
-    nvml._state.clear()
-    nvml._state.update(saved)
 
 
 def test_gpu_plan_apply_revert_on_replay(nvml_backend: Any) -> None:

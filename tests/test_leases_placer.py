@@ -94,13 +94,11 @@ def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
             busy = {2: [p.pid], 7: [p.pid, 1]}.get(h.gpu, [1])
             return [SimpleNamespace(pid=x, usedGpuMemory=1 << 30) for x in busy]
 
-    saved = dict(nvml._state)
     try:
-        nvml.set_backend(WithProcesses(topo))
-        assert gpus_from_nvml(p.pid) == (2, 7)
-        assert gpus_from_nvml(999_999_999) == ()
-        nvml.set_backend(None, "no driver")
-        assert gpus_from_nvml(p.pid) == ()
+        with nvml.use_backend(WithProcesses(topo)):
+            assert gpus_from_nvml(p.pid) == (2, 7)
+            assert gpus_from_nvml(999_999_999) == ()
+        with nvml.use_backend(None, "no driver"):
+            assert gpus_from_nvml(p.pid) == ()
     finally:
-        nvml._state.update(saved)
         kill(p)

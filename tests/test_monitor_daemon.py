@@ -157,13 +157,8 @@ def test_top_layout_with_gpus_and_many_jobs_fits_80_columns(tmp_path: Path) -> N
     from tunerd import nvml
     from tunerd.monitor.gpu import GpuSampler
 
-    saved = dict(nvml._state)
-    try:
-        nvml.set_backend(TelemetryReplay())
+    with nvml.use_backend(TelemetryReplay()):
         gpu = GpuSampler().sample()
-    finally:
-        nvml._state.clear()
-        nvml._state.update(saved)
     jobs = [{"pid": 400000 + i, "name": "a-very-long-training-job-name-" * 2,
              "cpus": "0-3,8-11,16-19,24-27,32-35", "mems": "0-1", "gpus": [0, 1, 2, 3, 4, 5],
              "cpu_cores": 12.5, "rss_bytes": 3.5e11, "locality_ratio": 0.42} for i in range(5)]

@@ -236,16 +236,6 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path
 
 
 # -- GPUs ------------------------------------------------------------------------
-@pytest.fixture
-def nvml_backend() -> Iterator[None]:
-    saved = dict(nvml._state)
-    try:
-        yield
-    finally:
-        nvml._state.clear()
-        nvml._state.update(saved)
-
-
 def test_gpu_sampler_without_driver(nvml_backend: None) -> None:
     nvml.set_backend(None, "no NVIDIA driver on this test node")
     s = GpuSampler().sample()

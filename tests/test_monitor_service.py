@@ -34,14 +34,9 @@ class HostDaemon:
 
 @pytest.fixture
 def replay() -> Iterator[TelemetryReplay]:
-    saved = dict(nvml._state)
     r = TelemetryReplay()
-    nvml.set_backend(r)
-    try:
+    with nvml.use_backend(r):
         yield r
-    finally:
-        nvml._state.clear()
-        nvml._state.update(saved)
 
 
 def run_cycles(mon: Monitor, n: int = 2) -> None:

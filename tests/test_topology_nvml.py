@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.topology_helpers import FIXTURE_NAMES, fixture, make_sysfs, nvml_backend
+from tests.topology_helpers import FIXTURE_NAMES, fixture, make_sysfs
+from tunerd import nvml
 from tunerd.topology import Topology
 from tunerd.topology.gpu import read_gpus
 from tunerd.topology.nvml_replay import ReplayNvml
@@ -18,7 +19,7 @@ GPU_FIXTURES = [n for n in FIXTURE_NAMES if fixture(n).gpus]
 @pytest.mark.parametrize("name", GPU_FIXTURES)
 def test_reader_recovers_recorded_gpus_and_links(tmp_path: Path, name: str) -> None:
     rec = fixture(name)
-    with nvml_backend(ReplayNvml(rec)):
+    with nvml.use_backend(ReplayNvml(rec)):
         gpus, links, note = read_gpus(tmp_path, ncpus=max(rec.cpus) + 1)
     assert note is None
     assert [g.pci_bus_id for g in gpus] == [g.pci_bus_id for g in rec.gpus]
@@ -36,7 +37,7 @@ def test_sysfs_locality_wins_over_nvml_affinity(tmp_path: Path) -> None:
     rec = fixture("workstation.json")
     g = dataclasses.replace(rec.gpus[0], pci_bus_id="0000:81:00.0")
     topo = Topology(hostname="x", gpus=[g])
-    with nvml_backend(ReplayNvml(topo)):
+    with nvml.use_backend(ReplayNvml(topo)):
         gpus, _, _ = read_gpus(sysd)
     assert gpus[0].numa_node == 1
     assert gpus[0].local_cpus == frozenset({2, 3, 6, 7})  # not the recorded 0-31
@@ -48,7 +49,7 @@ def test_nvswitch_and_direct_nvlinks_are_counted() -> None:
     links = dict(rec.links)
     links[(0, 1)] = dataclasses.replace(links[(0, 1)], kind="NVLINK", nvlinks=4)
     topo = dataclasses.replace(rec, links=links, _cache={})
-    with nvml_backend(ReplayNvml(topo)):
+    with nvml.use_backend(ReplayNvml(topo)):
         _, got, _ = read_gpus(Path("/nonexistent"))
     assert got[(0, 1)].label == "NV4" and got[(0, 1)].pcie == "PIX"
     assert got[(0, 2)].label == rec.links[(0, 2)].label
@@ -62,7 +63,7 @@ def test_mig_gpus_are_reported(tmp_path: Path) -> None:
              "memory_total_bytes": 10 << 30})
     gpus = [dataclasses.replace(rec.gpus[0], mig_enabled=True, mig_devices=migs), *rec.gpus[1:]]
     topo = dataclasses.replace(rec, gpus=gpus, _cache={})
-    with nvml_backend(ReplayNvml(topo)):
+    with nvml.use_backend(ReplayNvml(topo)):
         got, links, _ = read_gpus(tmp_path)
     assert got[0].mig_enabled and [m["uuid"] for m in got[0].mig_devices] == ["MIG-aaaa",
                                                                               "MIG-bbbb"]
@@ -71,7 +72,7 @@ def test_mig_gpus_are_reported(tmp_path: Path) -> None:
 
 
 def test_no_driver_means_no_gpus_and_a_note(tmp_path: Path) -> None:
-    with nvml_backend(None, "NVML could not start: driver not loaded"):
+    with nvml.use_backend(None, "NVML could not start: driver not loaded"):
         gpus, links, note = read_gpus(tmp_path)
     assert gpus == [] and links == {}
     assert note == "no GPUs: NVML could not start: driver not loaded"
@@ -79,7 +80,7 @@ def test_no_driver_means_no_gpus_and_a_note(tmp_path: Path) -> None:
 
 def test_real_nvml_probe_here_never_crashes(tmp_path: Path) -> None:
     """On this machine (no driver) the real pynvml path must degrade, not raise."""
-    with nvml_backend(None):
+    with nvml.use_backend(None):
         pass  # forget any earlier backend so the real probe runs
     gpus, _, note = read_gpus(tmp_path)
     assert gpus or note
@@ -93,7 +94,7 @@ def test_real_readers_reproduce_every_recorded_node(tmp_path: Path, name: str) -
 
     rec = fixture(name)
     sysd, procd = render_sysfs(rec, tmp_path)
-    with nvml_backend(ReplayNvml(rec)):
+    with nvml.use_backend(ReplayNvml(rec)):
         got = read_system(sysd, procd)
     a, b = got.to_json(), rec.to_json()
     for key in ("hostname", "cpus", "numa_nodes", "gpus", "links"):
@@ -110,7 +111,7 @@ class _OldDriverReplay(ReplayNvml):
 
 def test_nvswitch_links_found_without_remote_device_type(tmp_path: Path) -> None:
     rec = fixture("dgx-h100.json")
-    with nvml_backend(_OldDriverReplay(rec)):
+    with nvml.use_backend(_OldDriverReplay(rec)):
         gpus, links, _ = read_gpus(tmp_path)
     assert [g.nvswitch_links for g in gpus] == [18] * 8
     assert {lk.label for lk in links.values()} == {"NV18"}

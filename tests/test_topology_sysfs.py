@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.topology_helpers import make_sysfs, nvml_backend
+from tests.topology_helpers import make_sysfs
+from tunerd import nvml
 from tunerd.topology import read_system
 from tunerd.topology.sysfs import (
     normalize_bus_id,
@@ -61,7 +62,7 @@ def test_nics_walk_up_to_the_pci_function(tmp_path: Path) -> None:
 
 def test_read_system_on_recorded_tree_without_driver(tmp_path: Path) -> None:
     sysd = make_sysfs(tmp_path)
-    with nvml_backend(None, "no NVIDIA driver (test)"):
+    with nvml.use_backend(None, "no NVIDIA driver (test)"):
         topo = read_system(sysd, tmp_path / "proc")
     assert topo.hostname == "fakehost"
     assert topo.gpus == [] and topo.links == {}
@@ -81,7 +82,7 @@ def test_this_machine_agrees_with_lscpu() -> None:
     out = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET,NODE"], capture_output=True,
                          text=True, check=True).stdout
     rows = [line.split(",") for line in out.splitlines() if not line.startswith("#")]
-    with nvml_backend(None, "not asked"):
+    with nvml.use_backend(None, "not asked"):
         topo = read_system()
     online = {int(r[0]) for r in rows}
     assert topo.online_cpus() == online

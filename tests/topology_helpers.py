@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from tests.helpers import FIXTURES
-from tunerd import nvml
 from tunerd.topology import Topology, read_snapshot
 
 TOPOLOGIES = FIXTURES / "topologies"
@@ -18,16 +14,6 @@ FIXTURE_NAMES = sorted(p.name for p in TOPOLOGIES.glob("*.json"))
 
 def fixture(name: str) -> Topology:
     return read_snapshot(TOPOLOGIES / name)
-
-
-@contextmanager
-def nvml_backend(mod: Any, why: str | None = None) -> Iterator[None]:
-    """Use ``mod`` as NVML for the block, then forget it so the next user re-probes."""
-    nvml.set_backend(mod, why)
-    try:
-        yield
-    finally:
-        nvml._state.update(tried=False, mod=None, reason=None)
 
 
 def write(root: Path, rel: str, text: str) -> Path:

@@ -11,11 +11,13 @@ Tests replace the module behind ``call`` with a replay of recorded data through
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
-__all__ = ["NA", "NotAvailable", "available", "call", "module", "reason", "set_backend"]
+__all__ = ["NA", "NotAvailable", "available", "call", "module", "reason", "restoring_backend",
+           "set_backend", "use_backend"]
 
 
 class NotAvailable:
@@ -48,6 +50,27 @@ def set_backend(mod: Any | None, why: str | None = None) -> None:
     """
     with _lock:
         _state.update(tried=True, mod=mod, reason=why if mod is None else None)
+
+
+@contextlib.contextmanager
+def restoring_backend() -> Iterator[None]:
+    """Whatever ``set_backend`` does inside the block is undone after it (tests)."""
+    with _lock:
+        saved = dict(_state)
+    try:
+        yield
+    finally:
+        with _lock:
+            _state.clear()
+            _state.update(saved)
+
+
+@contextlib.contextmanager
+def use_backend(mod: Any | None, why: str | None = None) -> Iterator[None]:
+    """``set_backend(mod, why)`` for the block only (tests)."""
+    with restoring_backend():
+        set_backend(mod, why)
+        yield
 
 
 def _init() -> None:
