@@ -50,6 +50,15 @@ def nvml_backend() -> Iterator[object]:
 
 
 @pytest.fixture
+def daemons() -> Iterator[list[object]]:
+    """Namespaced daemons (tests/host_helpers.NsDaemonProc) a test starts; cleaned up after."""
+    made: list[object] = []
+    yield made
+    for d in made:
+        d.cleanup()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
 def policy_dir(tmp_path: Path) -> Path:
     d = tmp_path / "policies"
     write_policy(d, "00-test.toml", MINIMAL_POLICY)

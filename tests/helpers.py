@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,15 @@ def run_as(uid: int, gid: int, fn: Any, *args: Any, timeout: float = 60.0) -> An
     if kind == "err":
         raise value
     return value
+
+
+@contextlib.contextmanager
+def ready_child(code: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python child running ``code``, which prints "ready" once set up; killed after."""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        yield p
+    finally:
+        p.kill()
+        p.wait()

@@ -92,14 +92,6 @@ def values(root: Path) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[NsDaemonProc]]:
-    made: list[NsDaemonProc] = []
-    yield made
-    for d in made:
-        d.cleanup()
-
-
 def tree_daemon(tmp_path: Path, tree: Path, daemons: list[NsDaemonProc], policy: str = POLICY,
                 **config: object) -> NsDaemonProc:
     d = make_daemon(tmp_path / "d", policy, ns=None, proc_root=tree / "proc",

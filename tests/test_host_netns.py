@@ -63,14 +63,6 @@ def ns() -> Iterator[str]:
         yield name
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[NsDaemonProc]]:
-    made: list[NsDaemonProc] = []
-    yield made
-    for d in made:
-        d.cleanup()
-
-
 def originals(ns: str) -> dict[str, object]:
     return {"somaxconn": ns_sysctl(ns, "net.core.somaxconn"),
             "tcp_rmem": ns_sysctl(ns, "net.ipv4.tcp_rmem"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DaemonProc
+from tests.helpers import DaemonProc, ready_child
 from tests.monitor_helpers import free_port
 
 PROMTOOL = "/usr/bin/promtool"
@@ -187,13 +187,8 @@ time.sleep(120)
 
 @pytest.fixture
 def busy_child() -> Iterator[subprocess.Popen[str]]:
-    p = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stdout.readline() == "ready\n"
-    try:
+    with ready_child(BUSY) as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 @pytest.mark.root

@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, ready_child
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
 from tunerd.monitor.gpu import GpuSampler
@@ -195,13 +194,8 @@ time.sleep(60)
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[str]]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stdout.readline() == "ready\n"
-    try:
+    with ready_child(CHILD) as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path: Path) -> None:
