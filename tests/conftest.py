@@ -49,6 +49,16 @@ def nvml_backend() -> Iterator[object]:
         yield nvml.set_backend
 
 
+@pytest.fixture(scope="module")
+def host_untouched() -> Iterator[None]:
+    """Fails the module if it changed any of a few host values (tests/host_helpers)."""
+    from tests.host_helpers import host_fingerprint
+
+    before = host_fingerprint()
+    yield
+    assert host_fingerprint() == before
+
+
 @pytest.fixture
 def daemons() -> Iterator[list[object]]:
     """Namespaced daemons (tests/host_helpers.NsDaemonProc) a test starts; cleaned up after."""

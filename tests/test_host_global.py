@@ -7,16 +7,16 @@ and restores it in a finally.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.host_helpers import NsDaemonProc, host_fingerprint, make_daemon
+from tests.host_helpers import NsDaemonProc, make_daemon
 from tests.test_host_tuners import ODD_FILES, put
 from tunerd.tuners.base import bracketed, normalize
 
-pytestmark = pytest.mark.root
+# host_untouched: a few host values are compared before and after the whole module
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
 POLICY = """
 [policy]
@@ -48,13 +48,6 @@ NCCL_DEBUG = "WARN"
 [gpu]
 persistence_mode = true
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_untouched() -> Iterator[None]:
-    before = host_fingerprint()
-    yield
-    assert host_fingerprint() == before
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from tests.helpers import run_as, write_policy
 from tests.host_helpers import (
     NsDaemonProc,
     add_veth,
-    host_fingerprint,
     make_daemon,
     netns,
     ns_link,
@@ -29,7 +28,8 @@ from tests.host_helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.root
+# host_untouched: a few host values are compared before and after the whole module
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
 POLICY = """
 [policy]
@@ -47,13 +47,6 @@ txqueuelen = 4321
 [nccl]
 NCCL_SOCKET_IFNAME = "=veth0"
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_untouched() -> Iterator[None]:
-    before = host_fingerprint()
-    yield
-    assert host_fingerprint() == before
 
 
 @pytest.fixture

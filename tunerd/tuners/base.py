@@ -224,10 +224,6 @@ class FileTuner:
         return key in self.wanted(desired)
 
 
-def split_key(key: str) -> list[str]:
-    return key.split(":")
-
-
 def plain_section(desired: Any) -> dict[str, Any]:
     return desired if isinstance(desired, dict) else {}
 
