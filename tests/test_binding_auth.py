@@ -19,7 +19,8 @@ from tests.binding_helpers import reap, snapshot, task_cpus, thread_child, user_
 from tests.helpers import DaemonProc, run_as, write_policy
 from tunerd.client import Client
 from tunerd.cpulist import parse_cpulist
-from tunerd.protocol import ExitCode, PermissionDenied
+from tunerd.errors import PermissionDenied
+from tunerd.protocol import ExitCode, exit_code
 
 pytestmark = pytest.mark.root
 
@@ -86,7 +87,7 @@ def test_user_may_not_bind_a_root_process(open_daemon: DaemonProc,
         before = snapshot(p.pid)
         with pytest.raises(PermissionDenied) as exc:
             run_as(uid, gid, call, sock, "bind", {"pid": p.pid, "cpus": ONE})
-        assert exc.value.exit_code == ExitCode.PERMISSION
+        assert exit_code(exc.value) == ExitCode.PERMISSION
         assert f"process {p.pid} belongs to uid 0; uid {uid} may only act" in exc.value.message
         assert run_as(uid, gid, cli, sock, "bind", str(p.pid), "--cpus", ONE) == 4
         assert snapshot(p.pid) == before

@@ -11,7 +11,7 @@ import pytest
 from tests.binding_helpers import CPUSET_ROOT, snapshot, task_cpus, thread_child
 from tunerd.binding import Binder
 from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.protocol import Failed, NoSuchProcess
+from tunerd.errors import Failed, NoSuchProcess
 
 pytestmark = pytest.mark.root
 

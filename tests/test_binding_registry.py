@@ -19,7 +19,7 @@ from tunerd.daemon.cmd_bind import bind as bind_handler
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.registry import Peer, Request
 from tunerd.daemon.state import StateStore
-from tunerd.protocol import UsageError
+from tunerd.errors import UsageError
 
 pytestmark = pytest.mark.root
 

@@ -9,7 +9,7 @@ import pytest
 from tunerd.binding import Binder, Originals
 from tunerd.cpulist import parse_cpulist
 from tunerd.cpuset import CpusetCgroup, find_cpuset
-from tunerd.protocol import NoSuchProcess, UsageError
+from tunerd.errors import NoSuchProcess, UsageError
 
 
 def write(root: Path, rel: str, text: str) -> Path:

@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers import DaemonProc, run_as, run_ctl
 from tunerd.client import Client
-from tunerd.protocol import MAX_MESSAGE, DaemonUnreachable, PermissionDenied
+from tunerd.errors import DaemonUnreachable, PermissionDenied
+from tunerd.protocol import MAX_MESSAGE
 
 
 def _connect(path: Path) -> socket.socket:

@@ -14,7 +14,7 @@ from tests.helpers import REPO, run_as
 from tests.leases_helpers import DGX_H100, leases_of, open_path_for_others, wait_for
 from tunerd.client import Client
 from tunerd.cpulist import parse_cpulist
-from tunerd.protocol import PermissionDenied
+from tunerd.errors import PermissionDenied
 
 TOPO = json.loads(DGX_H100.read_text())
 NODE_CPUS = {n["id"]: parse_cpulist(n["cpus"]) if isinstance(n["cpus"], str)

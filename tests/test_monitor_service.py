@@ -14,9 +14,9 @@ import pytest
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
 from tunerd.daemon.config import DaemonConfig
+from tunerd.errors import UsageError
 from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.service import Monitor
-from tunerd.protocol import UsageError
 
 
 class HostDaemon:

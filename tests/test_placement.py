@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.topology_helpers import FIXTURE_NAMES, fixture
+from tunerd.errors import Failed, UsageError
 from tunerd.placement import (
     MODES,
     PlacementError,
@@ -16,7 +17,7 @@ from tunerd.placement import (
     gpu_set_score,
     place,
 )
-from tunerd.protocol import ExitCode, Failed, UsageError
+from tunerd.protocol import ExitCode, exit_code
 from tunerd.topology import Topology
 
 R = PlacementRequest
@@ -50,7 +51,7 @@ def test_named_gpus_and_who_holds_them() -> None:
     with pytest.raises(PlacementError) as err:
         place(t, R(gpu_ids=(2, 3)), busy_gpus={3: "lease L3 (pid 412)"})
     assert "GPU 3 held by lease L3 (pid 412)" in err.value.message
-    assert isinstance(err.value, Failed) and err.value.exit_code == ExitCode.FAILED
+    assert isinstance(err.value, Failed) and exit_code(err.value) == ExitCode.FAILED
     with pytest.raises(UsageError, match="no GPU 9"):
         place(t, R(gpu_ids=(9,)))
 

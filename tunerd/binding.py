@@ -51,7 +51,7 @@ from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
-from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, UsageError
+from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, UsageError
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 

@@ -6,16 +6,8 @@ import os
 import socket
 from typing import Any
 
-from tunerd.protocol import (
-    DEFAULT_SOCKET,
-    MAX_MESSAGE,
-    DaemonUnreachable,
-    PermissionDenied,
-    TunerdError,
-    decode,
-    encode,
-    error_from_reply,
-)
+from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError
+from tunerd.protocol import DEFAULT_SOCKET, MAX_MESSAGE, decode, encode, error_from_reply
 
 __all__ = ["Client", "default_socket_path"]
 

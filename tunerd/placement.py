@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd.cpulist import format_cpulist
-from tunerd.protocol import Failed, UsageError
+from tunerd.errors import PlacementError, UsageError
 from tunerd.topology.model import Gpu, Link, Topology
 
 __all__ = [
@@ -69,11 +69,6 @@ PCIE_BASE = {"PIX": 20, "PXB": 30, "PHB": 40, "NODE": 50, "SYS": 60}
 WORST_WEIGHT = 1_000_000
 EXACT_LIMIT = 20_000  # subsets examined exhaustively (C(16, 8) = 12870 fits)
 
-
-class PlacementError(Failed):
-    """No placement fits; the message says what is free and who holds the rest."""
-
-    code = "placement"
 
 
 @dataclass(frozen=True)

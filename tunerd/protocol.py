@@ -19,18 +19,25 @@ import enum
 import json
 from typing import Any
 
+from tunerd.errors import (
+    DaemonUnreachable,
+    Failed,
+    NoSuchProcess,
+    PermissionDenied,
+    PlacementError,
+    PolicyError,
+    TunerdError,
+    UsageError,
+)
+
 __all__ = [
     "MAX_MESSAGE",
-    "DaemonUnreachable",
     "ExitCode",
-    "Failed",
-    "NoSuchProcess",
-    "PermissionDenied",
-    "TunerdError",
-    "UsageError",
     "decode",
     "encode",
     "error_from_reply",
+    "error_to_wire",
+    "exit_code",
 ]
 
 MAX_MESSAGE = 1 << 20  # 1 MiB: longer request lines are refused
@@ -47,68 +54,52 @@ class ExitCode(enum.IntEnum):
     PERMISSION = 4  # permission denied
 
 
-class TunerdError(Exception):
-    """An error with a stable code, an exit status and structured details."""
-
-    code = "failed"
-    exit_code = ExitCode.FAILED
-
-    def __init__(self, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.message = message
-        self.details = details
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "code": self.code, "message": self.message, "exit": int(self.exit_code),
-        }
-        if self.details:
-            d["details"] = self.details
-        return d
-
-
-class Failed(TunerdError):
-    """The operation was valid but could not be done."""
-
-
-class UsageError(TunerdError):
-    """Bad input: a malformed value, an unknown CPU, a limit out of range."""
-
-    code = "usage"
-    exit_code = ExitCode.USAGE
-
-
-class NoSuchProcess(TunerdError):
-    """The target PID does not exist, exited, or was reused."""
-
-    code = "no_such_process"
-
-
-class PermissionDenied(TunerdError):
-    code = "permission"
-    exit_code = ExitCode.PERMISSION
-
-
-class DaemonUnreachable(TunerdError):
-    code = "unreachable"
-    exit_code = ExitCode.UNREACHABLE
-
-
-_BY_CODE: dict[str, type[TunerdError]] = {
-    c.code: c for c in (TunerdError, Failed, UsageError, NoSuchProcess, PermissionDenied,
-                        DaemonUnreachable)
+# error class -> (wire code, exit status); the most specific class of an error wins
+_WIRE: dict[type[TunerdError], tuple[str, ExitCode]] = {
+    TunerdError: ("failed", ExitCode.FAILED),
+    Failed: ("failed", ExitCode.FAILED),
+    UsageError: ("usage", ExitCode.USAGE),
+    NoSuchProcess: ("no_such_process", ExitCode.FAILED),
+    PermissionDenied: ("permission", ExitCode.PERMISSION),
+    DaemonUnreachable: ("unreachable", ExitCode.UNREACHABLE),
+    PlacementError: ("placement", ExitCode.FAILED),
+    PolicyError: ("policy", ExitCode.FAILED),
 }
+_BY_CODE: dict[str, type[TunerdError]] = {
+    "failed": Failed, "usage": UsageError, "no_such_process": NoSuchProcess,
+    "permission": PermissionDenied, "unreachable": DaemonUnreachable,
+    "placement": PlacementError, "policy": PolicyError,
+}
+
+
+def _wire(err: TunerdError) -> tuple[str, ExitCode]:
+    for cls in type(err).__mro__:
+        hit = _WIRE.get(cls)
+        if hit is not None:
+            return hit
+    return _WIRE[TunerdError]
+
+
+def exit_code(err: TunerdError) -> ExitCode:
+    """The exit status a command that failed with ``err`` ends with."""
+    return _wire(err)[1]
+
+
+def error_to_wire(err: TunerdError) -> dict[str, Any]:
+    """The ``error`` object of a reply: code, message, exit status, details."""
+    code, status = _wire(err)
+    d: dict[str, Any] = {"code": code, "message": err.message, "exit": int(status)}
+    if err.details:
+        d["details"] = err.details
+    return d
 
 
 def error_from_reply(err: dict[str, Any]) -> TunerdError:
     """Rebuild the exception a daemon reply describes (client side)."""
-    cls = _BY_CODE.get(str(err.get("code")), TunerdError)
-    exc = cls(str(err.get("message", "unknown error")), **(err.get("details") or {}))
-    try:
-        exc.exit_code = ExitCode(int(err.get("exit", cls.exit_code)))
-    except ValueError:
-        pass
-    return exc
+    cls = _BY_CODE.get(str(err.get("code")), Failed)
+    details = err.get("details")
+    return cls(str(err.get("message", "unknown error")),
+               **(details if isinstance(details, dict) else {}))
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.protocol import DaemonUnreachable, Failed
+from tunerd.errors import DaemonUnreachable, Failed
 
 
 def _save(data: dict[str, Any], path: Path) -> None:

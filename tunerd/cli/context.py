@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from tunerd.client import Client
-from tunerd.protocol import TunerdError
+from tunerd.errors import TunerdError
+from tunerd.protocol import error_to_wire
 
 
 class CliContext:
@@ -49,6 +50,6 @@ def report_error(err: TunerdError, as_json: bool) -> None:
     if as_json:
         import json
 
-        click.echo(json.dumps({"ok": False, "error": err.to_dict()}, indent=2, default=str))
+        click.echo(json.dumps({"ok": False, "error": error_to_wire(err)}, indent=2, default=str))
     click.echo(f"tunerctl: error: {err.message}", err=True)
     sys.stderr.flush()

@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from tunerd import __version__
-from tunerd.protocol import ExitCode, TunerdError
+from tunerd.errors import TunerdError
+from tunerd.protocol import ExitCode, exit_code
 
 # command name -> "module:attribute" of its click command
 LAZY_COMMANDS: dict[str, str] = {
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         from tunerd.cli.context import report_error
 
         report_error(e, "--json" in (argv if argv is not None else sys.argv))
-        code = int(e.exit_code)
+        code = int(exit_code(e))
     except KeyboardInterrupt:
         code = 130
     else:

@@ -16,8 +16,9 @@ from tunerd.daemon.notify import Notifier
 from tunerd.daemon.registry import HANDLER_MODULES
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import StateStore
+from tunerd.errors import TunerdError
 from tunerd.policy import NodeFacts, Policy, PolicyError, load_policy_dir
-from tunerd.protocol import TunerdError
+from tunerd.protocol import exit_code
 
 log = logging.getLogger("tunerd")
 
@@ -169,7 +170,7 @@ class Daemon:
                 watchdog.cancel()
         except TunerdError as err:
             log.error("fatal: %s", err.message)
-            return int(err.exit_code)
+            return int(exit_code(err))
         finally:
             self.notifier.stopping()
             log.info("stopping")

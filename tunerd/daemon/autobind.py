@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.placer import PlacedJob, applicability, gpus_from_env, mems_of
 from tunerd.daemon.registry import Peer
-from tunerd.protocol import NoSuchProcess, TunerdError
+from tunerd.errors import NoSuchProcess, TunerdError
 from tunerd.watch import procfs
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.daemon.registry import Request, command
-from tunerd.protocol import Failed, UsageError
+from tunerd.errors import Failed, UsageError
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon

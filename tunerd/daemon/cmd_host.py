@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tunerd.daemon.registry import Request, command
-from tunerd.protocol import Failed
+from tunerd.errors import Failed
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tunerd.protocol import UsageError
+from tunerd.errors import UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.protocol import PermissionDenied, UsageError
+from tunerd.errors import PermissionDenied, UsageError
 from tunerd.watch import procfs
 
 if TYPE_CHECKING:

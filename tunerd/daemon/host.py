@@ -19,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from tunerd.protocol import Failed
+from tunerd.errors import Failed
 from tunerd.tuners import SECTIONS, Change, SettingError, Tuner, build_tuners
 from tunerd.tuners.base import normalize
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tunerd.binding import Binder, Originals, Target
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.registry import Peer, Request
-from tunerd.protocol import Failed, NoSuchProcess
+from tunerd.errors import Failed, NoSuchProcess
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon

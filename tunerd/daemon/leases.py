@@ -32,7 +32,7 @@ from tunerd.daemon.placer import (
     gpus_from_nvml,
     per_gpu_cpu_share,
 )
-from tunerd.protocol import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
+from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 from tunerd.watch import procfs
 
 if TYPE_CHECKING:

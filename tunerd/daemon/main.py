@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from tunerd.protocol import ExitCode, TunerdError
+from tunerd.errors import TunerdError
+from tunerd.protocol import ExitCode
 
 # syslog priorities, for journald's SyslogLevelPrefix parsing of "<N>" on stderr
 _PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tunerd.protocol import PermissionDenied, UsageError
+from tunerd.errors import PermissionDenied, UsageError
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon

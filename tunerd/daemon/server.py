@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tunerd.daemon.registry import COMMANDS, Peer, Request
-from tunerd.protocol import MAX_MESSAGE, TunerdError, UsageError, decode, encode
+from tunerd.errors import TunerdError, UsageError
+from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon
@@ -120,15 +121,15 @@ class ControlServer:
             result = await handler(self.daemon, req)
             return {"id": rid, "ok": True, "result": result}
         except TunerdError as err:
-            return {"id": rid, "ok": False, "error": err.to_dict()}
+            return {"id": rid, "ok": False, "error": error_to_wire(err)}
         except Exception as err:
             log.exception("handler for %r failed", line[:200])
             return {"id": rid, "ok": False,
-                    "error": TunerdError(f"internal error: {err!r}").to_dict()}
+                    "error": error_to_wire(TunerdError(f"internal error: {err!r}"))}
 
     async def _reply_error(
         self, writer: asyncio.StreamWriter, rid: Any, err: TunerdError
     ) -> None:
         with contextlib.suppress(Exception):
-            writer.write(encode({"id": rid, "ok": False, "error": err.to_dict()}))
+            writer.write(encode({"id": rid, "ok": False, "error": error_to_wire(err)}))
             await asyncio.wait_for(writer.drain(), 1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tunerd.daemon.registry import Request, command
-from tunerd.protocol import Failed, NoSuchProcess
+from tunerd.errors import Failed, NoSuchProcess
 
 if TYPE_CHECKING:
     from tunerd.daemon.app import Daemon

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from tunerd.protocol import UsageError
+from tunerd.errors import UsageError
 
 
 def parse_listen(value: str) -> tuple[str, int] | None:

@@ -6,19 +6,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunerd.protocol import TunerdError
+from tunerd.errors import PolicyError
 
 __all__ = ["NodeFacts", "Policy", "PolicyError"]
 
-
-class PolicyError(TunerdError):
-    """A policy file (or set of files) that cannot be used; nothing from it is applied.
-
-    ``message`` names the file, the key path and the bad value (or the line, for
-    TOML syntax errors); ``details["errors"]`` lists every problem found.
-    """
-
-    code = "policy"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunerd.protocol import Failed
+from tunerd.errors import Failed
 
 __all__ = [
     "Change",
