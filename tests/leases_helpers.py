@@ -100,7 +100,7 @@ def leases_of(d: DaemonProc) -> list[dict[str, Any]]:
 
 def autobind_status(d: DaemonProc) -> dict[str, Any]:
     r = d.ctl("--json", "status")
-    out: dict[str, Any] = r.json()["services"]["leases"]["autobind"]
+    out: dict[str, Any] = r.json()["services"]["autobind"]
     return out
 
 

@@ -1,25 +1,35 @@
-"""JobRegistry in-process (the API other areas use): on_exit, placer, re-adoption.
+"""JobRegistry and the bind handler in-process, built as the composition root builds them.
 
 The registry runs on a real asyncio loop with real pidfds and real child
-processes; only the Daemon around it is reduced to the attributes it reads.
+processes, with its real collaborators: a Binder, a PidWatch, an ErrorLog, a
+state file, and for `bind` without flags the real Placer on a recorded topology.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.binding_helpers import snapshot, task_cpus, thread_child
-from tunerd.cpulist import parse_cpulist
-from tunerd.daemon.cmd_bind import bind as bind_handler
+from tests.leases_helpers import snapshot_with_gpus_here
+from tunerd.binding import Binder
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.daemon.cmd_bind import BindCommands
+from tunerd.daemon.errorlog import ErrorLog
+from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.jobs import JobRegistry
-from tunerd.daemon.registry import Peer, Request
+from tunerd.daemon.leases import LeaseLimits, LeaseService
+from tunerd.daemon.pidwatch import PidWatch
+from tunerd.daemon.placer import HostCapacity, Placer
+from tunerd.daemon.router import Peer, Request
 from tunerd.daemon.state import StateStore
 from tunerd.errors import UsageError
+from tunerd.placement import Placement
+from tunerd.topology import load_topology
 
 pytestmark = pytest.mark.root
 
@@ -28,20 +38,35 @@ ONE = frozenset({max(ONLINE)})
 ROOT = Peer(pid=1, uid=0, gid=0)
 
 
-def make_daemon(tmp_path: Path, dry_run: bool = False) -> Any:
-    state = StateStore(tmp_path / "state.json")
-    state.load()
-    errors: list[str] = []
-    return SimpleNamespace(state=state, cfg=SimpleNamespace(dry_run=dry_run), jobs=None,
-                           leases=None, errors=errors,
-                           record_error=lambda src, msg: errors.append(f"{src}: {msg}"))
+class Parts:
+    """The registry and what the composition root gives it (tunerd.daemon.wiring)."""
+
+    def __init__(self, tmp: Path, dry_run: bool = False, topology: Path | None = None) -> None:
+        self.state = StateStore(tmp / "state.json")
+        self.state.load()
+        self.errors = ErrorLog()
+        self.pidwatch = PidWatch()
+        section: dict[str, Any] = self.state.section("leases")
+        section.setdefault("moved", {})
+        self.mover = ExclusiveMover(section["moved"], self.state.save)
+        self.jobs = JobRegistry(Binder(), self.state.section("bindings"), self.state.save,
+                                self.pidwatch, self.errors, dry_run=dry_run, mover=self.mover)
+        topo = load_topology(topology)
+        self.placer = Placer(topo, HostCapacity.read(), frozenset, dry_run=dry_run)
+        self.leases = LeaseService(self.placer, self.jobs, self.pidwatch, self.mover, section,
+                                   self.state.save, self.errors, limits=LeaseLimits,
+                                   default_nofile=lambda: None)
+        self.bind_cmds = BindCommands(self.jobs, self.placer, self.leases)
+
+    def saved(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.state.path.read_text())
+        return data
 
 
 def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
     async def scenario() -> None:
-        d = make_daemon(tmp_path)
-        reg = JobRegistry(d)
-        assert d.jobs is reg
+        parts = Parts(tmp_path)
+        reg = parts.jobs
         await reg.start()
         seen: list[tuple[int, dict[str, Any], list[dict[str, Any]]]] = []
         done = asyncio.Event()
@@ -52,68 +77,60 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
 
         reg.on_exit(on_exit)
         with thread_child(threads=4) as p:
-            rec = await reg.bind(p.pid, peer=ROOT, cpus=ONE, gpus=(0,), origin="lease",
-                                 name="rank0", lease="L1")
+            rec = await reg.bind(p.pid, peer=ROOT,
+                                 placement=Placement(cpus=ONE, mems=None, gpus=(0,)),
+                                 origin="lease", name="rank0", lease="L1")
             assert (rec["origin"], rec["lease"], rec["gpus"], rec["name"]) == (
                 "lease", "L1", [0], "rank0")
-            assert [j["pid"] for j in reg.jobs()] == [p.pid]
+            # saved (with the originals) before the process was touched
+            assert str(p.pid) in parts.saved()["bindings"]
+            live = reg.jobs()
+            assert [j["pid"] for j in live] == [p.pid] and live[0]["threads"] == 5
             p.kill()
             await asyncio.wait_for(done.wait(), 10)
         pid, rec, jobs_then = seen[0]
         assert pid == p.pid and rec["lease"] == "L1" and jobs_then == []
-        assert d.state.data["bindings"] == {}
+        assert parts.state.data["bindings"] == {}
         await reg.stop()
+        assert parts.saved()["bindings"] == {}
 
     asyncio.run(scenario())
 
 
-def test_placer_supplies_cpus_when_no_flags_are_given(tmp_path: Path) -> None:
+def test_bind_without_flags_places_near_the_gpu_it_uses(tmp_path: Path) -> None:
+    snap, _lo, hi = snapshot_with_gpus_here(tmp_path / "snap.json")
+
     async def scenario() -> None:
-        d = make_daemon(tmp_path)
-        reg = JobRegistry(d)
-        await reg.start()
-        calls: list[dict[str, Any]] = []
-
-        async def placer(**kw: Any) -> dict[str, Any]:
-            calls.append(kw)
-            return {"cpus": frozenset(), "mems": frozenset(), "gpus": (3,)}
-
+        parts = Parts(tmp_path, topology=snap)
+        await parts.jobs.start()
         with thread_child(threads=4) as p:
-            req = Request(cmd="bind", args={"pid": p.pid}, peer=ROOT)
-            with pytest.raises(UsageError, match="GPU placement is not available"):
-                await bind_handler(d, req)
-            reg.placer = placer
-            # a placement without CPUs is an error naming it, and nothing changes
             before = snapshot(p.pid)
-            with pytest.raises(UsageError, match="GPU placement gave no CPUs"):
-                await bind_handler(d, Request(cmd="bind", args={"pid": p.pid, "gpus": "3",
-                                                                "exclusive": True}, peer=ROOT))
+            # a process with no GPU in its environment and none given: a usage error
+            with pytest.raises(UsageError, match="GPU placement is not available"):
+                await parts.bind_cmds.bind(Request("bind", {"pid": p.pid}, ROOT))
             assert snapshot(p.pid) == before
-            assert calls == [{"pid": p.pid, "peer": ROOT, "gpus": (3,), "exclusive": True}]
-
-            async def good_placer(**kw: Any) -> dict[str, Any]:
-                calls.append(kw)
-                return {"cpus": ONE, "mems": frozenset(), "gpus": (3,)}
-
-            reg.placer = good_placer
-            r = await bind_handler(d, Request(cmd="bind", args={"pid": p.pid}, peer=ROOT))
-            assert calls[-1]["gpus"] is None
-            assert r["gpus"] == [3] and r["cpus"] == ",".join(map(str, sorted(ONE)))
-            assert r["mems"] is None  # an empty mems from the placer: memory left alone
-            assert set(task_cpus(p.pid).values()) == {r["cpus"]}
-        await reg.stop()
+            # an unknown GPU is named
+            with pytest.raises(UsageError, match="GPU 7: not on this node"):
+                await parts.bind_cmds.bind(Request("bind", {"pid": p.pid, "gpus": "7"}, ROOT))
+            r = await parts.bind_cmds.bind(Request("bind", {"pid": p.pid, "gpus": "1"}, ROOT))
+            assert r["gpus"] == [1] and r["cpus"] == str(hi)
+            assert r["mems"] is None  # every memory node of the machine: no binding
+            assert set(task_cpus(p.pid).values()) == {str(hi)}
+            assert "GPUs from --gpus" in (parts.jobs.record(p.pid) or {})["explanation"]
+        await parts.jobs.stop()
 
     asyncio.run(scenario())
 
 
 def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     async def scenario() -> None:
-        d = make_daemon(tmp_path, dry_run=True)
-        reg = JobRegistry(d)
+        parts = Parts(tmp_path, dry_run=True)
+        reg = parts.jobs
         await reg.start()
         with thread_child(threads=4) as p:
             before = snapshot(p.pid)
-            r = await reg.bind(p.pid, peer=ROOT, cpus=ONE, nofile=2000)
+            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
+                               nofile=2000)
             assert r["dry_run"] is True and "dry run: nothing was changed" in r["notes"]
             assert snapshot(p.pid) == before and reg.jobs() == []
         await reg.stop()
@@ -121,11 +138,38 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_status_and_default_nofile(tmp_path: Path) -> None:
-    d = make_daemon(tmp_path)
-    d.policy = SimpleNamespace(data={"limits": {"nofile": 65536}})
-    reg = JobRegistry(d)
-    assert reg.status() == {"summary": "0 processes bound", "bound": 0, "pids": []}
-    assert reg.default_nofile() == 65536
-    d.policy = SimpleNamespace(data={"limits": {}})
-    assert reg.default_nofile() is None
+def test_partial_bind_keeps_the_cpus_when_the_fd_limit_cannot_be_set(tmp_path: Path) -> None:
+    """Without CAP_SYS_RESOURCE a hard limit cannot be raised: the CPUs are bound anyway."""
+    from tunerd.binding import CAP_SYS_RESOURCE, _has_cap
+
+    if _has_cap(CAP_SYS_RESOURCE, Path("/proc")):
+        pytest.skip("this daemon may raise hard limits: nothing to leave out")
+
+    async def scenario() -> None:
+        parts = Parts(tmp_path)
+        reg = parts.jobs
+        await reg.start()
+        with thread_child(threads=4) as p:
+            import resource
+
+            hard = resource.prlimit(p.pid, resource.RLIMIT_NOFILE)[1]
+            # all or nothing for an explicit request...
+            with pytest.raises(Exception, match="CAP_SYS_RESOURCE"):
+                await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
+                               nofile=hard + 1)
+            assert reg.jobs() == []
+            # ...partial for rule and lease binds: CPUs bound, the limit left out, a note
+            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
+                               nofile=hard + 1, origin="rule", partial=True)
+            assert r["cpus"] == format_cpulist(ONE)
+            assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
+            assert any("fd limit not set" in n and "CAP_SYS_RESOURCE" in n for n in r["notes"])
+            assert resource.prlimit(p.pid, resource.RLIMIT_NOFILE)[1] == hard
+        await reg.stop()
+
+    asyncio.run(scenario())
+
+
+def test_status(tmp_path: Path) -> None:
+    parts = Parts(tmp_path)
+    assert parts.jobs.status() == {"summary": "0 processes bound", "bound": 0, "pids": []}

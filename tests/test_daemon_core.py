@@ -54,7 +54,7 @@ def test_status_and_socket_mode(daemon: DaemonProc) -> None:
     assert st["policy"]["error"] is None
     assert daemon.socket.stat().st_mode & 0o777 == 0o666
     human = daemon.ctl("status")
-    assert human.rc == 0 and f"tunerd pid {daemon.proc.pid}" in human.out
+    assert human.rc == 0 and f"pid {daemon.proc.pid}, up" in human.out
 
 
 def test_malformed_message_gets_error_and_connection_survives(daemon: DaemonProc) -> None:

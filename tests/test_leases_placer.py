@@ -70,9 +70,9 @@ def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
     from types import SimpleNamespace
 
     from tunerd import nvml
-    from tunerd.daemon.placer import gpus_from_env, gpus_from_nvml
     from tunerd.topology import load_topology
     from tunerd.topology.nvml_replay import ReplayNvml
+    from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
 
     topo = load_topology(DGX_H100)
     uuid5 = topo.gpus[5].uuid

@@ -82,11 +82,13 @@ def test_task_prolog_never_fails_the_task(tmp_path: Path, daemon_factory) -> Non
 
 def test_epilog_releases_the_jobs_leases(daemon_factory) -> None:
     d = daemon_factory(args=["--topology", str(DGX_H100)]).start()
-    env = {**os.environ, "SLURM_JOB_ID": "777"}
+    env = {**os.environ, "SLURM_JOB_ID": "777", "SLURM_JOB_GPUS": "2,5"}
     r = subprocess.run([sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket),
                         "alloc", "--gpus", "2"], cwd=REPO, env=env, capture_output=True,
                        text=True, check=True)
     assert "TUNERD_LEASE=L1" in r.stdout
+    # inside a job, a lease takes the job's GPUs only (SLURM_JOB_GPUS)
+    assert "CUDA_VISIBLE_DEVICES=2,5" in r.stdout, r.stdout
     other = d.ctl("alloc", "--gpus", "1", "--tag", "slurm:778", "--json").json()["id"]
     r2 = run_script("tunerd-epilog.sh", d.socket, {"SLURM_JOB_ID": "777"})
     assert r2.returncode == 0, r2.stderr

@@ -235,10 +235,13 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
 REPORTER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-import tunerd.torch
-# what report_memory() writes on a GPU node, with the numbers given directly (no GPU here)
-tunerd.torch.write_stats([{{"device": 0, "reserved_bytes": 60 << 30,
-                           "allocated_bytes": 20 << 30}}])
+from tunerd.client import Client
+# what tunerd.torch.StepReporter sends on a GPU node, with the numbers given directly
+with Client({sock!r}) as c:
+    r = c.call("report", pid=os.getpid(), steps=10, step_time_s=0.1, samples_per_s=320.0,
+               device="cuda", memory={{"reserved": 60 << 30, "allocated": 20 << 30,
+                                      "max_allocated": 24 << 30}})
+assert r["accepted"] is True, r
 print("ready", flush=True)
 time.sleep(120)
 """
@@ -250,14 +253,13 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
     from tests.helpers import REPO
 
     d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
-    jobs_dir = d.runtime_dir / "jobs"
-    assert jobs_dir.stat().st_mode & 0o7777 == 0o1777
-    p = subprocess.Popen([sys.executable, "-c", REPORTER.format(repo=str(REPO))],
-                         stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "TUNERD_RUNTIME_DIR": str(d.runtime_dir)})
+    # reports come over the socket: no world-writable directory a user could plant in
+    assert not (d.runtime_dir / "jobs").exists()
+    p = subprocess.Popen([sys.executable, "-c",
+                          REPORTER.format(repo=str(REPO), sock=str(d.socket))],
+                         stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        assert (jobs_dir / f"{p.pid}.json").exists()
         assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
 
         def frag() -> Any:
@@ -269,9 +271,41 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
         f = wait_for(frag, 20, "fragmentation finding")
         assert f["evidence"]["reserved_bytes"] == 60 << 30
         assert f["evidence"]["reserved_over_allocated"] == 3.0
+        top = d.ctl("--json", "top").json()
+        job = next(j for j in top["sample"]["jobs"] if j["pid"] == p.pid)
+        assert job["report"]["samples_per_s"] == 320.0 and job["report"]["steps"] == 10
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.root
+def test_report_for_another_users_process_is_refused(daemon_factory: Any,
+                                                     unpriv_user: tuple[int, int]) -> None:
+    from tests.helpers import run_as
+    from tunerd.errors import PermissionDenied
+
+    d: DaemonProc = daemon_factory().start()
+    d.tmp.parent.chmod(0o755)
+    uid, gid = unpriv_user
+    with pytest.raises(PermissionDenied, match="may only report for its own processes"):
+        run_as(uid, gid, _call, str(d.socket), "report", {"pid": 1, "steps": 1})
+    # a malformed report is a usage error naming the field, not a traceback
+    r = _call_raw(str(d.socket), "report", {"pid": os.getpid(), "samples_per_s": "fast"})
+    assert r["ok"] is False and r["error"]["code"] == "usage"
+    assert "samples_per_s" in r["error"]["message"]
+
+
+def _call_raw(sock: str, cmd: str, args: dict[str, Any]) -> Any:
+    import socket as so
+
+    with so.socket(so.AF_UNIX, so.SOCK_STREAM) as s:
+        s.connect(sock)
+        s.sendall(json.dumps({"id": 1, "cmd": cmd, "args": args}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            buf += s.recv(65536)
+    return json.loads(buf)
 
 
 def _call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> Any:

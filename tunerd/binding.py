@@ -51,7 +51,7 @@ from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
-from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, UsageError
+from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
@@ -158,6 +158,9 @@ class Plan:
     migrate_from: frozenset[int] | None = None  # migrate_pages fallback: old nodes
     notes: list[str] = field(default_factory=list)
     first: bool = True  # False for a re-bind of an already bound process
+    # a failing fd-limit or memory-node step is a note, not a failure: the CPU binding
+    # stays (rule and lease binds; an explicit `tunerctl bind --nofile` is all or nothing)
+    partial: bool = False
 
 
 @dataclass
@@ -345,11 +348,13 @@ class Binder:
     # -- validation --------------------------------------------------------------
     def prepare(self, t: Target, *, cpus: frozenset[int] | None = None,
                 mems: frozenset[int] | None = None, nofile: int | None = None,
-                previous: Originals | None = None) -> Plan:
+                previous: Originals | None = None, partial: bool = False) -> Plan:
         """Validate a bind and read the originals; changes nothing.
 
         ``previous``: the originals saved by an earlier bind of the same process
         (a re-bind keeps them, and stays inside the cpuset the process had first).
+        ``partial``: a limit the daemon may not set (no CAP_SYS_RESOURCE) is left out
+        with a note instead of failing the whole bind.
         """
         notes: list[str] = []
         if cpus is None and mems is None and nofile is None:
@@ -418,7 +423,12 @@ class Binder:
         new_nofile: tuple[int, int] | None = None
         old_nofile: tuple[int, int] | None = None
         if nofile is not None:
-            new_nofile, old_nofile = self._check_nofile(t, nofile)
+            try:
+                new_nofile, old_nofile = self._check_nofile(t, nofile)
+            except PermissionDenied as err:
+                if not partial or (cpus is None and mems is None):
+                    raise
+                notes.append(f"fd limit not set: {err.message}")
 
         if previous is not None:
             orig = previous.copy()
@@ -439,7 +449,7 @@ class Binder:
             orig.affinity_set = True
         return Plan(target=t, originals=orig, cpus=cpus, mems=mems, nofile=new_nofile,
                     cpuset=plan_cpuset, cpuset_cpus=cpuset_cpus, migrate_from=migrate_from,
-                    notes=notes, first=previous is None)
+                    notes=notes, first=previous is None, partial=partial)
 
     def _affinity(self, t: Target, tid: int) -> frozenset[int]:
         try:
@@ -495,19 +505,29 @@ class Binder:
                 try:
                     old = resource.prlimit(t.pid, resource.RLIMIT_NOFILE, plan.nofile)
                 except PermissionError as err:
-                    raise self._prlimit_denied(t, "changing this limit") from err
+                    denied = self._prlimit_denied(t, "changing this limit")
+                    if not plan.partial:
+                        raise denied from err
+                    plan.notes.append(f"fd limit not set: {denied.message}")
+                    plan.nofile = None
                 except ProcessLookupError:
                     raise NoSuchProcess(f"process {t.pid} exited while being bound",
                                         pid=t.pid) from None
-                nofile_old = old[0]
-                undo.append(lambda: self._set_nofile(t, old))
+                else:
+                    nofile_old = old[0]
+                    undo.append(lambda: self._set_nofile(t, old))
             # masks are put back after the cpuset undo: moving back resets every mask
             undo.append(restore_masks)
             if plan.cpuset is not None:
-                pages_moved = self._apply_cpuset(plan, undo)
+                pages_moved = self._cpuset_step(plan, undo)
             threads = self._apply_affinity(plan, masks)
             if plan.migrate_from is not None and plan.mems is not None:
-                pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
+                try:
+                    pages_moved = self._migrate_pages(t, plan.migrate_from, plan.mems)
+                except Failed as err:
+                    if not plan.partial:
+                        raise
+                    plan.notes.append(f"memory nodes not set: {err.message}")
         except BaseException as err:
             for fn in reversed(undo):
                 try:
@@ -523,6 +543,27 @@ class Binder:
             pages_moved=pages_moved, nofile_old=nofile_old,
             nofile_new=plan.nofile[0] if plan.nofile else None, notes=list(plan.notes),
             elapsed_ms=(time.perf_counter() - t0) * 1000)
+
+    def _cpuset_step(self, plan: Plan, undo: list[Callable[[], None]]) -> int | None:
+        """The memory-node step; under ``plan.partial`` a failure leaves it out with a note."""
+        if not plan.partial:
+            return self._apply_cpuset(plan, undo)
+        mine: list[Callable[[], None]] = []
+        try:
+            moved = self._apply_cpuset(plan, mine)
+        except (OSError, Failed, PermissionDenied) as err:
+            for fn in reversed(mine):
+                try:
+                    fn()
+                except Exception:
+                    pass
+            what = err.message if isinstance(err, TunerdError) else str(err)
+            plan.notes.append(f"memory nodes {format_cpulist(plan.mems or frozenset())} not "
+                              f"set (cpuset {plan.cpuset.path if plan.cpuset else '?'}): {what}")
+            plan.cpuset, plan.mems = None, None
+            return None
+        undo.extend(mine)
+        return moved
 
     def _set_nofile(self, t: Target, value: tuple[int, int]) -> None:
         if not t.exited():

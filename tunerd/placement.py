@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tunerd.cpulist import format_cpulist
@@ -82,17 +82,40 @@ class PlacementRequest:
 
 @dataclass(frozen=True)
 class Placement:
-    gpus: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    cpus: frozenset[int]
-    mems: frozenset[int]
-    score: int
-    explanation: str
+    """Where a job goes: one type from the decision to the binder.
+
+    ``cpus``/``mems`` of None mean "leave as it is" (a bind that only sets memory
+    nodes or limits). ``notes`` say what was adjusted on the way (an allocation
+    smaller than asked, ranks sharing CPUs, a replayed topology); ``applicable`` is
+    False when the placement was computed on a replayed topology whose CPUs or
+    memory nodes this machine lacks, so nothing may be applied.
+    """
+
+    cpus: frozenset[int] | None
+    mems: frozenset[int] | None
+    gpus: tuple[int, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()
+    score: int = 0
+    explanation: str = ""
+    notes: tuple[str, ...] = ()
+    applicable: bool = True
+
+    @classmethod
+    def given(cls, cpus: frozenset[int] | None, mems: frozenset[int] | None,
+              gpus: tuple[int, ...] = (), explanation: str = "") -> Placement:
+        """A placement the caller chose itself (``--cpus``/``--mems``, a rule's cpus)."""
+        return cls(cpus=cpus, mems=mems, gpus=gpus, explanation=explanation)
+
+    def with_notes(self, *notes: str, applicable: bool | None = None) -> Placement:
+        return replace(self, notes=(*self.notes, *(n for n in notes if n)),
+                       applicable=self.applicable if applicable is None else applicable)
 
     def to_json(self) -> dict[str, Any]:
         return {"gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids),
-                "cpus": format_cpulist(self.cpus), "mems": format_cpulist(self.mems),
-                "score": self.score, "explanation": self.explanation}
+                "cpus": None if self.cpus is None else format_cpulist(self.cpus),
+                "mems": None if self.mems is None else format_cpulist(self.mems),
+                "score": self.score, "explanation": self.explanation,
+                "notes": list(self.notes), "applied": self.applicable}
 
 
 # -- derived indexes, computed once per topology ---------------------------------
@@ -513,3 +536,56 @@ def _cpu_error(topo: Topology, count: int, exclusive: bool, usable: frozenset[in
         parts.append(f"CPU {format_cpulist(housekeeping)} reserved for housekeeping")
     return PlacementError("; ".join(parts), free_cpus=format_cpulist(eligible),
                           held_cpus={str(k): v for k, v in held.items()})
+
+
+# -- helpers for the placing service ----------------------------------------------
+def whole_cores(topo: Topology, cpus: Iterable[int]) -> frozenset[int]:
+    """``cpus`` grown to whole physical cores: every SMT sibling of each CPU.
+
+    Housekeeping CPUs are reserved by the core: a job on the sibling of a
+    housekeeping CPU would share its core's execution units with the daemons
+    the operator kept it for.
+    """
+    out: set[int] = set()
+    for c in cpus:
+        cpu = topo.cpus.get(c)
+        out |= set(cpu.siblings) if cpu is not None and cpu.siblings else {c}
+    return frozenset(out)
+
+
+def per_gpu_cpu_share(topo: Topology, gpu: int, usable: frozenset[int]) -> int:
+    """CPUs one GPU's process should get so that all GPUs sharing its CPUs fit side by side.
+
+    E.g. a DGX H100: 4 GPUs per socket, 112 CPUs per socket -> 28 CPUs per GPU.
+    ``usable``: the CPUs jobs may have (online, no housekeeping, inside the allocation).
+    """
+    gpus = {g.index: g for g in topo.gpus}
+    g = gpus.get(gpu)
+    if g is None:
+        return max(1, len(usable))
+    local = (frozenset(g.local_cpus) or topo.online_cpus()) & usable or usable
+    sharing = sum(1 for o in topo.gpus if ((frozenset(o.local_cpus) or local) & local))
+    return max(1, len(local) // max(1, sharing))
+
+
+def mems_of(topo: Topology, cpus: Iterable[int]) -> frozenset[int]:
+    """NUMA nodes holding ``cpus`` (for an explicit CPU list)."""
+    out = {topo.cpus[c].numa_node for c in cpus if c in topo.cpus}
+    return frozenset(n for n in out if n is not None and n >= 0)
+
+
+def ordered_cpus(topo: Topology, cpus: Iterable[int],
+                 near: Iterable[int] = ()) -> list[int]:
+    """``cpus`` in placement order: the CPUs local to ``near`` first, then by core.
+
+    Cores stay together (a core's SMT siblings are adjacent), so contiguous
+    slices of the result are whole cores wherever the count allows.
+    """
+    idx = _index(topo)
+    near_set = frozenset(near)
+    pool = set(cpus)
+    by_core: dict[int, list[int]] = {}
+    for c in sorted(pool):
+        by_core.setdefault(idx.cpu_core.get(c, -1 - c), []).append(c)
+    cores = sorted(by_core, key=lambda k: (not (set(by_core[k]) & near_set), k))
+    return [c for k in cores for c in by_core[k]]

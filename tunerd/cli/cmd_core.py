@@ -1,7 +1,8 @@
-"""tunerctl status."""
+"""tunerctl status and reload."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import click
@@ -9,10 +10,26 @@ import click
 from tunerd.cli.context import get_ctx
 
 
+def _ago(t: float | None) -> str:
+    if not t:
+        return "?"
+    s = max(0, int(time.time() - t))
+    if s < 120:
+        return f"{s} s ago"
+    if s < 7200:
+        return f"{s // 60} min ago"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def _problem(kind: str, e: dict[str, Any]) -> str:
+    times = f" (x{e['count']})" if e.get("count", 1) > 1 else ""
+    return f"{kind} [{e['source']}] {_ago(e.get('time'))}{times}: {e['message']}"
+
+
 def _human_status(st: dict[str, Any]) -> str:
-    lines = [f"tunerd pid {st['pid']}, up {st['uptime_s']:.0f} s"
+    lines = [f"tunerd {st.get('version', '')} pid {st['pid']}, up {st['uptime_s']:.0f} s"
              + (" (dry run)" if st.get("dry_run") else "")
-             + (" (topology replay)" if st.get("replay") else "")]
+             + (f" (topology replay: {st['replay']})" if st.get("replay") else "")]
     pol = st.get("policy", {})
     lines.append("policies: " + (", ".join(pol.get("sources") or []) or "none"))
     if pol.get("error"):
@@ -21,15 +38,43 @@ def _human_status(st: dict[str, Any]) -> str:
         summary = svc.get("summary") if isinstance(svc, dict) else None
         if summary:
             lines.append(f"{name}: {summary}")
-    for e in st.get("errors") or []:
-        lines.append(f"error [{e['source']}]: {e['message']}")
+    lines += [_problem("error", e) for e in st.get("errors") or []]
+    lines += [_problem("warning", e) for e in st.get("warnings") or []]
+    recent = [e for e in st.get("resolved_errors") or []
+              if time.time() - (e.get("resolved_at") or 0) < 3600]
+    lines += [f"resolved {_ago(e.get('resolved_at'))}: [{e['source']}] {e['message']}"
+              for e in recent[-3:]]
     return "\n".join(lines)
 
 
 @click.command()
 def status() -> int:
-    """Daemon health, policies in force, errors, jobs, host summary."""
+    """Daemon health, policies in force, errors, jobs, host summary.
+
+    Exits 1 while the daemon has unresolved errors (a rejected policy, a rule that
+    failed to bind, a setting it could not apply).
+    """
     ctx = get_ctx()
     st = ctx.call("status")
     ctx.emit(st, _human_status)
-    return 1 if st.get("policy", {}).get("error") else 0
+    healthy = st.get("healthy", not st.get("policy", {}).get("error"))
+    return 0 if healthy else 1
+
+
+def _human_reload(r: dict[str, Any]) -> str:
+    if r.get("reloaded"):
+        lines = ["reloaded; in force: " + (", ".join(r.get("in_force") or [])
+                                           or "no file (empty policy)")]
+        lines += [f"warning: {w}" for w in r.get("warnings") or []]
+        return "\n".join(lines)
+    return (f"rejected, the previous policy stays in force "
+            f"({', '.join(r.get('in_force') or []) or 'none'}):\n{r.get('error')}")
+
+
+@click.command()
+def reload() -> int:
+    """Re-read the policy files (root): the files in force, or the error (old policy kept)."""
+    ctx = get_ctx()
+    r = ctx.call("reload")
+    ctx.emit(r, _human_reload)
+    return 0 if r.get("reloaded") else 1

@@ -21,6 +21,7 @@ from tunerd.protocol import ExitCode, exit_code
 LAZY_COMMANDS: dict[str, str] = {
     "bench": "tunerd.cli.cmd_bench:bench",
     "status": "tunerd.cli.cmd_core:status",
+    "reload": "tunerd.cli.cmd_core:reload",
     "bind": "tunerd.cli.cmd_bind:bind",
     "unbind": "tunerd.cli.cmd_bind:unbind",
     "jobs": "tunerd.cli.cmd_bind:jobs",

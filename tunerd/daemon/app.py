@@ -1,26 +1,35 @@
-"""The Daemon: owns the loop, the state store, the policy in force and the services."""
+"""The Daemon: the loop's lifecycle (start, reload, stop) around services built elsewhere.
+
+It owns no feature: the composition root (``tunerd.daemon.wiring``) builds every
+service with only what that service needs and hands the Daemon the list, the
+control server, the policy holder and the callbacks that take a new policy.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib
 import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
-from tunerd.daemon.config import DaemonConfig
+from tunerd import __version__
+from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.notify import Notifier
-from tunerd.daemon.registry import HANDLER_MODULES
+from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.server import ControlServer
-from tunerd.daemon.state import StateStore
-from tunerd.errors import TunerdError
-from tunerd.policy import NodeFacts, Policy, PolicyError, load_policy_dir
+from tunerd.errors import PolicyError, TunerdError
+from tunerd.policy import Policy
 from tunerd.protocol import exit_code
 
+__all__ = ["Daemon", "Service"]
+
 log = logging.getLogger("tunerd")
+
+STOP_TIMEOUT = 0.4  # seconds each service gets to stop (SIGTERM must end us within 0.5 s)
 
 
 class Service(Protocol):
@@ -30,140 +39,104 @@ class Service(Protocol):
 
     async def start(self) -> None: ...
 
-    async def policy_changed(self) -> None:
-        """Called on the loop after a new policy was put in force (start and reload)."""
-
     async def stop(self) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
 
 
-# "module:Class" of each service; each class is built as Class(daemon)
-SERVICE_FACTORIES: list[str] = [
-    # -- binding:
-    "tunerd.daemon.jobs:JobRegistry",
-    # -- host settings:
-    "tunerd.daemon.host:HostSettings",
-    # -- leases / exec watcher:
-    "tunerd.daemon.leases:LeaseService",
-    # -- monitor:
-    "tunerd.monitor.service:Monitor",
-]
+PolicyListener = Callable[[Policy], Awaitable[None]]
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig) -> None:
-        self.cfg = cfg
-        self.state = StateStore(cfg.state_path)
-        self.notifier = Notifier.from_env()
-        self.policy: Policy | None = None
-        self.policy_error: str | None = None
-        self.policy_loaded_at: float | None = None
+    def __init__(self, *, server: ControlServer, services: list[Service],
+                 policy: PolicyHolder, errors: ErrorLog, notifier: Notifier,
+                 on_policy: list[tuple[str, PolicyListener]], dry_run: bool,
+                 replay: Path | None, pidfile: Path | None = None,
+                 before_stop: Callable[[], None] | None = None) -> None:
+        self.server = server
+        self.services = services
+        self.policy = policy
+        self.errors = errors
+        self.notifier = notifier
+        self.on_policy = on_policy
+        self.dry_run = dry_run
+        self.replay = replay
+        self.pidfile = pidfile
+        self.before_stop = before_stop
         self.started_at = time.time()
-        self.services: list[Service] = []
-        self.server = ControlServer(self, cfg.socket_path, idle_timeout=cfg.client_timeout)
-        self.errors: list[dict[str, Any]] = []  # recent errors shown by `tunerctl status`
         self._stop = asyncio.Event()
-        self._topology: Any = None
-        # feature areas attach themselves here when their service is built
-        self.jobs: Any = None  # tunerd.daemon.jobs.JobRegistry (bindings)
-        self.host: Any = None  # host settings service (plan/apply/verify/revert)
-        self.leases: Any = None  # leases / exec watcher service
-        self.monitor: Any = None  # samplers and metrics service
+        self._reloading = asyncio.Lock()
 
-    # -- topology and policy -------------------------------------------------
-    @property
-    def topology(self) -> Any:
-        if self._topology is None:
-            from tunerd.topology import load_topology
-
-            self._topology = load_topology(self.cfg.topology)
-        return self._topology
-
-    def node_facts(self) -> NodeFacts:
-        topo = self.topology
-        return NodeFacts(
-            hostname=topo.hostname, gpu_models=tuple(g.model for g in topo.gpus)
-        )
-
-    def load_policy(self) -> Policy:
-        return load_policy_dir(self.cfg.policy_dir, self.node_facts())
-
-    def record_error(self, source: str, message: str) -> None:
-        log.error("%s: %s", source, message)
-        self.errors.append({"time": time.time(), "source": source, "message": message})
-        del self.errors[:-50]
-
-    async def reload(self) -> bool:
+    # -- policy --------------------------------------------------------------------
+    async def reload(self) -> dict[str, Any]:
         """Load policies again; a bad policy is rejected and the old one stays."""
-        self.notifier.reloading()
-        try:
-            new = self.load_policy()
-        except PolicyError as err:
-            self.policy_error = err.message
-            self.record_error("reload", f"policy rejected, keeping the previous one: {err}")
-            self.notifier.status(f"policy error: {err.message}"[:200])
-            self.notifier.send("READY=1")
-            return False
-        self.policy, self.policy_error = new, None
-        self.policy_loaded_at = time.time()
-        log.info("policies reloaded: %s", ", ".join(new.sources))
-        await self._policy_changed()
-        self.notifier.send("READY=1", f"STATUS={self.summary()}")
-        return True
-
-    async def _policy_changed(self) -> None:
-        for svc in self.services:
+        async with self._reloading:
+            self.notifier.reloading()
             try:
-                await svc.policy_changed()
+                # reading the directory is quick, but must never hold the loop
+                new = await asyncio.get_running_loop().run_in_executor(None, self.policy.load)
+            except PolicyError as err:
+                self.policy.error = err.message
+                self.errors.record("reload", f"policy rejected, keeping the previous one: "
+                                   f"{err.message}")
+                self.notifier.status(f"policy error: {err.message}"[:200])
+                self.notifier.send("READY=1")
+                return {"reloaded": False, "error": err.message,
+                        "in_force": self.policy.policy.sources if self.policy.policy else []}
+            self.policy.put(new)
+            self.errors.resolve("reload")
+            log.info("policies reloaded: %s", self.policy.summary())
+            self._warn_policy(new)
+            await self._policy_changed(new)
+            self.notifier.send("READY=1", f"STATUS={self.summary()}")
+            return {"reloaded": True, "error": None, "in_force": new.sources,
+                    "warnings": list(getattr(new, "warnings", []) or [])}
+
+    def _warn_policy(self, policy: Policy) -> None:
+        warnings = list(getattr(policy, "warnings", []) or [])
+        if not warnings and not policy.sources:
+            warnings = ["no policy file applies to this node: running an empty policy "
+                        "(nothing is tuned, no job rule)"]
+        self.errors.resolve_source("policy")
+        for i, w in enumerate(warnings):
+            self.errors.record("policy", w, key=i, level="warning")
+
+    async def _policy_changed(self, policy: Policy) -> None:
+        for name, listener in self.on_policy:
+            try:
+                await listener(policy)
             except Exception as err:
-                log.exception("service %s failed to take the new policy", svc.name)
-                self.record_error(svc.name, f"policy change failed: {err!r}")
+                log.exception("service %s failed to take the new policy", name)
+                self.errors.record(name, f"policy change failed: {err!r}", key="policy")
+            else:
+                self.errors.resolve(name, "policy")
 
     def summary(self) -> str:
-        n = len(self.policy.sources) if self.policy else 0
+        n = len(self.policy.policy.sources) if self.policy.policy else 0
         return f"serving; {n} policy file(s) in force"
 
-    # -- lifecycle -----------------------------------------------------------
+    # -- lifecycle -----------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for d in (self.cfg.runtime_dir, self.cfg.state_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.cfg.runtime_dir, 0o755)
-        self.state.load()
-        if self.state.load_error:
-            self.record_error("state", self.state.load_error)
-        try:
-            self.policy = self.load_policy()
-        except PolicyError as err:
-            log.error("cannot start: %s", err.message)
-            return 1
-        self.policy_loaded_at = time.time()
-        log.info("policies in force: %s", ", ".join(self.policy.sources))
-
-        for mod in HANDLER_MODULES:
-            importlib.import_module(mod)
-        for spec in SERVICE_FACTORIES:
-            mod_name, _, cls_name = spec.partition(":")
-            cls = getattr(importlib.import_module(mod_name), cls_name)
-            self.services.append(cls(self))
-
+        assert self.policy.policy is not None, "the composition root loads the policy"
+        log.info("policies in force: %s", self.policy.summary())
+        self._warn_policy(self.policy.policy)
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
-
-        await self.server.start()
         started: list[Service] = []
         try:
+            await self.server.start()
             for svc in self.services:
                 await svc.start()
                 started.append(svc)
-            await self._policy_changed()
+            await self._policy_changed(self.policy.policy)
+            self._write_pidfile()
             self.notifier.ready(self.summary())
-            log.info("tunerd ready (pid %d)", os.getpid())
+            log.info("tunerd %s ready (pid %d)", __version__, os.getpid())
             watchdog = self._start_watchdog()
             await self._stop.wait()
             if watchdog:
@@ -177,10 +150,37 @@ class Daemon:
             await self.server.stop()
             for svc in reversed(started):
                 try:
-                    await svc.stop()
+                    await asyncio.wait_for(svc.stop(), STOP_TIMEOUT)
+                except asyncio.TimeoutError:
+                    log.warning("service %s did not stop within %.1f s", svc.name,
+                                STOP_TIMEOUT)
                 except Exception:
                     log.exception("service %s failed to stop", svc.name)
+            if self.before_stop is not None:
+                try:
+                    self.before_stop()
+                except Exception:
+                    log.exception("final save failed")
+            self._remove_pidfile()
         return 0
+
+    def _write_pidfile(self) -> None:
+        if self.pidfile is None:
+            return
+        from tunerd.daemon.runtime import write_pidfile
+
+        try:
+            write_pidfile(self.pidfile)
+        except OSError as err:
+            self.errors.record("daemon", f"cannot write {self.pidfile}: {err.strerror}",
+                               key="pidfile")
+
+    def _remove_pidfile(self) -> None:
+        if self.pidfile is None:
+            return
+        from tunerd.daemon.runtime import remove_pidfile
+
+        remove_pidfile(self.pidfile)
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
         interval = self.notifier.watchdog_interval()
@@ -197,18 +197,29 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         svc: dict[str, Any] = {}
         for s in self.services:
-            with contextlib.suppress(Exception):
+            try:
                 svc[s.name] = s.status()
+            except Exception as err:  # one broken status must not hide the others
+                svc[s.name] = {"summary": f"status failed: {err!r}"}
+        errs = self.errors.to_json()
+        pol = self.policy.policy
         return {
             "pid": os.getpid(),
+            "version": __version__,
             "uptime_s": round(time.time() - self.started_at, 1),
-            "dry_run": self.cfg.dry_run,
-            "replay": self.cfg.topology is not None,
+            "dry_run": self.dry_run,
+            "replay": str(self.replay) if self.replay is not None else None,
             "policy": {
-                "sources": self.policy.sources if self.policy else [],
-                "loaded_at": self.policy_loaded_at,
-                "error": self.policy_error,
+                "sources": pol.sources if pol else [],
+                "summary": self.policy.summary(),
+                "loaded_at": self.policy.loaded_at,
+                "error": self.policy.error,
+                "warnings": list(getattr(pol, "warnings", []) or []) if pol else [],
             },
-            "errors": self.errors[-10:],
+            "healthy": errs["errors"] == 0 and self.policy.error is None,
+            "errors": [p for p in errs["open"] if p["level"] == "error"],
+            "warnings": [p for p in errs["open"] if p["level"] == "warning"],
+            "resolved_errors": errs["resolved"],
+            "errors_total": errs["total"],
             "services": svc,
         }

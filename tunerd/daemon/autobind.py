@@ -2,10 +2,13 @@
 
 The exec watcher (proc connector, or a /proc scan where that is unavailable)
 calls ``on_exec(pid)`` for every exec on the host; ``RuleSet.match`` rejects
-unrelated commands with one read and one regex. A match is placed near the
-GPU it uses (LOCAL_RANK / CUDA_VISIBLE_DEVICES) and bound through the
-JobRegistry with ``origin="rule"``. Ranks of one job (same rule and
-TORCHELASTIC_RUN_ID, else same parent) get distinct CPUs while possible.
+unrelated commands with one bounded read and one regex. A match is placed by
+the placing service inside the process's allocation (its cgroup cpuset, its
+Slurm GPUs), near the GPU it uses (LOCAL_RANK / CUDA_VISIBLE_DEVICES), with
+room for its DataLoader workers; ranks of one job (same rule and
+TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else same parent) split the CPUs using
+LOCAL_WORLD_SIZE. It is bound through the JobRegistry with ``origin="rule"``;
+a limit the daemon may not set is left out with a note, never the CPUs.
 
 The watcher only runs while the policy has rules: with none, the daemon
 does not even subscribe to exec events.
@@ -19,26 +22,28 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.daemon.placer import PlacedJob, applicability, gpus_from_env, mems_of
-from tunerd.daemon.registry import Peer
+from tunerd import procfs
+from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.cpulist import format_cpulist
+from tunerd.daemon.errorlog import ErrorLog
+from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.pidwatch import PidWatch
+from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
+from tunerd.daemon.router import Peer
 from tunerd.errors import NoSuchProcess, TunerdError
-from tunerd.watch import procfs
+from tunerd.placement import Placement, mems_of
+from tunerd.topology.visible import gpus_from_env
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-    from tunerd.daemon.leases import LeaseService
 
 __all__ = ["AutoBinder"]
 
 log = logging.getLogger("tunerd.autobind")
-
-ANCESTOR_DEPTH = 8  # how far up to look for a `tunerctl run` lease holder
 
 
 @dataclass
@@ -47,28 +52,44 @@ class RuleBound:
     start_time: int
     rule: str
     group: str
-    cpus: frozenset[int]
-    gpus: tuple[int, ...]
-    applied: bool
-    notes: tuple[str, ...]
+    uid: int | None
+    placement: Placement
     exec_seen: float  # time.monotonic() of the exec event
+    at_start: bool = False  # already running when the rule came into force
     bound_at: float | None = None
     timing: dict[str, Any] | None = None
-    exclusive: bool = False  # its CPUs are off limits to leases and other rules
+
+
+def _int_env(env: dict[str, str], name: str) -> int | None:
+    v = env.get(name, "").strip()
+    return int(v) if v.isdigit() else None
 
 
 class AutoBinder:
-    def __init__(self, daemon: Daemon, leases: LeaseService) -> None:
-        self.d = daemon
-        self.leases = leases
+    name = "autobind"
+
+    def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
+                 mover: ExclusiveMover, errors: ErrorLog, *,
+                 default_nofile: Callable[[], int | None], use_connector: bool = True,
+                 proc_root: str = procfs.PROC) -> None:
+        self.placer = placer
+        self.jobs = jobs
+        self.pidwatch = pidwatch
+        self.mover = mover
+        self.errors = errors
+        self._default_nofile = default_nofile
+        self.use_connector = use_connector
+        self.proc = proc_root
         self.rules = RuleSet([])
         self.watcher: ExecWatcher | None = None
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.matched = 0
         self.failed = 0
+        self.partial = 0  # bound, but a limit or memory step was left out
         self.last_error: str | None = None
         self._pending: dict[int, asyncio.Task[None]] = {}
+        self._scanning = False  # True while binding processes that ran before the rules
         # pid -> start time of processes whose binding failed: not retried (a /proc
         # scan or an overrun rescan would otherwise repeat the same error forever)
         self._failed: dict[int, int] = {}
@@ -76,12 +97,15 @@ class AutoBinder:
         self.latencies_ms: deque[float] = deque(maxlen=1000)
 
     # -- lifecycle -------------------------------------------------------------
-    async def policy_changed(self) -> None:
-        data = self.d.policy.data if self.d.policy else {}
-        self.rules = RuleSet.from_policy(data)
+    async def start(self) -> None:
+        self.restore_moves()
+
+    async def apply_rules(self, rules: RuleSet) -> None:
+        """Put a new rule set in force (start and every reload)."""
+        self.rules = rules
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self.on_exec, self.rescan,
-                                       use_connector=self.d.cfg.watch_execs)
+                                       use_connector=self.use_connector)
             self.watcher.start()
         elif not self.rules and self.watcher is not None:
             self.watcher.stop()
@@ -89,17 +113,15 @@ class AutoBinder:
         if self.rules:
             log.info("automatic binding: %d rule(s): %s", len(self.rules.rules),
                      ", ".join(r.name for r in self.rules.rules))
-            self._warm_up()
-            self.rescan()  # processes that were already running match too
+            self.placer.warm_up()
+            # processes that were already running match too: say so in the log
+            self._scanning = True
+            try:
+                self.rescan()
+            finally:
+                self._scanning = False
 
-    def _warm_up(self) -> None:
-        """Import and index the placement code now, not on the first exec (~15 ms)."""
-        try:
-            self.leases.place(gpus=0, cpus=1)
-        except TunerdError:
-            pass
-
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
@@ -109,18 +131,28 @@ class AutoBinder:
     def status(self) -> dict[str, Any]:
         w = self.watcher.status() if self.watcher else {"mode": "off"}
         n = len(self.rules.rules)
+        at_start = [b for b in self.bound.values() if b.at_start]
         summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
+        if at_start:
+            users = sorted({procfs_user(b.uid) for b in at_start})
+            summary += (f" ({len(at_start)} already running at start, of user(s) "
+                        f"{', '.join(users)})")
+        if self.failed:
+            summary += f"; {self.failed} failed"
         lat = sorted(self.latencies_ms)
         latency = {"n": len(lat), "median": round(statistics.median(lat), 3),
                    "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
                    "max": round(lat[-1], 3)} if lat else {"n": 0}
         return {"summary": summary, "rules": [r.name for r in self.rules.rules], "watcher": w,
-                "latency_ms": latency,
-                "matched": self.matched, "failed": self.failed, "last_error": self.last_error,
-                "bound": [{"pid": b.pid, "rule": b.rule, "cpus": format_cpulist(b.cpus),
-                           "gpus": list(b.gpus), "applied": b.applied, "notes": list(b.notes),
-                           "timing": b.timing,
+                "latency_ms": latency, "matched": self.matched, "failed": self.failed,
+                "partial": self.partial, "last_error": self.last_error,
+                "bound_at_start": len(at_start),
+                "bound": [{"pid": b.pid, "rule": b.rule,
+                           "cpus": format_cpulist(b.placement.cpus or frozenset()),
+                           "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
+                           "notes": list(b.placement.notes), "timing": b.timing,
+                           "at_start": b.at_start,
                            "latency_ms": None if b.bound_at is None else
                            round((b.bound_at - b.exec_seen) * 1000, 3)}
                           for b in self.bound.values()]}
@@ -132,12 +164,12 @@ class AutoBinder:
         if m is None or pid in self._pending:
             return
         self.matched += 1
-        task = asyncio.ensure_future(self._bind(m, time.monotonic()))
+        task = asyncio.ensure_future(self._bind(m, time.monotonic(), self._scanning))
         self._pending[pid] = task
 
     def rescan(self) -> None:
         me = os.getpid()
-        for pid in procfs.list_pids():
+        for pid in procfs.list_pids(self.proc):
             if pid != me and pid not in self.bound:
                 self.on_exec(pid)
 
@@ -146,178 +178,196 @@ class AutoBinder:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
         if run_id:
             return f"{m.rule.name}/{run_id}"
-        return f"{m.rule.name}/ppid {procfs.read_ppid(m.pid)}"
+        return f"{m.rule.name}/ppid {procfs.read_ppid(m.pid, self.proc)}"
 
-    def busy_gpus(self) -> dict[int, str]:
-        return {g: f"pid {b.pid} (rule {b.rule})" for b in self.bound.values() for g in b.gpus}
+    def _workers(self, m: RuleMatch) -> int:
+        """DataLoader workers per rank: the job's own setting first, then the rule's."""
+        env_n = _int_env(m.env, "TUNERD_NUM_WORKERS")
+        if env_n is not None:
+            return env_n
+        rule_n = getattr(m.rule, "workers", None)
+        return int(rule_n) if isinstance(rule_n, int) else 0
 
-    def exclusive_cpus(self) -> dict[int, str]:
-        """CPUs held by processes of exclusive rules (placements must avoid them)."""
-        return {c: f"pid {b.pid} (rule {b.rule}, exclusive)" for b in self.bound.values()
-                if b.exclusive for c in b.cpus}
-
-    def _lease_cpus_above(self, pid: int) -> frozenset[int] | None:
-        """CPUs of the `tunerctl run` lease this process descends from, if any."""
-        holders = {r["pid"]: r for r in self.leases.leases.values() if r.get("pid")}
-        if not holders:
-            return None
-        p: int | None = pid
-        for _ in range(ANCESTOR_DEPTH):
-            if p is None or p <= 1:
-                return None
-            if p in holders:
-                return parse_cpulist(holders[p]["cpus"])
-            p = procfs.read_ppid(p)
-        return None
-
-    def _existing_job(self, pid: int, start: int) -> dict[str, Any] | None:
-        if self.d.jobs is None:
-            return None
-        for j in self.d.jobs.jobs():
-            if j.get("pid") == pid and j.get("start_time") in (None, start):
-                return dict(j)
-        return None
-
-    def _place(self, m: RuleMatch, group: str) -> PlacedJob:
+    def _place(self, m: RuleMatch, group: str) -> Placement:
         rule = m.rule
-        topo = self.d.topology
-        allowed = self._lease_cpus_above(m.pid)
-        gpu_ids = gpus_from_env(topo, m.env)
+        topo = self.placer.topo
+        alloc = read_allocation(m.pid, m.env, topo)
+        enclosing = self.placer.enclosing_cpus(m.pid)
+        if enclosing is not None:  # under a `tunerctl run` lease: stay inside it
+            cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
+            alloc = type(alloc)(cpus=cpus, current=alloc.current, gpus=alloc.gpus,
+                                ncpus=alloc.ncpus, scheduler=alloc.scheduler or "tunerctl run")
+        gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
         if rule.cpus is not None:
-            cpus = rule.cpus & allowed if allowed else rule.cpus
-            mems = mems_of(topo, cpus)
-            ok, notes = applicability(topo, cpus, mems, self.leases.host)
-            return PlacedJob(gpu_ids or (), (), cpus, mems, f"rule {rule.name}: cpus {rule.cpus}",
-                             tuple(notes), ok)
-        siblings = {c: f"rank pid {b.pid} of the same job" for b in self.bound.values()
-                    if b.group == group and b.pid != m.pid for c in b.cpus}
+            return self.placer.place(PlaceRequest(
+                cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,
+                what=f"rule {rule.name}"))
         exclusive = rule.exclusive or rule.placement == "exclusive"
-        if gpu_ids:
-            kw: dict[str, Any] = {"gpus": len(gpu_ids), "gpu_ids": gpu_ids, "busy": {}}
-        elif rule.gpus:
-            kw = {"gpus": int(rule.gpus), "busy": self.leases.busy_gpus()}
-        else:
-            kw = {"gpus": 0}
-        try:
-            return self.leases.place(mode=rule.placement, exclusive=exclusive,
-                                     extra_exclusive=siblings, allowed_cpus=allowed, **kw)
-        except TunerdError:
-            if not siblings:
-                raise
-            # more ranks than CPUs to split: share rather than fail
-            return self.leases.place(mode=rule.placement, exclusive=exclusive,
-                                     allowed_cpus=allowed, **kw)
+        req = PlaceRequest(
+            gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
+            gpu_ids=gpu_ids or None, mode=rule.placement, exclusive=exclusive,
+            allocation=alloc, workers=self._workers(m), rank=_int_env(m.env, "LOCAL_RANK"),
+            ranks=_int_env(m.env, "LOCAL_WORLD_SIZE"), group=group,
+            ignore_busy_gpus=bool(gpu_ids), what=f"rule {rule.name}")
+        return self.placer.place(req)
 
-    async def _bind(self, m: RuleMatch, seen: float) -> None:
+    async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
         pid = m.pid
         try:
-            start = procfs.read_start_time(pid)
+            start = procfs.read_start_time(pid, self.proc)
             if start is None or self._failed.get(pid) == start:
                 return
             prev = self.bound.get(pid)
             if prev is not None and prev.start_time == start and prev.rule == m.rule.name:
                 return  # the same process exec'd again (sh -> python): keep its place
-            job = self._existing_job(pid, start)
+            job = self.jobs.record(pid)
+            if job is not None and job.get("start_time") not in (None, start):
+                job = None
             if job is not None and job.get("origin") != "rule":
                 log.debug("pid %d matches rule %s but is bound by %s; left alone", pid,
                           m.rule.name, job.get("origin"))
                 return
             group = self._group(m)
+            exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
-                self.bound[pid] = RuleBound(
-                    pid, start, m.rule.name, group, parse_cpulist(str(job.get("cpus") or "")),
-                    tuple(job.get("gpus") or ()), True, (), seen,
-                    exclusive=m.rule.exclusive or m.rule.placement == "exclusive")
-                self._watch(pid, start)
+                from tunerd.cpulist import parse_cpulist
+
+                cpus = parse_cpulist(str(job.get("cpus") or ""))
+                placed = Placement(cpus=cpus, mems=mems_of(self.placer.topo, cpus),
+                                   gpus=tuple(job.get("gpus") or ()),
+                                   explanation=str(job.get("explanation") or ""))
+                self._hold(m, start, group, placed, seen, at_start, exclusive)
                 return
             placed = self._place(m, group)
             # reserve before the first await so concurrent ranks see these CPUs taken
-            rb = RuleBound(pid, start, m.rule.name, group, placed.cpus, placed.gpus,
-                           placed.applicable, placed.notes, seen,
-                           exclusive=m.rule.exclusive or m.rule.placement == "exclusive")
-            self.bound[pid] = rb
-            self._watch(pid, start)
+            rb = self._hold(m, start, group, placed, seen, at_start, exclusive)
+            if rb is None:
+                return
             if not placed.applicable:
                 log.info("rule %s: pid %d placed on the replayed topology (GPUs %s, CPUs %s); "
-                         "%s", m.rule.name, pid, placed.gpus, format_cpulist(placed.cpus),
-                         " ".join(placed.notes))
+                         "%s", m.rule.name, pid, placed.gpus,
+                         format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
+                self.jobs.note_unapplied(pid, start, placed, origin="rule", name=m.rule.name)
                 return
-            if self.d.jobs is None:
-                raise TunerdError("binding service not running")
             t_bind = time.monotonic()
             # CPUs first: thread affinity is quick, while memory nodes need a cpuset
             # cgroup (and page migration) -- the process should not run on the
             # wrong CPUs while that is set up
-            res = await self.d.jobs.bind(pid, peer=self.peer, cpus=placed.cpus,
-                                         nofile=m.rule.nofile, gpus=placed.gpus,
-                                         origin="rule", name=m.rule.name)
+            nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+            res = await self.jobs.bind(pid, peer=self.peer,
+                                       placement=Placement(
+                                           cpus=placed.cpus, mems=None, gpus=placed.gpus,
+                                           explanation=placed.explanation),
+                                       nofile=nofile, origin="rule", name=m.rule.name,
+                                       partial=True)
             rb.bound_at = time.monotonic()
             self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
                          **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
-            if placed.mems and not self.leases.host.mems <= placed.mems:
+            notes = list(res.get("notes") or [])
+            if placed.mems and not self.placer.host.mems <= placed.mems:
                 # (memory on every node of the machine is no binding at all: skip the cpuset)
-                await self.d.jobs.bind(pid, peer=self.peer, mems=placed.mems, origin="rule",
-                                       name=m.rule.name)
-            log.info("rule %s: bound pid %d (%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, m.cmdline[:80], format_cpulist(placed.cpus),
+                res2 = await self.jobs.bind(pid, peer=self.peer,
+                                            placement=Placement(cpus=None, mems=placed.mems),
+                                            origin="rule", name=m.rule.name, partial=True)
+                notes += [n for n in res2.get("notes") or [] if n not in notes]
+            owner = procfs_user(m.uid)
+            log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
+                     m.rule.name, pid, m.cmdline[:80], owner,
+                     ", already running at start" if at_start else "",
+                     format_cpulist(placed.cpus or frozenset()),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)
+            left_out = [n for n in notes if "not set" in n]
+            if left_out:
+                self.partial += 1
+                self.errors.record("autobind", f"rule {m.rule.name}, pid {pid}: bound to CPUs "
+                                   f"{format_cpulist(placed.cpus or frozenset())}, but "
+                                   + "; ".join(left_out), key=f"partial:{m.rule.name}",
+                                   level="warning")
             if m.rule.exclusive and m.rule.exclusive_scope:
-                self.leases.mover.move_off(f"rule:{pid}:{start}", m.rule.exclusive_scope,
-                                           placed.cpus, pid, 0)
+                self.mover.move_off(f"rule:{pid}:{start}", m.rule.exclusive_scope,
+                                    placed.cpus or frozenset(), pid, 0)
         except NoSuchProcess:
             self._forget(pid)  # exited before we got to it: the normal case for short jobs
         except TunerdError as err:
-            self._remember_failure(pid)
-            self.failed += 1
-            self.last_error = f"rule {m.rule.name}, pid {pid}: {err.message}"
-            self.d.record_error("autobind", self.last_error)
-            self._forget(pid)
+            self._failure(m, pid, err.message)
         except Exception as err:
-            self._remember_failure(pid)
-            self.failed += 1
-            self.last_error = f"rule {m.rule.name}, pid {pid}: {err!r}"
             log.exception("automatic binding of pid %d failed", pid)
-            self._forget(pid)
+            self._failure(m, pid, repr(err))
         finally:
             self._pending.pop(pid, None)
 
+    def _hold(self, m: RuleMatch, start: int, group: str, placed: Placement, seen: float,
+              at_start: bool, exclusive: bool) -> RuleBound | None:
+        rb = RuleBound(pid=m.pid, start_time=start, rule=m.rule.name, group=group, uid=m.uid,
+                       placement=placed, exec_seen=seen, at_start=at_start)
+        self.bound[m.pid] = rb
+        self.placer.reserve(Reservation(
+            key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
+            gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
+            pid=m.pid, group=group))
+        if not self.pidwatch.watch(m.pid, start, "rule", self._exited):
+            self._forget(m.pid)
+            return None
+        return rb
+
+    def _failure(self, m: RuleMatch, pid: int, message: str) -> None:
+        self._remember_failure(pid)
+        self.failed += 1
+        self.last_error = f"rule {m.rule.name}, pid {pid}: {message}"
+        self.errors.record("autobind", self.last_error, key=pid)
+        self._forget(pid)
+
     def _remember_failure(self, pid: int) -> None:
-        start = procfs.read_start_time(pid)
+        start = procfs.read_start_time(pid, self.proc)
         if start is not None:
             if len(self._failed) > 10_000:
                 self._failed.clear()
             self._failed[pid] = start
+            # the failure's error resolves itself when the process ends
+            self.pidwatch.watch(pid, start, "rule-failed", self._failed_exited)
 
-    def _watch(self, pid: int, start: int) -> None:
-        if not self.leases.pidwatch.watch(pid, start, "rule", self._exited):
-            self._forget(pid)
+    def _failed_exited(self, pid: int) -> None:
+        self._failed.pop(pid, None)
+        self.errors.resolve("autobind", pid)
 
     def _forget(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
+        self.placer.release(f"rule:{pid}")
         if rb is not None:
-            self.leases.pidwatch.unwatch(pid, "rule")
+            self.pidwatch.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
+        self.placer.release(f"rule:{pid}")
         if rb is None:
             return
         key = f"rule:{pid}:{rb.start_time}"
-        if key in self.leases.mover.moved:
-            self.leases.mover.restore(key)
+        if key in self.mover.moved:
+            self.mover.restore(key)
 
     def restore_moves(self) -> None:
         """At start: put back what exclusive rule jobs moved if the job ended meanwhile."""
-        for key in list(self.leases.mover.moved):
+        for key in list(self.mover.moved):
             if not key.startswith("rule:"):
                 continue
             _, pid_s, start_s = key.split(":")
             pid, start = int(pid_s), int(start_s)
-            if not self.leases.pidwatch.watch(pid, start, "rule-exclusive",
-                                              self._restore_rule_moves):
-                self.leases.mover.restore(key)
+            if not self.pidwatch.watch(pid, start, "rule-exclusive", self._restore_rule_moves):
+                self.mover.restore(key)
 
     def _restore_rule_moves(self, pid: int) -> None:
-        for key in list(self.leases.mover.moved):
+        for key in list(self.mover.moved):
             if key.startswith(f"rule:{pid}:"):
-                self.leases.mover.restore(key)
+                self.mover.restore(key)
+
+
+def procfs_user(uid: int | None) -> str:
+    import pwd
+
+    if uid is None:
+        return "?"
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)

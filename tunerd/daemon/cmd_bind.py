@@ -1,28 +1,24 @@
-"""Handlers: bind, unbind, jobs (the JobRegistry does the work)."""
+"""Handlers: bind, unbind, jobs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.cpulist import CpuListError, parse_cpulist
-from tunerd.daemon.registry import Request, command
-from tunerd.errors import Failed, UsageError
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-    from tunerd.daemon.jobs import JobRegistry
+from tunerd import procfs
+from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.leases import LeaseService
+from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
+from tunerd.daemon.router import Request, Router
+from tunerd.errors import Failed, NoSuchProcess, UsageError
+from tunerd.placement import Placement
+from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 
 
-def _registry(d: Daemon) -> JobRegistry:
-    if d.jobs is None:
-        raise Failed("the job registry is not running")
-    reg: JobRegistry = d.jobs
-    return reg
-
-
-def _ids(req: Request, name: str) -> frozenset[int] | None:
+def ids_arg(req: Request, name: str) -> frozenset[int] | None:
     """A cpulist argument: "2-5" or a list of ints; None when absent."""
     v = req.args.get(name)
     if v is None:
@@ -38,55 +34,106 @@ def _ids(req: Request, name: str) -> frozenset[int] | None:
         raise UsageError(f"--{name}: {err}") from err
 
 
-@command("bind")
-async def bind(d: Daemon, req: Request) -> dict[str, Any]:
-    jobs = _registry(d)
-    pid = req.arg("pid", int)
-    cpus, mems, gpus = _ids(req, "cpus"), _ids(req, "mems"), _ids(req, "gpus")
-    nofile = req.arg("nofile", int, None)
-    exclusive = req.arg("exclusive", bool, False)
-    notes: list[str] = []
-    gpu_ids: tuple[int, ...] = tuple(sorted(gpus)) if gpus else ()
-    if (cpus is None and mems is None) or gpus is not None:
-        if jobs.placer is not None:
-            jobs.authorize(pid, req.peer)  # before the placer reserves anything
-            placed = await jobs.placer(pid=pid, peer=req.peer,
-                                       gpus=gpu_ids if gpus is not None else None,
-                                       exclusive=exclusive)
+class BindCommands:
+    def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService) -> None:
+        self.jobs = jobs
+        self.placer = placer
+        self.leases = leases
+        jobs.on_exit(self._exited)
+
+    def _exited(self, pid: int, rec: dict[str, Any]) -> None:
+        self.placer.release(f"bind:{pid}")
+
+    def register(self, router: Router) -> None:
+        router.add("bind", self.bind)
+        router.add("unbind", self.unbind)
+        router.add("jobs", self.list_jobs)
+
+    async def bind(self, req: Request) -> dict[str, Any]:
+        pid = req.arg("pid", int)
+        cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
+        nofile = req.arg("nofile", int, None)
+        ncpus = req.arg("ncpus", int, None)
+        exclusive = req.arg("exclusive", bool, False)
+        notes: list[str] = []
+        placement: Placement | None
+        if (cpus is None and mems is None) or gpus is not None:
+            self.jobs.authorize(pid, req.peer)  # before anything is reserved
+            placed = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None else None,
+                                     exclusive, ncpus)
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
                     raise UsageError(NO_PLACEMENT)
                 notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
+                placement = None
             else:
-                if cpus is None:
-                    cpus = frozenset(placed.get("cpus") or ())
-                    if not cpus:
-                        raise UsageError(f"GPU placement gave no CPUs for pid {pid}")
-                if mems is None and placed.get("mems"):  # none known (e.g. replay): leave memory
-                    mems = frozenset(placed["mems"])
-                gpu_ids = tuple(placed.get("gpus") or gpu_ids)
-        elif nofile is None or gpus is not None:
-            raise UsageError(NO_PLACEMENT)
+                placement = Placement(
+                    cpus=cpus if cpus is not None else placed.cpus,
+                    mems=mems if mems is not None else placed.mems, gpus=placed.gpus,
+                    explanation=placed.explanation)
+                notes += [n for n in placed.notes if not n.startswith("topology replay")]
         else:
-            notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
-    elif exclusive:
-        notes.append("--exclusive ignored: exclusive CPUs need GPU placement (leases)")
-    result = await jobs.bind(pid, peer=req.peer, cpus=cpus, mems=mems, nofile=nofile,
-                             gpus=gpu_ids, origin="cli")
-    result["notes"] = [*notes, *result.get("notes", [])]
-    return result
+            if exclusive:
+                notes.append("--exclusive ignored: exclusive CPUs need GPU placement (leases)")
+            placement = Placement.given(cpus, mems, explanation="as given on the command line")
+        result = await self.jobs.bind(pid, peer=req.peer, placement=placement, nofile=nofile,
+                                      origin="cli")
+        if exclusive and placement is not None and placement.cpus and not result.get("dry_run"):
+            self.placer.reserve(Reservation(
+                key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
+                gpus=placement.gpus, cpus=placement.cpus, exclusive=True, pid=pid))
+        result["notes"] = [*notes, *result.get("notes", [])]
+        return result
 
+    def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
+                   ncpus: int | None) -> Placement | None:
+        """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
 
-@command("unbind")
-async def unbind(d: Daemon, req: Request) -> dict[str, Any]:
-    return await _registry(d).unbind(req.arg("pid", int), peer=req.peer)
+        A process bound already keeps its place (None) unless --gpus names GPUs.
+        """
+        topo = self.placer.topo
+        if gpus is None and self.jobs.is_bound(pid):
+            return None
+        env = procfs.read_environ(pid)
+        if env is None:
+            raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
+        how = "--gpus"
+        if gpus is None:
+            gpus = gpus_from_env(topo, env, allowed=slurm_gpus(topo, env))
+            how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+            if not gpus:
+                gpus = gpus_from_nvml(pid)
+                how = "NVML (GPUs it has contexts on)"
+        if not gpus:
+            return None
+        known = {g.index for g in topo.gpus}
+        unknown = [g for g in gpus if g not in known]
+        if unknown:
+            raise UsageError(
+                f"{NO_PLACEMENT} for GPU {','.join(map(str, unknown))}: not on this node "
+                f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
+        alloc = read_allocation(pid, env, topo)
+        placed = self.placer.place(PlaceRequest(
+            gpu_ids=tuple(gpus), exclusive=exclusive, allocation=alloc, ncpus=ncpus,
+            ignore_busy_gpus=True, what=f"process {pid}"))
+        if not placed.applicable:
+            raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
+                         f"{','.join(map(str, gpus))}; would bind CPUs "
+                         f"{format_cpulist(placed.cpus or frozenset())})",
+                         pid=pid, applied=False)
+        # memory on every node of the machine is no binding: no cpuset for that
+        mems = placed.mems
+        if mems is not None and self.placer.host.mems <= mems:
+            mems = None
+        return Placement(cpus=placed.cpus, mems=mems, gpus=placed.gpus,
+                         explanation=f"GPUs from {how}; {placed.explanation}",
+                         notes=placed.notes)
 
+    async def unbind(self, req: Request) -> dict[str, Any]:
+        pid = req.arg("pid", int)
+        out = await self.jobs.unbind(pid, peer=req.peer)
+        self.placer.release(f"bind:{pid}")
+        return out
 
-@command("jobs")
-async def jobs(d: Daemon, req: Request) -> dict[str, Any]:
-    out: dict[str, Any] = {"jobs": _registry(d).jobs()}
-    # the leases area may add its view here without touching this handler
-    list_leases = getattr(d.leases, "list_leases", None)
-    if callable(list_leases):
-        out["leases"] = list_leases()
-    return out
+    async def list_jobs(self, req: Request) -> dict[str, Any]:
+        return {"jobs": self.jobs.jobs(), "leases": self.leases.list_leases()}

@@ -1,33 +1,40 @@
-"""Core commands: ping, status, reload, policy."""
+"""Core commands: ping, status, reload, policy.show."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from tunerd.daemon.registry import Request, command
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-
-
-@command("ping")
-async def ping(d: Daemon, req: Request) -> dict[str, Any]:
-    return {"pong": True, "pid": __import__("os").getpid(), "peer_uid": req.peer.uid}
+from tunerd.daemon.policyholder import PolicyHolder
+from tunerd.daemon.router import Request, Router
+from tunerd.errors import Failed
 
 
-@command("status")
-async def status(d: Daemon, req: Request) -> dict[str, Any]:
-    return d.status()
+class CoreCommands:
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 reload: Callable[[], Awaitable[dict[str, Any]]], policy: PolicyHolder) -> None:
+        self._status = status
+        self._reload = reload
+        self.policy = policy
 
+    def register(self, router: Router) -> None:
+        router.add("ping", self.ping)
+        router.add("status", self.status)
+        router.add("reload", self.reload)
+        router.add("policy.show", self.policy_show)
 
-@command("reload")
-async def reload(d: Daemon, req: Request) -> dict[str, Any]:
-    req.require_root("reload")
-    ok = await d.reload()
-    return {"reloaded": ok, "error": d.policy_error}
+    async def ping(self, req: Request) -> dict[str, Any]:
+        return {"pong": True, "pid": os.getpid(), "peer_uid": req.peer.uid}
 
+    async def status(self, req: Request) -> dict[str, Any]:
+        return self._status()
 
-@command("policy.show")
-async def policy_show(d: Daemon, req: Request) -> dict[str, Any]:
-    assert d.policy is not None
-    return d.policy.to_dict()
+    async def reload(self, req: Request) -> dict[str, Any]:
+        req.require_root("reload")
+        return await self._reload()
+
+    async def policy_show(self, req: Request) -> dict[str, Any]:
+        if self.policy.policy is None:
+            raise Failed("no policy loaded")
+        return self.policy.policy.to_dict()

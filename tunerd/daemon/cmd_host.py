@@ -2,38 +2,32 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.daemon.registry import Request, command
-from tunerd.errors import Failed
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
+from tunerd.daemon.host import HostSettings
+from tunerd.daemon.router import Request, Router
 
 
-def _host(d: Daemon) -> Any:
-    if d.host is None:
-        raise Failed("the host-settings service is not running in this daemon")
-    return d.host
+class HostCommands:
+    def __init__(self, host: HostSettings) -> None:
+        self.host = host
 
+    def register(self, router: Router) -> None:
+        router.add("plan", self.plan)
+        router.add("verify", self.verify)
+        router.add("apply", self.apply)
+        router.add("revert", self.revert)
 
-@command("plan")
-async def plan(d: Daemon, req: Request) -> dict[str, Any]:
-    return _host(d).plan()
+    async def plan(self, req: Request) -> dict[str, Any]:
+        return self.host.plan()
 
+    async def verify(self, req: Request) -> dict[str, Any]:
+        return self.host.verify()
 
-@command("verify")
-async def verify(d: Daemon, req: Request) -> dict[str, Any]:
-    return _host(d).verify()
+    async def apply(self, req: Request) -> dict[str, Any]:
+        req.require_root("apply (changing host settings)")
+        return await self.host.apply("apply")
 
-
-@command("apply")
-async def apply(d: Daemon, req: Request) -> dict[str, Any]:
-    req.require_root("apply (changing host settings)")
-    return await _host(d).apply("apply")
-
-
-@command("revert")
-async def revert(d: Daemon, req: Request) -> dict[str, Any]:
-    req.require_root("revert (changing host settings)")
-    return await _host(d).revert()
+    async def revert(self, req: Request) -> dict[str, Any]:
+        req.require_root("revert (changing host settings)")
+        return await self.host.revert()

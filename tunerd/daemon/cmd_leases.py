@@ -2,59 +2,65 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.daemon.registry import Request, command
-from tunerd.errors import Failed, UsageError
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-    from tunerd.daemon.leases import LeaseService
+from tunerd.daemon.cmd_bind import ids_arg
+from tunerd.daemon.leases import LeaseService
+from tunerd.daemon.router import Request, Router
+from tunerd.errors import UsageError
 
 
-def _svc(d: Daemon) -> LeaseService:
-    if d.leases is None:
-        raise Failed("the leases service is not running in this daemon")
-    svc: LeaseService = d.leases
-    return svc
+class LeaseCommands:
+    def __init__(self, leases: LeaseService) -> None:
+        self.leases = leases
 
+    def register(self, router: Router) -> None:
+        router.add("alloc", self.alloc)
+        router.add("run", self.run)
+        router.add("release", self.release)
+        router.add("leases", self.list_leases)
 
-def _common(req: Request) -> dict[str, Any]:
-    scope = req.arg("exclusive_scope", str, None)
-    return {
-        "gpus": req.arg("gpus", int, 0),
-        "cpus": req.arg("cpus", int, None),
-        "exclusive": req.arg("exclusive", bool, False),
-        "scope": scope,
-        "tag": req.arg("tag", str, None),
-    }
+    @staticmethod
+    def _common(req: Request) -> dict[str, Any]:
+        ncpus = req.arg("ncpus", int, None)
+        cpus_arg = req.args.get("cpus")
+        cpus: frozenset[int] | None = None
+        if isinstance(cpus_arg, int) and not isinstance(cpus_arg, bool):
+            ncpus = cpus_arg if ncpus is None else ncpus  # legacy: a count (one release)
+        elif cpus_arg is not None:
+            cpus = ids_arg(req, "cpus")
+            if not cpus:
+                raise UsageError(f"{req.cmd}: --cpus selects no CPU")
+        workers = req.arg("workers", int, 0)
+        if workers < 0:
+            raise UsageError(f"{req.cmd}: workers must be 0 or more, got {workers}")
+        return {
+            "gpus": req.arg("gpus", int, 0),
+            "ncpus": ncpus,
+            "cpus": cpus,
+            "exclusive": req.arg("exclusive", bool, False),
+            "scope": req.arg("exclusive_scope", str, None),
+            "tag": req.arg("tag", str, None),
+            "workers": workers,
+        }
 
+    async def alloc(self, req: Request) -> dict[str, Any]:
+        """Reserve GPUs and CPUs for the caller's uid; returns the lease and its env."""
+        return await self.leases.alloc(req.peer, **self._common(req))
 
-@command("alloc")
-async def alloc(d: Daemon, req: Request) -> dict[str, Any]:
-    """Reserve GPUs and CPUs for the caller's uid; returns the lease and its env."""
-    return await _svc(d).alloc(req.peer, **_common(req))
+    async def run(self, req: Request) -> dict[str, Any]:
+        """Lease for the calling process itself (SO_PEERCRED pid), bound before it execs."""
+        cmd = req.arg("command", list, [])
+        if not all(isinstance(c, str) for c in cmd):
+            raise UsageError("run: 'command' must be a list of strings")
+        return await self.leases.run(req.peer, cmd=cmd, **self._common(req))
 
+    async def release(self, req: Request) -> dict[str, Any]:
+        """Release one lease (``lease``) or every lease with ``tag`` the caller may release."""
+        tag = req.arg("tag", str, None)
+        if tag is not None:
+            return await self.leases.release_tagged(req.peer, tag)
+        return await self.leases.release(req.peer, req.arg("lease", str))
 
-@command("run")
-async def run(d: Daemon, req: Request) -> dict[str, Any]:
-    """Lease for the calling process itself (SO_PEERCRED pid), bound before it execs."""
-    cmd = req.arg("command", list, [])
-    if not all(isinstance(c, str) for c in cmd):
-        raise UsageError("run: 'command' must be a list of strings")
-    return await _svc(d).run(req.peer, cmd=cmd, **_common(req))
-
-
-@command("release")
-async def release(d: Daemon, req: Request) -> dict[str, Any]:
-    """Release one lease (``lease``) or every lease with ``tag`` the caller may release."""
-    tag = req.arg("tag", str, None)
-    if tag is not None:
-        released = await _svc(d).release_tagged(req.peer, tag)
-        return {"tag": tag, "released": released}
-    return await _svc(d).release(req.peer, req.arg("lease", str))
-
-
-@command("leases")
-async def leases(d: Daemon, req: Request) -> list[dict[str, Any]]:
-    return _svc(d).list_leases()
+    async def list_leases(self, req: Request) -> list[dict[str, Any]]:
+        return self.leases.list_leases()

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.daemon.registry import Request, command
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
+from tunerd.daemon.router import Request, Router
+from tunerd.topology.model import Topology
 
 
-@command("topology")
-async def topology(d: Daemon, req: Request) -> dict[str, Any]:
-    # read-only and free of secrets: any local user may ask
-    result: dict[str, Any] = d.topology.to_json()
-    return result
+class TopologyCommands:
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def register(self, router: Router) -> None:
+        router.add("topology", self.topology_)
+
+    async def topology_(self, req: Request) -> dict[str, Any]:
+        # read-only and free of secrets: any local user may ask
+        result: dict[str, Any] = self.topology.to_json()
+        return result

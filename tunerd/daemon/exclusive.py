@@ -8,7 +8,7 @@ A scope names the processes that must make room:
 
 Each thread's affinity becomes ``original - job CPUs``; a thread that would be
 left with no CPU at all is left alone (and reported). The original masks are
-saved in state.json (section ``leases``, key ``moved``) *before* any change,
+saved in the runtime state (section ``leases``, key ``moved``) *before* any change,
 so a crash or ``kill -9`` of the daemon still lets the next start put them
 back. A thread is restored only if it is the same thread (start time) and its
 mask is still the one we set: a mask someone changed since is theirs.
@@ -19,15 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tunerd import procfs
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.errors import PermissionDenied, UsageError
-from tunerd.watch import procfs
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
 
 __all__ = ["ExclusiveMover", "parse_scope"]
 
@@ -71,12 +69,13 @@ def scope_pids(scope: str, proc: str = procfs.PROC,
 
 
 class ExclusiveMover:
-    """Keeps the record of every moved thread in ``section`` (persisted by the daemon)."""
+    """Keeps the record of every moved thread in ``section``; ``save`` persists it."""
 
-    def __init__(self, daemon: Daemon, section: dict[str, Any],
-                 proc: str = procfs.PROC) -> None:
-        self.d = daemon
+    def __init__(self, section: dict[str, Any], save: Callable[[], None], *,
+                 dry_run: bool = False, proc: str = procfs.PROC) -> None:
         self.moved: dict[str, dict[str, Any]] = section
+        self._save = save
+        self.dry_run = dry_run
         self.proc = proc
 
     def move_off(self, key: str, scope: str, cpus: frozenset[int], keep_root: int | None,
@@ -119,14 +118,14 @@ class ExclusiveMover:
         if foreign:
             notes.append(f"{foreign} process(es) in {scope} belong to other users and were "
                          "not moved")
-        if self.d.cfg.dry_run:
+        if self.dry_run:
             notes.append(f"dry run: would move {len(plan)} thread(s) off "
                          f"{format_cpulist(cpus)}")
             return {"scope": scope, "moved": 0, "notes": notes}
         entry = self.moved.setdefault(key, {"scope": scope, "cpus": format_cpulist(cpus),
                                             "threads": {}})
         entry["threads"].update(plan)
-        self.d.state.save()  # originals on disk before the first change
+        self._save()  # originals on disk before the first change
         moved = 0
         for tkey, rec in plan.items():
             try:
@@ -136,7 +135,7 @@ class ExclusiveMover:
                 entry["threads"].pop(tkey, None)
                 if isinstance(err, PermissionError):
                     raise PermissionDenied(f"cannot move thread {tkey}: {err.strerror}") from err
-        self.d.state.save()
+        self._save()
         log.info("exclusive %s: moved %d thread(s) in %s off CPUs %s", key, moved, scope,
                  format_cpulist(cpus))
         return {"scope": scope, "moved": moved, "notes": notes}
@@ -159,9 +158,33 @@ class ExclusiveMover:
             except OSError as err:
                 log.warning("exclusive %s: cannot restore thread %s: %s", key, tid_s, err)
         del self.moved[key]
-        self.d.state.save()
+        self._save()
         log.info("exclusive %s: restored %d thread(s)", key, restored)
         return restored
 
     def keys(self) -> list[str]:
         return list(self.moved)
+
+    def originals_of(self, pid: int) -> dict[int, frozenset[int]]:
+        """Masks threads of ``pid`` had before an exclusive job moved them (tid -> mask).
+
+        A bind of such a process takes these as its originals, so that unbinding
+        it later does not keep it off the exclusive job's CPUs for good.
+        """
+        out: dict[int, frozenset[int]] = {}
+        for entry in self.moved.values():
+            for tid_s, rec in entry["threads"].items():
+                if rec.get("pid") == pid:
+                    out[int(tid_s)] = parse_cpulist(rec["orig"])
+        return out
+
+    def disown(self, pid: int) -> int:
+        """Stop tracking the moved threads of ``pid`` (a binding owns them now)."""
+        n = 0
+        for entry in self.moved.values():
+            for tid_s in [t for t, r in entry["threads"].items() if r.get("pid") == pid]:
+                del entry["threads"][tid_s]
+                n += 1
+        if n:
+            self._save()
+        return n

@@ -17,14 +17,15 @@ import errno
 import fnmatch
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from tunerd.errors import Failed
-from tunerd.tuners import SECTIONS, Change, SettingError, Tuner, build_tuners
+from tunerd.daemon.errorlog import ErrorLog
+from tunerd.errors import Failed, TunerdError
+from tunerd.policy import Policy
+from tunerd.tuners import SECTIONS, Change, SettingError, Tuner
 from tunerd.tuners.base import normalize
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
 
 log = logging.getLogger("tunerd.host")
 
@@ -37,14 +38,21 @@ _UEVENT_SECTIONS = {"net": "nic", "block": "block"}
 class HostSettings:
     name = "host"
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        daemon.host = self
-        cfg = daemon.cfg
-        replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
-                  if cfg.topology is not None else None)
-        self.tuners: dict[str, Tuner] = build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
-                                                     gpu_unavailable=replay)
+    def __init__(self, tuners: dict[str, Tuner], section: dict[str, Any],
+                 save: Callable[[], None], errors: ErrorLog, *, state_path: Path,
+                 dry_run: bool = False, verify_interval: float = 60.0,
+                 apply_delay: float = 0.0) -> None:
+        self.tuners = tuners
+        section.setdefault("originals", {})
+        section.setdefault("applied_once", [])
+        self._host_state = section
+        self._save = save
+        self.errors = errors
+        self.state_path = state_path
+        self.dry_run = dry_run
+        self.verify_interval = verify_interval
+        self.apply_delay = apply_delay
+        self._policy: Policy | None = None
         self.lock = asyncio.Lock()
         # False after `tunerctl revert` until the next apply or policy reload: drift
         # correction and hotplug must not undo an operator's revert
@@ -58,18 +66,11 @@ class HostSettings:
 
     # -- state --------------------------------------------------------------------
     @property
-    def _host_state(self) -> dict[str, Any]:
-        sec: dict[str, Any] = self.d.state.section("host")
-        sec.setdefault("originals", {})
-        sec.setdefault("applied_once", [])
-        return sec
-
-    @property
     def originals(self) -> dict[str, dict[str, Any]]:
         return self._host_state["originals"]
 
     def _section(self, name: str) -> Any:
-        data = self.d.policy.data if self.d.policy is not None else {}
+        data = self._policy.data if self._policy is not None else {}
         return data.get(name, [] if name in _LIST_SECTIONS else {})
 
     def _apply_once_globs(self) -> list[str]:
@@ -106,7 +107,7 @@ class HostSettings:
             "in_sync": sorted(c.key for c in changes if c.available and not c.needed),
             "apply_once_skipped": sorted(c.key for c in changes
                                          if c.needed and self._once_done(c.key)),
-            "dry_run": self.d.cfg.dry_run,
+            "dry_run": self.dry_run,
         }
 
     # -- apply --------------------------------------------------------------------
@@ -127,12 +128,12 @@ class HostSettings:
         todo = [c for c in changes if c.needed and not self._once_done(c.key)
                 and (retry_failed or self.failed.get(c.key, "\0") != c.desired)]
         result: dict[str, Any] = {
-            "changed": [], "errors": [], "dry_run": self.d.cfg.dry_run,
+            "changed": [], "errors": [], "dry_run": self.dry_run,
             "unavailable": [c.to_dict() for c in changes if not c.available],
             "apply_once_skipped": sorted(c.key for c in changes
                                          if c.needed and self._once_done(c.key)),
         }
-        if self.d.cfg.dry_run:
+        if self.dry_run:
             for c in todo:
                 log.info("dry run (%s): would set %s: %s -> %s", reason, c.key, c.current,
                          c.desired)
@@ -158,14 +159,15 @@ class HostSettings:
                 new_keys.append(c.key)
         try:
             if new_keys:  # originals already in state.json are durable: no write needed
-                self.d.state.save()
-        except OSError as err:
+                self._save()
+        except (OSError, TunerdError) as err:
             for k in new_keys:
                 self.originals.pop(k, None)
-            raise Failed(f"cannot save originals to {self.d.state.path}: {err.strerror}; "
+            why = err.message if isinstance(err, TunerdError) else err.strerror
+            raise Failed(f"cannot save originals to {self.state_path}: {why}; "
                          "nothing was changed") from err
         dirty = bool(seen)  # state changed after the first save
-        delay = self.d.cfg.debug_apply_delay
+        delay = self.apply_delay
         for i, c in enumerate(todo):
             if delay and i:
                 await asyncio.sleep(delay)
@@ -205,15 +207,18 @@ class HostSettings:
 
     def _save_quietly(self) -> None:
         try:
-            self.d.state.save()
-        except OSError as err:
-            self.d.record_error("host", f"cannot save {self.d.state.path}: {err.strerror}")
+            self._save()
+        except (OSError, TunerdError) as err:
+            why = err.message if isinstance(err, TunerdError) else err.strerror
+            self.errors.record("host", f"cannot save {self.state_path}: {why}", key="save")
+        else:
+            self.errors.resolve("host", "save")
 
     # -- revert -------------------------------------------------------------------
     def _revert_keys(self, keys: list[str]) -> dict[str, Any]:
         restored: list[dict[str, Any]] = []
         errors: list[dict[str, Any]] = []
-        if self.d.cfg.dry_run:
+        if self.dry_run:
             return {"restored": [], "errors": [], "dry_run": True,
                     "would_restore": [{"key": k, "to": self.originals[k].get("value")}
                                       for k in keys]}
@@ -257,7 +262,7 @@ class HostSettings:
         log.info("policy no longer names %s: reverting", ", ".join(stale))
         res = self._revert_keys(stale)
         for e in res["errors"]:
-            self.d.record_error("host", f"revert: {e['message']}")
+            self.errors.record("host", f"revert: {e['message']}", key=e.get("key"))
         return res["restored"]
 
     async def revert(self) -> dict[str, Any]:
@@ -296,12 +301,12 @@ class HostSettings:
 
     async def _verify_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.d.cfg.verify_interval)
+            await asyncio.sleep(self.verify_interval)
             try:
                 await self.correct_drift()
             except Exception as err:
                 log.exception("periodic verify failed")
-                self.d.record_error("host", f"periodic verify failed: {err!r}")
+                self.errors.record("host", f"periodic verify failed: {err!r}", key="verify")
 
     # -- hotplug ------------------------------------------------------------------
     def _start_uevents(self) -> None:
@@ -364,10 +369,15 @@ class HostSettings:
         self._start_uevents()
         self._verify_task = asyncio.ensure_future(self._verify_loop())
 
-    async def policy_changed(self) -> None:
+    async def policy_changed(self, policy: Policy) -> None:
+        self._policy = policy
         result = await self.apply("policy")
+        failed = {str(e.get("key")) for e in result["errors"]}
         for e in result["errors"]:
-            self.d.record_error("host", f"apply: {e['message']}")
+            self.errors.record("host", f"apply: {e['message']}", key=e.get("key"))
+        for c in result["changed"]:
+            if c["key"] not in failed:
+                self.errors.resolve("host", c["key"])
 
     async def stop(self) -> None:
         if self._verify_task is not None:
@@ -385,7 +395,7 @@ class HostSettings:
         mode = "enforcing" if self.enforcing else "reverted (not enforcing until apply)"
         return {
             "summary": f"{len(self.originals)} setting(s) changed from their originals; "
-                       f"{drift}; {mode}" + (" (dry run)" if self.d.cfg.dry_run else ""),
+                       f"{drift}; {mode}" + (" (dry run)" if self.dry_run else ""),
             "originals": len(self.originals),
             "enforcing": self.enforcing,
             "last_apply": self.last_apply,

@@ -1,47 +1,59 @@
 """Leases: GPUs + CPUs reserved for a job (``tunerctl alloc`` / ``run`` / ``release``).
 
-A lease is a placement with an owner. ``alloc`` leases live until ``release``;
-``run`` leases belong to the requesting tunerctl process (the socket peer's
-PID, from SO_PEERCRED), which the daemon binds before tunerctl exec()s the
-command, so the command and all its children inherit the CPU affinity and the
-memory policy. A pidfd on that PID releases the lease when the command exits,
-also when tunerctl is killed before its exec.
+A lease is a placement with an owner. ``alloc`` leases live until ``release``, the
+Slurm epilog, or their time limit (``[leases] alloc_ttl``); ``run`` leases belong
+to the requesting tunerctl process (the socket peer's PID, from SO_PEERCRED), which
+the daemon binds before tunerctl exec()s the command, so the command and all its
+children inherit the CPU affinity and the memory policy. A pidfd on that PID
+releases the lease when the command exits, also when tunerctl is killed before
+its exec.
 
-Leases are kept in state.json (section ``leases``) and survive a daemon
+Placement starts from the caller's allocation: inside a Slurm job a lease takes
+only the job's CPUs and GPUs (``tunerd.allocation``).
+
+Fair use on a shared node: a non-root user holds at most ``[leases] max_per_user``
+leases, and takes exclusive ones only where ``[leases] user_exclusive`` allows.
+
+Leases are kept in the runtime state (section ``leases``) and survive a daemon
 restart; a lease whose holder process died meanwhile (PID + start time) is
 dropped at start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pwd
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
-from tunerd.daemon.autobind import AutoBinder
+from tunerd import procfs
+from tunerd.allocation import Allocation, cvd_names, read_allocation
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover, parse_scope
+from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.placer import (
-    HostCapacity,
-    PlacedJob,
-    applicability,
-    gpus_from_env,
-    gpus_from_nvml,
-    per_gpu_cpu_share,
-)
+from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
+from tunerd.daemon.router import Peer
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
-from tunerd.watch import procfs
+from tunerd.placement import Placement
 
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-    from tunerd.daemon.registry import Peer
-
-__all__ = ["LeaseService"]
+__all__ = ["LeaseLimits", "LeaseService", "lease_env"]
 
 log = logging.getLogger("tunerd.leases")
+
+
+@dataclass(frozen=True)
+class LeaseLimits:
+    """``[leases]`` of the policy: what non-root users may hold."""
+
+    user_exclusive: bool = False
+    max_per_user: int = 64
+    alloc_ttl: float = 86400.0  # seconds; 0 = no limit
 
 
 def user_name(uid: int) -> str:
@@ -54,60 +66,58 @@ def user_name(uid: int) -> str:
 class LeaseService:
     name = "leases"
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        daemon.leases = self
-        sec = daemon.state.section("leases")
-        sec.setdefault("next_id", 1)
-        sec.setdefault("leases", {})
-        sec.setdefault("moved", {})
-        self.section: dict[str, Any] = sec
-        self.leases: dict[str, dict[str, Any]] = sec["leases"]
-        self.pidwatch = PidWatch()
-        self.mover = ExclusiveMover(daemon, sec["moved"])
-        self.autobind = AutoBinder(daemon, self)
-        self.host = HostCapacity.read()
+    def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
+                 mover: ExclusiveMover, section: dict[str, Any], save: Callable[[], None],
+                 errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
+                 default_nofile: Callable[[], int | None],
+                 proc_root: str = procfs.PROC) -> None:
+        self.placer = placer
+        self.jobs = jobs
+        self.pidwatch = pidwatch
+        self.mover = mover
+        self.errors = errors
+        self._limits = limits
+        self._default_nofile = default_nofile
+        self.proc = proc_root
+        section.setdefault("next_id", 1)
+        section.setdefault("leases", {})
+        section.setdefault("moved", {})
+        self.section = section
+        self.leases: dict[str, dict[str, Any]] = section["leases"]
+        self._save = save
+        self._expiry: asyncio.TimerHandle | None = None
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
         dropped = 0
         for lid, rec in list(self.leases.items()):
             pid = rec.get("pid")
-            if pid is None:
-                continue
-            if not self.pidwatch.watch(pid, rec.get("start_time"), f"lease:{lid}",
-                                       self._holder_exited):
+            if pid is not None and not self.pidwatch.watch(
+                    pid, rec.get("start_time"), f"lease:{lid}", self._holder_exited):
                 log.info("lease %s: holder pid %d exited while tunerd was down; dropped",
                          lid, pid)
                 self._drop(lid, save=False)
                 dropped += 1
+                continue
+            self.placer.reserve(self._reservation(rec))
         # exclusive moves whose job is gone (daemon was down when it ended): put back
         for key in list(self.mover.moved):
             if key.startswith("lease:") and key[6:] not in self.leases:
                 self.mover.restore(key)
         if dropped:
-            self.d.state.save()
-        if self.d.jobs is not None:
-            self.d.jobs.placer = self.place_for_bind
-        self.autobind.restore_moves()
-
-    async def policy_changed(self) -> None:
-        await self.autobind.policy_changed()
+            self._save_quietly()
+        self._schedule_expiry()
 
     async def stop(self) -> None:
-        self.autobind.stop()
-        self.pidwatch.close()
+        if self._expiry is not None:
+            self._expiry.cancel()
 
     def status(self) -> dict[str, Any]:
         n = len(self.leases)
         gpus = sorted(g for r in self.leases.values() for g in r["gpus"])
-        ab = self.autobind.status()
-        return {
-            "summary": f"{n} lease(s)" + (f" holding GPU(s) {','.join(map(str, gpus))}"
-                                          if gpus else "") + f"; {ab['summary']}",
-            "leases": self.list_leases(),
-            "autobind": ab,
-        }
+        return {"summary": f"{n} lease(s)" + (f" holding GPU(s) {','.join(map(str, gpus))}"
+                                              if gpus else ""),
+                "leases": n}
 
     # -- queries -------------------------------------------------------------
     def list_leases(self) -> list[dict[str, Any]]:
@@ -122,155 +132,149 @@ class LeaseService:
                 who += f" {os.path.basename(rec['cmd'][0])}"
         return who + ")"
 
-    def busy_gpus(self) -> dict[int, str]:
-        """GPUs held by leases, and used by processes that rules bound near them."""
-        out = self.autobind.busy_gpus()
-        out.update({g: self._holder(r) for r in self.leases.values() for g in r["gpus"]})
-        return out
-
-    def exclusive_cpus(self, soft: bool = False) -> dict[int, str]:
-        """CPUs no other placement may take (``soft``: also every non-exclusive lease's).
-
-        Exclusive leases and processes bound by exclusive rules hold theirs.
-        """
-        out: dict[int, str] = self.autobind.exclusive_cpus()
-        for r in self.leases.values():
-            if r.get("exclusive") or soft:
-                for c in parse_cpulist(r["cpus"]):
-                    out.setdefault(c, self._holder(r))
-        return out
-
-    def housekeeping(self) -> frozenset[int]:
-        policy = self.d.policy.data if self.d.policy else {}
-        hk = (policy.get("cpu") or {}).get("housekeeping")
-        if not hk:
-            return frozenset()
-        try:
-            return parse_cpulist(str(hk))
-        except CpuListError:
-            return frozenset()
-
-    # -- placement -----------------------------------------------------------
-    def place(self, *, gpus: int = 0, cpus: int | None = None, exclusive: bool = False,
-              gpu_ids: tuple[int, ...] | None = None, mode: str = "gpu-local",
-              busy: dict[int, str] | None = None,
-              extra_exclusive: dict[int, str] | None = None,
-              allowed_cpus: frozenset[int] | None = None) -> PlacedJob:
-        """Place on the topology in force, avoiding leased GPUs and exclusive CPUs.
-
-        First try also keeps clear of every other lease's CPUs; if that cannot
-        be met, only exclusive leases' CPUs are off limits.
-        """
-        from tunerd.placement import PlacementRequest
-        from tunerd.placement import place as do_place
-
-        topo = self.d.topology
-        busy = self.busy_gpus() if busy is None else busy
-        hk = self.housekeeping()
-        if gpus and cpus is None:
-            share = per_gpu_cpu_share(topo, gpu_ids[0] if gpu_ids else
-                                      int(topo.gpus[0].index) if topo.gpus else -1, hk)
-            cpus = share * gpus
-        req = PlacementRequest(gpus=gpus, cpus=cpus, mode=mode, exclusive=exclusive,
-                               gpu_ids=gpu_ids)
-        hard = {**self.exclusive_cpus(), **(extra_exclusive or {})}
-        soft = {**self.exclusive_cpus(soft=True), **hard}
-        try:
-            p = do_place(topo, req, busy_gpus=busy, exclusive_cpus=soft, housekeeping=hk,
-                         allowed_cpus=allowed_cpus)
-        except TunerdError:
-            if soft == hard:
-                raise
-            p = do_place(topo, req, busy_gpus=busy, exclusive_cpus=hard, housekeeping=hk,
-                         allowed_cpus=allowed_cpus)
-        ok, notes = applicability(topo, frozenset(p.cpus), frozenset(p.mems), self.host)
-        if ok and self.d.cfg.dry_run:
-            ok = False
-            notes.append("dry run: placement computed, nothing was bound or moved")
-        return PlacedJob(tuple(p.gpus), tuple(p.gpu_uuids), frozenset(p.cpus),
-                         frozenset(p.mems), p.explanation, tuple(notes), ok)
+    def _reservation(self, rec: dict[str, Any]) -> Reservation:
+        return Reservation(key=f"lease:{rec['id']}", holder=self._holder(rec),
+                           gpus=tuple(rec["gpus"]), cpus=parse_cpulist(rec["cpus"]),
+                           exclusive=bool(rec.get("exclusive")), soft=True,
+                           pid=rec.get("pid"))
 
     # -- alloc / run / release ----------------------------------------------
-    def _validate(self, gpus: int, cpus: int | None, exclusive: bool,
-                  scope: str | None) -> None:
+    def _check(self, peer: Peer, gpus: int, ncpus: int | None, exclusive: bool,
+               scope: str | None) -> None:
         if gpus < 0:
             raise UsageError(f"--gpus must be 0 or more, got {gpus}")
-        if cpus is not None and cpus < 1:
-            raise UsageError(f"--cpus must be 1 or more, got {cpus}")
+        if ncpus is not None and ncpus < 1:
+            raise UsageError(f"--ncpus must be 1 or more, got {ncpus}")
         if scope is not None:
             if not exclusive:
                 raise UsageError("an exclusive scope needs --exclusive")
             parse_scope(scope)
+        if peer.is_root:
+            return
+        limits = self._limits()
+        if exclusive and not limits.user_exclusive:
+            raise PermissionDenied(
+                "exclusive leases are for root on this node: the policy's [leases] "
+                "user_exclusive is false (ask an administrator, or leave out --exclusive)")
+        mine = sum(1 for r in self.leases.values() if r["uid"] == peer.uid)
+        if mine >= limits.max_per_user:
+            raise PermissionDenied(
+                f"uid {peer.uid} holds {mine} leases, the most a user may hold on this node "
+                f"([leases] max_per_user = {limits.max_per_user}); release some first "
+                "(tunerctl leases, tunerctl release ID)")
 
-    def _new_record(self, peer: Peer, placed: PlacedJob, *, exclusive: bool,
+    def _allocation(self, pid: int) -> Allocation:
+        env = procfs.read_environ(pid, self.proc) or {}
+        return read_allocation(pid, env, self.placer.topo)
+
+    def _request(self, peer: Peer, *, gpus: int, ncpus: int | None,
+                 cpus: frozenset[int] | None, exclusive: bool, workers: int) -> PlaceRequest:
+        return PlaceRequest(gpus=gpus, ncpus=ncpus, cpus=cpus, exclusive=exclusive,
+                            allocation=self._allocation(peer.pid), workers=workers,
+                            what="lease")
+
+    def _new_record(self, peer: Peer, placed: Placement, *, exclusive: bool,
                     scope: str | None, origin: str, pid: int | None = None,
                     cmd: list[str] | None = None, tag: str | None = None) -> dict[str, Any]:
         lid = f"L{self.section['next_id']}"
         self.section["next_id"] += 1
+        now = time.time()
+        ttl = self._limits().alloc_ttl
         return {
             "id": lid, "uid": peer.uid, "user": user_name(peer.uid), "origin": origin,
-            "pid": pid, "start_time": procfs.read_start_time(pid) if pid else None,
-            "cmd": cmd, "tag": tag, "created": time.time(), "exclusive": exclusive, "scope": scope,
+            "pid": pid, "start_time": procfs.read_start_time(pid, self.proc) if pid else None,
+            "cmd": cmd, "tag": tag, "created": now,
+            "expires": now + ttl if pid is None and ttl > 0 else None,
+            "exclusive": exclusive, "scope": scope,
             "gpus": list(placed.gpus), "gpu_uuids": list(placed.gpu_uuids),
-            "cpus": format_cpulist(placed.cpus), "mems": format_cpulist(placed.mems),
+            "cpus": format_cpulist(placed.cpus or frozenset()),
+            "mems": format_cpulist(placed.mems or frozenset()),
             "explanation": placed.explanation, "applied": placed.applicable,
             "notes": list(placed.notes),
         }
 
-    async def alloc(self, peer: Peer, *, gpus: int, cpus: int | None, exclusive: bool,
-                    scope: str | None, tag: str | None = None) -> dict[str, Any]:
-        self._validate(gpus, cpus, exclusive, scope)
-        placed = self.place(gpus=gpus, cpus=cpus, exclusive=exclusive)
+    def _name_gpus(self, rec: dict[str, Any], pid: int) -> None:
+        """CUDA_VISIBLE_DEVICES for the lease in the caller's own numbering."""
+        names = cvd_names(self.placer.topo, procfs.read_environ(pid, self.proc) or {})
+        if names and rec["gpus"] and all(g in names for g in rec["gpus"]):
+            cvd = ",".join(names[g] for g in rec["gpus"])
+            if cvd != ",".join(str(g) for g in rec["gpus"]):
+                rec["cvd"] = cvd
+
+    def _commit(self, rec: dict[str, Any]) -> None:
+        """Keep a new lease: reserve its place and save; nothing is kept if the save fails."""
+        self.leases[rec["id"]] = rec
+        self.placer.reserve(self._reservation(rec))
+        try:
+            self._save()
+        except TunerdError as err:
+            self.leases.pop(rec["id"], None)
+            self.placer.release(f"lease:{rec['id']}")
+            raise Failed(f"lease not made: {err.message}") from err
+
+    async def alloc(self, peer: Peer, *, gpus: int, ncpus: int | None,
+                    cpus: frozenset[int] | None = None, exclusive: bool = False,
+                    scope: str | None = None, tag: str | None = None,
+                    workers: int = 0) -> dict[str, Any]:
+        self._check(peer, gpus, ncpus, exclusive, scope)
+        placed = self.placer.place(self._request(peer, gpus=gpus, ncpus=ncpus, cpus=cpus,
+                                                 exclusive=exclusive, workers=workers))
         rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="alloc",
                                tag=tag)
-        self.leases[rec["id"]] = rec
-        self.d.state.save()
+        self._name_gpus(rec, peer.pid)
+        self._commit(rec)
         try:
             await self._exclusive(rec, None, peer)
         except BaseException:
             self._drop(rec["id"])  # nothing half-made: no lease without its exclusivity
             raise
-        self.d.state.save()
+        self._save_or_note(rec)
+        self._schedule_expiry()
         log.info("lease %s for %s: GPUs %s CPUs %s", rec["id"], rec["user"], rec["gpus"],
                  rec["cpus"])
         return self._public(rec)
 
-    async def run(self, peer: Peer, *, gpus: int, cpus: int | None, exclusive: bool,
-                  scope: str | None, cmd: list[str], tag: str | None = None) -> dict[str, Any]:
+    async def run(self, peer: Peer, *, gpus: int, ncpus: int | None,
+                  cpus: frozenset[int] | None = None, exclusive: bool = False,
+                  scope: str | None = None, cmd: list[str], tag: str | None = None,
+                  workers: int = 0) -> dict[str, Any]:
         """Lease for the peer process itself, bound before it exec()s ``cmd``."""
-        self._validate(gpus, cpus, exclusive, scope)
+        self._check(peer, gpus, ncpus, exclusive, scope)
         pid = peer.pid
-        uid = procfs.read_uid(pid)
+        uid = procfs.read_uid(pid, self.proc)
         if uid is None:
             raise NoSuchProcess(f"process {pid} (the caller) is gone", pid=pid)
         if uid != peer.uid and not peer.is_root:
             raise PermissionDenied(f"process {pid} is not yours", pid=pid)
-        placed = self.place(gpus=gpus, cpus=cpus, exclusive=exclusive)
+        placed = self.placer.place(self._request(peer, gpus=gpus, ncpus=ncpus, cpus=cpus,
+                                                 exclusive=exclusive, workers=workers))
         rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="run",
                                pid=pid, cmd=cmd[:8], tag=tag)
+        self._name_gpus(rec, pid)
         lid = rec["id"]
-        self.leases[lid] = rec
-        self.d.state.save()
+        self._commit(rec)
         if not self.pidwatch.watch(pid, rec["start_time"], f"lease:{lid}",
                                    self._holder_exited):
             self._drop(lid)
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
-            if placed.applicable and self.d.jobs is not None:
+            if placed.applicable:
                 # memory on every node of the machine is no binding: no cpuset for that
-                mems = None if self.host.mems <= placed.mems else placed.mems
-                job = await self.d.jobs.bind(
-                    pid, peer=peer, cpus=placed.cpus, mems=mems, gpus=placed.gpus,
-                    origin="run", name=os.path.basename(cmd[0]) if cmd else None, lease=lid)
-                rec["cpus_bound"] = job.get("cpus") if isinstance(job, dict) else None
-            elif self.d.jobs is None:
-                rec["notes"].append("binding service not running: nothing was bound")
-                rec["applied"] = False
+                mems = (None if placed.mems is None or self.placer.host.mems <= placed.mems
+                        else placed.mems)
+                job = await self.jobs.bind(
+                    pid, peer=peer, placement=Placement(
+                        cpus=placed.cpus, mems=mems, gpus=placed.gpus,
+                        explanation=placed.explanation),
+                    nofile=self._default_nofile(), origin="run",
+                    name=os.path.basename(cmd[0]) if cmd else None, lease=lid, partial=True)
+                rec["cpus_bound"] = job.get("cpus")
+                rec["notes"].extend(job.get("notes") or [])
             await self._exclusive(rec, pid, peer)
         except BaseException:
             self._drop(lid)
             raise
-        self.d.state.save()
+        self._save_or_note(rec)
         return self._public(rec)
 
     async def _exclusive(self, rec: dict[str, Any], pid: int | None, peer: Peer) -> None:
@@ -284,15 +288,27 @@ class LeaseService:
         rec["moved"] = res["moved"]
         rec["notes"].extend(res["notes"])
 
-    async def release_tagged(self, peer: Peer, tag: str) -> list[dict[str, Any]]:
+    async def release_tagged(self, peer: Peer, tag: str) -> dict[str, Any]:
         """Release every lease with ``tag`` that ``peer`` may release (all, for root)."""
+        tagged = [lid for lid, r in self.leases.items() if r.get("tag") == tag]
+        mine = [lid for lid in tagged if peer.is_root or self.leases[lid]["uid"] == peer.uid]
+        if tagged and not mine:
+            raise PermissionDenied(
+                f"the {len(tagged)} lease(s) tagged {tag!r} belong to other users; uid "
+                f"{peer.uid} may only release its own", tag=tag)
         out = []
-        for lid, rec in list(self.leases.items()):
-            if rec.get("tag") == tag and (peer.is_root or rec["uid"] == peer.uid):
-                out.append(await self.release(peer, lid))
-        return out
+        for lid in mine:
+            out.append(await self.release(peer, lid, save=False))
+        notes: list[str] = []
+        if mine:
+            try:
+                self._save()
+            except TunerdError as err:
+                self.errors.record("leases", f"release --tag {tag}: {err.message}", key="save")
+                notes.append(f"released, but the runtime state was not saved: {err.message}")
+        return {"tag": tag, "released": out, "notes": notes}
 
-    async def release(self, peer: Peer, lid: str) -> dict[str, Any]:
+    async def release(self, peer: Peer, lid: str, save: bool = True) -> dict[str, Any]:
         rec = self.leases.get(lid)
         if rec is None:
             known = ", ".join(sorted(self.leases)) or "none"
@@ -302,17 +318,23 @@ class LeaseService:
                 f"lease {lid} belongs to {rec['user']} (uid {rec['uid']}); uid {peer.uid} "
                 "may only release its own leases", lease=lid)
         pid = rec.get("pid")
-        if pid and self.d.jobs is not None:
-            bound = [j for j in self.d.jobs.jobs() if j.get("pid") == pid
-                     and j.get("lease") == lid]
-            if bound:
+        if pid:
+            job = self.jobs.record(pid)
+            if job is not None and job.get("lease") == lid:
                 try:
-                    await self.d.jobs.unbind(pid, peer=peer)
+                    await self.jobs.unbind(pid, peer=peer)
                 except TunerdError as err:
                     log.warning("lease %s: unbinding pid %d: %s", lid, pid, err.message)
         out = self._public(rec)
-        self._drop(lid)
         out["released"] = True
+        self._drop(lid, save=False)
+        if save:
+            try:
+                self._save()
+            except TunerdError as err:  # released already: the reply must say so truthfully
+                self.errors.record("leases", f"release {lid}: {err.message}", key="save")
+                out.setdefault("notes", []).append(
+                    f"released, but the runtime state was not saved: {err.message}")
         return out
 
     def _holder_exited(self, pid: int) -> None:
@@ -325,57 +347,59 @@ class LeaseService:
         rec = self.leases.pop(lid, None)
         if rec is None:
             return
+        self.placer.release(f"lease:{lid}")
         if rec.get("pid"):
             self.pidwatch.unwatch(rec["pid"], f"lease:{lid}")
-        if f"lease:{lid}" in self.section["moved"]:
+        if f"lease:{lid}" in self.mover.moved:
             self.mover.restore(f"lease:{lid}")
         if save:
-            self.d.state.save()
+            self._save_quietly()
+
+    def _save_quietly(self) -> None:
+        try:
+            self._save()
+        except TunerdError as err:
+            self.errors.record("leases", err.message, key="save")
+        else:
+            self.errors.resolve("leases", "save")
+
+    def _save_or_note(self, rec: dict[str, Any]) -> None:
+        try:
+            self._save()
+        except TunerdError as err:
+            self.errors.record("leases", err.message, key="save")
+            rec["notes"].append(f"runtime state not saved: {err.message}")
+
+    # -- expiry of alloc leases ---------------------------------------------------
+    def _schedule_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        due = [r["expires"] for r in self.leases.values() if r.get("expires")]
+        if not due:
+            return
+        delay = max(0.0, min(due) - time.time())
+        self._expiry = asyncio.get_running_loop().call_later(min(delay, 3600.0), self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        now = time.time()
+        gone = [lid for lid, r in self.leases.items() if r.get("expires") and r["expires"] <= now]
+        for lid in gone:
+            rec = self.leases[lid]
+            log.info("lease %s of %s expired (alloc_ttl); released", lid, rec["user"])
+            self._drop(lid, save=False)
+        if gone:
+            self._save_quietly()
+        self._schedule_expiry()
 
     def _public(self, rec: dict[str, Any]) -> dict[str, Any]:
         out = dict(rec)
         out["env"] = lease_env(rec)
+        if rec.get("cvd"):  # the job's own numbering of its GPUs (Slurm renumbers them)
+            out["env"]["CUDA_VISIBLE_DEVICES"] = rec["cvd"]
         out["lease"] = rec["id"]
         return out
-
-    # -- JobRegistry.placer: `tunerctl bind PID` without placement flags ----------
-    async def place_for_bind(self, *, pid: int, peer: Peer, gpus: tuple[int, ...] | None = None,
-                             exclusive: bool = False) -> dict[str, Any] | None:
-        """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
-
-        A process bound already keeps its place (None) unless --gpus names GPUs.
-        """
-        topo = self.d.topology
-        how = "--gpus"
-        if gpus is None and self.d.jobs is not None and any(
-                j.get("pid") == pid for j in self.d.jobs.jobs()):
-            return None
-        if gpus is None:
-            env = procfs.read_environ(pid)
-            if env is None:
-                raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
-            gpus = gpus_from_env(topo, env)
-            how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
-            if not gpus:
-                gpus = gpus_from_nvml(pid)
-                how = "NVML (GPUs it has contexts on)"
-        if not gpus:
-            log.info("bind %d: no GPU in its CUDA_VISIBLE_DEVICES/LOCAL_RANK or NVML", pid)
-            return None
-        known = {int(g.index) for g in topo.gpus}
-        unknown = [g for g in gpus if g not in known]
-        if unknown:
-            raise UsageError(
-                f"no --cpus/--mems given and GPU placement is not available for GPU "
-                f"{','.join(map(str, unknown))}: not on this node "
-                f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
-        placed = self.place(gpus=len(gpus), gpu_ids=tuple(gpus), exclusive=exclusive, busy={})
-        if not placed.applicable:
-            raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
-                         f"{','.join(map(str, gpus))}; would bind CPUs "
-                         f"{format_cpulist(placed.cpus)})", pid=pid, applied=False)
-        return {"cpus": placed.cpus, "mems": placed.mems, "gpus": placed.gpus,
-                "explanation": f"GPUs from {how}; {placed.explanation}"}
 
 
 def lease_env(rec: dict[str, Any]) -> dict[str, str]:

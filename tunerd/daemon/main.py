@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tunerd.errors import TunerdError
-from tunerd.protocol import ExitCode
+from tunerd.protocol import ExitCode, exit_code
+
+if TYPE_CHECKING:
+    from tunerd.daemon.config import DaemonConfig
 
 # syslog priorities, for journald's SyslogLevelPrefix parsing of "<N>" on stderr
 _PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
@@ -53,7 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tunerd.daemon.app import Daemon
     from tunerd.daemon.config import load_config
 
     try:
@@ -72,10 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.USAGE)
     setup_logging(cfg.log_level)
     try:
-        rc = asyncio.run(Daemon(cfg).run())
+        rc = asyncio.run(_run(cfg))
     except KeyboardInterrupt:
         rc = 0
     return rc
+
+
+async def _run(cfg: DaemonConfig) -> int:
+    from tunerd.daemon.wiring import build
+
+    try:
+        daemon = build(cfg)
+    except TunerdError as err:
+        logging.getLogger("tunerd").error("cannot start: %s", err.message)
+        return int(exit_code(err)) if int(exit_code(err)) != int(ExitCode.USAGE) else 1
+    return await daemon.run()
 
 
 if __name__ == "__main__":

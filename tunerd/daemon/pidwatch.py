@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from tunerd.watch import procfs
+from tunerd import procfs
 
 __all__ = ["PidWatch"]
 

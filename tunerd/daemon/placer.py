@@ -1,54 +1,59 @@
-"""Where a process goes: GPUs it uses, CPUs near them, and whether that can be applied here.
+"""The placing service: every placement is decided here, every reservation kept here.
 
-Shared by leases (``alloc``/``run``), automatic binding of ``[[job]]`` matches
-and ``tunerctl bind PID`` without placement flags (JobRegistry.placer).
+Leases (``alloc``/``run``), automatic binding of ``[[job]]`` matches and
+``tunerctl bind PID`` without placement flags all call ``Placer.place``, and
+what they hold (GPUs, exclusive CPUs, a rank's CPUs) is registered here as a
+reservation, so every placement sees every other one.
 
-Which GPUs a process uses, in order of trust:
+How a request becomes a placement (``tunerd.placement.place`` does the topology
+work):
 
-1. ``LOCAL_RANK`` (torchrun, Slurm via the launcher) picks one GPU out of the
-   visible ones: ``CUDA_VISIBLE_DEVICES[LOCAL_RANK]``, or GPU ``LOCAL_RANK``
-   when the variable is unset (every rank sees every GPU and uses cuda:LOCAL_RANK);
-2. ``CUDA_VISIBLE_DEVICES`` alone: all the GPUs it lists (indices or ``GPU-``
-   UUIDs; indices are taken in PCI bus order, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
-   which is also NVML's and nvidia-smi's order);
-3. NVML: the GPUs whose compute-process list has the PID
-   (``nvmlDeviceGetComputeRunningProcesses``; ``nvidia-smi --query-compute-apps``).
+1. The allocation first (``tunerd.allocation``): the caller's cgroup cpuset and
+   its scheduler's GPUs bound what may be chosen. A CPU count the scheduler
+   granted (``SLURM_CPUS_PER_TASK``, or the size of the mask a scheduler bound
+   the task to) is kept: tunerd only picks where inside the allocation those
+   CPUs lie. An allocation smaller than asked gives what it has, with a note.
+2. Housekeeping CPUs, grown to whole cores (their SMT siblings too), are never
+   given out; neither are CPUs another job holds exclusively.
+3. Ranks of one job split the allowed CPUs (``LOCAL_WORLD_SIZE``), with or
+   without GPUs, and each rank's share counts its DataLoader workers: a share
+   that cannot hold a rank and its workers is pooled with the next ranks' (they
+   share those CPUs) rather than crowding a rank and its workers onto one core.
+4. On a replayed topology (``tunerd --topology``) a placement naming CPUs or
+   memory nodes this machine lacks is marked not applicable, and says so.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tunerd import procfs
+from tunerd.allocation import Allocation
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.errors import PlacementError, UsageError
+from tunerd.placement import (
+    MODES,
+    Placement,
+    PlacementRequest,
+    mems_of,
+    ordered_cpus,
+    per_gpu_cpu_share,
+    whole_cores,
+)
+from tunerd.placement import place as place_on_topology
+from tunerd.topology.model import Topology
 
-__all__ = [
-    "HostCapacity",
-    "PlacedJob",
-    "applicability",
-    "gpus_from_env",
-    "gpus_from_nvml",
-    "per_gpu_cpu_share",
-]
+__all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
 
+log = logging.getLogger("tunerd.placer")
 
-@dataclass(frozen=True)
-class PlacedJob:
-    gpus: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    cpus: frozenset[int]
-    mems: frozenset[int]
-    explanation: str = ""
-    notes: tuple[str, ...] = ()
-    applicable: bool = True  # False: replayed topology names CPUs/nodes this host lacks
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids),
-                "cpus": format_cpulist(self.cpus), "mems": format_cpulist(self.mems),
-                "explanation": self.explanation}
+ANCESTOR_DEPTH = 8  # how far up to look for a `tunerctl run` lease holder
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class HostCapacity:
     mems: frozenset[int] = field(default=frozenset({0}))
 
     @classmethod
-    def read(cls, sys_root: str = "/sys") -> HostCapacity:
+    def read(cls, sys_root: str | Path = "/sys") -> HostCapacity:
         def one(path: str, default: frozenset[int]) -> frozenset[int]:
             try:
                 return parse_cpulist(Path(sys_root, path).read_text())
@@ -71,105 +76,360 @@ class HostCapacity:
         return cls(cpus, mems)
 
 
-def applicability(topo: Any, cpus: frozenset[int], mems: frozenset[int],
-                  host: HostCapacity | None = None) -> tuple[bool, list[str]]:
-    """May this placement be applied on this machine? (False + notes in replay mode).
+@dataclass(frozen=True)
+class PlaceRequest:
+    """What a caller asks for. Counts are per process (a rank, a lease)."""
 
-    Under ``tunerd --topology SNAPSHOT`` the placement is computed on the
-    snapshot; CPUs and memory nodes it names that this machine lacks are never
-    applied, and the reply says so instead.
-    """
-    if not getattr(topo, "replayed", False):
-        return True, []
-    host = host or HostCapacity.read()
-    missing_c = cpus - host.cpus
-    missing_m = mems - host.mems
-    if not missing_c and not missing_m:
-        return True, [f"topology replay ({topo.hostname}): this machine has every CPU and "
-                      "memory node of the placement; applied here"]
-    parts = []
-    if missing_c:
-        parts.append(f"CPUs {format_cpulist(missing_c)}")
-    if missing_m:
-        parts.append(f"memory nodes {format_cpulist(missing_m)}")
-    return False, [
-        f"topology replay ({topo.hostname}): placement computed on the snapshot; this "
-        f"machine lacks {' and '.join(parts)} (it has CPUs {format_cpulist(host.cpus)}), "
-        "so nothing was applied to CPUs or memory"
-    ]
+    gpus: int = 0  # how many GPUs to choose
+    gpu_ids: tuple[int, ...] | None = None  # exactly these GPUs
+    ncpus: int | None = None  # how many CPUs (None: the share the node gives)
+    cpus: frozenset[int] | None = None  # exactly these CPUs
+    mode: str = "gpu-local"
+    exclusive: bool = False
+    allocation: Allocation | None = None
+    workers: int = 0  # DataLoader worker processes of each rank
+    rank: int | None = None  # LOCAL_RANK
+    ranks: int | None = None  # LOCAL_WORLD_SIZE: ranks splitting the allocation
+    group: str | None = None  # job the rank belongs to (siblings avoid each other)
+    ignore_busy_gpus: bool = False  # bind: the process already uses these GPUs
+    what: str = "job"  # for messages: "lease", "rule torch-training", ...
 
 
-def _visible_gpus(topo: Any, cvd: str) -> list[int]:
-    by_uuid = {str(g.uuid): int(g.index) for g in topo.gpus}
-    indices = {int(g.index) for g in topo.gpus}
-    out: list[int] = []
-    for item in cvd.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.isdigit():
-            if int(item) in indices:
-                out.append(int(item))
-            continue
-        # a UUID or a unique prefix of one (CUDA accepts "GPU-8a3f" style prefixes)
-        hits = [i for u, i in by_uuid.items() if u.startswith(item) or u == f"GPU-{item}"]
-        if len(hits) == 1:
-            out.append(hits[0])
-    return out
+@dataclass(frozen=True)
+class Reservation:
+    key: str  # "lease:L3", "rule:PID", "bind:PID"
+    holder: str  # who, for messages: "lease L3 (alice, pid 42 python)"
+    gpus: tuple[int, ...]
+    cpus: frozenset[int]
+    exclusive: bool = False
+    soft: bool = False  # other placements avoid these CPUs while they can (leases)
+    pid: int | None = None  # the process that holds it (a `run` lease: children inherit)
+    group: str | None = None
 
 
-def gpus_from_env(topo: Any, env: Mapping[str, str]) -> tuple[int, ...] | None:
-    """The GPU indices a process uses according to its environment, or None if it says nothing.
+class Placer:
+    name = "placer"
 
-    ``()`` means "no GPU" (``CUDA_VISIBLE_DEVICES=""`` or ids this node lacks).
-    """
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    visible = _visible_gpus(topo, cvd) if cvd is not None else [int(g.index) for g in topo.gpus]
-    rank_s = env.get("LOCAL_RANK")
-    if rank_s is not None and rank_s.strip().isdigit():
-        if not visible:
-            return ()
-        return (visible[int(rank_s) % len(visible)],)
-    if cvd is not None:
-        return tuple(visible)
-    return None
+    def __init__(self, topology: Topology, host: HostCapacity,
+                 housekeeping: Callable[[], frozenset[int]], *, dry_run: bool = False,
+                 proc_root: str = procfs.PROC) -> None:
+        self.topo = topology
+        self.host = host
+        self._housekeeping = housekeeping
+        self.dry_run = dry_run
+        self.proc = proc_root
+        self._res: dict[str, Reservation] = {}
 
+    # -- service -------------------------------------------------------------
+    async def start(self) -> None:
+        self.warm_up()
 
-def gpus_from_nvml(pid: int) -> tuple[int, ...]:
-    """GPU indices whose NVML compute-process list holds ``pid`` (empty without NVML)."""
-    from tunerd import nvml
+    async def stop(self) -> None:
+        pass
 
-    if not nvml.available():
-        return ()
-    count = nvml.call("nvmlDeviceGetCount", default=0)
-    found: list[int] = []
-    for i in range(int(count or 0)):
-        h = nvml.call("nvmlDeviceGetHandleByIndex", i)
-        if not h:
-            continue
-        procs = nvml.call("nvmlDeviceGetComputeRunningProcesses_v3|"
-                          "nvmlDeviceGetComputeRunningProcesses", h, default=[]) or []
-        if any(getattr(p, "pid", None) == pid for p in procs):
-            found.append(i)
-    return tuple(found)
+    def status(self) -> dict[str, Any]:
+        gpus = sorted({g for r in self._res.values() for g in r.gpus})
+        excl = format_cpulist(frozenset(self.exclusive_cpus()))
+        return {"summary": f"{len(self._res)} reservation(s)"
+                           + (f", GPUs {format_cpulist(gpus)} held" if gpus else "")
+                           + (f", CPUs {excl} exclusive" if excl else ""),
+                "reservations": len(self._res), "busy_gpus": gpus,
+                "exclusive_cpus": excl, "housekeeping": format_cpulist(self.housekeeping())}
 
+    def warm_up(self) -> None:
+        """Build the placement indexes now, not on the first exec (~15 ms on a big node)."""
+        try:
+            self.place(PlaceRequest(ncpus=1))
+        except Exception:  # a node with nothing free still starts
+            pass
 
-def per_gpu_cpu_share(topo: Any, gpu: int, housekeeping: frozenset[int] = frozenset()) -> int:
-    """CPUs one GPU's process should get so that all GPUs sharing its CPUs fit side by side.
+    # -- reservations ----------------------------------------------------------
+    def reserve(self, res: Reservation) -> None:
+        self._res[res.key] = res
 
-    E.g. a DGX H100: 4 GPUs per socket, 112 CPUs per socket -> 28 CPUs per GPU.
-    """
-    gpus = {int(g.index): g for g in topo.gpus}
-    g = gpus.get(gpu)
-    if g is None:
-        return max(1, len(topo.online_cpus() - housekeeping))
-    local = frozenset(g.local_cpus) or frozenset(topo.online_cpus())
-    local = local - housekeeping or local
-    sharing = sum(1 for o in topo.gpus if (frozenset(o.local_cpus) or local) & local)
-    return max(1, len(local) // max(1, sharing))
+    def release(self, key: str) -> Reservation | None:
+        return self._res.pop(key, None)
 
+    def reservation(self, key: str) -> Reservation | None:
+        return self._res.get(key)
 
-def mems_of(topo: Any, cpus: frozenset[int]) -> frozenset[int]:
-    """NUMA nodes holding ``cpus`` (for an explicit CPU list from a rule)."""
-    out = {topo.cpus[c].numa_node for c in cpus if c in topo.cpus}
-    return frozenset(n for n in out if n is not None and n >= 0)
+    def busy_gpus(self) -> dict[int, str]:
+        return {g: r.holder for r in self._res.values() for g in r.gpus}
+
+    def exclusive_cpus(self, soft: bool = False, group: str | None = None) -> dict[int, str]:
+        """CPUs no other placement may take (``soft``: also every lease's).
+
+        ``group``: the ranks of that job hold their CPUs against each other too.
+        """
+        out: dict[int, str] = {}
+        for r in self._res.values():
+            if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
+                for c in r.cpus:
+                    out.setdefault(c, r.holder)
+        return out
+
+    def enclosing_cpus(self, pid: int) -> frozenset[int] | None:
+        """CPUs of the `tunerctl run` lease ``pid`` descends from, if any."""
+        holders = {r.pid: r for r in self._res.values() if r.pid and r.key.startswith("lease:")}
+        if not holders:
+            return None
+        p: int | None = pid
+        for _ in range(ANCESTOR_DEPTH):
+            if p is None or p <= 1:
+                return None
+            if p in holders:
+                return holders[p].cpus
+            p = procfs.read_ppid(p, self.proc)
+        return None
+
+    def housekeeping(self) -> frozenset[int]:
+        """Housekeeping CPUs of the policy, grown to whole cores (SMT siblings too)."""
+        hk = self._housekeeping()
+        return whole_cores(self.topo, hk) if hk else frozenset()
+
+    # -- deciding --------------------------------------------------------------
+    def place(self, req: PlaceRequest) -> Placement:
+        """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring)."""
+        if req.mode not in MODES:
+            raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
+        topo = self.topo
+        notes: list[str] = []
+        alloc = req.allocation
+        hk = self.housekeeping()
+        allowed = self._allowed_cpus(alloc, hk, notes)
+        busy = {} if req.ignore_busy_gpus else self.busy_gpus()
+        if alloc is not None and alloc.gpus is not None:
+            outside = {g.index: f"outside {alloc.describe()}" for g in topo.gpus
+                       if g.index not in alloc.gpus}
+            if req.gpu_ids is not None:
+                bad = [g for g in req.gpu_ids if g in outside]
+                if bad:
+                    raise PlacementError(
+                        f"GPU {format_cpulist(bad)} not in {alloc.describe()}",
+                        allocation_gpus=list(alloc.gpus))
+            elif req.gpus and req.gpus > len(alloc.gpus):
+                raise PlacementError(
+                    f"need {req.gpus} GPU(s) but {alloc.describe()} has "
+                    f"{len(alloc.gpus) or 'no'} GPU(s)"
+                    + (f" ({format_cpulist(alloc.gpus)})" if alloc.gpus else
+                       ": ask the scheduler for GPUs (e.g. srun --gres=gpu:N)"),
+                    allocation_gpus=list(alloc.gpus))
+            busy = {**outside, **busy}
+
+        if req.cpus is not None:
+            return self._given_cpus(req, allowed, notes)
+
+        exclusive = req.exclusive or req.mode == "exclusive"
+        count, share_notes, pooled = self._count(req, allowed, hk)
+        notes += share_notes
+        held = self.exclusive_cpus(group=None if pooled else req.group)
+        soft = {**self.exclusive_cpus(soft=True), **held}
+        preq = PlacementRequest(gpus=req.gpus if req.gpu_ids is None else len(req.gpu_ids),
+                                cpus=count, mode=req.mode, exclusive=exclusive,
+                                gpu_ids=req.gpu_ids)
+        if pooled is not None:  # ranks share a fixed slice: no further choice of CPUs
+            return self._pooled(req, preq, pooled, busy, hk, notes)
+        try:
+            p = place_on_topology(topo, preq, busy_gpus=busy, exclusive_cpus=soft,
+                                  housekeeping=hk, allowed_cpus=allowed)
+        except PlacementError:
+            if soft == held and not req.group:
+                raise
+            try:  # other leases' CPUs may be shared when nothing else is left
+                p = place_on_topology(topo, preq, busy_gpus=busy, exclusive_cpus=held,
+                                      housekeeping=hk, allowed_cpus=allowed)
+            except PlacementError:
+                if not req.group:
+                    raise
+                # more ranks than CPUs to split: share with the job's other ranks
+                p = place_on_topology(topo, preq, busy_gpus=busy,
+                                      exclusive_cpus=self.exclusive_cpus(),
+                                      housekeeping=hk, allowed_cpus=allowed)
+                notes.append("shares CPUs with other ranks of the same job: not enough "
+                             "free CPUs to give each its own")
+        return self._finish(p, notes)
+
+    # -- parts of place() ------------------------------------------------------
+    def _allowed_cpus(self, alloc: Allocation | None, hk: frozenset[int],
+                      notes: list[str]) -> frozenset[int] | None:
+        """CPUs of the allocation on the topology placed on (None: no restriction)."""
+        if alloc is None or alloc.cpus is None:
+            allowed = None
+        elif alloc.cpus <= self.topo.online_cpus():
+            allowed = alloc.cpus
+        else:  # a replayed topology unlike this machine: the cgroup says nothing about it
+            notes.append(f"{alloc.describe()} is not on the replayed topology; ignored")
+            allowed = None
+        if allowed is not None and not (allowed - hk):
+            notes.append(f"{alloc.describe() if alloc else 'allocation'} holds only "
+                         f"housekeeping CPUs {format_cpulist(allowed)}; using them")
+        return allowed
+
+    def _usable(self, allowed: frozenset[int] | None, hk: frozenset[int]) -> frozenset[int]:
+        online = self.topo.online_cpus()
+        base = online & allowed if allowed is not None else online
+        return (base - hk) or base
+
+    def _count(self, req: PlaceRequest, allowed: frozenset[int] | None,
+               hk: frozenset[int]) -> tuple[int | None, list[str], frozenset[int] | None]:
+        """(CPU count, notes, pooled CPUs) for a request without an explicit CPU list.
+
+        ``pooled``: when a rank's share cannot hold the rank and its workers, the
+        exact CPUs the rank shares with its neighbours (no further choice needed).
+        """
+        notes: list[str] = []
+        usable = self._usable(allowed, hk)
+        alloc = req.allocation
+        count = req.ncpus
+        if count is None and alloc is not None and alloc.ncpus is not None:
+            count = alloc.ncpus
+            notes.append(f"{alloc.ncpus} CPUs as granted by {alloc.describe()}")
+        if count is None and alloc is not None and alloc.current is not None \
+                and alloc.scheduler and alloc.scheduler.startswith("Slurm") and not req.ranks:
+            count = len(alloc.current & usable) or None
+            if count:
+                notes.append(f"{count} CPUs as the scheduler bound the task")
+        if count is not None and count > len(usable):
+            notes.append(f"asked for {count} CPUs, the allocation has {len(usable)} "
+                         f"({format_cpulist(usable)}): using those")
+            count = len(usable)
+        ranks = req.ranks if req.ranks and req.ranks > 1 else None
+        if count is None and ranks is not None:
+            if req.gpus or req.gpu_ids:
+                # per GPU: the node's share for that GPU, and never more than 1/ranks
+                gpu = req.gpu_ids[0] if req.gpu_ids else None
+                share = (per_gpu_cpu_share(self.topo, gpu, usable) if gpu is not None
+                         else max(1, len(usable) // ranks))
+                count = max(1, min(share, len(usable) // ranks or 1))
+            else:
+                count = max(1, len(usable) // ranks)
+            need = 1 + max(0, req.workers)
+            if count < need:
+                rank = req.rank if req.rank is not None else 0
+                return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
+            notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
+                         f"{count} CPUs (room for the rank and {req.workers} DataLoader "
+                         f"worker(s))")
+            return count, notes, None
+        if count is None and (req.gpus or req.gpu_ids):
+            gpu = req.gpu_ids[0] if req.gpu_ids else (
+                self.topo.gpus[0].index if self.topo.gpus else -1)
+            ngpu = len(req.gpu_ids) if req.gpu_ids else req.gpus
+            count = min(len(usable), per_gpu_cpu_share(self.topo, gpu, usable) * ngpu)
+        if count is not None and req.workers and count < 1 + req.workers:
+            notes.append(f"{count} CPU(s) for a process with {req.workers} DataLoader "
+                         "worker(s): they will share them")
+        return count, notes, None
+
+    def _pool(self, req: PlaceRequest, usable: frozenset[int], share: int, need: int,
+              rank: int, ranks: int, notes: list[str]) -> frozenset[int]:
+        """The CPUs a rank shares with its neighbours when its own share is too small.
+
+        ``g`` consecutive ranks pool their shares so each pool holds every rank and
+        its workers: ranks 0..g-1 share the first g shares, and so on.
+        """
+        near: tuple[int, ...] = ()
+        if req.gpu_ids:
+            near = tuple(c for g in self.topo.gpus if g.index in req.gpu_ids
+                         for c in g.local_cpus)
+        order = ordered_cpus(self.topo, usable, near)
+        g = min(ranks, math.ceil(need / max(1, share)))
+        pools = max(1, ranks // g)
+        size = max(1, len(order) // pools)
+        k = min(rank // g, pools - 1)
+        lo, hi = k * size, (len(order) if k == pools - 1 else (k + 1) * size)
+        pooled = frozenset(order[lo:hi])
+        first, last = k * g, min(ranks, (k + 1) * g) - 1 if k < pools - 1 else ranks - 1
+        notes.append(f"a share of {share} CPU(s) per rank cannot hold a rank and its "
+                     f"{req.workers} DataLoader worker(s): ranks {first}-{last} of {ranks} "
+                     f"share CPUs {format_cpulist(pooled)} instead of crowding onto one core")
+        return pooled
+
+    def _pooled(self, req: PlaceRequest, preq: PlacementRequest, pooled: frozenset[int],
+                busy: Mapping[int, str], hk: frozenset[int], notes: list[str]) -> Placement:
+        gpus: tuple[int, ...] = ()
+        uuids: tuple[str, ...] = ()
+        score = 0
+        if preq.gpus or preq.gpu_ids:
+            p = place_on_topology(self.topo, replace(preq, cpus=None, exclusive=False),
+                                  busy_gpus=busy, housekeeping=hk, allowed_cpus=pooled)
+            gpus, uuids, score = p.gpus, p.gpu_uuids, p.score
+        mems = mems_of(self.topo, pooled)
+        expl = (f"{'GPU ' + format_cpulist(gpus) + '; ' if gpus else ''}CPU "
+                f"{format_cpulist(pooled)} ({len(pooled)} CPUs, shared by ranks); memory "
+                f"node {format_cpulist(mems)}")
+        return self._finish(Placement(cpus=pooled, mems=mems, gpus=gpus, gpu_uuids=uuids,
+                                      score=score, explanation=expl), notes)
+
+    def _given_cpus(self, req: PlaceRequest, allowed: frozenset[int] | None,
+                    notes: list[str]) -> Placement:
+        """An exact CPU list (``run --cpus LIST``, a rule's ``cpus``): checked, not chosen."""
+        assert req.cpus is not None
+        topo = self.topo
+        cpus = req.cpus
+        unknown = cpus - topo.online_cpus()
+        if unknown:
+            raise UsageError(f"CPU {format_cpulist(unknown)} is not on {topo.hostname} "
+                             f"(CPUs {format_cpulist(topo.online_cpus())})")
+        if allowed is not None and not cpus <= allowed:
+            inside = cpus & allowed
+            alloc = req.allocation
+            if not inside:
+                raise PlacementError(
+                    f"CPUs {format_cpulist(cpus)} are all outside "
+                    f"{alloc.describe() if alloc else 'the allocation'}, which allows "
+                    f"{format_cpulist(allowed)}")
+            notes.append(f"CPUs {format_cpulist(cpus - inside)} left out: outside "
+                         f"{alloc.describe() if alloc else 'the allocation'}")
+            cpus = inside
+        held = self.exclusive_cpus()
+        taken = sorted(c for c in cpus if c in held)
+        if taken:
+            raise PlacementError(
+                f"CPU {format_cpulist(taken)} held exclusively by "
+                f"{'; '.join(sorted({held[c] for c in taken}))}",
+                held_cpus={str(c): held[c] for c in taken})
+        gpus: tuple[int, ...] = tuple(req.gpu_ids or ())
+        if req.gpus and not gpus:
+            busy = self.busy_gpus()
+            p = place_on_topology(topo, PlacementRequest(gpus=req.gpus), busy_gpus=busy,
+                                  allowed_cpus=None)
+            gpus = p.gpus
+        uuids = tuple(g.uuid for g in topo.gpus if g.index in gpus)
+        mems = mems_of(topo, cpus)
+        expl = (f"{'GPU ' + format_cpulist(gpus) + '; ' if gpus else ''}CPU "
+                f"{format_cpulist(cpus)} as given ({len(cpus)} CPUs); memory node "
+                f"{format_cpulist(mems)}")
+        return self._finish(Placement(cpus=cpus, mems=mems, gpus=gpus, gpu_uuids=uuids,
+                                      explanation=expl), notes)
+
+    def _finish(self, p: Placement, notes: list[str]) -> Placement:
+        if notes:
+            p = replace(p, explanation="; ".join([p.explanation, *notes]) if p.explanation
+                        else "; ".join(notes))
+        extra: list[str] = []
+        applicable = True
+        if self.topo.replayed:
+            applicable, extra = self.applicability(p)
+        if applicable and self.dry_run:
+            applicable = False
+            extra.append("dry run: placement computed, nothing was bound or moved")
+        return p.with_notes(*notes, *extra, applicable=applicable)
+
+    def applicability(self, p: Placement) -> tuple[bool, list[str]]:
+        """May ``p`` be applied on this machine? (False + a note on a foreign replay)."""
+        cpus, mems = p.cpus or frozenset(), p.mems or frozenset()
+        missing_c = cpus - self.host.cpus
+        missing_m = mems - self.host.mems
+        if not missing_c and not missing_m:
+            return True, [f"topology replay ({self.topo.hostname}): this machine has every "
+                          "CPU and memory node of the placement; applied here"]
+        parts = []
+        if missing_c:
+            parts.append(f"CPUs {format_cpulist(missing_c)}")
+        if missing_m:
+            parts.append(f"memory nodes {format_cpulist(missing_m)}")
+        return False, [
+            f"topology replay ({self.topo.hostname}): placement computed on the snapshot; "
+            f"this machine lacks {' and '.join(parts)} (it has CPUs "
+            f"{format_cpulist(self.host.cpus)}), so nothing was applied to CPUs or memory"]

@@ -15,14 +15,11 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tunerd.daemon.registry import COMMANDS, Peer, Request
+from tunerd.daemon.router import Peer, Request, Router
 from tunerd.errors import TunerdError, UsageError
 from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
 
 log = logging.getLogger("tunerd.server")
 
@@ -36,8 +33,8 @@ def peer_credentials(sock: socket.socket) -> Peer:
 
 
 class ControlServer:
-    def __init__(self, daemon: Daemon, path: Path, idle_timeout: float = IDLE_TIMEOUT) -> None:
-        self.daemon = daemon
+    def __init__(self, router: Router, path: Path, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        self.router = router
         self.path = Path(path)
         self.idle_timeout = idle_timeout
         self._server: asyncio.AbstractServer | None = None
@@ -114,11 +111,11 @@ class ControlServer:
             args = msg.get("args") or {}
             if not isinstance(cmd, str) or not isinstance(args, dict):
                 raise UsageError("malformed message: needs 'cmd' (string) and 'args' (object)")
-            handler = COMMANDS.get(cmd)
+            handler = self.router.get(cmd)
             if handler is None:
                 raise UsageError(f"unknown command {cmd!r}")
             req = Request(cmd=cmd, args=args, peer=peer)
-            result = await handler(self.daemon, req)
+            result = await handler(req)
             return {"id": rid, "ok": True, "result": result}
         except TunerdError as err:
             return {"id": rid, "ok": False, "error": error_to_wire(err)}

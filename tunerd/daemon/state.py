@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunerd.safefs import write_atomic
+
 log = logging.getLogger("tunerd.state")
 
 SCHEMA_VERSION = 1
@@ -67,25 +69,3 @@ class StateStore:
         # write-ahead path of every bind (jq . state.json reads it fine)
         payload = json.dumps(self.data, separators=(",", ":"), sort_keys=True).encode()
         write_atomic(self.path, payload, sync_dir=sync_dir)
-
-
-def write_atomic(path: Path, payload: bytes, mode: int = 0o600, sync_dir: bool = True) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        view = memoryview(payload)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if not sync_dir:
-        return
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -7,14 +7,27 @@ cycle and never mutates, so no lock is needed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from tunerd.monitor.service import Monitor
+from tunerd.monitor.history import History
+
+
+class MonitorView(Protocol):
+    """What the collector reads of the Monitor service (and nothing else)."""
+
+    latest: dict[str, Any] | None
+    samples_total: int
+    sample_cpu_seconds_total: float
+    sampler_status: dict[str, dict[str, Any]]
+    errors_total: int
+    history: History
+    daemon_facts: Callable[[], Mapping[str, float]]
+
+    def binds_total(self) -> int: ...
 
 Fam = GaugeMetricFamily | CounterMetricFamily
 
@@ -100,7 +113,7 @@ def _emit(items: list[dict[str, Any]], table: list[tuple[str, str, str]], labels
 
 
 class MonitorCollector(Collector):
-    def __init__(self, monitor: Monitor) -> None:
+    def __init__(self, monitor: MonitorView) -> None:
         self.monitor = monitor
 
     def collect(self) -> Iterator[Metric]:
@@ -111,7 +124,7 @@ class MonitorCollector(Collector):
         yield from self._host(s.get("host") or {})
         yield from self._jobs(s.get("jobs") or [])
 
-    def _self_metrics(self, m: Monitor, s: dict[str, Any]) -> Iterator[Metric]:
+    def _self_metrics(self, m: MonitorView, s: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("tunerd_up", "1 while tunerd serves", value=1)
         yield CounterMetricFamily("tunerd_samples", "Monitor sampling cycles done",
                                   value=m.samples_total)

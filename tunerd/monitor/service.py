@@ -16,40 +16,64 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tunerd.monitor.gpu import GpuSampler
 from tunerd.monitor.history import History
 from tunerd.monitor.host import HostSampler
 from tunerd.monitor.jobs import JobSampler
 from tunerd.monitor.listen import parse_listen
-
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
+from tunerd.monitor.reports import ReportStore
 
 log = logging.getLogger("tunerd.monitor")
+
+
+class BoundJobs(Protocol):
+    """What the monitor needs of the job registry."""
+
+    binds_total: int
+
+    def jobs(self, live: bool = True) -> list[dict[str, Any]]: ...
+
+
+class ErrorSink(Protocol):
+    total: int
+
+    def record(self, source: str, message: str, key: str | int | None = None, *,
+               level: str = "error", log_it: bool = True) -> None: ...
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    interval: float = 1.0  # seconds between samples
+    history_seconds: float = 3600.0
+    metrics_listen: str = "127.0.0.1:9464"  # or "off"
 
 
 class Monitor:
     name = "monitor"
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        cfg = daemon.cfg
-        daemon.monitor = self
-        self.interval = cfg.sample_interval
+    def __init__(self, settings: MonitorSettings, jobs: BoundJobs, errors: ErrorSink, *,
+                 reports: ReportStore | None = None,
+                 daemon_facts: Callable[[], Mapping[str, float]] | None = None) -> None:
+        self.settings = settings
+        self.bound = jobs
+        self.errors = errors
+        self.reports = reports if reports is not None else ReportStore()
+        # daemon-level numbers for the metrics (policy ok, rule failures, drift, ...)
+        self.daemon_facts = daemon_facts or (lambda: {})
+        self.interval = settings.interval
         self.listen: tuple[str, int] | None = None
         self.gpu = GpuSampler()
         self.host = HostSampler()
         # numa_maps and per-thread states every ~10 s whatever the interval
-        self.jobs = JobSampler(runtime_dir=cfg.runtime_dir,
-                               slow_every=max(1, round(10.0 / self.interval)),
+        self.jobs = JobSampler(slow_every=max(1, round(10.0 / self.interval)),
                                node_cpus=self.host.node_cpus)
-        self.history = History(cfg.history_seconds, self.interval)
+        self.history = History(settings.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
         self.sample_cpu_seconds_total = 0.0
@@ -71,30 +95,15 @@ class Monitor:
         from tunerd.monitor.collector import MonitorCollector
 
         # a bad value is a UsageError here, inside the daemon's start-up error handling
-        self.listen = parse_listen(self.daemon.cfg.metrics_listen)
+        self.listen = parse_listen(self.settings.metrics_listen)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(MonitorCollector(self))
         # tunerd_process_cpu_seconds_total, tunerd_process_resident_memory_bytes, ...
         ProcessCollector(namespace="tunerd", registry=self.registry)
-        self._make_jobs_dir()
         if self.listen is not None:
             self._start_http(*self.listen)
         await self.cycle()  # a first sample before anyone asks
         self._task = asyncio.ensure_future(self._run())
-
-    def _make_jobs_dir(self) -> None:
-        """RUNTIME_DIR/jobs: where jobs drop torch memory stats (tunerd.torch).
-
-        World-writable with the sticky bit, like /tmp: any job may add its own file and
-        nobody may remove another's; the sampler trusts a file only if the job's user
-        owns it (see JobSampler._torch).
-        """
-        d = self.daemon.cfg.runtime_dir / "jobs"
-        try:
-            d.mkdir(exist_ok=True)
-            os.chmod(d, 0o1777)
-        except OSError as err:
-            self.daemon.record_error("monitor", f"cannot create {d}: {err.strerror or err}")
 
     def _start_http(self, host: str, port: int) -> None:
         from prometheus_client import start_http_server
@@ -104,7 +113,7 @@ class Monitor:
         except OSError as err:
             # monitoring is not worth refusing to tune the node for: report and go on
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
-            self.daemon.record_error("monitor", self.metrics_error)
+            self.errors.record("monitor", self.metrics_error, key="metrics", level="warning")
             return
         log.info("Prometheus metrics on http://%s/metrics",
                  f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -136,15 +145,12 @@ class Monitor:
                 await self.cycle()
             except Exception as err:  # never let one bad cycle end sampling
                 log.exception("monitor cycle failed")
-                self.daemon.record_error("monitor", f"sampling cycle failed: {err!r}")
+                self.errors.record("monitor", f"sampling cycle failed: {err!r}", key="cycle")
 
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
-        reg = self.daemon.jobs
-        if reg is None:
-            return []
         try:
-            return [dict(r) for r in reg.jobs()]
+            return [dict(r) for r in self.bound.jobs(live=False) if r.get("applied", True)]
         except Exception as err:
             log.warning("cannot list bound jobs: %r", err)
             return []
@@ -154,6 +160,7 @@ class Monitor:
         loop = asyncio.get_running_loop()
         sample = await loop.run_in_executor(self._pool, self.collect, records)
         # back on the loop: publish and remember
+        self.reports.attach(sample["jobs"])
         self.latest = sample
         self.samples_total += 1
         self.sample_cpu_seconds_total += sample["cpu_seconds"]
@@ -164,10 +171,7 @@ class Monitor:
                 s["errors"] += 1
                 s["last_error"] = st
         self.history.add(sample)
-        new = [e for e in self.daemon.errors if e["time"] > self._last_error_time]
-        if new:
-            self.errors_total += len(new)
-            self._last_error_time = max(e["time"] for e in new)
+        self.errors_total = self.errors.total
         return sample
 
     def collect(self, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,8 +203,7 @@ class Monitor:
 
     # -- reporting -----------------------------------------------------------
     def binds_total(self) -> int:
-        jobs = self.daemon.jobs
-        return int(jobs.binds_total) if jobs is not None else 0
+        return int(self.bound.binds_total)
 
     def exposition(self) -> str:
         from prometheus_client import generate_latest
@@ -213,7 +216,7 @@ class Monitor:
         gpu_txt = (f"{len(gpu.get('gpus') or [])} GPU(s)" if gpu.get("available")
                    else "GPUs not available")
         where = ("metrics off" if self.listen is None else self.metrics_error
-                 or f"metrics on {self.daemon.cfg.metrics_listen}")
+                 or f"metrics on {self.settings.metrics_listen}")
         last_cpu = s.get("cpu_seconds")
         recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
                         if v == v)  # NaN-free
@@ -231,6 +234,6 @@ class Monitor:
             "history_bytes": self.history.nbytes(),
             "history_bound_bytes": self.history.bound_bytes(),
             "samplers": self.sampler_status,
-            "metrics_listen": self.daemon.cfg.metrics_listen,
+            "metrics_listen": self.settings.metrics_listen,
             "metrics_error": self.metrics_error,
         }

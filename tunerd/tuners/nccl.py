@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd.daemon.state import write_atomic
+from tunerd.safefs import write_atomic
 from tunerd.tuners.base import Change, SettingError, plain_section, to_setting_value
 
 BEGIN = "# BEGIN tunerd managed block: edit the policy, not these lines"

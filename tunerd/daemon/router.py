@@ -1,49 +1,23 @@
-"""Command handlers of the control socket, and the requests they receive.
+"""Control-socket requests and the table of command handlers.
 
-A feature module registers its handlers with ``@command("name")`` and is listed
-in HANDLER_MODULES; the daemon imports them all at start.
+Handlers are plain async functions (usually bound methods of a small command
+class that holds only the services it needs); the composition root registers
+them with ``Router.add``. The server looks commands up here and never knows
+the services.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from tunerd.errors import PermissionDenied, UsageError
 
-if TYPE_CHECKING:
-    from tunerd.daemon.app import Daemon
-
-# modules whose import registers handlers (one per feature area)
-HANDLER_MODULES: list[str] = [
-    "tunerd.daemon.cmd_core",
-    # -- binding (bind/unbind/jobs):
-    "tunerd.daemon.cmd_bind",
-    # -- host settings (plan/apply/verify/revert):
-    "tunerd.daemon.cmd_host",
-    # -- topology:
-    "tunerd.daemon.cmd_topology",
-    # -- leases (alloc/release/run):
-    "tunerd.daemon.cmd_leases",
-    # -- monitor (metrics/top/advise/doctor):
-    "tunerd.monitor.handlers",
-]
+__all__ = ["Handler", "Peer", "Request", "Router"]
 
 T = TypeVar("T")
-Handler = Callable[["Daemon", "Request"], Awaitable[Any]]
-COMMANDS: dict[str, Handler] = {}
 _MISSING: Any = object()
-
-
-def command(name: str) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        if name in COMMANDS:
-            raise RuntimeError(f"command {name!r} registered twice")
-        COMMANDS[name] = fn
-        return fn
-
-    return deco
 
 
 @dataclass(frozen=True)
@@ -71,14 +45,12 @@ class Request:
         if not self.peer.is_root:
             raise PermissionDenied(f"{what} needs root (you are uid {self.peer.uid})")
 
-    def require_owner(self, pid: int, owner_uid: int) -> None:
-        """Non-root peers may act only on processes they own."""
-        if not self.peer.is_root and owner_uid != self.peer.uid:
+    def require_owner(self, pid: int, owner_uids: tuple[int, ...]) -> None:
+        """Non-root peers may act only on processes they own (real or effective uid)."""
+        if not self.peer.is_root and self.peer.uid not in owner_uids:
             raise PermissionDenied(
-                f"process {pid} belongs to uid {owner_uid}; uid {self.peer.uid} may only "
-                "act on its own processes",
-                pid=pid,
-            )
+                f"process {pid} belongs to uid {owner_uids[0]}; uid {self.peer.uid} may only "
+                "act on its own processes", pid=pid)
 
     def arg(self, name: str, kind: type[T], default: Any = _MISSING) -> T:
         """Argument ``name`` of type ``kind``; a missing or mistyped one is a UsageError."""
@@ -89,8 +61,31 @@ class Request:
         v = self.args[name]
         if kind is int and isinstance(v, bool):
             raise UsageError(f"{self.cmd}: argument {name!r} must be an integer, got {v!r}")
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
         if not isinstance(v, kind):
             raise UsageError(
                 f"{self.cmd}: argument {name!r} must be {kind.__name__}, got {type(v).__name__}"
             )
         return v
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+class Router:
+    """Command name -> handler; refuses a name registered twice."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def add(self, name: str, handler: Handler) -> None:
+        if name in self._handlers:
+            raise RuntimeError(f"command {name!r} registered twice")
+        self._handlers[name] = handler
+
+    def get(self, name: str) -> Handler | None:
+        return self._handlers.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._handlers)

@@ -1,0 +1,191 @@
+"""What a scheduler gave a process: the CPUs, GPUs and CPU count tunerd must stay inside.
+
+Placement starts from the caller's allocation, never from the whole node: a
+Slurm step, a Kubernetes pod with the static CPU manager, or a `tunerctl run`
+lease above the process already decided which CPUs and GPUs are the job's.
+tunerd only refines where inside them the job's CPUs lie (near its GPUs, whole
+cores, away from its siblings); it never takes CPUs or GPUs from outside and
+never shrinks what the scheduler granted.
+
+Sources, most trusted first:
+
+- CPUs: the process's cgroup cpuset (the kernel enforces it; Slurm task/cgroup,
+  the kubelet's static CPU manager) and its current affinity mask (Slurm
+  task/affinity binds each task inside the step's cpuset).
+- CPU count: ``SLURM_CPUS_PER_TASK`` (``srun -c``), else the size of the mask the
+  scheduler bound the task to.
+- GPUs: ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (global indices) inside a Slurm job;
+  a job without gres has no GPU at all. ``CUDA_VISIBLE_DEVICES`` narrows them
+  (Slurm with ConstrainDevices renumbers it from 0 inside the job's devices).
+
+The environment of a process is its owner's to write: it can only narrow what
+the cgroup allows, never widen it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunerd.cpulist import format_cpulist
+from tunerd.cpuset import CHILD_PREFIX, CpusetCgroup, find_cpuset
+from tunerd.topology.model import Topology
+from tunerd.topology.visible import parse_gpu_list, visible_gpus
+
+__all__ = ["Allocation", "cvd_names", "read_allocation", "slurm_gpus"]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The part of the node a process may use, as its scheduler decided."""
+
+    cpus: frozenset[int] | None = None  # cgroup cpuset; None: not confined
+    current: frozenset[int] | None = None  # its affinity mask now (a scheduler's binding)
+    gpus: tuple[int, ...] | None = None  # GPUs it may use; None: not restricted
+    ncpus: int | None = None  # CPUs granted per task (SLURM_CPUS_PER_TASK)
+    scheduler: str | None = None  # "Slurm job 12 step 0", ... for explanations
+
+    @property
+    def confined(self) -> bool:
+        return self.cpus is not None or self.gpus is not None or self.ncpus is not None
+
+    def describe(self) -> str:
+        parts = []
+        if self.cpus is not None:
+            parts.append(f"cpuset {format_cpulist(self.cpus)}")
+        if self.gpus is not None:
+            parts.append(f"GPUs {format_cpulist(self.gpus) or 'none'}")
+        if self.ncpus is not None:
+            parts.append(f"{self.ncpus} CPUs per task")
+        where = self.scheduler or "allocation"
+        return f"{where} ({', '.join(parts)})" if parts else where
+
+
+def slurm_gpus(topo: Topology, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The GPUs of the Slurm job/step ``env`` belongs to; None outside Slurm.
+
+    Inside a job without GPU gres the answer is ``()``: its processes have no GPU,
+    whatever else is on the node.
+    """
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    known = {g.index for g in topo.gpus}
+    for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        text = env.get(var)
+        if text is not None:
+            ids = parse_gpu_list(text)
+            if ids is not None:
+                return tuple(i for i in ids if i in known)
+    return ()
+
+
+def _cvd_within(topo: Topology, cvd: str, job: tuple[int, ...]) -> tuple[int, ...]:
+    """CUDA_VISIBLE_DEVICES inside a job whose GPUs are ``job`` (global indices).
+
+    Slurm with ConstrainDevices renumbers the job's GPUs from 0; without it the
+    variable holds global indices. Indices all in ``job`` are global; otherwise
+    indices below len(job) are positions in it.
+    """
+    items = [x.strip() for x in cvd.split(",") if x.strip()]
+    if all(x.isdigit() for x in items):
+        ids = [int(x) for x in items]
+        if all(i in job for i in ids):
+            return tuple(ids)
+        if all(i < len(job) for i in ids):
+            return tuple(job[i] for i in ids)
+        return tuple(i for i in ids if i in job)
+    return tuple(i for i in visible_gpus(topo, cvd) if i in job)
+
+
+def cvd_names(topo: Topology, env: Mapping[str, str]) -> dict[int, str]:
+    """GPU index -> how the process's own CUDA_VISIBLE_DEVICES names it.
+
+    A lease printed for a job inside Slurm (ConstrainDevices renumbers the job's
+    GPUs from 0) must name its GPUs the way the job sees them.
+    """
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None or cvd.strip() in ("", "NoDevFiles"):
+        return {}
+    items = [x.strip() for x in cvd.split(",") if x.strip()]
+    job = slurm_gpus(topo, env)
+    if job is not None and all(x.isdigit() for x in items):
+        ids = _cvd_within(topo, cvd, job)
+        if len(ids) == len(items):
+            return dict(zip(ids, items, strict=True))
+        return {}
+    out: dict[int, str] = {}
+    for item in items:
+        hit = visible_gpus(topo, item)
+        if len(hit) == 1:
+            out[hit[0]] = item
+    return out
+
+
+def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
+                    proc_root: Path = Path("/proc"),
+                    sys_root: Path = Path("/sys")) -> Allocation:
+    """The allocation process ``pid`` lives in (its cgroup, mask and environment).
+
+    A process that tunerd itself moved into a child cpuset counts from the
+    cpuset it was in before (the scheduler's).
+    """
+    env = env or {}
+    cpus: frozenset[int] | None = None
+    cg = _scheduler_cpuset(pid, proc_root, sys_root)
+    if cg is not None:
+        try:
+            eff = cg.effective_cpus()
+        except OSError:
+            eff = frozenset()
+        online = topo.online_cpus() if not topo.replayed else _host_online(sys_root)
+        if eff and eff != online:
+            cpus = eff
+    current: frozenset[int] | None = None
+    try:
+        mask = frozenset(os.sched_getaffinity(pid))
+    except OSError:
+        mask = frozenset()
+    if mask and mask != (cpus if cpus is not None else _host_online(sys_root)):
+        current = mask
+    gpus = slurm_gpus(topo, env)
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None and cvd is not None and cvd.strip() not in ("", "NoDevFiles"):
+        gpus = _cvd_within(topo, cvd, gpus)
+    ncpus: int | None = None
+    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if env.get("SLURM_JOB_ID") and per_task.isdigit() and int(per_task) > 0:
+        ncpus = int(per_task)
+    scheduler = None
+    if env.get("SLURM_JOB_ID"):
+        scheduler = f"Slurm job {env['SLURM_JOB_ID']}"
+        if env.get("SLURM_STEP_ID"):
+            scheduler += f" step {env['SLURM_STEP_ID']}"
+    elif env.get("KUBERNETES_SERVICE_HOST"):
+        scheduler = "Kubernetes pod"
+    elif cpus is not None:
+        scheduler = f"cgroup {cg.path if cg else '?'}"
+    return Allocation(cpus=cpus, current=current, gpus=gpus, ncpus=ncpus, scheduler=scheduler)
+
+
+def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:
+    try:
+        cg = find_cpuset(pid, proc_root, sys_root)
+    except OSError:
+        return None
+    if cg is None:
+        return None
+    parts = cg.path.rstrip("/").split("/")
+    if parts and parts[-1].startswith(CHILD_PREFIX):  # our own child: the parent counts
+        return CpusetCgroup(cg.version, cg.mount, "/".join(parts[:-1]) or "/")
+    return cg
+
+
+def _host_online(sys_root: Path) -> frozenset[int]:
+    from tunerd.cpuset import read_ids
+
+    try:
+        return read_ids(sys_root / "devices" / "system" / "cpu" / "online")
+    except OSError:
+        return frozenset(os.sched_getaffinity(0))

@@ -1,0 +1,81 @@
+"""Monitor commands: metrics, top, advise (read-only, any user) and report (training side)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tunerd import procfs
+from tunerd.daemon.router import Request, Router
+from tunerd.errors import NoSuchProcess, PermissionDenied
+from tunerd.monitor.reports import parse_report
+from tunerd.monitor.service import Monitor
+
+ADVISE_WINDOW = 300  # newest samples the rules look at (5 min at the default 1 s)
+
+
+class MonitorCommands:
+    def __init__(self, monitor: Monitor,
+                 settings_for: Callable[[int], dict[str, Any]] | None = None,
+                 on_report: Callable[[int, list[int]], None] | None = None) -> None:
+        self.monitor = monitor
+        # the `torch` settings of the [[job]] rule that bound a pid ({} when none)
+        self.settings_for = settings_for or (lambda pid: {})
+        self.on_report = on_report
+
+    def register(self, router: Router) -> None:
+        router.add("metrics", self.metrics)
+        router.add("top", self.top)
+        router.add("advise", self.advise)
+        router.add("report", self.report)
+
+    async def metrics(self, req: Request) -> dict[str, Any]:
+        """The Prometheus exposition text, as /metrics would serve it."""
+        return {"text": self.monitor.exposition()}
+
+    async def top(self, req: Request) -> dict[str, Any]:
+        """The latest sample and the bound jobs, for `tunerctl top`."""
+        m = self.monitor
+        return {"sample": m.latest, "jobs": m.job_records(), "interval": m.interval}
+
+    async def advise(self, req: Request) -> dict[str, Any]:
+        from tunerd.advise import advise as run_rules
+
+        m = self.monitor
+        pid = req.arg("pid", int, None)
+        latest = {j["pid"]: j for j in (m.latest or {}).get("jobs") or [] if "error" not in j}
+        if pid is not None and pid not in latest:
+            bound = ", ".join(str(p) for p in sorted(latest)) or "none"
+            raise NoSuchProcess(f"process {pid} is not a bound job (bound jobs: {bound}); "
+                                "advise reads the history of jobs bound with tunerctl "
+                                "bind/run or by a [[job]] rule", pid=pid)
+        out = []
+        for p, job in sorted(latest.items()):
+            if pid is not None and p != pid:
+                continue
+            ring = m.history.job(p)
+            cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
+            findings = run_rules(job, cols)
+            out.append({"pid": p, "name": job.get("name"),
+                        "samples": len(cols.get("time", [])),
+                        "findings": [f.to_dict() for f in findings]})
+        return {"jobs": out, "interval": m.interval}
+
+    async def report(self, req: Request) -> dict[str, Any]:
+        """A training process reports its steps and memory (tunerd.torch.StepReporter)."""
+        pid = req.arg("pid", int)
+        proc = procfs.Process(pid)
+        try:
+            st = proc.stat()
+            uids = proc.uids()
+        except NoSuchProcess:
+            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from None
+        if not req.peer.is_root and req.peer.uid not in uids:
+            raise PermissionDenied(
+                f"process {pid} belongs to uid {uids[0]}; uid {req.peer.uid} may only "
+                "report for its own processes", pid=pid)
+        rep = parse_report(req.args, pid=pid, start_time=st.start_time, uid=uids[0])
+        self.monitor.reports.put(rep)
+        if self.on_report is not None and rep.workers:
+            self.on_report(pid, list(rep.workers))
+        return {"accepted": True, "settings": self.settings_for(pid)}

@@ -1,0 +1,150 @@
+"""The composition root: every service of the daemon is built here, explicitly.
+
+Each service gets only what it needs: its section of the state, the binder, the
+pid watcher, the topology, the placing service, and typed views of the policy.
+Command handlers are registered here by plain imports. Nothing else in the
+daemon constructs services or looks them up by name.
+
+    tunerctl ──socket──▶ ControlServer ─▶ Router ─▶ *Commands ─▶ services
+                                                         │
+      exec events ─▶ AutoBinder ─┐                       ▼
+                                 ├──▶ Placer (placement, reservations)
+      alloc/run  ─▶ LeaseService ┤
+      bind       ─▶ BindCommands ┘──▶ JobRegistry ─▶ Binder ─▶ kernel
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tunerd.binding import Binder
+from tunerd.daemon.app import Daemon, Service
+from tunerd.daemon.autobind import AutoBinder
+from tunerd.daemon.cmd_bind import BindCommands
+from tunerd.daemon.cmd_core import CoreCommands
+from tunerd.daemon.cmd_host import HostCommands
+from tunerd.daemon.cmd_leases import LeaseCommands
+from tunerd.daemon.cmd_monitor import MonitorCommands
+from tunerd.daemon.cmd_topology import TopologyCommands
+from tunerd.daemon.config import DaemonConfig
+from tunerd.daemon.errorlog import ErrorLog
+from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.host import HostSettings
+from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.leases import LeaseService
+from tunerd.daemon.notify import Notifier
+from tunerd.daemon.pidwatch import PidWatch
+from tunerd.daemon.placer import HostCapacity, Placer
+from tunerd.daemon.policyholder import PolicyHolder
+from tunerd.daemon.router import Router
+from tunerd.daemon.runtime import prepare_dirs
+from tunerd.daemon.server import ControlServer
+from tunerd.daemon.state import StateStore
+from tunerd.errors import Failed
+from tunerd.monitor.service import Monitor, MonitorSettings
+from tunerd.policy import NodeFacts, Policy
+from tunerd.topology import load_topology
+from tunerd.tuners import build_tuners
+
+__all__ = ["build"]
+
+log = logging.getLogger("tunerd")
+
+
+def _saver(store: StateStore) -> Callable[[], None]:
+    """``store.save`` raising tunerd errors (naming the file and errno), not OSError."""
+
+    def save() -> None:
+        try:
+            store.save()
+        except OSError as err:
+            raise Failed(f"cannot write {store.path}: {err.strerror or err}",
+                         errno=err.errno) from err
+
+    return save
+
+
+def build(cfg: DaemonConfig) -> Daemon:
+    """Build the daemon for ``cfg``: state, topology and policy loaded, nothing started.
+
+    Raises TunerdError (the caller prints it and exits) when the directories, the
+    state or the policy cannot be used.
+    """
+    errors = ErrorLog()
+    prepare_dirs(cfg.runtime_dir, cfg.state_dir)
+    durable = StateStore(cfg.state_path)
+    durable.load()
+    if durable.load_error:
+        errors.record("state", durable.load_error)
+    runtime = durable  # one file until the runtime store lands
+    save_runtime = _saver(runtime)
+    save_durable = _saver(durable)
+
+    topology = load_topology(cfg.topology)
+    policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
+    policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
+
+    pidwatch = PidWatch()
+    binder = Binder(cfg.proc_root, cfg.sys_root)
+    leases_section: dict[str, Any] = runtime.section("leases")
+    leases_section.setdefault("moved", {})
+    mover = ExclusiveMover(leases_section["moved"], save_runtime, dry_run=cfg.dry_run)
+    jobs = JobRegistry(binder, runtime.section("bindings"), save_runtime, pidwatch, errors,
+                       dry_run=cfg.dry_run, mover=mover)
+    placer = Placer(topology, HostCapacity.read(cfg.sys_root), policy.housekeeping,
+                    dry_run=cfg.dry_run)
+    leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
+                          limits=policy.lease_limits, default_nofile=policy.default_nofile)
+    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors,
+                          default_nofile=policy.default_nofile,
+                          use_connector=cfg.watch_execs)
+    replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
+              if cfg.topology is not None else None)
+    host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
+                                     gpu_unavailable=replay),
+                        durable.section("host"), save_durable, errors,
+                        state_path=cfg.state_path, dry_run=cfg.dry_run,
+                        verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)
+
+    def daemon_facts() -> dict[str, float]:
+        return {"policy_ok": 0.0 if policy.error else 1.0,
+                "rule_bind_failures": float(autobind.failed),
+                "drift_settings": float((host.last_verify or {}).get("drift", 0)),
+                "errors_open": float(len(errors.open_problems("error")))}
+
+    monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
+                                      history_seconds=cfg.history_seconds,
+                                      metrics_listen=cfg.metrics_listen),
+                      jobs, errors, daemon_facts=daemon_facts)
+
+    async def rules_changed(new: Policy) -> None:
+        await autobind.apply_rules(policy.rules())
+
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
+    router = Router()
+    server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout)
+    daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
+                    notifier=Notifier.from_env(),
+                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],
+                    dry_run=cfg.dry_run, replay=cfg.topology,
+                    pidfile=cfg.runtime_dir / "tunerd.pid")
+
+    def settings_for(pid: int) -> dict[str, Any]:
+        rb = autobind.bound.get(pid)
+        if rb is None:
+            return {}
+        for rule in autobind.rules.rules:
+            if rule.name == rb.rule:
+                torch = getattr(rule, "torch", None)
+                return dict(torch) if isinstance(torch, dict) else {}
+        return {}
+
+    CoreCommands(daemon.status, daemon.reload, policy).register(router)
+    BindCommands(jobs, placer, leases).register(router)
+    LeaseCommands(leases).register(router)
+    HostCommands(host).register(router)
+    TopologyCommands(topology).register(router)
+    MonitorCommands(monitor, settings_for=settings_for).register(router)
+    return daemon

@@ -1,0 +1,134 @@
+"""What training processes report about themselves (``tunerd.torch.StepReporter``).
+
+A report arrives over the control socket (command ``report``; the daemon checks
+that the peer owns the process) and is kept here per process until the process
+exits or stops reporting. Each sampling cycle attaches the latest report to the
+job's sample: step time, samples/s, CUDA memory (or RSS on CPU), DataLoader
+workers. Nothing is read from files a user could write: a report is a bounded
+JSON message, validated here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tunerd.errors import UsageError
+
+__all__ = ["Report", "ReportStore", "parse_report"]
+
+STALE_AFTER = 120.0  # seconds without a report before a process's last one is dropped
+MAX_WORKERS = 1024
+MAX_PROCESSES = 4096  # reports kept at most (one per process)
+
+
+@dataclass
+class Report:
+    pid: int
+    start_time: int | None
+    uid: int
+    time: float
+    steps: int | None = None
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    device: str | None = None
+    memory: dict[str, int] | None = None
+    workers: tuple[int, ...] = ()
+    num_workers: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "steps": self.steps, "step_time_s": self.step_time_s,
+                "samples_per_s": self.samples_per_s, "device": self.device,
+                "memory": self.memory, "workers": list(self.workers),
+                "num_workers": self.num_workers, "rank": self.rank,
+                "local_rank": self.local_rank, "local_world_size": self.local_world_size}
+
+
+def _num(args: dict[str, Any], key: str, kind: type, lo: float = 0.0,
+         hi: float = float(1 << 62)) -> Any:
+    v = args.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UsageError(f"report: {key!r} must be a number, got {v!r}")
+    if not math.isfinite(float(v)) or not lo <= v <= hi:
+        raise UsageError(f"report: {key!r} out of range: {v!r}")
+    if kind is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise UsageError(f"report: {key!r} must be an integer, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None,
+                 uid: int) -> Report:
+    """Validate the ``report`` command's arguments (names, types, ranges)."""
+    mem = args.get("memory")
+    memory: dict[str, int] | None = None
+    if mem is not None:
+        if not isinstance(mem, dict) or len(mem) > 8:
+            raise UsageError("report: 'memory' must be an object of byte counts")
+        memory = {}
+        for k in ("allocated", "reserved", "max_allocated", "rss"):
+            if k in mem:
+                memory[k] = _num(mem, k, int)
+    device = args.get("device")
+    if device is not None and device not in ("cuda", "cpu"):
+        raise UsageError(f"report: 'device' must be 'cuda' or 'cpu', got {device!r}")
+    workers_raw = args.get("workers") or []
+    if not isinstance(workers_raw, list) or len(workers_raw) > MAX_WORKERS or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in workers_raw):
+        raise UsageError("report: 'workers' must be a list of process ids")
+    return Report(pid=pid, start_time=start_time, uid=uid, time=time.time(),
+                  steps=_num(args, "steps", int), step_time_s=_num(args, "step_time_s", float),
+                  samples_per_s=_num(args, "samples_per_s", float), device=device,
+                  memory=memory, workers=tuple(workers_raw),
+                  num_workers=_num(args, "num_workers", int, hi=MAX_WORKERS),
+                  rank=_num(args, "rank", int, hi=1 << 30),
+                  local_rank=_num(args, "local_rank", int, hi=1 << 20),
+                  local_world_size=_num(args, "local_world_size", int, hi=1 << 20))
+
+
+class ReportStore:
+    def __init__(self) -> None:
+        self._by_pid: dict[int, Report] = {}
+
+    def put(self, report: Report) -> None:
+        if report.pid not in self._by_pid and len(self._by_pid) >= MAX_PROCESSES:
+            self.expire()
+            if len(self._by_pid) >= MAX_PROCESSES:  # drop the oldest
+                oldest = min(self._by_pid.values(), key=lambda r: r.time)
+                del self._by_pid[oldest.pid]
+        self._by_pid[report.pid] = report
+
+    def get(self, pid: int) -> Report | None:
+        return self._by_pid.get(pid)
+
+    def drop(self, pid: int) -> None:
+        self._by_pid.pop(pid, None)
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        for pid in [p for p, r in self._by_pid.items() if now - r.time > STALE_AFTER]:
+            del self._by_pid[pid]
+
+    def attach(self, jobs: list[dict[str, Any]]) -> None:
+        """Put each job's latest report into its sample (``report``, and ``torch`` memory)."""
+        self.expire()
+        for j in jobs:
+            r = self._by_pid.get(j.get("pid", -1))
+            if r is None or (r.start_time is not None and j.get("start_time") not in
+                             (None, r.start_time)):
+                continue
+            j["report"] = r.to_json()
+            if r.memory and r.device == "cuda":
+                j["torch"] = {"pid": r.pid, "time": r.time, "devices": [{
+                    "device": 0, "reserved_bytes": r.memory.get("reserved"),
+                    "allocated_bytes": r.memory.get("allocated"),
+                    "max_allocated_bytes": r.memory.get("max_allocated")}]}
+            j["reported_workers"] = list(r.workers)

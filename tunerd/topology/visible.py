@@ -1,0 +1,102 @@
+"""Which GPUs a process uses: CUDA_VISIBLE_DEVICES, LOCAL_RANK, and NVML.
+
+In order of trust:
+
+1. ``LOCAL_RANK`` (torchrun, Slurm via the launcher) picks one GPU out of the
+   visible ones: ``CUDA_VISIBLE_DEVICES[LOCAL_RANK]``, or GPU ``LOCAL_RANK`` when
+   the variable is unset (every rank sees every GPU and uses cuda:LOCAL_RANK);
+2. ``CUDA_VISIBLE_DEVICES`` alone: all the GPUs it lists (indices or ``GPU-``
+   UUIDs; indices are taken in PCI bus order, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
+   which is also NVML's and nvidia-smi's order);
+3. NVML: the GPUs whose compute-process list has the PID
+   (``nvmlDeviceGetComputeRunningProcesses``; ``nvidia-smi --query-compute-apps``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from tunerd.topology.model import Topology
+
+__all__ = ["gpus_from_env", "gpus_from_nvml", "parse_gpu_list", "visible_gpus"]
+
+
+def visible_gpus(topo: Topology, cvd: str) -> list[int]:
+    """GPU indices named by a CUDA_VISIBLE_DEVICES-style list (indices, UUIDs, prefixes).
+
+    Entries this node does not have are skipped; CUDA stops at the first invalid
+    entry, which only ever makes the list shorter.
+    """
+    by_uuid = {str(g.uuid): int(g.index) for g in topo.gpus}
+    indices = {int(g.index) for g in topo.gpus}
+    out: list[int] = []
+    for item in cvd.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.isdigit():
+            if int(item) in indices:
+                out.append(int(item))
+            continue
+        # a UUID or a unique prefix of one (CUDA accepts "GPU-8a3f" style prefixes)
+        hits = [i for u, i in by_uuid.items() if u.startswith(item) or u == f"GPU-{item}"]
+        if len(hits) == 1:
+            out.append(hits[0])
+    return out
+
+
+def parse_gpu_list(text: str) -> list[int] | None:
+    """Slurm's SLURM_JOB_GPUS / SLURM_STEP_GPUS ("0,1", "0-1"); None if unparsable."""
+    from tunerd.cpulist import CpuListError, parse_cpulist
+
+    text = text.strip()
+    if not text or text == "NoDevFiles":
+        return []
+    try:
+        return sorted(parse_cpulist(text))
+    except CpuListError:
+        return None
+
+
+def gpus_from_env(topo: Topology, env: Mapping[str, str],
+                  allowed: Iterable[int] | None = None) -> tuple[int, ...] | None:
+    """The GPU indices a process uses according to its environment, or None if it says nothing.
+
+    ``()`` means "no GPU" (``CUDA_VISIBLE_DEVICES=""`` or ids this node lacks).
+    ``allowed``: the GPUs of the process's allocation (Slurm), in order; without
+    CUDA_VISIBLE_DEVICES a rank's ``LOCAL_RANK`` counts inside them.
+    """
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        visible = visible_gpus(topo, cvd)
+    elif allowed is not None:
+        visible = list(allowed)
+    else:
+        visible = [int(g.index) for g in topo.gpus]
+    rank_s = env.get("LOCAL_RANK")
+    if rank_s is not None and rank_s.strip().isdigit():
+        if not visible:
+            return ()
+        return (visible[int(rank_s) % len(visible)],)
+    if cvd is not None:
+        return tuple(visible)
+    return None
+
+
+def gpus_from_nvml(pid: int) -> tuple[int, ...]:
+    """GPU indices whose NVML compute-process list holds ``pid`` (empty without NVML)."""
+    from tunerd import nvml
+
+    if not nvml.available():
+        return ()
+    count = nvml.call("nvmlDeviceGetCount", default=0)
+    found: list[int] = []
+    for i in range(int(count or 0)):
+        h = nvml.call("nvmlDeviceGetHandleByIndex", i)
+        if not h:
+            continue
+        procs = nvml.call("nvmlDeviceGetComputeRunningProcesses_v3|"
+                          "nvmlDeviceGetComputeRunningProcesses", h, default=[]) or []
+        if any(getattr(p, "pid", None) == pid for p in procs):
+            found.append(i)
+    return tuple(found)
