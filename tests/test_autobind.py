@@ -21,6 +21,7 @@ from tests.leases_helpers import (
     wait_for,
 )
 from tunerd.cpulist import parse_cpulist
+from tunerd.policy.typed import JobSpec
 from tunerd.watch.rules import RuleSet
 
 pytestmark = pytest.mark.root
@@ -36,11 +37,11 @@ def _rule(name: str, exe: Path, extra: str = "") -> str:
 
 def test_ruleset_matches_real_processes(tmp_path: Path) -> None:
     exe = unique_sleeper(tmp_path, f"rs_train_{os.getpid()}")
-    rules = RuleSet.from_policy({"job": [
-        {"name": "other-user", "match": {"cmdline": [f"*{exe.name}*"], "user": ["nobody"]}},
-        {"name": "t", "match": {"cmdline": [f"*{exe.name}* 30"], "env": {"LOCAL_RANK": "[0-3]"},
-                                "user": ["root"]}},
-    ]})
+    rules = RuleSet.from_policy([
+        JobSpec("other-user", cmdline=(f"*{exe.name}*",), users=("nobody",)),
+        JobSpec("t", cmdline=(f"*{exe.name}* 30",), env={"LOCAL_RANK": "[0-3]"},
+                users=("root",)),
+    ])
     ranked = spawn([str(exe), "30"], {"LOCAL_RANK": "2"})
     unranked = spawn([str(exe), "30"])
     high_rank = spawn([str(exe), "30"], {"LOCAL_RANK": "7"})

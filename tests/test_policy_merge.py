@@ -18,6 +18,7 @@ from tunerd.policy import (
     load_policy_dir,
 )
 from tunerd.policy.render import render_toml
+from tunerd.policy.typed import PolicyModel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,7 +27,9 @@ else:  # pragma: no cover
 
 BUNDLED = REPO / "policies"
 NO_GPU = NodeFacts(hostname="node1")
-SECTIONS = {"policy", "sysctl", "nic", "nccl", "block", "limits", "cpu", "vm", "gpu", "job"}
+SECTIONS = {"policy", "sysctl", "nic", "nccl", "block", "limits", "cpu", "vm", "gpu", "job",
+            "leases"}
+LEASE_DEFAULTS = {"user_exclusive": False, "max_per_user": 64, "alloc_ttl": 86400}
 
 
 def load(d: Path, facts: NodeFacts = NO_GPU) -> dict:
@@ -84,6 +87,7 @@ def test_every_section_present(tmp_path: Path) -> None:
     assert set(data) == SECTIONS
     assert data["policy"] == {"name": "a", "names": ["a"], "apply_once": []}
     assert data["nic"] == [] and data["sysctl"] == {} and data["job"] == []
+    assert data["leases"] == LEASE_DEFAULTS  # always in force, so always shown
 
 
 # -- extends -----------------------------------------------------------------
@@ -198,6 +202,7 @@ def test_no_file_applies_gives_an_empty_policy(tmp_path: Path) -> None:
     write_policy(tmp_path, "a.toml", '[policy.match]\nmin_gpus = 1\n[limits]\nnofile = 5\n')
     p = load_policy_dir(tmp_path, NO_GPU)
     assert p.sources == [] and p.data["limits"] == {} and set(p.data) == SECTIONS
+    assert p.model == PolicyModel()  # the empty policy, typed
 
 
 # -- the bundled policies on the recorded node types --------------------------
@@ -266,6 +271,19 @@ def test_json_schema_describes_every_section() -> None:
     s = json.loads(json.dumps(json_schema()))
     assert s["$schema"].startswith("https://json-schema.org/")
     assert set(s["properties"]) == SECTIONS
+    job = s["properties"]["job"]["items"]["properties"]
+    assert job["workers"]["minimum"] == 0 and job["workers"]["maximum"] == 1024
+    torch = job["torch"]
+    assert set(torch["properties"]) == {"num_workers", "pin_memory", "persistent_workers",
+                                        "prefetch_factor", "amp", "compile"}
+    assert torch["additionalProperties"] is False
+    assert torch["properties"]["amp"]["enum"] == ["off", "bf16", "fp16"]
+    assert (torch["properties"]["prefetch_factor"]["minimum"],
+            torch["properties"]["prefetch_factor"]["maximum"]) == (1, 64)
+    leases = s["properties"]["leases"]
+    assert leases["properties"]["user_exclusive"]["type"] == "boolean"
+    assert leases["properties"]["alloc_ttl"]["minimum"] == 0
+    assert leases["additionalProperties"] is False
     assert s["additionalProperties"] is False
     nic = s["properties"]["nic"]["items"]
     assert nic["required"] == ["match"]

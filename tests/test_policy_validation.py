@@ -70,6 +70,39 @@ BAD_POLICIES: list[tuple[str, str, str, str]] = [
      "block[0].read_ahead_kb", "-5"),
     ("block-nr-requests", '[[block]]\nmatch = "nvme*"\nnr_requests = 2\n',
      "block[0].nr_requests", "2"),
+    ("job-workers-negative", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = -1\n',
+     "job[0].workers", "-1"),
+    ("job-workers-huge", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = 5000\n',
+     "job[0].workers", "5000"),
+    ("job-workers-string", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = "8"\n',
+     "job[0].workers", '"8"'),
+    ("torch-not-table", '[[job]]\nname = "j"\nmatch.user = "a"\ntorch = "bf16"\n',
+     "job[0].torch", '"bf16"'),
+    ("torch-amp", '[[job]]\nname = "j"\nmatch.user = "a"\ntorch = { amp = "fp32" }\n',
+     "job[0].torch.amp", '"fp32"'),
+    ("torch-unknown-key", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_worker = 2 }\n", "job[0].torch.num_worker", '"num_worker"'),
+    ("torch-num-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 2000 }\n", "job[0].torch.num_workers", "2000"),
+    ("torch-prefetch-zero", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { prefetch_factor = 0 }\n", "job[0].torch.prefetch_factor", "0"),
+    ("torch-pin-string", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     'torch = { pin_memory = "yes" }\n', "job[0].torch.pin_memory", '"yes"'),
+    ("torch-compile-int", '[[job]]\nname = "j"\nmatch.user = "a"\n[job.torch]\ncompile = 1\n',
+     "job[0].torch.compile", "1"),
+    ("torch-persistent-no-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 0, persistent_workers = true }\n",
+     "job[0].torch.persistent_workers", "true"),
+    ("torch-prefetch-no-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 0, prefetch_factor = 2 }\n",
+     "job[0].torch.prefetch_factor", "2"),
+    ("leases-max-negative", "[leases]\nmax_per_user = -1\n", "leases.max_per_user", "-1"),
+    ("leases-ttl-string", '[leases]\nalloc_ttl = "1d"\n', "leases.alloc_ttl", '"1d"'),
+    ("leases-ttl-huge", "[leases]\nalloc_ttl = 99999999999\n", "leases.alloc_ttl",
+     "99999999999"),
+    ("leases-user-exclusive-int", "[leases]\nuser_exclusive = 1\n", "leases.user_exclusive",
+     "1"),
+    ("leases-unknown-key", "[leases]\nttl = 60\n", "leases.ttl", '"ttl"'),
 ]
 
 BAD_META: list[tuple[str, str, str, str]] = [
@@ -88,6 +121,7 @@ BAD_META: list[tuple[str, str, str, str]] = [
      '"bse"'),
     ("extends-self", '[policy]\nname = "bad"\nextends = "bad"\n', "policy.extends",
      "bad -> bad"),
+    ("leases-not-table", 'leases = 5\n[policy]\nname = "bad"\n', "leases", "5"),
     ("apply-once-int", '[policy]\nname = "bad"\napply_once = 5\n', "policy.apply_once", "5"),
 ]
 

@@ -77,8 +77,7 @@ class AutoBinder:
 
     # -- lifecycle -------------------------------------------------------------
     async def policy_changed(self) -> None:
-        data = self.d.policy.data if self.d.policy else {}
-        self.rules = RuleSet.from_policy(data)
+        self.rules = RuleSet.from_policy(self.d.policy.model.jobs if self.d.policy else ())
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self.on_exec, self.rescan,
                                        use_connector=self.d.cfg.watch_execs)

@@ -5,7 +5,9 @@ Public interface (used by the daemon and ``tunerctl policy``):
 - ``NodeFacts``: what ``[policy.match]`` tables are tested against.
 - ``load_policy_dir(directory, facts) -> Policy``; raises ``PolicyError`` naming the
   file, key path and value when any file of the directory is bad.
-- ``Policy.data`` (interfaces.md §1), ``Policy.sources``, ``Policy.to_dict()``.
+- ``Policy.model`` (the typed policy: ``tunerd.policy.typed.PolicyModel``, what
+  services and tuners read), ``Policy.data`` / ``Policy.to_dict()`` (plain data, for
+  ``policy show``), ``Policy.sources``.
 - ``check_paths(paths)``: offline validation report for ``tunerctl policy check``.
 - ``json_schema()``: JSON Schema of a policy file.
 """

@@ -21,6 +21,7 @@ from tunerd.policy.merge import merge_content
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
+from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -165,10 +166,20 @@ def _check_file(doc: dict[str, Any], path: Path, problems: list[Problem]) -> Non
                                 f"max_gpus = {match['max_gpus']} is below "
                                 f"min_gpus = {match['min_gpus']}: no node can match"))
     for i, job in enumerate(doc.get("job", [])):
+        where = key_path("job", i)
         if "match" in job and not any(job["match"].values()):
-            problems.append(Problem(key_path(key_path("job", i), "match"),
+            problems.append(Problem(key_path(where, "match"),
                                     "needs cmdline, env or user: an empty match would bind "
                                     "every process"))
+        torch = job.get("torch", {})
+        if torch.get("num_workers") == 0:
+            # DataLoader raises ValueError for these without worker processes
+            for key, bad in (("persistent_workers", True), ("prefetch_factor", None)):
+                if key in torch and (bad is None or torch[key] is bad):
+                    problems.append(Problem(
+                        key_path(key_path(where, "torch"), key),
+                        f"{key} = {describe(torch[key])} needs worker processes, but "
+                        "num_workers = 0 (DataLoader refuses it)"))
 
 
 @lru_cache(maxsize=1)
@@ -295,11 +306,13 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
             include(f, ())
     skipped = [{"file": str(f.path), "reason": mismatch(f.match, facts) or "not applied"}
                for f in files if f.name not in names]
-    return Policy(data=normalize(merged, names), sources=sources, skipped=skipped + notes)
+    data = normalize(merged, names)
+    return Policy(data=data, sources=sources, model=build_model(data, sources),
+                  skipped=skipped + notes)
 
 
 def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The interfaces.md §1 shape: every section present, defaults filled in."""
+    """``Policy.data``: every section present, defaults filled in, policy identity first."""
     data: dict[str, Any] = {
         "policy": {"name": names[-1] if names else "", "names": list(names),
                    "apply_once": list(merged.get("apply_once", []))},
@@ -309,6 +322,9 @@ def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
     for job in data["job"]:
         job.setdefault("placement", "gpu-local")
         job["match"] = {"cmdline": [], "env": {}, "user": [], **job.get("match", {})}
+    # the lease limits are always in force: show their values even when no file sets them
+    data["leases"] = {"user_exclusive": False, "max_per_user": DEFAULT_MAX_PER_USER,
+                      "alloc_ttl": DEFAULT_ALLOC_TTL, **data["leases"]}
     return data
 
 

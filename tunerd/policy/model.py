@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunerd.errors import PolicyError
+from tunerd.policy.typed import PolicyModel
 
 __all__ = ["NodeFacts", "Policy", "PolicyError"]
-
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,17 @@ class NodeFacts:
 
 @dataclass
 class Policy:
-    """The merged, validated policy for one node (interfaces.md §1 is ``data``'s shape)."""
+    """The merged, validated policy for one node.
+
+    ``data`` is the merged policy as plain data (every section present, defaults
+    filled in): what ``policy show`` prints. ``model`` is the same policy typed
+    (tunerd.policy.typed), built by the loader after validation: what the tuners
+    and services read.
+    """
 
     data: dict[str, Any]
     sources: list[str]  # files merged, in merge order (extends first)
+    model: PolicyModel
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
 
     @property
