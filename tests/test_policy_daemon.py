@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -152,3 +153,39 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
     assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
     assert [Path(s["file"]).name for s in show["skipped"]] == ["pcie-gpu.toml"]
+
+
+# -- a FIFO named *.toml (issue 9: it froze the loop on SIGHUP and hung `policy check`) ----
+def test_policy_check_refuses_a_fifo_without_hanging(tmp_path: Path) -> None:
+    pdir = tmp_path / "pol"
+    good = write_policy(pdir, "00-good.toml", GOOD)
+    fifo = pdir / "50-fifo.toml"
+    os.mkfifo(fifo)
+    # the old CLI blocked in open() forever: the timeout turns that into a failure
+    r = run_ctl("policy", "check", str(pdir), timeout=30)
+    assert r.rc == 1, r
+    assert f"FAIL {fifo}: not a regular file (a FIFO); " in r.out, r.out
+    assert f"ok   {good}" in r.out
+    r = run_ctl("--json", "policy", "check", str(fifo), timeout=30)
+    assert r.rc == 1 and "not a regular file (a FIFO)" in r.json()["files"][0]["errors"][0]
+
+
+def test_sighup_onto_a_fifo_keeps_the_daemon_responsive(tmp_path: Path, daemon_factory) -> None:
+    pdir = tmp_path / "pol"
+    write_policy(pdir, "10-site.toml", GOOD)
+    d: DaemonProc = daemon_factory(policy_dir=pdir).start()
+    fifo = pdir / "50-fifo.toml"
+    os.mkfifo(fifo)
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: d.ctl("--json", "status", timeout=10).json()["policy"]["error"] is not None,
+             "the reload to be rejected")
+    st = d.ctl("--json", "status", timeout=10).json()
+    assert f"{fifo}: not a regular file (a FIFO)" in st["policy"]["error"]
+    show = d.ctl("--json", "policy", "show", timeout=10)
+    assert show.rc == 0 and show.json()["limits"] == {"nofile": 65536}  # old policy kept
+    # the loop still serves (a blocked open() would time these out) and stops on SIGTERM
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert d.ctl("--json", "status", timeout=10).rc == 1  # 1: the policy error
+    assert time.monotonic() - t0 < 30
+    assert d.stop(timeout=15) == 0

@@ -9,7 +9,9 @@ whatever node it is loaded on, so ``policy check`` catches them offline.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -31,11 +33,13 @@ else:  # pragma: no cover
 __all__ = [
     "BUNDLED_DIR",
     "FileReport",
+    "NotRegularFile",
     "PolicyFile",
     "check_set",
     "load_set",
     "policy_files_in",
     "read_policy_file",
+    "read_regular",
     "resolve",
 ]
 
@@ -71,6 +75,71 @@ class FileReport:
         self.errors.append(f"{self.path}: {problem}")
 
 
+class NotRegularFile(Exception):
+    """A policy path that is a FIFO, device, socket or directory (or a symlink to one)."""
+
+
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def _file_type(mode: int) -> str:
+    return next((name for test, name in _FILE_TYPES if test(mode)), "not a file")
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, which must be a regular file (or a symlink to one).
+
+    Anything else is refused before it is opened for reading: opening a FIFO blocks
+    until a writer comes (it froze the daemon's loop on SIGHUP), and opening a
+    device can have side effects. The path is opened with O_PATH, which neither
+    reads nor blocks, its type checked on that descriptor, and only then the same
+    inode is opened for reading through /proc/self/fd, so a rename between the
+    check and the read cannot slip another file in. Raises NotRegularFile (the
+    message names the file and its type) or OSError.
+    """
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _file_type(st.st_mode)
+            if os.path.islink(path):
+                kind = f"a symlink to {kind}"
+            raise NotRegularFile(f"not a regular file ({kind}); a policy must be a regular "
+                                 "file or a symlink to one")
+        try:
+            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if os.path.isdir("/proc/self/fd"):
+                raise
+            rfd = _open_checked(path)  # no /proc (a bare chroot): check the opened file
+    finally:
+        os.close(fd)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size < limit:
+            chunk = os.read(rfd, min(limit - size, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(rfd)
+    return b"".join(chunks)
+
+
+def _open_checked(path: Path) -> int:
+    # O_NONBLOCK: a FIFO swapped in after the O_PATH check opens without waiting
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        kind = _file_type(os.fstat(fd).st_mode)
+        os.close(fd)
+        raise NotRegularFile(f"not a regular file ({kind})")
+    return fd
+
+
 def policy_files_in(directory: Path) -> list[Path]:
     """``*.toml`` in name order. Hidden files (editor locks like ``.#x.toml``) are skipped."""
     try:
@@ -103,8 +172,10 @@ def read_policy_file(path: Path, text: str | None = None) -> FileReport:
     report = FileReport(path=path, name=None)
     if text is None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+            raw = read_regular(path, MAX_FILE_BYTES + 1)
+        except NotRegularFile as err:
+            report.add(Problem("", str(err)))
+            return report
         except OSError as err:
             report.add(Problem("", f"cannot read: {err.strerror or err}"))
             return report
