@@ -155,6 +155,44 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert [Path(s["file"]).name for s in show["skipped"]] == ["pcie-gpu.toml"]
 
 
+H100_ONLY = ('[policy]\nname = "h100"\n[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'
+             '[sysctl]\n"net.core.rmem_max" = 536870912\n')
+
+
+def test_policy_check_warns_when_no_file_matches_this_node(tmp_path: Path) -> None:
+    h100 = write_policy(tmp_path / "pol", "20-h100.toml", H100_ONLY)
+    r = run_ctl("policy", "check", str(tmp_path / "pol"), "--hostname", "laptop")
+    assert r.rc == 0, r  # checking an H100 file on a laptop is legitimate
+    assert (f"ok   {h100} (policy 'h100', not for this node: no GPU model matches ['*H100*'] "
+            "(node has no GPU))") in r.out, r.out
+    warn = [ln for ln in r.out.splitlines() if ln.startswith("WARN ")]
+    assert len(warn) == 1, r.out
+    assert warn[0].startswith("WARN no policy file matches this node (hostname 'laptop', "
+                              "no GPU): running with an empty policy"), warn
+    assert f'{h100}: [policy.match] gpu_model = ["*H100*"], min_gpus = 8' in warn[0]
+    rep = run_ctl("--json", "policy", "check", str(tmp_path / "pol"), "--hostname", "laptop")
+    assert rep.rc == 0
+    assert rep.json()["warnings"] == [warn[0][len("WARN "):]]
+    assert rep.json()["effective"]["sysctl"] == {}
+    # on a node it is meant for: no warning
+    ok = run_ctl("--json", "policy", "check", str(tmp_path / "pol"), "--gpu-model",
+                 "NVIDIA H100 80GB HBM3", "--gpus", "8")
+    assert ok.rc == 0 and ok.json()["warnings"] == []
+    assert ok.json()["files"][0]["applies"] is True
+
+
+def test_policy_show_warns_when_no_file_matches(tmp_path: Path, daemon_factory) -> None:
+    pdir = tmp_path / "pol"
+    h100 = write_policy(pdir, "20-h100.toml", H100_ONLY)
+    d: DaemonProc = daemon_factory(policy_dir=pdir).start()
+    show = d.ctl("--json", "policy", "show").json()
+    (w,) = show["warnings"]
+    assert w.startswith("no policy file matches this node (hostname ") and str(h100) in w
+    human = d.ctl("policy", "show").out
+    assert f"# WARNING: {w}" in human, human
+    assert "#   (none)" in human
+
+
 # -- a FIFO named *.toml (issue 9: it froze the loop on SIGHUP and hung `policy check`) ----
 def test_policy_check_refuses_a_fifo_without_hanging(tmp_path: Path) -> None:
     pdir = tmp_path / "pol"

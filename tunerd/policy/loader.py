@@ -9,6 +9,7 @@ whatever node it is loaded on, so ``policy check`` catches them offline.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import stat
@@ -375,11 +376,29 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
     for f in files:
         if mismatch(f.match, facts) is None:
             include(f, ())
+    not_applied = [f for f in files if f.name not in names]
     skipped = [{"file": str(f.path), "reason": mismatch(f.match, facts) or "not applied"}
-               for f in files if f.name not in names]
+               for f in not_applied]
+    warnings = []
+    if files and not names:
+        warnings.append(no_match_warning(not_applied, facts))
     data = normalize(merged, names)
     return Policy(data=data, sources=sources, model=build_model(data, sources),
-                  skipped=skipped + notes)
+                  skipped=skipped + notes, warnings=warnings)
+
+
+def _inline(match: dict[str, Any]) -> str:
+    """A ``[policy.match]`` table on one line, as TOML: ``gpu_model = ["*H100*"], min_gpus = 8``."""
+    return ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in match.items())
+
+
+def no_match_warning(files: list[PolicyFile], facts: NodeFacts) -> str:
+    """Why a set that has files gives this node the empty policy (issue: silent no-op nodes)."""
+    why = "; ".join(f"{f.path}: [policy.match] {_inline(f.match or {})} "
+                    f"({mismatch(f.match, facts) or 'not applied'})" for f in files)
+    return (f"no policy file matches this node ({facts.describe()}): running with an empty "
+            f"policy (no host setting, no [[job]] rule, no default fd limit). Not applied: "
+            f"{why}")
 
 
 def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
