@@ -6,22 +6,12 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import REPO, DaemonProc, run_ctl, write_policy
+from tests.helpers import REPO, DaemonProc, run_ctl, wait_for, write_policy
 
 GOOD = '[policy]\nname = "site"\n\n[limits]\nnofile = 65536\n'
 BAD_MTU = '[policy]\nname = "site"\n\n[[nic]]\nmatch = "ens*"\nmtu = 100000\n'
-
-
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_daemon_refuses_to_start_on_a_bad_policy(tmp_path: Path, daemon_factory) -> None:
@@ -50,8 +40,8 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
 
     site.write_text(BAD_MTU)
     d.signal(signal.SIGHUP)
-    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is not None,
-             "the reload to be rejected")
+    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is not None, 20,
+             "the reload to be rejected", detail=d.log)
     st = d.ctl("status")
     assert st.rc == 1  # a policy error is a problem `tunerctl status` reports
     assert f"{site}: nic[0].mtu" in st.out and "100000" in st.out, st.out
@@ -63,8 +53,8 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
 
     site.write_text(GOOD.replace("65536", "131072"))
     d.signal(signal.SIGHUP)
-    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None,
-             "the fixed policy to load")
+    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None, 20,
+             "the fixed policy to load", detail=d.log)
     assert d.ctl("status").rc == 0
     show = d.ctl("policy", "show")
     assert show.rc == 0
@@ -216,7 +206,7 @@ def test_sighup_onto_a_fifo_keeps_the_daemon_responsive(tmp_path: Path, daemon_f
     os.mkfifo(fifo)
     d.signal(signal.SIGHUP)
     wait_for(lambda: d.ctl("--json", "status", timeout=10).json()["policy"]["error"] is not None,
-             "the reload to be rejected")
+             20, "the reload to be rejected", detail=d.log)
     st = d.ctl("--json", "status", timeout=10).json()
     assert f"{fifo}: not a regular file (a FIFO)" in st["policy"]["error"]
     show = d.ctl("--json", "policy", "show", timeout=10)
