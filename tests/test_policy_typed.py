@@ -229,3 +229,11 @@ def test_rules_come_from_the_typed_jobs(tmp_path: Path) -> None:
     assert not pinned.matches("python bench.py", 1234, {"RANK": "7", "LOCAL_RANK": "0"})
     assert not pinned.matches("python bench.py", 999, {"RANK": "2", "LOCAL_RANK": "0"})
     assert not pinned.matches("python train.py", 1234, {"RANK": "2", "LOCAL_RANK": "0"})
+
+
+def test_no_worker_processes_with_persistent_workers_off_is_valid(tmp_path: Path) -> None:
+    write_policy(tmp_path, "a.toml", '[[job]]\nname = "t"\nmatch.cmdline = "*t*"\nworkers = 0\n'
+                                     "torch = { num_workers = 0, persistent_workers = false }\n")
+    (job,) = load_policy_dir(tmp_path, NodeFacts("n1")).model.jobs
+    assert job.workers == 0
+    assert job.torch == TorchSettings(num_workers=0, persistent_workers=False)

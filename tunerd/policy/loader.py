@@ -86,7 +86,7 @@ _FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
 
 
 def _file_type(mode: int) -> str:
-    return next((name for test, name in _FILE_TYPES if test(mode)), "not a file")
+    return next((name for test, name in _FILE_TYPES if test(mode)), "an unknown file type")
 
 
 def read_regular(path: Path, limit: int) -> bytes:
@@ -134,10 +134,10 @@ def read_regular(path: Path, limit: int) -> bytes:
 def _open_checked(path: Path) -> int:
     # O_NONBLOCK: a FIFO swapped in after the O_PATH check opens without waiting
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        kind = _file_type(os.fstat(fd).st_mode)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise NotRegularFile(f"not a regular file ({kind})")
+        raise NotRegularFile(f"not a regular file ({_file_type(mode)})")
     return fd
 
 
@@ -245,13 +245,14 @@ def _check_file(doc: dict[str, Any], path: Path, problems: list[Problem]) -> Non
                                     "every process"))
         torch = job.get("torch", {})
         if torch.get("num_workers") == 0:
-            # DataLoader raises ValueError for these without worker processes
-            for key, bad in (("persistent_workers", True), ("prefetch_factor", None)):
-                if key in torch and (bad is None or torch[key] is bad):
-                    problems.append(Problem(
-                        key_path(key_path(where, "torch"), key),
-                        f"{key} = {describe(torch[key])} needs worker processes, but "
-                        "num_workers = 0 (DataLoader refuses it)"))
+            # torch.utils.data.DataLoader raises ValueError for these without workers
+            clash = [k for k in ("persistent_workers", "prefetch_factor")
+                     if k in torch and torch[k] is not False]
+            for key in clash:
+                problems.append(Problem(key_path(key_path(where, "torch"), key),
+                                        f"{key} = {describe(torch[key])} needs worker "
+                                        "processes, but num_workers = 0 (DataLoader "
+                                        "refuses it)"))
 
 
 @lru_cache(maxsize=1)
@@ -393,7 +394,8 @@ def _inline(match: dict[str, Any]) -> str:
 
 
 def no_match_warning(files: list[PolicyFile], facts: NodeFacts) -> str:
-    """Why a set that has files gives this node the empty policy (issue: silent no-op nodes)."""
+    """Why a set that has files gives this node the empty policy: a node that silently
+    runs no policy (an H100-only directory on an L40S node) must be noticed."""
     why = "; ".join(f"{f.path}: [policy.match] {_inline(f.match or {})} "
                     f"({mismatch(f.match, facts) or 'not applied'})" for f in files)
     return (f"no policy file matches this node ({facts.describe()}): running with an empty "
