@@ -11,9 +11,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.helpers import wait_for
 
 CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 
@@ -106,17 +108,6 @@ def start_time(pid: int) -> int:
 def snapshot(pid: int) -> dict[str, Any]:
     """Everything bind may change, for "the target is unchanged" checks."""
     return {"cpus": task_cpus(pid), "nofile": prlimit_nofile(pid), "cpuset": cpuset_path(pid)}
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -108,6 +108,31 @@ class DaemonProc:
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
+
+
+T = TypeVar("T")
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, *, interval: float = 0.05,
+             detail: Callable[[], str] | None = None) -> T:
+    """Poll ``pred`` until it returns something truthy, and return that value.
+
+    On timeout raise AssertionError naming ``what``, the timeout and ``pred``'s last
+    value (plus ``detail()``, e.g. the daemon's log), so that a caller can never
+    forget to assert. ``pred`` is tried once more at the deadline, so a slow
+    machine that got there just in time passes.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        last = pred()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(interval)
+    extra = f"\n{detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; "
+                         f"last value: {last!r}{extra}")
 
 
 def run_ctl(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> CliResult:

@@ -13,8 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,15 +57,6 @@ def ns_sysctl(ns: str, name: str) -> str:
 
 def ns_set_sysctl(ns: str, name: str, value: str) -> None:
     sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{name}={value}")
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 @dataclass

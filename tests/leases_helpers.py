@@ -6,8 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,6 @@ def cpus_allowed(pid: int) -> str | None:
     except OSError:
         return None
     return None
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.01) -> Any:
-    """Poll ``cond`` until it returns something truthy; that value, or the last one."""
-    deadline = time.monotonic() + timeout
-    v = cond()
-    while not v and time.monotonic() < deadline:
-        time.sleep(every)
-        v = cond()
-    return v
 
 
 def unique_sleeper(tmp: Path, name: str) -> Path:

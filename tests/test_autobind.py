@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO, wait_for
 from tests.leases_helpers import (
     DGX_H100,
     autobind_status,
@@ -18,9 +19,9 @@ from tests.leases_helpers import (
     snapshot_with_gpus_here,
     spawn,
     unique_sleeper,
-    wait_for,
 )
 from tunerd.cpulist import parse_cpulist
+from tunerd.policy.typed import JobSpec
 from tunerd.watch.rules import RuleSet
 
 pytestmark = pytest.mark.root
@@ -36,11 +37,11 @@ def _rule(name: str, exe: Path, extra: str = "") -> str:
 
 def test_ruleset_matches_real_processes(tmp_path: Path) -> None:
     exe = unique_sleeper(tmp_path, f"rs_train_{os.getpid()}")
-    rules = RuleSet.from_policy({"job": [
-        {"name": "other-user", "match": {"cmdline": [f"*{exe.name}*"], "user": ["nobody"]}},
-        {"name": "t", "match": {"cmdline": [f"*{exe.name}* 30"], "env": {"LOCAL_RANK": "[0-3]"},
-                                "user": ["root"]}},
-    ]})
+    rules = RuleSet.from_policy([
+        JobSpec("other-user", cmdline=(f"*{exe.name}*",), users=("nobody",)),
+        JobSpec("t", cmdline=(f"*{exe.name}* 30",), env={"LOCAL_RANK": "[0-3]"},
+                users=("root",)),
+    ])
     ranked = spawn([str(exe), "30"], {"LOCAL_RANK": "2"})
     unranked = spawn([str(exe), "30"])
     high_rank = spawn([str(exe), "30"], {"LOCAL_RANK": "7"})
@@ -68,7 +69,8 @@ def test_matching_process_is_bound_automatically(tmp_path: Path, daemon_factory)
     ranked = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
     unranked = spawn([str(exe), "30"])
     try:
-        assert wait_for(lambda: cpus_allowed(ranked.pid) == str(target), 10), d.log()
+        wait_for(lambda: cpus_allowed(ranked.pid) == str(target), 10,
+                 "the ranked process to be bound", detail=d.log)
         with open(f"/proc/{ranked.pid}/limits") as f:
             assert any(line.startswith("Max open files") and "4096" in line for line in f)
         jobs = d.ctl("--json", "jobs").json()["jobs"]
@@ -95,7 +97,8 @@ def test_process_running_before_the_rule_is_bound_at_start(tmp_path: Path,
     try:
         pol = rule_policy(tmp_path / "pol", _rule("early", exe, f'cpus = "{target}"'))
         daemon_factory(policy_dir=pol).start()
-        assert wait_for(lambda: cpus_allowed(early.pid) == str(target), 10)
+        wait_for(lambda: cpus_allowed(early.pid) == str(target), 10,
+                 "the process that ran before the daemon to be bound")
     finally:
         kill(early)
 
@@ -115,8 +118,7 @@ def test_torchrun_ranks_get_distinct_gpus_and_cpus_on_replay(tmp_path: Path,
             got = {b["pid"]: b for b in autobind_status(d)["bound"]}
             return got if len(got) >= 5 else {}
 
-        got = wait_for(bound, 15)
-        assert got, d.log()
+        got = wait_for(bound, 15, "five bound ranks", detail=d.log)
         by_rank = [got[p.pid] for p in ranks]
         assert [b["gpus"] for b in by_rank] == [[0], [1], [2], [3]]
         cpu_sets = [parse_cpulist(b["cpus"]) for b in by_rank]
@@ -151,8 +153,7 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
             except OSError:
                 return []
 
-        children = wait_for(lambda: len(kids()) == 2 and kids(), 5) or []
-        assert children
+        children = wait_for(lambda: len(kids()) == 2 and kids(), 5, "the two children")
         tree = [bystander.pid, *children]
         pol = rule_policy(tmp_path / "pol", _rule(
             "excl", exe, f'cpus = "{job_cpu}"\nexclusive = true\n'
@@ -160,14 +161,17 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
         d = daemon_factory(policy_dir=pol).start()
         job = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
         rest = HOST_CPUS - {job_cpu}
-        assert wait_for(lambda: cpus_allowed(job.pid) == str(job_cpu), 10), d.log()
-        assert wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == rest
-                                    for p in tree), 5), [cpus_allowed(p) for p in tree]
+        wait_for(lambda: cpus_allowed(job.pid) == str(job_cpu), 10, "the job to be bound",
+                 detail=d.log)
+        wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == rest for p in tree), 5,
+                 "the scope to move off the job's CPU",
+                 detail=lambda: str([cpus_allowed(p) for p in tree]))
         state = (d.state_dir / "state.json").read_text()
         assert f"rule:{job.pid}:" in state  # originals saved
         kill(job)
-        assert wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == HOST_CPUS
-                                    for p in tree), 5), [cpus_allowed(p) for p in tree]
+        wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == HOST_CPUS for p in tree),
+                 5, "the scope to get every CPU back",
+                 detail=lambda: str([cpus_allowed(p) for p in tree]))
     finally:
         kill_tree(bystander)
 
@@ -182,8 +186,8 @@ def test_ranks_are_really_bound_near_their_gpus(tmp_path: Path, daemon_factory) 
     r0 = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
     r1 = spawn([str(exe), "30"], {"LOCAL_RANK": "1"})
     try:
-        assert wait_for(lambda: cpus_allowed(r0.pid) == str(lo)
-                        and cpus_allowed(r1.pid) == str(hi), 10), d.log()
+        wait_for(lambda: cpus_allowed(r0.pid) == str(lo) and cpus_allowed(r1.pid) == str(hi),
+                 10, "ranks 0 and 1 bound near their GPUs", detail=d.log)
         jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
         assert jobs[r0.pid]["gpus"] == [0] and jobs[r1.pid]["gpus"] == [1]
     finally:
@@ -202,7 +206,8 @@ def test_proc_scan_fallback_still_binds(tmp_path: Path, daemon_factory) -> None:
     assert autobind_status(d)["watcher"]["mode"] == "proc-scan"
     p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
     try:
-        assert wait_for(lambda: cpus_allowed(p.pid) == str(target), 10), d.log()
+        wait_for(lambda: cpus_allowed(p.pid) == str(target), 10,
+                 "the /proc scan to bind the process", detail=d.log)
         assert "scanning /proc every" in d.log()
     finally:
         kill(p)
@@ -211,8 +216,6 @@ def test_proc_scan_fallback_still_binds(tmp_path: Path, daemon_factory) -> None:
 def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) -> None:
     import subprocess
     import sys
-
-    from tests.helpers import REPO
 
     exe = unique_sleeper(tmp_path, f"ab_lease_{os.getpid()}")
     pol = rule_policy(tmp_path / "pol", _rule("torch", exe))
@@ -229,9 +232,8 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
             bound = autobind_status(d)["bound"]
             return (runs[0], bound) if runs and len(bound) == 2 else None
 
-        got = wait_for(state, 15)
-        assert got, d.log()
-        lease, bound = got
+        lease, bound = wait_for(state, 15, "the run lease and its two bound ranks",
+                                detail=d.log)
         assert sorted(b["gpus"][0] for b in bound) == sorted(lease["gpus"])
         inside = parse_cpulist(lease["cpus"])
         for b in bound:
@@ -256,8 +258,9 @@ def test_a_rule_that_cannot_be_placed_reports_once(tmp_path: Path, daemon_factor
     d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
     p = spawn([str(exe), "30"], {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""})
     try:
-        st = wait_for(lambda: (s := autobind_status(d))["failed"] and s, 10)
-        assert st and st["failed"] == 1
+        st = wait_for(lambda: (s := autobind_status(d))["failed"] and s, 10,
+                      "the rule's failure to be reported", detail=d.log)
+        assert st["failed"] == 1
         assert f"rule too-big, pid {p.pid}: need 9 GPU(s)" in st["last_error"]
         errors = d.ctl("--json", "status").json()["errors"]
         assert any(e["source"] == "autobind" and "too-big" in e["message"] for e in errors)
@@ -275,8 +278,9 @@ def test_leases_avoid_what_exclusive_rule_jobs_use(tmp_path: Path, daemon_factor
     d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
     p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
     try:
-        got = wait_for(lambda: autobind_status(d)["bound"], 10)
-        assert got and got[0]["gpus"] == [0]
+        got = wait_for(lambda: autobind_status(d)["bound"], 10, "the rank to be bound",
+                       detail=d.log)
+        assert got[0]["gpus"] == [0]
         rank_cpus = parse_cpulist(got[0]["cpus"])
         r = d.ctl("alloc", "--gpus", "8")
         assert r.rc == 1 and f"held by pid {p.pid} (rule held)" in r.err

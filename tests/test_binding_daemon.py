@@ -17,9 +17,8 @@ from tests.binding_helpers import (
     start_time,
     task_cpus,
     thread_child,
-    wait_for,
 )
-from tests.helpers import DaemonProc, run_ctl
+from tests.helpers import DaemonProc, run_ctl, wait_for
 from tunerd.cpulist import format_cpulist, parse_cpulist
 
 pytestmark = pytest.mark.root

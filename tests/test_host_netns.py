@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_as, write_policy
+from tests.helpers import run_as, wait_for, write_policy
 from tests.host_helpers import (
     NsDaemonProc,
     add_veth,
@@ -25,7 +25,6 @@ from tests.host_helpers import (
     ns_set_sysctl,
     ns_sysctl,
     sh,
-    wait_for,
 )
 
 # host_untouched: a few host values are compared before and after the whole module
@@ -75,14 +74,14 @@ def test_apply_at_start_plan_verify_revert(tmp_path: Path, ns: str,
     orig = originals(ns)
     assert orig["somaxconn"] != "1024" and orig["veth0"] != (9000, 4321)
     d = start(daemons, tmp_path / "d", POLICY, ns)
-    assert wait_for(lambda: ns_mtu(ns, "veth1") == 9000)
+    wait_for(lambda: ns_mtu(ns, "veth1") == 9000, 10, "veth1 MTU 9000", detail=d.log)
     assert ns_sysctl(ns, "net.core.somaxconn") == "1024"
     assert ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456"
     assert ns_link(ns, "veth0")["txqlen"] == 4321
     conf = (tmp_path / "d/etc/nccl.conf").read_text()
     assert "NCCL_SOCKET_IFNAME==veth0" in conf
 
-    # originals are in state.json, keyed as interfaces.md §2 says
+    # originals are in state.json, keyed KIND:NAME[:ATTR]
     saved = json.loads((d.state_dir / "state.json").read_text())["host"]["originals"]
     assert saved["sysctl:net.core.somaxconn"]["value"] == orig["somaxconn"]
     assert saved["nic:veth0:mtu"]["value"] == str(orig["veth0"][0])  # type: ignore[index]
@@ -114,14 +113,16 @@ def test_new_veth_gets_its_mtu_from_the_uevent(tmp_path: Path, ns: str,
                                                daemons: list[NsDaemonProc]) -> None:
     # verify_interval 600 s: only the kernel uevent path can set the new NIC in time
     d = start(daemons, tmp_path / "d", POLICY, ns)
-    assert wait_for(lambda: ns_mtu(ns, "veth0") == 9000)
+    wait_for(lambda: ns_mtu(ns, "veth0") == 9000, 10, "veth0 MTU 9000", detail=d.log)
     add_veth(ns, "veth7", "peer7")  # the peer does not match veth*: left alone
     t0 = time.monotonic()
-    assert wait_for(lambda: ns_mtu(ns, "veth7") == 9000, timeout=1.0, interval=0.005), d.log()
+    wait_for(lambda: ns_mtu(ns, "veth7") == 9000, 10, "the new veth7 to get MTU 9000",
+             interval=0.005, detail=d.log)
     elapsed = time.monotonic() - t0
     assert ns_mtu(ns, "peer7") == 1500
     assert "uevent add veth7: set nic:veth7:mtu: 1500 -> 9000" in d.log()
-    assert elapsed < 1.0
+    # quiet machine: well under 0.1 s; a loaded shared one gets slack, still far from 600 s
+    assert elapsed < 5.0
 
 
 def test_kill9_mid_apply_then_revert_restores_originals(tmp_path: Path, ns: str,
@@ -148,7 +149,7 @@ def test_kill9_mid_apply_then_revert_restores_originals(tmp_path: Path, ns: str,
     def changed() -> int:
         return sum(ns_sysctl(ns, n) != before[n] for n in names)
 
-    assert wait_for(lambda: changed() >= 2, timeout=20), d.log()
+    wait_for(lambda: changed() >= 2, 20, "two sysctls applied", detail=d.log)
     d.kill9()
     n_applied = changed() + sum(ns_mtu(ns, i) == 9000 for i in links)
     assert 2 <= n_applied < len(names) + len(links), "the kill came after the apply finished"
@@ -156,7 +157,8 @@ def test_kill9_mid_apply_then_revert_restores_originals(tmp_path: Path, ns: str,
     # restart without the delay: it applies everything again, keeping the first originals
     d.config.pop("debug_apply_delay")
     d.start()
-    assert wait_for(lambda: all(ns_mtu(ns, i) == 9000 for i in links))
+    wait_for(lambda: all(ns_mtu(ns, i) == 9000 for i in links), 10, "MTU 9000 on every veth",
+             detail=d.log)
     assert all(ns_sysctl(ns, n) == v for n, v in wanted.items())
     r = d.ctl("--json", "revert")
     assert r.rc == 0, r
@@ -171,13 +173,15 @@ def test_reload_reverts_a_removed_setting(tmp_path: Path, ns: str,
                                           daemons: list[NsDaemonProc]) -> None:
     orig = originals(ns)
     d = start(daemons, tmp_path / "d", POLICY, ns)
-    assert wait_for(lambda: ns_mtu(ns, "veth0") == 9000)
+    wait_for(lambda: ns_mtu(ns, "veth0") == 9000, 10, "veth0 MTU 9000", detail=d.log)
     smaller = POLICY.replace('"net.ipv4.tcp_rmem" = "4096 87380 268435456"\n', "")
     smaller = smaller[: smaller.index("[[nic]]")]  # no NIC settings any more
     write_policy(d.policy_dir, "50-host.toml", smaller)
     d.signal(signal.SIGHUP)
-    assert wait_for(lambda: ns_mtu(ns, "veth0") == orig["veth0"][0])  # type: ignore[index]
-    assert wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == orig["tcp_rmem"])
+    wait_for(lambda: ns_mtu(ns, "veth0") == orig["veth0"][0],  # type: ignore[index]
+             10, "veth0 MTU reverted", detail=d.log)
+    wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == orig["tcp_rmem"], 10,
+             "tcp_rmem reverted", detail=d.log)
     assert ns_link(ns, "veth1")["txqlen"] == orig["veth1"][1]  # type: ignore[index]
     assert ns_sysctl(ns, "net.core.somaxconn") == "1024"  # still in the policy
     assert "policy no longer names" in d.log()
@@ -188,7 +192,7 @@ def test_reload_reverts_a_removed_setting(tmp_path: Path, ns: str,
 def test_verify_names_drift_and_periodic_verify_fixes_it(tmp_path: Path, ns: str,
                                                          daemons: list[NsDaemonProc]) -> None:
     d = start(daemons, tmp_path / "slow", POLICY, ns)  # verify_interval 600 s
-    assert wait_for(lambda: ns_mtu(ns, "veth0") == 9000)
+    wait_for(lambda: ns_mtu(ns, "veth0") == 9000, 10, "veth0 MTU 9000", detail=d.log)
     ns_set_sysctl(ns, "net.core.somaxconn", "77")
     r = d.ctl("verify")
     assert r.rc == 1, r
@@ -199,9 +203,11 @@ def test_verify_names_drift_and_periodic_verify_fixes_it(tmp_path: Path, ns: str
     d.cleanup()
 
     fast = start(daemons, tmp_path / "fast", POLICY, ns, verify_interval=0.3)
-    assert wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024")
+    wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024", 10, "somaxconn 1024",
+             detail=fast.log)
     ns_set_sysctl(ns, "net.core.somaxconn", "78")
-    assert wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024", timeout=10)
+    wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024", 10,
+             "the periodic verify to correct somaxconn", detail=fast.log)
     assert "drift: sysctl:net.core.somaxconn is 78, policy wants 1024; re-applying" in fast.log()
     assert fast.ctl("verify").rc == 0
 
@@ -213,11 +219,13 @@ def test_apply_once_setting_is_not_drift_corrected(tmp_path: Path, ns: str,
         'name = "netns-test"\napply_once = ["sysctl:net.core.*", "nic:veth1:txqueuelen"]')
     sh("ip", "-n", ns, "link", "set", "veth1", "txqueuelen", "4321")  # in sync when first seen
     d = start(daemons, tmp_path / "d", policy, ns, verify_interval=0.3)
-    assert wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024")
+    wait_for(lambda: ns_sysctl(ns, "net.core.somaxconn") == "1024", 10, "somaxconn 1024",
+             detail=d.log)
     ns_set_sysctl(ns, "net.core.somaxconn", "99")  # the operator takes it over
     sh("ip", "-n", ns, "link", "set", "veth1", "txqueuelen", "50")
     ns_set_sysctl(ns, "net.ipv4.tcp_rmem", "4096 1000 2000")
-    assert wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456")
+    wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456", 10,
+             "the periodic verify to correct tcp_rmem", detail=d.log)
     time.sleep(0.7)
     assert ns_sysctl(ns, "net.core.somaxconn") == "99"
     assert ns_link(ns, "veth1")["txqlen"] == 50
@@ -246,7 +254,7 @@ mtu = 9500
 txqueuelen = 777
 """
     d = start(daemons, tmp_path / "d", policy, ns)
-    assert wait_for(lambda: ns_mtu(ns, "veth1") == 9000)
+    wait_for(lambda: ns_mtu(ns, "veth1") == 9000, 10, "veth1 MTU 9000", detail=d.log)
     assert ns_sysctl(ns, "net.core.somaxconn") == "1024"
     assert ns_link(ns, "mv0")["txqlen"] == 777  # the other setting of the same NIC applied
     assert ns_mtu(ns, "mv0") == 1500

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tunerd.policy.typed import BlockRule, CpuSection, GpuSection, NicRule, VmSection
 from tunerd.tuners import SettingError, build_tuners
 from tunerd.tuners.base import Change, bracketed, normalize
 from tunerd.tuners.block import BlockTuner
@@ -102,7 +103,7 @@ def sysfs(tmp_path: Path) -> Path:
 
 def test_nic_plan_by_glob_later_entry_wins(sysfs: Path) -> None:
     t = NicTuner(sysfs)
-    want = [{"match": "eth*", "mtu": 9000, "txqueuelen": 10000}, {"match": "eth1", "mtu": 4200}]
+    want = [NicRule("eth*", mtu=9000, txqueuelen=10000), NicRule("eth1", mtu=4200)]
     ch = by_key(t.plan(want))
     assert sorted(ch) == ["nic:eth0:mtu", "nic:eth0:txqueuelen", "nic:eth1:mtu",
                           "nic:eth1:txqueuelen"]
@@ -120,11 +121,11 @@ def test_nic_plan_by_glob_later_entry_wins(sysfs: Path) -> None:
 
 def test_nic_mentions_a_device_that_went_away(sysfs: Path) -> None:
     t = NicTuner(sysfs)
-    assert t.mentions("nic:eth7:mtu", [{"match": "eth*", "mtu": 9000}])
-    assert not t.mentions("nic:eth7:txqueuelen", [{"match": "eth*", "mtu": 9000}])
-    assert not t.mentions("nic:ib0:mtu", [{"match": "eth*", "mtu": 9000}])
-    assert [c.key for c in t.plan_device([{"match": "eth*", "mtu": 9000}], "eth1")] == [
-        "nic:eth1:mtu"]
+    eth = [NicRule("eth*", mtu=9000)]
+    assert t.mentions("nic:eth7:mtu", eth)
+    assert not t.mentions("nic:eth7:txqueuelen", eth)
+    assert not t.mentions("nic:ib0:mtu", eth)
+    assert [c.key for c in t.plan_device(eth, "eth1")] == ["nic:eth1:mtu"]
 
 
 def test_nic_refused_write_carries_errno_key_value(sysfs: Path) -> None:
@@ -143,7 +144,7 @@ def test_nic_refused_write_carries_errno_key_value(sysfs: Path) -> None:
 # -- block -----------------------------------------------------------------------------
 def test_block_scheduler_and_queue(sysfs: Path) -> None:
     t = BlockTuner(sysfs)
-    want = [{"match": "nvme*", "scheduler": "none", "read_ahead_kb": 4096, "nr_requests": 1023}]
+    want = [BlockRule("nvme*", scheduler="none", read_ahead_kb=4096, nr_requests=1023)]
     ch = by_key(t.plan(want))
     assert {k: (c.current, c.desired) for k, c in ch.items()} == {
         "block:nvme0n1:scheduler": ("mq-deadline", "none"),
@@ -166,16 +167,16 @@ def test_block_scheduler_and_queue(sysfs: Path) -> None:
 # -- cpu -------------------------------------------------------------------------------
 def test_cpu_governor_not_available_without_cpufreq(sysfs: Path) -> None:
     (sysfs / "devices/system/cpu/cpu0").mkdir(parents=True)
-    (c,) = CpuTuner(sysfs).plan({"governor": "performance", "housekeeping": "0-1"})
+    (c,) = CpuTuner(sysfs).plan(CpuSection(frozenset({0, 1}), governor="performance"))
     assert not c.available and "no cpufreq" in (c.reason or "") and not c.needed
-    assert CpuTuner(sysfs).plan({"housekeeping": "0-1"}) == []
+    assert CpuTuner(sysfs).plan(CpuSection(frozenset({0, 1}))) == []
 
 
 def test_cpu_governor_every_cpu(sysfs: Path) -> None:
     for n, gov in ((0, "powersave"), (1, "schedutil"), (10, "powersave")):
         put(sysfs / f"devices/system/cpu/cpu{n}/cpufreq/scaling_governor", gov + "\n")
     t = CpuTuner(sysfs)
-    (c,) = t.plan({"governor": "performance"})
+    (c,) = t.plan(CpuSection(governor="performance"))
     assert c.current == "mixed: powersave,schedutil" and c.needed
     saved = t.save_original(c)
     assert saved["per_cpu"] == {"cpu0": "powersave", "cpu1": "schedutil", "cpu10": "powersave"}
@@ -189,8 +190,8 @@ def test_cpu_governor_every_cpu(sysfs: Path) -> None:
 # -- vm --------------------------------------------------------------------------------
 def test_vm_thp_and_numa_balancing(sysfs: Path, proc: Path) -> None:
     t = VmTuner(proc, sysfs)
-    want = {"transparent_hugepage": "never", "transparent_hugepage_defrag": "madvise",
-            "numa_balancing": False}
+    want = VmSection(transparent_hugepage="never", transparent_hugepage_defrag="madvise",
+                     numa_balancing=False)
     ch = by_key(t.plan(want))
     thp = ch["vm:transparent_hugepage"]
     assert (thp.current, thp.desired, thp.needed) == ("madvise", "never", True)
@@ -313,7 +314,7 @@ def test_gpu_plan_apply_revert_on_replay(nvml_backend: Any) -> None:
     fake = ReplayNvml()
     nvml_backend(fake)
     t = GpuTuner()
-    want = {"persistence_mode": True, "compute_mode": "exclusive_process", "power_limit_w": 350}
+    want = GpuSection(persistence_mode=True, compute_mode="exclusive_process", power_limit_w=350)
     ch = by_key(t.plan(want))
     assert {k: (c.current, c.desired) for k, c in ch.items() if k.startswith("gpu:1")} == {
         "gpu:1:persistence_mode": ("0", "1"),
@@ -335,7 +336,7 @@ def test_gpu_plan_apply_revert_on_replay(nvml_backend: Any) -> None:
 
 def test_gpu_without_driver_is_not_available_and_never_fails(nvml_backend: Any) -> None:
     nvml_backend(None, "no NVIDIA driver on this node")
-    changes = GpuTuner().plan({"persistence_mode": True, "power_limit_w": 300})
+    changes = GpuTuner().plan(GpuSection(persistence_mode=True, power_limit_w=300))
     assert [(c.key, c.available, c.needed) for c in changes] == [
         ("gpu:*:persistence_mode", False, False), ("gpu:*:power_limit_w", False, False)]
     assert all(c.reason == "no NVIDIA driver on this node" for c in changes)
@@ -357,9 +358,9 @@ def test_gpu_on_a_topology_replay_is_not_available(nvml_backend: Any) -> None:
 
     snap = Path(__file__).parent / "fixtures/topologies/dgx-h100.json"
     nvml_backend(TopologyReplay(Topology.from_json(json.loads(snap.read_text()))))
-    changes = GpuTuner().plan({"persistence_mode": True})
+    changes = GpuTuner().plan(GpuSection(persistence_mode=True))
     assert len(changes) == 8
     assert all(not c.available and not c.needed for c in changes)
     assert changes[7].key == "gpu:7:persistence_mode"
-    (c,) = GpuTuner("topology replay").plan({"power_limit_w": 500})
+    (c,) = GpuTuner("topology replay").plan(GpuSection(power_limit_w=500))
     assert (c.key, c.available, c.reason) == ("gpu:*:power_limit_w", False, "topology replay")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, run_as
-from tests.leases_helpers import DGX_H100, leases_of, open_path_for_others, wait_for
+from tests.helpers import REPO, run_as, wait_for
+from tests.leases_helpers import DGX_H100, leases_of, open_path_for_others
 from tunerd.client import Client
 from tunerd.cpulist import parse_cpulist
 from tunerd.errors import PermissionDenied
@@ -128,7 +128,8 @@ def test_non_root_may_alloc_and_release_only_its_own(replay, unpriv_user) -> Non
 
     ran = run_as(uid, gid, run_self)
     assert ran["uid"] == uid and ran["pid"] != os.getpid()
-    assert wait_for(lambda: [x["id"] for x in leases_of(replay)] == [root_lease], 10)
+    wait_for(lambda: [x["id"] for x in leases_of(replay)] == [root_lease], 10,
+             "the run lease to end with its command", detail=replay.log)
 
 
 def _ctl_popen(d, *args: str) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
@@ -142,7 +143,7 @@ def test_restart_keeps_leases_and_drops_those_whose_holder_died(replay) -> None:
     keep = _ctl_popen(replay, "run", "--gpus", "1", "--", "sleep", "30")
     die = _ctl_popen(replay, "run", "--gpus", "1", "--", "sleep", "30")
     try:
-        assert wait_for(lambda: len(leases_of(replay)) == 3, 15)
+        wait_for(lambda: len(leases_of(replay)) == 3, 15, "three leases", detail=replay.log)
         by_pid = {x["pid"]: x["id"] for x in leases_of(replay)}
         replay.kill9()
         die.kill()
@@ -154,7 +155,8 @@ def test_restart_keeps_leases_and_drops_those_whose_holder_died(replay) -> None:
         # the holder still watched after the restart: its exit releases the lease
         keep.kill()
         keep.wait()
-        assert wait_for(lambda: [x["id"] for x in leases_of(replay)] == [alloc_id], 10)
+        wait_for(lambda: [x["id"] for x in leases_of(replay)] == [alloc_id], 10,
+                 "the killed holder's lease to be released", detail=replay.log)
         # ids are never reused
         assert replay.ctl("alloc", "--gpus", "1", "--json").json()["id"] == "L4"
     finally:

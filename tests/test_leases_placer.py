@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from tests.leases_helpers import (
     DGX_H100,
     cpus_allowed,
     kill,
     snapshot_with_gpus_here,
     spawn,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.root,
@@ -29,7 +29,8 @@ def test_bind_reads_cuda_visible_devices_and_local_rank(tmp_path: Path, daemon_f
     no_gpu = spawn(["sleep", "30"], {"CUDA_VISIBLE_DEVICES": ""})
     try:
         wait_for(lambda: all(os.path.exists(f"/proc/{p.pid}/environ")
-                             for p in (by_cvd, by_rank, by_uuid, no_gpu)))
+                             for p in (by_cvd, by_rank, by_uuid, no_gpu)), 10,
+                 "the four processes to start")
         r = d.ctl("--json", "bind", str(by_cvd.pid))
         assert r.rc == 0, r.err
         assert r.json()["gpus"] == [1]
@@ -55,7 +56,7 @@ def test_bind_on_replay_of_another_machine_applies_nothing(daemon_factory) -> No
     d = daemon_factory(args=["--topology", str(DGX_H100)]).start()
     p = spawn(["sleep", "30"], {"CUDA_VISIBLE_DEVICES": "3"})
     try:
-        wait_for(lambda: os.path.exists(f"/proc/{p.pid}/environ"))
+        wait_for(lambda: os.path.exists(f"/proc/{p.pid}/environ"), 10, "the process to start")
         before = cpus_allowed(p.pid)
         r = d.ctl("bind", str(p.pid))
         assert r.rc == 1

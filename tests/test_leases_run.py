@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_ctl
+from tests.helpers import REPO, run_ctl, wait_for
 from tests.leases_helpers import (
     DGX_H100,
     cpus_allowed,
@@ -18,7 +18,6 @@ from tests.leases_helpers import (
     kill_tree,
     leases_of,
     spawn,
-    wait_for,
 )
 from tunerd.cpulist import parse_cpulist
 
@@ -38,14 +37,14 @@ def test_run_execs_cmd_bound(daemon) -> None:
     assert lines[1] == "cvd="  # a CPU-only lease hides every GPU
     assert lines[2].startswith("lease=L")
     assert int(lines[3]) > 0  # MPOL_BIND inherited across exec (numa_maps says bind:N)
-    assert wait_for(lambda: leases_of(daemon) == [], 10)
+    wait_for(lambda: leases_of(daemon) == [], 10, "the lease to end with CMD")
 
 
 def test_exit_status_and_command_not_found(daemon) -> None:
     assert daemon.ctl("run", "--", "sh", "-c", "exit 7").rc == 7
     r = daemon.ctl("run", "--", "no-such-command-tunerd-test")
     assert r.rc == 127 and "command not found" in r.err
-    assert wait_for(lambda: leases_of(daemon) == [], 10)
+    wait_for(lambda: leases_of(daemon) == [], 10, "the leases to end")
 
 
 def test_daemon_unreachable_is_exit_3(tmp_path: Path) -> None:
@@ -58,22 +57,23 @@ def test_lease_released_when_tunerctl_is_killed(daemon) -> None:
                           str(daemon.socket), "run", "--cpus", "1", "--", "sleep", "30"],
                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        got = wait_for(lambda: leases_of(daemon), 15)
-        assert got and got[0]["pid"] == p.pid  # SO_PEERCRED pid: tunerctl, which became CMD
-        assert wait_for(lambda: len(parse_cpulist(cpus_allowed(p.pid) or "")) == 1, 10)
+        got = wait_for(lambda: leases_of(daemon), 15, "a lease")
+        assert got[0]["pid"] == p.pid  # SO_PEERCRED pid: tunerctl, which became CMD
+        wait_for(lambda: len(parse_cpulist(cpus_allowed(p.pid) or "")) == 1, 10,
+                 "the command to be bound to one CPU")
         jobs = daemon.ctl("--json", "jobs").json()["jobs"]
         assert [j["lease"] for j in jobs if j["pid"] == p.pid] == [got[0]["id"]]
     finally:
         p.kill()
         p.wait()
-    assert wait_for(lambda: leases_of(daemon) == [], 10)
+    wait_for(lambda: leases_of(daemon) == [], 10, "the killed tunerctl's lease to be released")
 
 
 @pytest.mark.skipif(len(HOST_CPUS) < 2, reason="needs 2 CPUs")
 def test_run_exclusive_moves_scope_off_and_back(daemon) -> None:
     bystander = spawn(["sh", "-c", "sleep 60 & wait"])
     try:
-        assert wait_for(lambda: os.path.exists(f"/proc/{bystander.pid}"), 5)
+        wait_for(lambda: os.path.exists(f"/proc/{bystander.pid}"), 5, "the bystander")
         r = daemon.ctl("run", "--cpus", "1", "--exclusive", "--exclusive-scope",
                        f"pid:{bystander.pid}", "--", "sh", "-c",
                        f"grep Cpus_allowed_list /proc/{bystander.pid}/status; "
@@ -82,8 +82,8 @@ def test_run_exclusive_moves_scope_off_and_back(daemon) -> None:
         theirs, mine = (parse_cpulist(ln.split(":", 1)[1]) for ln in r.out.splitlines())
         assert len(mine) == 1 and theirs == HOST_CPUS - mine
         # restored when the lease ended with CMD
-        assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
-                        10)
+        wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS, 10,
+                 "the bystander to get every CPU back", detail=daemon.log)
     finally:
         kill_tree(bystander)
 
@@ -132,8 +132,8 @@ def test_run_exclusive_with_a_cgroup_scope(daemon) -> None:
         assert r.rc == 0, r.err
         theirs, mine = (parse_cpulist(ln.split(":", 1)[1]) for ln in r.out.splitlines())
         assert theirs == HOST_CPUS - mine
-        assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
-                        10)
+        wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS, 10,
+                 "the cgroup's process to get every CPU back", detail=daemon.log)
     finally:
         if bystander is not None:
             kill(bystander)
@@ -153,13 +153,14 @@ def test_moves_are_put_back_after_a_daemon_crash(daemon) -> None:
                             "--exclusive-scope", f"pid:{bystander.pid}", "--", "sleep", "60"],
                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert wait_for(lambda: len(parse_cpulist(cpus_allowed(bystander.pid) or "")) == 1, 15)
+        wait_for(lambda: len(parse_cpulist(cpus_allowed(bystander.pid) or "")) == 1, 15,
+                 "the bystander to be moved off the job's CPU", detail=daemon.log)
         daemon.kill9()
         job.kill()  # the job ends while no daemon is watching
         job.wait()
         daemon.start()
-        assert wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS,
-                        10), daemon.log()
+        wait_for(lambda: parse_cpulist(cpus_allowed(bystander.pid) or "") == HOST_CPUS, 10,
+                 "the restarted daemon to put the bystander back", detail=daemon.log)
         assert leases_of(daemon) == []
     finally:
         if job.poll() is None:

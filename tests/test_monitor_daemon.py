@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from io import StringIO
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DaemonProc, ready_child
+from tests.helpers import DaemonProc, ready_child, wait_for
 from tests.monitor_helpers import free_port
 
 PROMTOOL = "/usr/bin/promtool"
@@ -31,6 +30,8 @@ def fast_config(tmp: Path, interval: float = 0.25) -> list[str]:
 
 
 def promtool_check(text: str) -> None:
+    if not os.path.exists(PROMTOOL):
+        pytest.skip(f"{PROMTOOL} not installed: the exposition's syntax was not checked")
     p = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
                        text=True, timeout=30)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -39,17 +40,6 @@ def promtool_check(text: str) -> None:
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return str(r.read().decode())
-
-
-def wait_for(fn: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @pytest.mark.skipif(not os.path.exists(PROMTOOL), reason="promtool not installed")
@@ -114,7 +104,7 @@ def test_a_real_prometheus_scrapes_tunerd(daemon_factory: Any, tmp_path: Path) -
                 return None
             return res["data"]["result"]
 
-        result = wait_for(query, 60, "Prometheus to scrape tunerd_up")
+        result = wait_for(query, 60, "Prometheus to scrape tunerd_up", interval=0.2)
         assert result[0]["metric"]["job"] == "tunerd"
         assert result[0]["metric"]["instance"] == f"127.0.0.1:{port}"
         assert result[0]["value"][1] == "1"
@@ -207,7 +197,7 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
         got = {f["id"]: f for j in json.loads(res.out)["jobs"] for f in j["findings"]}
         return got if {"fd-limit", "cpu-oversubscription"} <= set(got) else None
 
-    got = wait_for(findings, 30, "advise findings")
+    got = wait_for(findings, 30, "advise findings", interval=0.2)
     assert got["fd-limit"]["evidence"]["nofile_soft"] == 128
     assert got["fd-limit"]["evidence"]["open_fds"] >= 115
     assert got["cpu-oversubscription"]["evidence"]["ncpus"] == 1
@@ -223,13 +213,14 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
     metrics = d.ctl("metrics").out
     assert f'tunerd_job_max_fds{{job="{job["name"]}",pid="{pid}"}} 128.0' in metrics
     assert "tunerd_binds_total 1.0" in metrics  # counted by the JobRegistry at bind time
-    promtool_check(metrics)
     # an unbound pid is a clear error; an exited job leaves top
     bad = d.ctl("advise", "1")
     assert bad.rc == 1 and "process 1 is not a bound job" in bad.err
     busy_child.kill()
     busy_child.wait()
-    wait_for(lambda: not d.ctl("--json", "top").json()["sample"]["jobs"], 10, "job to leave")
+    wait_for(lambda: not d.ctl("--json", "top").json()["sample"]["jobs"], 10, "job to leave",
+             interval=0.2)
+    promtool_check(metrics)  # last: it skips where promtool is missing
 
 
 REPORTER = """
@@ -268,7 +259,7 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
                   if f["id"] == "gpu-memory-fragmentation"]
             return fs[0] if fs else None
 
-        f = wait_for(frag, 20, "fragmentation finding")
+        f = wait_for(frag, 20, "fragmentation finding", interval=0.2)
         assert f["evidence"]["reserved_bytes"] == 60 << 30
         assert f["evidence"]["reserved_over_allocated"] == 3.0
         top = d.ctl("--json", "top").json()
@@ -317,7 +308,7 @@ def _call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> Any:
 
 @pytest.mark.root
 def test_another_user_may_read_metrics_top_and_advise(unpriv_user: tuple[int, int]) -> None:
-    """Read-only monitor commands are open to every user (DESIGN: privileges)."""
+    """Read-only monitor commands are open to every user (README, "Privileges")."""
     import shutil
     import tempfile
 

@@ -22,6 +22,8 @@ from tunerd.errors import UsageError
 from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.service import Monitor, MonitorSettings
 
+PROMTOOL = shutil.which("promtool")
+
 
 def make_monitor(tmp_path: Path) -> Monitor:
     """The real Monitor with a real (empty) JobRegistry and error log: no daemon around it."""
@@ -53,11 +55,6 @@ def test_gpu_series_from_replayed_nvml_pass_promtool(tmp_path: Path,
     mon = make_monitor(tmp_path)
     run_cycles(mon)
     text = mon.exposition()
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (scripts/test.sh installs prometheus)")
-    p = subprocess.run(["promtool", "check", "metrics"], input=text,
-                       capture_output=True, text=True, timeout=30)
-    assert p.returncode == 0, p.stdout + p.stderr
     u0 = 'gpu="0",uuid="GPU-5b3a9a1e-6f0c-2d4e-8a31-0c1f7d2e9b10"'
     assert f"tunerd_gpu_power_watts{{{u0}}} 612.345" in text
     assert f"tunerd_gpu_sm_clock_hertz{{{u0}}} 1.98e+09" in text
@@ -70,6 +67,12 @@ def test_gpu_series_from_replayed_nvml_pass_promtool(tmp_path: Path,
     assert 'tunerd_gpu_pcie_transmit_bytes_per_second{gpu="1"' not in text
     assert len(mon.history.gpus[1]) == 2
     assert mon.status()["summary"].startswith("sampling every 1 s; 2 GPU(s); 0 job(s)")
+    # last, so that the values above are checked on machines without promtool too
+    if PROMTOOL is None:
+        pytest.skip("promtool not installed: the exposition's syntax was not checked")
+    p = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_a_failing_sampler_does_not_stop_the_others(tmp_path: Path) -> None:

@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import REPO, DaemonProc, run_ctl, write_policy
+from tests.helpers import REPO, DaemonProc, run_ctl, wait_for, write_policy
 
 GOOD = '[policy]\nname = "site"\n\n[limits]\nnofile = 65536\n'
 BAD_MTU = '[policy]\nname = "site"\n\n[[nic]]\nmatch = "ens*"\nmtu = 100000\n'
-
-
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_daemon_refuses_to_start_on_a_bad_policy(tmp_path: Path, daemon_factory) -> None:
@@ -49,8 +40,8 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
 
     site.write_text(BAD_MTU)
     d.signal(signal.SIGHUP)
-    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is not None,
-             "the reload to be rejected")
+    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is not None, 20,
+             "the reload to be rejected", detail=d.log)
     st = d.ctl("status")
     assert st.rc == 1  # a policy error is a problem `tunerctl status` reports
     assert f"{site}: nic[0].mtu" in st.out and "100000" in st.out, st.out
@@ -62,8 +53,8 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
 
     site.write_text(GOOD.replace("65536", "131072"))
     d.signal(signal.SIGHUP)
-    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None,
-             "the fixed policy to load")
+    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None, 20,
+             "the fixed policy to load", detail=d.log)
     assert d.ctl("status").rc == 0
     show = d.ctl("policy", "show")
     assert show.rc == 0
@@ -152,3 +143,77 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
     assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
     assert [Path(s["file"]).name for s in show["skipped"]] == ["pcie-gpu.toml"]
+
+
+H100_ONLY = ('[policy]\nname = "h100"\n[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'
+             '[sysctl]\n"net.core.rmem_max" = 536870912\n')
+
+
+def test_policy_check_warns_when_no_file_matches_this_node(tmp_path: Path) -> None:
+    h100 = write_policy(tmp_path / "pol", "20-h100.toml", H100_ONLY)
+    r = run_ctl("policy", "check", str(tmp_path / "pol"), "--hostname", "laptop")
+    assert r.rc == 0, r  # checking an H100 file on a laptop is legitimate
+    assert (f"ok   {h100} (policy 'h100', not for this node: no GPU model matches ['*H100*'] "
+            "(node has no GPU))") in r.out, r.out
+    warn = [ln for ln in r.out.splitlines() if ln.startswith("WARN ")]
+    assert len(warn) == 1, r.out
+    assert warn[0].startswith("WARN no policy file matches this node (hostname 'laptop', "
+                              "no GPU): running with an empty policy"), warn
+    assert f'{h100}: [policy.match] gpu_model = ["*H100*"], min_gpus = 8' in warn[0]
+    rep = run_ctl("--json", "policy", "check", str(tmp_path / "pol"), "--hostname", "laptop")
+    assert rep.rc == 0
+    assert rep.json()["warnings"] == [warn[0][len("WARN "):]]
+    assert rep.json()["effective"]["sysctl"] == {}
+    # on a node it is meant for: no warning
+    ok = run_ctl("--json", "policy", "check", str(tmp_path / "pol"), "--gpu-model",
+                 "NVIDIA H100 80GB HBM3", "--gpus", "8")
+    assert ok.rc == 0 and ok.json()["warnings"] == []
+    assert ok.json()["files"][0]["applies"] is True
+
+
+def test_policy_show_warns_when_no_file_matches(tmp_path: Path, daemon_factory) -> None:
+    pdir = tmp_path / "pol"
+    h100 = write_policy(pdir, "20-h100.toml", H100_ONLY)
+    d: DaemonProc = daemon_factory(policy_dir=pdir).start()
+    show = d.ctl("--json", "policy", "show").json()
+    (w,) = show["warnings"]
+    assert w.startswith("no policy file matches this node (hostname ") and str(h100) in w
+    human = d.ctl("policy", "show").out
+    assert f"# WARNING: {w}" in human, human
+    assert "#   (none)" in human
+
+
+# -- a FIFO named *.toml (issue 9: it froze the loop on SIGHUP and hung `policy check`) ----
+def test_policy_check_refuses_a_fifo_without_hanging(tmp_path: Path) -> None:
+    pdir = tmp_path / "pol"
+    good = write_policy(pdir, "00-good.toml", GOOD)
+    fifo = pdir / "50-fifo.toml"
+    os.mkfifo(fifo)
+    # the old CLI blocked in open() forever: the timeout turns that into a failure
+    r = run_ctl("policy", "check", str(pdir), timeout=30)
+    assert r.rc == 1, r
+    assert f"FAIL {fifo}: not a regular file (a FIFO); " in r.out, r.out
+    assert f"ok   {good}" in r.out
+    r = run_ctl("--json", "policy", "check", str(fifo), timeout=30)
+    assert r.rc == 1 and "not a regular file (a FIFO)" in r.json()["files"][0]["errors"][0]
+
+
+def test_sighup_onto_a_fifo_keeps_the_daemon_responsive(tmp_path: Path, daemon_factory) -> None:
+    pdir = tmp_path / "pol"
+    write_policy(pdir, "10-site.toml", GOOD)
+    d: DaemonProc = daemon_factory(policy_dir=pdir).start()
+    fifo = pdir / "50-fifo.toml"
+    os.mkfifo(fifo)
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: d.ctl("--json", "status", timeout=10).json()["policy"]["error"] is not None,
+             20, "the reload to be rejected", detail=d.log)
+    st = d.ctl("--json", "status", timeout=10).json()
+    assert f"{fifo}: not a regular file (a FIFO)" in st["policy"]["error"]
+    show = d.ctl("--json", "policy", "show", timeout=10)
+    assert show.rc == 0 and show.json()["limits"] == {"nofile": 65536}  # old policy kept
+    # the loop still serves (a blocked open() would time these out) and stops on SIGTERM
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert d.ctl("--json", "status", timeout=10).rc == 1  # 1: the policy error
+    assert time.monotonic() - t0 < 30
+    assert d.stop(timeout=15) == 0

@@ -24,7 +24,10 @@ SEEDS = [p.read_text() for p in sorted((REPO / "policies").glob("*.toml"))] + [
     '[[block]]\nmatch = "nvme*"\nscheduler = "none"\nread_ahead_kb = 4096\nnr_requests = 1023\n'
     '[[nic]]\nmatch = "ens*"\nmtu = 9000\ntxqueuelen = 10000\n'
     '[[job]]\nname = "j"\nmatch.cmdline = ["*x*"]\nmatch.user = "bob"\ncpus = "2-15"\n'
-    'gpus = 2\nexclusive = true\nexclusive_scope = "pid:1"\n',
+    'gpus = 2\nexclusive = true\nexclusive_scope = "pid:1"\nworkers = 8\n'
+    'torch = { num_workers = 8, pin_memory = true, persistent_workers = true, '
+    'prefetch_factor = 2, amp = "bf16", compile = false }\n'
+    '[leases]\nuser_exclusive = false\nmax_per_user = 64\nalloc_ttl = 86400\n',
 ]
 FUZZ = settings(max_examples=250, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -49,6 +52,13 @@ def load_text(text: str) -> None:
             continue
         assert set(SECTION_DEFAULTS) <= set(p.data)
         render_toml(p.data)
+        # the typed policy is built from the same merged data
+        m = p.model
+        assert m.limits.nofile == p.data["limits"].get("nofile")
+        assert [j.name for j in m.jobs] == [j["name"] for j in p.data["job"]]
+        assert [r.match for r in m.nic] == [e["match"] for e in p.data["nic"]]
+        assert dict(m.sysctl) == p.data["sysctl"]
+        assert m.leases.alloc_ttl == p.data["leases"]["alloc_ttl"]
 
 
 @st.composite
@@ -105,7 +115,8 @@ TOML_SCALARS = st.one_of(st.integers(-(1 << 70), 1 << 70), st.booleans(), st.tex
 TOML_KEYS = st.sampled_from(["policy", "name", "match", "mtu", "nic", "job", "sysctl", "nccl",
                              "NCCL_X", "net.core.x", "cpus", "nofile", "limits", "vm",
                              "extends", "hostname", "gpu_model", "min_gpus", "cmdline", "env",
-                             "placement", "block", "cpu", "gpu", "apply_once", "x"])
+                             "placement", "block", "cpu", "gpu", "apply_once", "x", "workers",
+                             "torch", "num_workers", "amp", "leases", "alloc_ttl"])
 TOML_DOCS = st.recursive(
     TOML_SCALARS,
     lambda inner: st.one_of(st.lists(inner, max_size=3),

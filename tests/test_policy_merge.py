@@ -18,6 +18,7 @@ from tunerd.policy import (
     load_policy_dir,
 )
 from tunerd.policy.render import render_toml
+from tunerd.policy.typed import PolicyModel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,7 +27,9 @@ else:  # pragma: no cover
 
 BUNDLED = REPO / "policies"
 NO_GPU = NodeFacts(hostname="node1")
-SECTIONS = {"policy", "sysctl", "nic", "nccl", "block", "limits", "cpu", "vm", "gpu", "job"}
+SECTIONS = {"policy", "sysctl", "nic", "nccl", "block", "limits", "cpu", "vm", "gpu", "job",
+            "leases"}
+LEASE_DEFAULTS = {"user_exclusive": False, "max_per_user": 64, "alloc_ttl": 86400}
 
 
 def load(d: Path, facts: NodeFacts = NO_GPU) -> dict:
@@ -84,6 +87,7 @@ def test_every_section_present(tmp_path: Path) -> None:
     assert set(data) == SECTIONS
     assert data["policy"] == {"name": "a", "names": ["a"], "apply_once": []}
     assert data["nic"] == [] and data["sysctl"] == {} and data["job"] == []
+    assert data["leases"] == LEASE_DEFAULTS  # always in force, so always shown
 
 
 # -- extends -----------------------------------------------------------------
@@ -194,10 +198,41 @@ def test_missing_or_empty_dir_falls_back_to_bundled_default(tmp_path: Path) -> N
     assert load_policy_dir(None, NO_GPU).data["policy"]["name"] == "default"
 
 
-def test_no_file_applies_gives_an_empty_policy(tmp_path: Path) -> None:
-    write_policy(tmp_path, "a.toml", '[policy.match]\nmin_gpus = 1\n[limits]\nnofile = 5\n')
+def test_no_file_applies_gives_an_empty_policy_and_a_warning(tmp_path: Path) -> None:
+    a = write_policy(tmp_path, "a.toml", '[policy.match]\nmin_gpus = 1\n[limits]\nnofile = 5\n')
+    b = write_policy(tmp_path, "b.toml", '[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'
+                                         '[sysctl]\n"net.core.rmem_max" = 1\n')
     p = load_policy_dir(tmp_path, NO_GPU)
     assert p.sources == [] and p.data["limits"] == {} and set(p.data) == SECTIONS
+    assert p.model == PolicyModel()  # the empty policy, typed
+    (w,) = p.warnings
+    assert w.startswith("no policy file matches this node (hostname 'node1', no GPU): "
+                        "running with an empty policy"), w
+    assert f"{a}: [policy.match] min_gpus = 1 (0 GPU(s), fewer than min_gpus = 1)" in w
+    assert (f'{b}: [policy.match] gpu_model = ["*H100*"], min_gpus = 8 (no GPU model matches '
+            "['*H100*'] (node has no GPU))") in w
+    assert "\n" not in w  # one log line
+    assert p.describe() == "none matched: empty policy (2 files skipped)"
+    assert p.to_dict()["warnings"] == [w]
+
+    h100 = NodeFacts("dgx-1", ("NVIDIA H100 80GB HBM3",) * 8)
+    p = load_policy_dir(tmp_path, h100)
+    assert p.warnings == [] and p.describe() == "a, b (2 files)"
+    p = load_policy_dir(tmp_path, NodeFacts("dgx-2", ("NVIDIA H100 80GB HBM3",) * 4))
+    assert p.warnings == [] and p.describe() == "a (1 file)"  # one file is enough
+    # the node facts in the warning: hostname, GPU count and models
+    write_policy(tmp_path, "a.toml", '[policy.match]\nmin_gpus = 9\n')
+    p = load_policy_dir(tmp_path, NodeFacts("dgx-2", ("NVIDIA H100 80GB HBM3",) * 2
+                                            + ("NVIDIA A100",)))
+    assert ("(hostname 'dgx-2', 3 GPUs (2x NVIDIA H100 80GB HBM3, 1x NVIDIA A100))"
+            in p.warnings[0])
+
+
+def test_describe_the_policy_in_force(tmp_path: Path) -> None:
+    p = load_policy_dir(BUNDLED, NodeFacts("dgx-h100-01", ("NVIDIA H100 80GB HBM3",) * 8))
+    assert p.describe() == "base, default, h100-training (3 files)"
+    assert load_policy_dir(tmp_path / "missing", NO_GPU).describe() == "default (1 file)"
+    assert load_policy_dir(BUNDLED, NO_GPU).warnings == []  # pcie-gpu skipped, others apply
 
 
 # -- the bundled policies on the recorded node types --------------------------
@@ -266,6 +301,19 @@ def test_json_schema_describes_every_section() -> None:
     s = json.loads(json.dumps(json_schema()))
     assert s["$schema"].startswith("https://json-schema.org/")
     assert set(s["properties"]) == SECTIONS
+    job = s["properties"]["job"]["items"]["properties"]
+    assert job["workers"]["minimum"] == 0 and job["workers"]["maximum"] == 1024
+    torch = job["torch"]
+    assert set(torch["properties"]) == {"num_workers", "pin_memory", "persistent_workers",
+                                        "prefetch_factor", "amp", "compile"}
+    assert torch["additionalProperties"] is False
+    assert torch["properties"]["amp"]["enum"] == ["off", "bf16", "fp16"]
+    assert (torch["properties"]["prefetch_factor"]["minimum"],
+            torch["properties"]["prefetch_factor"]["maximum"]) == (1, 64)
+    leases = s["properties"]["leases"]
+    assert leases["properties"]["user_exclusive"]["type"] == "boolean"
+    assert leases["properties"]["alloc_ttl"]["minimum"] == 0
+    assert leases["additionalProperties"] is False
     assert s["additionalProperties"] is False
     nic = s["properties"]["nic"]["items"]
     assert nic["required"] == ["match"]

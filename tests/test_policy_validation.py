@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import write_policy
 from tunerd.policy import NodeFacts, PolicyError, load_policy_dir
+from tunerd.policy.loader import MAX_FILE_BYTES, NotRegularFile, read_regular
 
 HEAD = '[policy]\nname = "bad"\n\n'
 
@@ -70,6 +76,39 @@ BAD_POLICIES: list[tuple[str, str, str, str]] = [
      "block[0].read_ahead_kb", "-5"),
     ("block-nr-requests", '[[block]]\nmatch = "nvme*"\nnr_requests = 2\n',
      "block[0].nr_requests", "2"),
+    ("job-workers-negative", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = -1\n',
+     "job[0].workers", "-1"),
+    ("job-workers-huge", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = 5000\n',
+     "job[0].workers", "5000"),
+    ("job-workers-string", '[[job]]\nname = "j"\nmatch.user = "a"\nworkers = "8"\n',
+     "job[0].workers", '"8"'),
+    ("torch-not-table", '[[job]]\nname = "j"\nmatch.user = "a"\ntorch = "bf16"\n',
+     "job[0].torch", '"bf16"'),
+    ("torch-amp", '[[job]]\nname = "j"\nmatch.user = "a"\ntorch = { amp = "fp32" }\n',
+     "job[0].torch.amp", '"fp32"'),
+    ("torch-unknown-key", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_worker = 2 }\n", "job[0].torch.num_worker", '"num_worker"'),
+    ("torch-num-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 2000 }\n", "job[0].torch.num_workers", "2000"),
+    ("torch-prefetch-zero", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { prefetch_factor = 0 }\n", "job[0].torch.prefetch_factor", "0"),
+    ("torch-pin-string", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     'torch = { pin_memory = "yes" }\n', "job[0].torch.pin_memory", '"yes"'),
+    ("torch-compile-int", '[[job]]\nname = "j"\nmatch.user = "a"\n[job.torch]\ncompile = 1\n',
+     "job[0].torch.compile", "1"),
+    ("torch-persistent-no-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 0, persistent_workers = true }\n",
+     "job[0].torch.persistent_workers", "true"),
+    ("torch-prefetch-no-workers", '[[job]]\nname = "j"\nmatch.user = "a"\n'
+     "torch = { num_workers = 0, prefetch_factor = 2 }\n",
+     "job[0].torch.prefetch_factor", "2"),
+    ("leases-max-negative", "[leases]\nmax_per_user = -1\n", "leases.max_per_user", "-1"),
+    ("leases-ttl-string", '[leases]\nalloc_ttl = "1d"\n', "leases.alloc_ttl", '"1d"'),
+    ("leases-ttl-huge", "[leases]\nalloc_ttl = 99999999999\n", "leases.alloc_ttl",
+     "99999999999"),
+    ("leases-user-exclusive-int", "[leases]\nuser_exclusive = 1\n", "leases.user_exclusive",
+     "1"),
+    ("leases-unknown-key", "[leases]\nttl = 60\n", "leases.ttl", '"ttl"'),
 ]
 
 BAD_META: list[tuple[str, str, str, str]] = [
@@ -88,6 +127,7 @@ BAD_META: list[tuple[str, str, str, str]] = [
      '"bse"'),
     ("extends-self", '[policy]\nname = "bad"\nextends = "bad"\n', "policy.extends",
      "bad -> bad"),
+    ("leases-not-table", 'leases = 5\n[policy]\nname = "bad"\n', "leases", "5"),
     ("apply-once-int", '[policy]\nname = "bad"\napply_once = 5\n', "policy.apply_once", "5"),
 ]
 
@@ -168,8 +208,115 @@ def test_not_utf8_and_unreadable(tmp_path: Path) -> None:
         load_policy_dir(d, NodeFacts())
     (d / "a.toml").unlink()
     (d / "b.toml").mkdir()  # a directory named like a policy
-    with pytest.raises(PolicyError, match=r"b\.toml: cannot read"):
+    with pytest.raises(PolicyError, match=r"b\.toml: not a regular file \(a directory\)"):
         load_policy_dir(d, NodeFacts())
+    (d / "b.toml").rmdir()
+    big = d / "c.toml"
+    big.write_bytes(b"# " + b"x" * MAX_FILE_BYTES + b"\n")
+    with pytest.raises(PolicyError, match=r"c\.toml: larger than 1048576 bytes"):
+        load_policy_dir(d, NodeFacts())
+    big.unlink()
+    (d / "d.toml").symlink_to(d / "nowhere.toml")  # dangling
+    with pytest.raises(PolicyError, match=r"d\.toml: cannot read: No such file"):
+        load_policy_dir(d, NodeFacts())
+    if os.geteuid() != 0:  # root reads anything
+        (d / "d.toml").unlink()
+        (d / "e.toml").write_text("")
+        (d / "e.toml").chmod(0)
+        with pytest.raises(PolicyError, match=r"e\.toml: cannot read: Permission denied"):
+            load_policy_dir(d, NodeFacts())
+
+
+# -- files that are not regular files: refused without being opened for reading ----------
+def _fifo(d: Path, name: str) -> Path:
+    p = d / name
+    os.mkfifo(p)
+    return p
+
+
+def _socket(d: Path, name: str) -> Path:
+    p = d / name
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(p))
+    s.close()  # the socket file stays
+    return p
+
+
+def _link(d: Path, name: str, target: Path) -> Path:
+    p = d / name
+    p.symlink_to(target)
+    return p
+
+
+NOT_REGULAR: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "fifo": (lambda d: _fifo(d, "50-x.toml"), "a FIFO"),
+    "symlink-to-fifo": (lambda d: _link(d, "50-x.toml", _fifo(d.parent, "elsewhere")),
+                        "a symlink to a FIFO"),
+    "socket": (lambda d: _socket(d, "50-x.toml"), "a socket"),
+    # /dev/zero would never end, /dev/watchdog would arm the watchdog if opened
+    "symlink-to-device": (lambda d: _link(d, "50-x.toml", Path("/dev/zero")),
+                          "a symlink to a character device"),
+    "symlink-to-dir": (lambda d: _link(d, "50-x.toml", d.parent), "a symlink to a directory"),
+}
+
+
+def _load_in_thread(d: Path, timeout: float = 20.0) -> BaseException | None:
+    """load_policy_dir in a daemon thread: a test that blocked in open() fails, not hangs."""
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            load_policy_dir(d, NodeFacts())
+            box.append(None)
+        except BaseException as err:
+            box.append(err)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert box, f"load_policy_dir({d}) still blocked after {timeout} s"
+    return box[0]
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_REGULAR))
+def test_non_regular_policy_file_is_refused_without_blocking(tmp_path: Path, kind: str) -> None:
+    d = tmp_path / "pol"
+    write_policy(d, "00-good.toml", "[limits]\nnofile = 4096\n")
+    make, what = NOT_REGULAR[kind]
+    bad = make(d)
+    err = _load_in_thread(d)
+    # a FIFO read with O_NONBLOCK gives b"" (an empty, valid policy): the error proves
+    # the loader looked at the type instead of reading it
+    assert isinstance(err, PolicyError), err
+    assert err.message.startswith(f"{bad}: not a regular file ({what}); "), err.message
+    assert err.details["file"] == str(bad)
+    if kind == "fifo":
+        # nothing holds it open for reading: a writer finds no reader
+        with pytest.raises(OSError) as ei:
+            os.open(bad, os.O_WRONLY | os.O_NONBLOCK)
+        assert ei.value.errno == errno.ENXIO
+
+
+def test_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
+    shared = write_policy(tmp_path / "shared", "site.toml", "[limits]\nnofile = 4242\n")
+    d = tmp_path / "pol"
+    d.mkdir()
+    link = _link(d, "10-site.toml", shared)
+    # a relative link through another symlinked directory, as package managers make them
+    (tmp_path / "alias").symlink_to(tmp_path / "shared")
+    rel = _link(d, "20-rel.toml", Path("../alias/site.toml"))
+    p = load_policy_dir(d, NodeFacts())
+    assert p.model.limits.nofile == 4242
+    assert p.sources == [str(link), str(rel)]
+
+
+def test_read_regular_is_bounded(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"a" * 200_000)
+    assert read_regular(f, 70_000) == b"a" * 70_000
+    assert read_regular(f, 1 << 20) == b"a" * 200_000
+    with pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)"):
+        read_regular(_fifo(tmp_path, "p"), 10)
 
 
 def test_valid_values_are_normalized(tmp_path: Path) -> None:

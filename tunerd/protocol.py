@@ -45,7 +45,7 @@ DEFAULT_SOCKET = "/run/tunerd/tunerd.sock"
 
 
 class ExitCode(enum.IntEnum):
-    """Exit codes of tunerctl and tunerd (DESIGN.md, Part 1)."""
+    """Exit codes of tunerctl and tunerd (README, "Exit codes")."""
 
     OK = 0
     FAILED = 1  # the operation failed, a check found problems, or drift was found

@@ -29,7 +29,10 @@ def _human_check(report: dict[str, Any]) -> str:
             note = ""
             if "applies" in f:
                 note = ", applies to this node" if f["applies"] else ", not for this node"
+                if f.get("reason"):
+                    note += f": {f['reason']}"
             lines.append(f"ok   {f['file']} (policy {f['name']!r}{note})")
+    lines.extend(f"WARN {w}" for w in report.get("warnings") or [])
     return "\n".join(lines)
 
 
@@ -49,6 +52,8 @@ def check(paths: tuple[Path, ...], snapshot: Path | None, hostname: str | None,
     checked as the daemon would load it. For a single set without errors, the
     policy this node would get is computed too (see --json "effective"); GPUs are
     not probed: the node has none unless --topology or --gpu-model says otherwise.
+    A set of which no file matches the node is a warning (WARN, exit 0): checking
+    files meant for other nodes is legitimate.
     """
     from tunerd.policy import NodeFacts, check_paths
 
@@ -82,7 +87,8 @@ def _human_show(r: dict[str, Any]) -> str:
     if r.get("skipped"):
         lines.append("# not applied:")
         lines += [f"#   {s['file']}: {s['reason']}" for s in r["skipped"]]
-    data = {k: v for k, v in r.items() if k not in ("sources", "skipped")}
+    lines += [f"# WARNING: {w}" for w in r.get("warnings") or []]
+    data = {k: v for k, v in r.items() if k not in ("sources", "skipped", "warnings")}
     body = {k: (_drop_empty(v) if isinstance(v, dict) else v) for k, v in data.items()}
     body = _drop_empty(body)
     return "\n".join(lines) + "\n\n" + render_toml(body).rstrip("\n")

@@ -90,13 +90,10 @@ class Daemon:
             await self._policy_changed(new)
             self.notifier.send("READY=1", f"STATUS={self.summary()}")
             return {"reloaded": True, "error": None, "in_force": new.sources,
-                    "warnings": list(getattr(new, "warnings", []) or [])}
+                    "warnings": list(new.warnings)}
 
     def _warn_policy(self, policy: Policy) -> None:
-        warnings = list(getattr(policy, "warnings", []) or [])
-        if not warnings and not policy.sources:
-            warnings = ["no policy file applies to this node: running an empty policy "
-                        "(nothing is tuned, no job rule)"]
+        warnings = list(policy.warnings)
         self.errors.resolve_source("policy")
         for i, w in enumerate(warnings):
             self.errors.record("policy", w, key=i, level="warning")
@@ -214,7 +211,7 @@ class Daemon:
                 "summary": self.policy.summary(),
                 "loaded_at": self.policy.loaded_at,
                 "error": self.policy.error,
-                "warnings": list(getattr(pol, "warnings", []) or []) if pol else [],
+                "warnings": list(pol.warnings) if pol else [],
             },
             "healthy": errs["errors"] == 0 and self.policy.error is None,
             "errors": [p for p in errs["open"] if p["level"] == "error"],

@@ -185,8 +185,10 @@ class AutoBinder:
         env_n = _int_env(m.env, "TUNERD_NUM_WORKERS")
         if env_n is not None:
             return env_n
-        rule_n = getattr(m.rule, "workers", None)
-        return int(rule_n) if isinstance(rule_n, int) else 0
+        if m.rule.workers is not None:
+            return m.rule.workers
+        n = m.rule.torch.num_workers
+        return n if n is not None else 0
 
     def _place(self, m: RuleMatch, group: str) -> Placement:
         rule = m.rule

@@ -24,6 +24,7 @@ from typing import Any
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.errors import Failed, TunerdError
 from tunerd.policy import Policy
+from tunerd.policy.typed import PolicyModel
 from tunerd.tuners import SECTIONS, Change, SettingError, Tuner
 from tunerd.tuners.base import normalize
 
@@ -69,14 +70,15 @@ class HostSettings:
     def originals(self) -> dict[str, dict[str, Any]]:
         return self._host_state["originals"]
 
-    def _section(self, name: str) -> Any:
-        data = self._policy.data if self._policy is not None else {}
-        return data.get(name, [] if name in _LIST_SECTIONS else {})
+    def _policy_model(self) -> PolicyModel:
+        return self._policy.model if self._policy is not None else PolicyModel()
 
-    def _apply_once_globs(self) -> list[str]:
-        pol = self._section("policy")
-        globs = pol.get("apply_once", []) if isinstance(pol, dict) else []
-        return [str(g) for g in globs] if isinstance(globs, list) else []
+    def _section(self, name: str) -> Any:
+        """The typed policy section tuner ``name`` takes (tunerd.policy.typed)."""
+        return self._policy_model().section(name)
+
+    def _apply_once_globs(self) -> tuple[str, ...]:
+        return self._policy_model().apply_once
 
     def _is_once(self, key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, g) for g in self._apply_once_globs())

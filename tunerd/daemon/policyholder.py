@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
-from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.daemon.leases import LeaseLimits
 from tunerd.policy import NodeFacts, Policy, load_policy_dir
+from tunerd.policy.typed import PolicyModel
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyHolder"]
@@ -35,36 +34,24 @@ class PolicyHolder:
         self.policy, self.error, self.loaded_at = policy, None, time.time()
 
     @property
-    def data(self) -> dict[str, Any]:
-        return self.policy.data if self.policy is not None else {}
+    def model(self) -> PolicyModel:
+        return self.policy.model if self.policy is not None else PolicyModel()
 
     # -- typed views ---------------------------------------------------------------
     def housekeeping(self) -> frozenset[int]:
-        hk = (self.data.get("cpu") or {}).get("housekeeping")
-        if not hk:
-            return frozenset()
-        try:
-            return parse_cpulist(str(hk))
-        except CpuListError:  # validated by the loader: cannot happen
-            return frozenset()
+        return self.model.cpu.housekeeping
 
     def default_nofile(self) -> int | None:
         """``[limits] nofile``: the fd limit of rule and lease binds."""
-        value = (self.data.get("limits") or {}).get("nofile")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return self.model.limits.nofile
 
     def lease_limits(self) -> LeaseLimits:
-        raw = self.data.get("leases") or {}
-        d = LeaseLimits()
-        return LeaseLimits(
-            user_exclusive=bool(raw.get("user_exclusive", d.user_exclusive)),
-            max_per_user=int(raw.get("max_per_user", d.max_per_user)),
-            alloc_ttl=float(raw.get("alloc_ttl", d.alloc_ttl)))
+        lp = self.model.leases
+        return LeaseLimits(user_exclusive=lp.user_exclusive, max_per_user=lp.max_per_user,
+                           alloc_ttl=float(lp.alloc_ttl))
 
     def rules(self) -> RuleSet:
-        return RuleSet.from_policy(self.data)
+        return RuleSet.from_policy(self.model.jobs)
 
     def summary(self) -> str:
-        if self.policy is None:
-            return "no policy"
-        return ", ".join(self.policy.sources) or "no policy file applies: empty policy"
+        return self.policy.describe() if self.policy is not None else "no policy"

@@ -137,8 +137,7 @@ def build(cfg: DaemonConfig) -> Daemon:
             return {}
         for rule in autobind.rules.rules:
             if rule.name == rb.rule:
-                torch = getattr(rule, "torch", None)
-                return dict(torch) if isinstance(torch, dict) else {}
+                return rule.torch.to_dict()
         return {}
 
     CoreCommands(daemon.status, daemon.reload, policy).register(router)

@@ -5,7 +5,9 @@ Public interface (used by the daemon and ``tunerctl policy``):
 - ``NodeFacts``: what ``[policy.match]`` tables are tested against.
 - ``load_policy_dir(directory, facts) -> Policy``; raises ``PolicyError`` naming the
   file, key path and value when any file of the directory is bad.
-- ``Policy.data`` (interfaces.md §1), ``Policy.sources``, ``Policy.to_dict()``.
+- ``Policy.model`` (the typed policy: ``tunerd.policy.typed.PolicyModel``, what
+  services and tuners read), ``Policy.data`` / ``Policy.to_dict()`` (plain data, for
+  ``policy show``), ``Policy.sources``, ``Policy.warnings``, ``Policy.describe()``.
 - ``check_paths(paths)``: offline validation report for ``tunerctl policy check``.
 - ``json_schema()``: JSON Schema of a policy file.
 """
@@ -53,9 +55,11 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
     """Validate files and directories offline.
 
     Each directory is one set (as the daemon would load it); the files named
-    directly form one more set. ``effective`` is the merged policy ``facts``
-    (default: this host, no GPUs known) would get, when there is exactly one set
-    and no error; otherwise None.
+    directly form one more set. For every set without errors, each file says
+    whether it ``applies`` to ``facts`` (default: this host, no GPUs known) and,
+    if not, the ``reason``; ``warnings`` holds what the daemon would warn about
+    (no file matching this node). ``effective`` is the merged policy, when there
+    is exactly one set and no error; otherwise None.
     """
     facts = facts if facts is not None else NodeFacts()
     sets: list[list[Path]] = []
@@ -78,15 +82,21 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
     if loose:
         sets.append(loose)
     effective: dict[str, Any] | None = None
+    warnings: list[str] = []
     for files in sets:
         reports = load_set(files)
         policy = None
-        if len(sets) == 1 and not rows and not any(r.errors for r in reports):
+        if not any(r.errors for r in reports):
             policy = resolve([r.parsed for r in reports if r.parsed is not None], facts)
-            effective = policy.to_dict()
+            warnings += policy.warnings
+            if len(sets) == 1 and not rows:
+                effective = policy.to_dict()
+        why = {s["file"]: s["reason"] for s in policy.skipped} if policy is not None else {}
         for r in reports:
             row: dict[str, Any] = {"file": str(r.path), "name": r.name, "errors": r.errors}
             if policy is not None:
                 row["applies"] = str(r.path) in policy.sources
+                if not row["applies"] and str(r.path) in why:
+                    row["reason"] = why[str(r.path)]
             rows.append(row)
-    return {"files": rows, "effective": effective}
+    return {"files": rows, "effective": effective, "warnings": warnings}

@@ -9,7 +9,10 @@ whatever node it is loaded on, so ``policy check`` catches them offline.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -21,6 +24,7 @@ from tunerd.policy.merge import merge_content
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
+from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,11 +34,13 @@ else:  # pragma: no cover
 __all__ = [
     "BUNDLED_DIR",
     "FileReport",
+    "NotRegularFile",
     "PolicyFile",
     "check_set",
     "load_set",
     "policy_files_in",
     "read_policy_file",
+    "read_regular",
     "resolve",
 ]
 
@@ -70,6 +76,71 @@ class FileReport:
         self.errors.append(f"{self.path}: {problem}")
 
 
+class NotRegularFile(Exception):
+    """A policy path that is a FIFO, device, socket or directory (or a symlink to one)."""
+
+
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def _file_type(mode: int) -> str:
+    return next((name for test, name in _FILE_TYPES if test(mode)), "an unknown file type")
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, which must be a regular file (or a symlink to one).
+
+    Anything else is refused before it is opened for reading: opening a FIFO blocks
+    until a writer comes (it froze the daemon's loop on SIGHUP), and opening a
+    device can have side effects. The path is opened with O_PATH, which neither
+    reads nor blocks, its type checked on that descriptor, and only then the same
+    inode is opened for reading through /proc/self/fd, so a rename between the
+    check and the read cannot slip another file in. Raises NotRegularFile (the
+    message names the file and its type) or OSError.
+    """
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _file_type(st.st_mode)
+            if os.path.islink(path):
+                kind = f"a symlink to {kind}"
+            raise NotRegularFile(f"not a regular file ({kind}); a policy must be a regular "
+                                 "file or a symlink to one")
+        try:
+            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if os.path.isdir("/proc/self/fd"):
+                raise
+            rfd = _open_checked(path)  # no /proc (a bare chroot): check the opened file
+    finally:
+        os.close(fd)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size < limit:
+            chunk = os.read(rfd, min(limit - size, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(rfd)
+    return b"".join(chunks)
+
+
+def _open_checked(path: Path) -> int:
+    # O_NONBLOCK: a FIFO swapped in after the O_PATH check opens without waiting
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(f"not a regular file ({_file_type(mode)})")
+    return fd
+
+
 def policy_files_in(directory: Path) -> list[Path]:
     """``*.toml`` in name order. Hidden files (editor locks like ``.#x.toml``) are skipped."""
     try:
@@ -102,8 +173,10 @@ def read_policy_file(path: Path, text: str | None = None) -> FileReport:
     report = FileReport(path=path, name=None)
     if text is None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+            raw = read_regular(path, MAX_FILE_BYTES + 1)
+        except NotRegularFile as err:
+            report.add(Problem("", str(err)))
+            return report
         except OSError as err:
             report.add(Problem("", f"cannot read: {err.strerror or err}"))
             return report
@@ -165,10 +238,21 @@ def _check_file(doc: dict[str, Any], path: Path, problems: list[Problem]) -> Non
                                 f"max_gpus = {match['max_gpus']} is below "
                                 f"min_gpus = {match['min_gpus']}: no node can match"))
     for i, job in enumerate(doc.get("job", [])):
+        where = key_path("job", i)
         if "match" in job and not any(job["match"].values()):
-            problems.append(Problem(key_path(key_path("job", i), "match"),
+            problems.append(Problem(key_path(where, "match"),
                                     "needs cmdline, env or user: an empty match would bind "
                                     "every process"))
+        torch = job.get("torch", {})
+        if torch.get("num_workers") == 0:
+            # torch.utils.data.DataLoader raises ValueError for these without workers
+            clash = [k for k in ("persistent_workers", "prefetch_factor")
+                     if k in torch and torch[k] is not False]
+            for key in clash:
+                problems.append(Problem(key_path(key_path(where, "torch"), key),
+                                        f"{key} = {describe(torch[key])} needs worker "
+                                        "processes, but num_workers = 0 (DataLoader "
+                                        "refuses it)"))
 
 
 @lru_cache(maxsize=1)
@@ -293,13 +377,34 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
     for f in files:
         if mismatch(f.match, facts) is None:
             include(f, ())
+    not_applied = [f for f in files if f.name not in names]
     skipped = [{"file": str(f.path), "reason": mismatch(f.match, facts) or "not applied"}
-               for f in files if f.name not in names]
-    return Policy(data=normalize(merged, names), sources=sources, skipped=skipped + notes)
+               for f in not_applied]
+    warnings = []
+    if files and not names:
+        warnings.append(no_match_warning(not_applied, facts))
+    data = normalize(merged, names)
+    return Policy(data=data, sources=sources, model=build_model(data, sources),
+                  skipped=skipped + notes, warnings=warnings)
+
+
+def _inline(match: dict[str, Any]) -> str:
+    """A ``[policy.match]`` table on one line, as TOML: ``gpu_model = ["*H100*"], min_gpus = 8``."""
+    return ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in match.items())
+
+
+def no_match_warning(files: list[PolicyFile], facts: NodeFacts) -> str:
+    """Why a set that has files gives this node the empty policy: a node that silently
+    runs no policy (an H100-only directory on an L40S node) must be noticed."""
+    why = "; ".join(f"{f.path}: [policy.match] {_inline(f.match or {})} "
+                    f"({mismatch(f.match, facts) or 'not applied'})" for f in files)
+    return (f"no policy file matches this node ({facts.describe()}): running with an empty "
+            f"policy (no host setting, no [[job]] rule, no default fd limit). Not applied: "
+            f"{why}")
 
 
 def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The interfaces.md §1 shape: every section present, defaults filled in."""
+    """``Policy.data``: every section present, defaults filled in, policy identity first."""
     data: dict[str, Any] = {
         "policy": {"name": names[-1] if names else "", "names": list(names),
                    "apply_once": list(merged.get("apply_once", []))},
@@ -309,6 +414,9 @@ def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
     for job in data["job"]:
         job.setdefault("placement", "gpu-local")
         job["match"] = {"cmdline": [], "env": {}, "user": [], **job.get("match", {})}
+    # the lease limits are always in force: show their values even when no file sets them
+    data["leases"] = {"user_exclusive": False, "max_per_user": DEFAULT_MAX_PER_USER,
+                      "alloc_ttl": DEFAULT_ALLOC_TTL, **data["leases"]}
     return data
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunerd.errors import PolicyError
+from tunerd.policy.typed import PolicyModel
 
 __all__ = ["NodeFacts", "Policy", "PolicyError"]
-
 
 
 @dataclass(frozen=True)
@@ -27,18 +27,50 @@ class NodeFacts:
     def from_topology(cls, topo: Any) -> NodeFacts:
         return cls(hostname=topo.hostname, gpu_models=tuple(g.model for g in topo.gpus))
 
+    def describe(self) -> str:
+        """``hostname "dgx-01", 8 GPUs (8x NVIDIA H100 80GB HBM3)`` / ``..., no GPU``."""
+        counts: dict[str, int] = {}
+        for m in self.gpu_models:
+            counts[m] = counts.get(m, 0) + 1
+        gpus = ", ".join(f"{n}x {m}" for m, n in counts.items())
+        n = self.gpu_count
+        what = "no GPU" if not n else f"{n} GPU{'s' if n > 1 else ''} ({gpus})"
+        return f"hostname {self.hostname!r}, {what}"
+
 
 @dataclass
 class Policy:
-    """The merged, validated policy for one node (interfaces.md §1 is ``data``'s shape)."""
+    """The merged, validated policy for one node.
+
+    ``data`` is the merged policy as plain data (every section present, defaults
+    filled in): what ``policy show`` prints. ``model`` is the same policy typed
+    (tunerd.policy.typed), built by the loader after validation: what the tuners
+    and services read. ``warnings`` are problems that did not stop the load (for
+    the log, ``tunerctl status`` and ``policy check``).
+    """
 
     data: dict[str, Any]
     sources: list[str]  # files merged, in merge order (extends first)
+    model: PolicyModel
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return str(self.data["policy"]["name"])
 
+    def describe(self) -> str:
+        """One line for logs: ``base, h100-training (2 files)`` or why nothing applies."""
+        names = self.model.info.names
+        if names:
+            n = len(self.sources)
+            return f"{', '.join(names)} ({n} file{'s' if n != 1 else ''})"
+        files = {s["file"] for s in self.skipped}
+        if files:
+            n = len(files)
+            return f"none matched: empty policy ({n} file{'s' if n != 1 else ''} skipped)"
+        return "empty policy (no policy files)"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"sources": list(self.sources), "skipped": list(self.skipped), **self.data}
+        return {"sources": list(self.sources), "skipped": list(self.skipped),
+                "warnings": list(self.warnings), **self.data}

@@ -1,7 +1,8 @@
 """The policy file format, declared once: validation, normalization and JSON Schema.
 
-DESIGN.md "Policy files" is the contract; docs/interfaces §1 is the normalized shape
-(``SECTION_DEFAULTS`` gives each section's empty value).
+The README's "Policies" section documents the format for operators. After merging,
+every section is present (``SECTION_DEFAULTS`` gives each one's empty value) and
+``tunerd.policy.typed`` turns the result into typed values.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tunerd.policy.schema import (
     Table,
     TableArray,
 )
+from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER
 
 __all__ = ["ARRAY_KEYS", "FILE_SCHEMA", "SECTION_DEFAULTS", "json_schema"]
 
@@ -134,6 +136,8 @@ GPU = Table({
     "power_limit_w": Int(1, 5000),
 })
 
+AMP_MODES = ("off", "bf16", "fp16")
+
 _ENV_NAME = Str(r"[A-Za-z_][A-Za-z0-9_]*", what="an environment variable name", max_len=256)
 
 JOB_MATCH = Table({
@@ -142,6 +146,20 @@ JOB_MATCH = Table({
                             max_len=1024), key=_ENV_NAME),
     "user": StrList(Str(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?", what="a user name", max_len=64)),
 }, description="every key given must match the process")
+
+# DataLoader settings of the processes a rule bound (tunerd.torch applies them); the
+# ranges are what torch.utils.data.DataLoader accepts and what makes sense on a node
+TORCH = Table({
+    "num_workers": Int(0, 1024, description="DataLoader num_workers"),
+    "pin_memory": Bool(description="DataLoader pin_memory"),
+    "persistent_workers": Bool(description="DataLoader persistent_workers "
+                                           "(needs num_workers > 0)"),
+    "prefetch_factor": Int(1, 64, description="DataLoader prefetch_factor "
+                                              "(needs num_workers > 0)"),
+    "amp": Enum(AMP_MODES, description="automatic mixed precision"),
+    "compile": Bool(description="torch.compile the model"),
+}, description="training-side settings tunerd.torch applies in the processes this rule "
+               "bound; every key optional")
 
 PLACEMENTS = ("gpu-local", "node", "socket", "exclusive", "core-complex", "none")
 
@@ -157,7 +175,21 @@ JOB = Table({
     "exclusive": Bool(),
     "exclusive_scope": Str(r"cgroup:/.*|pid:[0-9]+", what="\"cgroup:/PATH\" or \"pid:N\"",
                            max_len=1024),
+    "workers": Int(0, 1024, description="DataLoader worker processes per rank; placement "
+                                        "gives the rank room for them"),
+    "torch": TORCH,
 }, required=("name",))
+
+LEASES = Table({
+    "user_exclusive": Bool(description="may non-root users take exclusive leases "
+                                       "(default false)"),
+    "max_per_user": Int(0, 1 << 20, description="leases one non-root user may hold "
+                                               f"(default {DEFAULT_MAX_PER_USER})"),
+    # a year is far beyond any job; larger values are typos for 0
+    "alloc_ttl": Int(0, 366 * 86400, description="seconds an alloc lease that no process "
+                                                 "holds may live; 0 = forever (default "
+                                                 f"{DEFAULT_ALLOC_TTL})"),
+}, description="what non-root users may do with leases")
 
 FILE_SCHEMA = Table({
     "policy": POLICY,
@@ -170,6 +202,7 @@ FILE_SCHEMA = Table({
     "vm": VM,
     "gpu": GPU,
     "job": TableArray(JOB, unique="name"),
+    "leases": LEASES,
 }, description="a tunerd policy file")
 
 # arrays of tables and the key whose equal value makes a later entry override an earlier one
@@ -178,7 +211,7 @@ ARRAY_KEYS = {"nic": "match", "block": "match", "job": "name"}
 # the normalized policy has every section, empty when no file sets it
 SECTION_DEFAULTS: dict[str, Any] = {
     "sysctl": {}, "nic": [], "nccl": {}, "block": [], "limits": {}, "cpu": {}, "vm": {},
-    "gpu": {}, "job": [],
+    "gpu": {}, "job": [], "leases": {},
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tunerd.tuners.base import Change, SettingError, Tuner
 from tunerd.tuners.block import BlockTuner
@@ -21,8 +22,11 @@ SECTIONS = ("sysctl", "nic", "block", "vm", "cpu", "nccl", "gpu")
 
 def build_tuners(proc_root: Path | str = "/proc", sys_root: Path | str = "/sys",
                  etc_root: Path | str = "/etc", gpu_unavailable: str | None = None,
-                 ) -> dict[str, Tuner]:
+                 ) -> dict[str, Tuner[Any]]:
     """section name -> tuner; every section's key prefix is its section name.
+
+    Each tuner's ``plan`` takes its section of the typed policy
+    (``PolicyModel.section(name)``).
 
     ``gpu_unavailable``: a reason to plan no GPU setting at all (topology replay).
     """

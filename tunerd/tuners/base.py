@@ -1,9 +1,10 @@
 """What every tuner shares: the Change record, the write error, sysfs/procfs file access.
 
 A tuner is one small class per setting kind with ``read()``, ``plan(desired)``,
-``apply(change)`` and ``revert(key, saved)`` (DESIGN.md, Part 2). Reads degrade
-(a missing file makes a setting "not available"); writes fail loudly with an
-``SettingError`` that carries errno, key, value and path.
+``apply(change)`` and ``revert(key, saved)``; ``desired`` is its typed policy
+section (tunerd.policy.typed). Reads degrade (a missing file makes a setting
+"not available"); writes fail loudly with an ``SettingError`` that carries errno,
+key, value and path.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import errno as errno_mod
 import fnmatch
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from tunerd.errors import Failed
 
 __all__ = [
     "Change",
+    "DeviceRule",
     "SettingError",
     "Tuner",
     "bracketed",
@@ -30,12 +32,16 @@ __all__ = [
 ]
 
 
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
 def normalize(value: str | None) -> str | None:
     """Whitespace runs folded: "4096\\t87380  268435456" == "4096 87380 268435456"."""
     return None if value is None else " ".join(value.split())
 
 
-def to_setting_value(value: Any) -> str:
+def to_setting_value(value: str | int | bool) -> str:
     """A policy value as the kernel spells it (bools are 1/0)."""
     if isinstance(value, bool):
         return "1" if value else "0"
@@ -56,7 +62,7 @@ def bracketed(text: str) -> str:
 class Change:
     """One setting: what it is now, what the policy wants, and whether it can be set here."""
 
-    key: str  # interfaces.md §2, e.g. "nic:veth0:mtu"
+    key: str  # KIND:NAME[:ATTR], e.g. "sysctl:net.core.somaxconn", "nic:veth0:mtu"
     current: str | None
     desired: str | None
     available: bool = True
@@ -123,8 +129,8 @@ def write_text(path: Path, value: str, key: str) -> None:
         os.close(fd)
 
 
-class Tuner(Protocol):
-    """One setting kind (sysctl, nic, nccl, ...)."""
+class Tuner(Protocol[S_contra]):
+    """One setting kind (sysctl, nic, nccl, ...); ``S_contra`` is its policy section's type."""
 
     kind: str  # the key prefix: "sysctl", "nic", ...
 
@@ -132,7 +138,7 @@ class Tuner(Protocol):
         """Current values of ``keys`` (default: every setting of this kind found here)."""
         ...
 
-    def plan(self, desired: Any) -> list[Change]:
+    def plan(self, desired: S_contra) -> list[Change]:
         """One Change per setting the policy section names (``needed`` says if it differs)."""
         ...
 
@@ -148,12 +154,12 @@ class Tuner(Protocol):
         """Put back the original ``saved`` (from ``save_original``); raises SettingError."""
         ...
 
-    def mentions(self, key: str, desired: Any) -> bool:
+    def mentions(self, key: str, desired: S_contra) -> bool:
         """Whether the policy section ``desired`` still names setting ``key``."""
         ...
 
 
-class FileTuner:
+class FileTuner(Generic[S]):
     """A tuner whose every key is one sysfs/procfs file holding one value."""
 
     kind = ""
@@ -164,7 +170,7 @@ class FileTuner:
     def path_for(self, key: str) -> Path | None:
         raise NotImplementedError
 
-    def wanted(self, desired: Any) -> dict[str, str]:
+    def wanted(self, desired: S) -> dict[str, str]:
         """key -> desired value for a policy section."""
         raise NotImplementedError
 
@@ -185,7 +191,7 @@ class FileTuner:
     def read(self, keys: Iterable[str] | None = None) -> dict[str, str | None]:
         return {k: self.current(k) for k in (self.known_keys() if keys is None else keys)}
 
-    def plan(self, desired: Any) -> list[Change]:
+    def plan(self, desired: S) -> list[Change]:
         return self.plan_wanted(self.wanted(desired))
 
     def plan_wanted(self, wanted: dict[str, str]) -> list[Change]:
@@ -220,21 +226,18 @@ class FileTuner:
         if normalize(self.current(key)) != normalize(str(value)):
             write_text(path, str(value), key)
 
-    def mentions(self, key: str, desired: Any) -> bool:
+    def mentions(self, key: str, desired: S) -> bool:
         return key in self.wanted(desired)
 
 
-def plain_section(desired: Any) -> dict[str, Any]:
-    return desired if isinstance(desired, dict) else {}
+class DeviceRule(Protocol):
+    """A ``[[nic]]`` / ``[[block]]`` entry: a device-name glob and optional attributes."""
+
+    @property
+    def match(self) -> str: ...
 
 
-def list_section(desired: Any) -> list[dict[str, Any]]:
-    if not isinstance(desired, Iterable) or isinstance(desired, (str, dict)):
-        return []
-    return [e for e in desired if isinstance(e, dict)]
-
-
-class DeviceGlobTuner(FileTuner):
+class DeviceGlobTuner(FileTuner[Sequence[DeviceRule]]):
     """Per-device files matched by name glob: ``KIND:<device>:<attr>`` (NICs, block queues).
 
     ``attrs`` maps a policy attribute to the file below ``root/<device>/``. Later policy
@@ -261,24 +264,24 @@ class DeviceGlobTuner(FileTuner):
     def known_keys(self) -> list[str]:
         return [f"{self.kind}:{d}:{a}" for d in self.devices() for a in self.attrs]
 
-    def wanted(self, desired: Any, only: str | None = None) -> dict[str, str]:
+    def wanted(self, desired: Sequence[DeviceRule], only: str | None = None) -> dict[str, str]:
         out: dict[str, str] = {}
         names = [only] if only else self.devices()
-        for entry in list_section(desired):
-            pattern = str(entry.get("match", ""))
+        for entry in desired:
             for dev in names:
-                if not fnmatch.fnmatchcase(dev, pattern):
+                if not fnmatch.fnmatchcase(dev, entry.match):
                     continue
                 for attr in self.attrs:
-                    if entry.get(attr) is not None:
-                        out[f"{self.kind}:{dev}:{attr}"] = to_setting_value(entry[attr])
+                    value = getattr(entry, attr)
+                    if value is not None:
+                        out[f"{self.kind}:{dev}:{attr}"] = to_setting_value(value)
         return out
 
-    def plan_device(self, desired: Any, dev: str) -> list[Change]:
+    def plan_device(self, desired: Sequence[DeviceRule], dev: str) -> list[Change]:
         """The plan for one device (used when a uevent says it appeared)."""
         return self.plan_wanted(self.wanted(desired, only=dev))
 
-    def mentions(self, key: str, desired: Any) -> bool:
+    def mentions(self, key: str, desired: Sequence[DeviceRule]) -> bool:
         # by glob, not by the devices present now: a NIC that went away is still named
         parts = key.split(":")
         return len(parts) == 3 and key in self.wanted(desired, only=parts[1])

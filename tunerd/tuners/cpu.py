@@ -12,14 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunerd.tuners.base import (
-    Change,
-    SettingError,
-    normalize,
-    plain_section,
-    read_text,
-    write_text,
-)
+from tunerd.policy.typed import CpuSection
+from tunerd.tuners.base import Change, SettingError, normalize, read_text, write_text
 
 KEY = "cpu:governor"
 _CPU_DIR = re.compile(r"cpu(\d+)$")
@@ -63,8 +57,8 @@ class CpuTuner:
     def read(self, keys: Iterable[str] | None = None) -> dict[str, str | None]:
         return {KEY: self.current()}
 
-    def plan(self, desired: Any) -> list[Change]:
-        gov = plain_section(desired).get("governor")
+    def plan(self, desired: CpuSection) -> list[Change]:
+        gov = desired.governor
         if gov is None:
             return []
         cur = self.current()
@@ -91,5 +85,5 @@ class CpuTuner:
             if f is not None and read_text(f) != gov:
                 write_text(f, str(gov), KEY)
 
-    def mentions(self, key: str, desired: Any) -> bool:
-        return key == KEY and plain_section(desired).get("governor") is not None
+    def mentions(self, key: str, desired: CpuSection) -> bool:
+        return key == KEY and desired.governor is not None

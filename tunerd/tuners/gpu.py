@@ -13,12 +13,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from tunerd import nvml
-from tunerd.tuners.base import Change, SettingError, plain_section, to_setting_value
+from tunerd.policy.typed import GpuSection
+from tunerd.tuners.base import Change, SettingError, to_setting_value
 
 ATTRS = ("persistence_mode", "compute_mode", "power_limit_w")
 # NVML_COMPUTEMODE_* values
 COMPUTE_MODES = {"default": 0, "exclusive_thread": 1, "prohibited": 2, "exclusive_process": 3}
 _MODE_NAMES = {v: k for k, v in COMPUTE_MODES.items()}
+
+
+def _asked(desired: GpuSection) -> dict[str, str]:
+    """attribute -> value (as the kernel-style string) of the settings the policy names."""
+    return {a: to_setting_value(v) for a in ATTRS if (v := getattr(desired, a)) is not None}
 
 
 def _raw(fn: str, *args: Any) -> Any:
@@ -62,29 +68,27 @@ class GpuTuner:
         v = nvml.call("nvmlDeviceGetPowerManagementLimit", h)  # in milliwatts
         return None if v is nvml.NA else str(int(v) // 1000)
 
-    def wanted(self, desired: Any) -> dict[str, str]:
-        sec = plain_section(desired)
-        return {f"gpu:{i}:{a}": to_setting_value(sec[a])
-                for i in range(self.count()) for a in ATTRS if sec.get(a) is not None}
+    def wanted(self, desired: GpuSection) -> dict[str, str]:
+        asked = _asked(desired)
+        return {f"gpu:{i}:{a}": v for i in range(self.count()) for a, v in asked.items()}
 
     def read(self, keys: Iterable[str] | None = None) -> dict[str, str | None]:
         if keys is None:
             keys = [f"gpu:{i}:{a}" for i in range(self.count()) for a in ATTRS]
         return {k: self.current(k) for k in keys}
 
-    def plan(self, desired: Any) -> list[Change]:
-        sec = plain_section(desired)
-        asked = [a for a in ATTRS if sec.get(a) is not None]
+    def plan(self, desired: GpuSection) -> list[Change]:
+        asked = _asked(desired)
         if not asked:
             return []
         why = self.unavailable_reason or (None if nvml.available() else
                                            nvml.reason() or "NVML not available")
         if why:
-            return [Change(f"gpu:*:{a}", None, to_setting_value(sec[a]), available=False,
-                           reason=why) for a in asked]
+            return [Change(f"gpu:*:{a}", None, v, available=False, reason=why)
+                    for a, v in asked.items()]
         if self.count() == 0:
-            return [Change(f"gpu:*:{a}", None, to_setting_value(sec[a]), available=False,
-                           reason="no GPU on this node") for a in asked]
+            return [Change(f"gpu:*:{a}", None, v, available=False,
+                           reason="no GPU on this node") for a, v in asked.items()]
         out = []
         for key, value in self.wanted(desired).items():
             cur = self.current(key)
@@ -127,6 +131,5 @@ class GpuTuner:
         if value is not None and self.current(key) != value:
             self._write(key, str(value))
 
-    def mentions(self, key: str, desired: Any) -> bool:
-        attr = key.rpartition(":")[2]
-        return attr in ATTRS and plain_section(desired).get(attr) is not None
+    def mentions(self, key: str, desired: GpuSection) -> bool:
+        return key.rpartition(":")[2] in _asked(desired)

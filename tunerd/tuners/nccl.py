@@ -11,13 +11,14 @@ removing the block gives back the exact original file even after a crash:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunerd.policy.typed import NcclValue
 from tunerd.safefs import write_atomic
-from tunerd.tuners.base import Change, SettingError, plain_section, to_setting_value
+from tunerd.tuners.base import Change, SettingError, to_setting_value
 
 BEGIN = "# BEGIN tunerd managed block: edit the policy, not these lines"
 END = "# END tunerd managed block"
@@ -119,11 +120,11 @@ class NcclTuner:
         names = [k.partition(":")[2] for k in keys] if keys is not None else list(conf.block)
         return {f"nccl:{v}": self.current_of(conf, v) for v in names}
 
-    def plan(self, desired: Any) -> list[Change]:
+    def plan(self, desired: Mapping[str, NcclValue]) -> list[Change]:
         conf = self.load()
         return [Change(f"nccl:{var}", self.current_of(conf, var), to_setting_value(v),
                        path=str(self.path))
-                for var, v in plain_section(desired).items()]
+                for var, v in desired.items()]
 
     def apply(self, change: Change) -> None:
         var = change.key.partition(":")[2]
@@ -158,6 +159,6 @@ class NcclTuner:
             return
         self.store(conf, key, saved.get("value"))
 
-    def mentions(self, key: str, desired: Any) -> bool:
-        return key.partition(":")[2] in plain_section(desired)
+    def mentions(self, key: str, desired: Mapping[str, NcclValue]) -> bool:
+        return key.partition(":")[2] in desired
 

@@ -7,10 +7,11 @@ Inside a network namespace the ``net.*`` files are that namespace's own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from tunerd.tuners.base import FileTuner, plain_section, to_setting_value
+from tunerd.policy.typed import SysctlValue
+from tunerd.tuners.base import FileTuner, to_setting_value
 
 
 def sysctl_path(root: Path, name: str) -> Path:
@@ -20,7 +21,7 @@ def sysctl_path(root: Path, name: str) -> Path:
     return root.joinpath(*parts)
 
 
-class SysctlTuner(FileTuner):
+class SysctlTuner(FileTuner[Mapping[str, SysctlValue]]):
     kind = "sysctl"
     # a sysctl the policy names but this kernel lacks is an error (ENOENT), not "n/a"
     missing_is_error = True
@@ -37,6 +38,5 @@ class SysctlTuner(FileTuner):
     # read() without keys gives {}: walking all of /proc/sys to list every sysctl would
     # cost far more than any caller needs; read(["sysctl:NAME", ...]) reads those.
 
-    def wanted(self, desired: Any) -> dict[str, str]:
-        return {f"sysctl:{name}": to_setting_value(v)
-                for name, v in plain_section(desired).items()}
+    def wanted(self, desired: Mapping[str, SysctlValue]) -> dict[str, str]:
+        return {f"sysctl:{name}": to_setting_value(v) for name, v in desired.items()}

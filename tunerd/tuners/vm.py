@@ -9,14 +9,14 @@ built without NUMA balancing (then "not available").
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from tunerd.tuners.base import FileTuner, bracketed, plain_section, to_setting_value
+from tunerd.policy.typed import VmSection
+from tunerd.tuners.base import FileTuner, bracketed, to_setting_value
 
 KEYS = ("transparent_hugepage", "transparent_hugepage_defrag", "numa_balancing")
 
 
-class VmTuner(FileTuner):
+class VmTuner(FileTuner[VmSection]):
     kind = "vm"
 
     def __init__(self, proc_root: Path | str = "/proc", sys_root: Path | str = "/sys") -> None:
@@ -38,9 +38,9 @@ class VmTuner(FileTuner):
     def known_keys(self) -> list[str]:
         return list(self.paths)
 
-    def wanted(self, desired: Any) -> dict[str, str]:
-        return {f"vm:{k}": to_setting_value(v) for k, v in plain_section(desired).items()
-                if k in KEYS and v is not None}
+    def wanted(self, desired: VmSection) -> dict[str, str]:
+        return {f"vm:{k}": to_setting_value(v) for k in KEYS
+                if (v := getattr(desired, k)) is not None}
 
     def missing_reason(self, key: str, path: Path | None) -> str:
         if key == "vm:numa_balancing":

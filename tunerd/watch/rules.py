@@ -1,6 +1,6 @@
 """``[[job]]`` rules: which exec'd processes the daemon binds by itself.
 
-A rule matches when every key it gives matches (DESIGN.md, policy files):
+A rule matches when every key it gives matches (README, "Policies"):
 
 * ``match.cmdline`` -- any of the globs matches the whole command line, its
   NUL-separated arguments joined by single spaces (``python -u train.py --lr 3``);
@@ -19,10 +19,10 @@ import fnmatch
 import logging
 import pwd
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from tunerd.cpulist import CpuListError, parse_cpulist
+from tunerd.policy.typed import JobSpec, TorchSettings
 from tunerd.watch import procfs
 
 __all__ = ["JobRule", "RuleMatch", "RuleSet"]
@@ -52,40 +52,29 @@ class JobRule:
     cmd_re: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
     env_re: tuple[tuple[str, re.Pattern[str]], ...] = field(default=(), compare=False,
                                                              repr=False)
+    workers: int | None = None  # DataLoader workers per rank: placement room
+    # what tunerd.torch applies in the processes this rule bound
+    torch: TorchSettings = field(default_factory=TorchSettings)
 
     @classmethod
-    def from_policy(cls, raw: dict[str, Any], index: int) -> JobRule:
-        """Build from one normalized ``[[job]]`` entry (policy area validated it)."""
-        name = str(raw.get("name") or f"job[{index}]")
-        match = raw.get("match") or {}
-        cmd = match.get("cmdline") or ()
-        cmd = (cmd,) if isinstance(cmd, str) else tuple(str(g) for g in cmd)
-        env = tuple(sorted((str(k), str(v)) for k, v in (match.get("env") or {}).items()))
-        users = match.get("user") or ()
-        users = (users,) if isinstance(users, (str, int)) else tuple(users)
-        users = tuple(str(u) for u in users)
+    def from_policy(cls, spec: JobSpec) -> JobRule:
+        """Build from one typed ``[[job]]`` rule of the policy in force."""
         uids: set[int] = set()
-        for u in users:
+        for u in spec.users:
             if u.isdigit():
                 uids.add(int(u))
                 continue
             try:
                 uids.add(pwd.getpwnam(u).pw_uid)
             except KeyError:
-                log.warning("job rule %r: user %r does not exist on this node", name, u)
-        cpus = None
-        if raw.get("cpus") is not None:
-            try:
-                cpus = parse_cpulist(str(raw["cpus"]))
-            except CpuListError as err:
-                log.error("job rule %r: %s; rule ignores it", name, err)
+                log.warning("job rule %r: user %r does not exist on this node", spec.name, u)
+        env = tuple(sorted(spec.env.items()))
         return cls(
-            name=name, cmdline=cmd, env=env, users=users,
-            placement=str(raw.get("placement") or "gpu-local"), cpus=cpus,
-            gpus=raw.get("gpus"), nofile=raw.get("nofile"),
-            exclusive=bool(raw.get("exclusive", False)),
-            exclusive_scope=raw.get("exclusive_scope"),
-            uids=frozenset(uids), cmd_re=_glob_regex(cmd),
+            name=spec.name, cmdline=spec.cmdline, env=env, users=spec.users,
+            placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
+            exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
+            workers=spec.workers, torch=spec.torch,
+            uids=frozenset(uids), cmd_re=_glob_regex(spec.cmdline),
             env_re=tuple((k, re.compile(fnmatch.translate(v))) for k, v in env),
         )
 
@@ -127,11 +116,9 @@ class RuleSet:
         self._need_uid = any(r.users for r in self.rules)
 
     @classmethod
-    def from_policy(cls, data: dict[str, Any], proc: str = procfs.PROC) -> RuleSet:
-        raw = data.get("job") or []
-        if isinstance(raw, dict):
-            raw = [raw]
-        return cls([JobRule.from_policy(r, i) for i, r in enumerate(raw)], proc)
+    def from_policy(cls, jobs: Iterable[JobSpec], proc: str = procfs.PROC) -> RuleSet:
+        """The rules of the policy in force (``Policy.model.jobs``), in policy order."""
+        return cls([JobRule.from_policy(j) for j in jobs], proc)
 
     def __bool__(self) -> bool:
         return bool(self.rules)
