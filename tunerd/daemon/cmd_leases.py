@@ -19,11 +19,26 @@ def _svc(d: Daemon) -> LeaseService:
     return svc
 
 
+def _cpu_count(req: Request) -> int | None:
+    """``ncpus`` (a count); ``cpus`` is a cpulist string, or a count from an older tunerctl."""
+    ncpus = req.arg("ncpus", int, None)
+    cpus = req.args.get("cpus")
+    if cpus is None:
+        return ncpus
+    if isinstance(cpus, int) and not isinstance(cpus, bool):  # legacy: one more release
+        if ncpus is not None:
+            raise UsageError(f"{req.cmd}: give 'ncpus' or a count in 'cpus', not both")
+        return cpus
+    req.arg("cpus", str)  # anything but a string or a count: a UsageError naming it
+    raise UsageError(f"{req.cmd}: exact CPU lists (--cpus {cpus}) are not supported by this "
+                     f"tunerd yet; ask for a count with --ncpus N")
+
+
 def _common(req: Request) -> dict[str, Any]:
     scope = req.arg("exclusive_scope", str, None)
     return {
         "gpus": req.arg("gpus", int, 0),
-        "cpus": req.arg("cpus", int, None),
+        "cpus": _cpu_count(req),
         "exclusive": req.arg("exclusive", bool, False),
         "scope": scope,
         "tag": req.arg("tag", str, None),
