@@ -8,10 +8,12 @@ cycle and never mutates, so no lock is needed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tunerd.monitor.gpu import THROTTLE_REASONS
 
 if TYPE_CHECKING:
     from tunerd.monitor.service import Monitor
@@ -99,6 +101,20 @@ def _emit(items: list[dict[str, Any]], table: list[tuple[str, str, str]], labels
         yield fam
 
 
+class DaemonHealth(NamedTuple):
+    """What the fleet alerts need from the daemon beyond the monitor's own sample.
+
+    None: that service does not run in this daemon (its series are left out).
+    """
+
+    policy_rejected: bool | None  # the last reload was refused; the old policy is in force
+    host_enforcing: bool | None  # False after `tunerctl revert`, until apply or reload
+    host_drifted: int | None  # settings found drifted by the last verify (before re-apply)
+    host_failed: int | None  # settings whose last write failed (still not as the policy says)
+    rule_bind_failures: int | None  # [[job]] rule matches that could not be bound, since start
+    rule_matches: int | None  # processes [[job]] rules matched, since start
+
+
 class MonitorCollector(Collector):
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
@@ -107,9 +123,54 @@ class MonitorCollector(Collector):
         m = self.monitor
         s = m.latest or {}
         yield from self._self_metrics(m, s)
+        yield from self._health(self.daemon_health())
         yield from self._gpu(s.get("gpu") or {})
         yield from self._host(s.get("host") or {})
         yield from self._jobs(s.get("jobs") or [])
+
+    def daemon_health(self) -> DaemonHealth:
+        """The one place the collector reads daemon state outside the monitor's sample.
+
+        Runs in prometheus_client's HTTP thread: it only reads a few attributes that the
+        loop replaces whole (a bool, an int, a dict's length), never iterates shared state.
+        """
+        d: Any = self.monitor.daemon
+        host = getattr(d, "host", None)
+        leases = getattr(d, "leases", None)
+        autobind = getattr(leases, "autobind", None)
+        verify = getattr(host, "last_verify", None) if host is not None else None
+        return DaemonHealth(
+            policy_rejected=(bool(d.policy_error) if hasattr(d, "policy_error") else None),
+            host_enforcing=None if host is None else bool(host.enforcing),
+            host_drifted=(None if host is None else
+                          int(verify["drift"]) if isinstance(verify, dict) else 0),
+            host_failed=None if host is None else len(host.failed),
+            rule_bind_failures=None if autobind is None else int(autobind.failed),
+            rule_matches=None if autobind is None else int(autobind.matched),
+        )
+
+    def _health(self, h: DaemonHealth) -> Iterator[Metric]:
+        gauges = [
+            ("tunerd_policy_rejected", "1 while the last policy reload was rejected (the "
+             "previous policy stays in force)", h.policy_rejected),
+            ("tunerd_host_enforcing", "1 while drift correction and hotplug are on (0 after "
+             "tunerctl revert, until apply or reload)", h.host_enforcing),
+            ("tunerd_host_settings_drifted", "Host settings the last verify found drifted "
+             "from the policy (before re-applying them)", h.host_drifted),
+            ("tunerd_host_settings_failed", "Host settings whose last write failed",
+             h.host_failed),
+        ]
+        for name, doc, value in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=float(value))
+        if h.rule_bind_failures is not None:
+            yield CounterMetricFamily("tunerd_rule_bind_failures",
+                                      "[[job]] rule matches that could not be bound",
+                                      value=h.rule_bind_failures)
+        if h.rule_matches is not None:
+            yield CounterMetricFamily("tunerd_rule_matches",
+                                      "Processes matched by a [[job]] rule",
+                                      value=h.rule_matches)
 
     def _self_metrics(self, m: Monitor, s: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("tunerd_up", "1 while tunerd serves", value=1)
@@ -158,6 +219,16 @@ class MonitorCollector(Collector):
             if g.get("throttle_reasons") is not None:
                 thr.add_metric(lab(g), float(g["throttle_reasons"]))
         yield thr
+        active = GaugeMetricFamily(
+            "tunerd_gpu_throttle_reason_active",
+            "1 while this clocks event (throttle) reason holds the GPU's clocks down",
+            labels=["gpu", "uuid", "reason"])
+        for g in gpus:
+            if g.get("throttle_reasons") is not None:
+                on = set(g.get("throttle_reason_names") or [])
+                for reason in THROTTLE_REASONS.values():
+                    active.add_metric([*lab(g), reason], 1.0 if reason in on else 0.0)
+        yield active
         proc = GaugeMetricFamily("tunerd_gpu_process_memory_used_bytes",
                                  "GPU memory used per process", labels=["gpu", "pid"])
         for p in gpu.get("processes") or []:
