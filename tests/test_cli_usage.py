@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 from tests.helpers import REPO, DaemonProc, run_ctl
 from tunerd import __version__
 from tunerd.cli.main import LAZY_COMMANDS, cli
-
 
 
 def _all_commands() -> list[tuple[str, ...]]:
@@ -151,3 +151,58 @@ def test_top_never_wraps_inside_a_command() -> None:
         text = buf.getvalue()
         assert "`lsmod | grep nvidia`" in text and "`tunerctl run -- CMD`" in text, text
         assert all(len(line.rstrip()) <= width for line in text.splitlines())
+
+
+def test_unreachable_hint_fits_how_tunerd_runs(tmp_path: Path) -> None:
+    from tunerd.cli.service_hint import install_manifest, log_hint, unreachable_message
+
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / "tunerd.service").write_text("[Service]\nExecStart=/opt/tunerd/bin/tunerd\n")
+    m = {"UNIT_DIR": str(units), "LOG_FILE": "/srv/log/tunerd.log", "PREFIX": "/srv/tunerd",
+         "DAEMON_FLAGS": "--metrics-listen off"}
+    assert "journalctl -u tunerd" in log_hint(m, systemd=True)
+    plain = log_hint(m, systemd=False)  # unit file present, but systemd is not PID 1
+    assert "systemctl" not in plain and "its log is /srv/log/tunerd.log" in plain
+    assert "`nohup /srv/tunerd/bin/tunerd --metrics-listen off >>/srv/log/tunerd.log" in plain
+    assert "/var/log/tunerd.log" in log_hint({}, systemd=False)
+    # the manifest install.sh writes, read back
+    (tmp_path / "share/tunerd").mkdir(parents=True)
+    (tmp_path / "share/tunerd/install.env").write_text(
+        "PREFIX='/srv/tunerd'\nTUNERD_ARGS='--metrics-listen 0.0.0.0:9464'\n"
+        "DAEMON_FLAGS='--state-dir /srv/state --metrics-listen 0.0.0.0:9464'\n")
+    got = install_manifest(tmp_path)
+    assert got["DAEMON_FLAGS"] == "--state-dir /srv/state --metrics-listen 0.0.0.0:9464"
+    assert install_manifest(tmp_path / "nothing") == {}
+    msg = unreachable_message("tunerd is not reachable at /run/tunerd/tunerd.sock: No such "
+                              "file or directory (is the daemon running? see `systemctl "
+                              "status tunerd`)")
+    assert msg.startswith("tunerd is not reachable at /run/tunerd/tunerd.sock: No such file "
+                          "or directory\n  ")
+
+
+def test_completion_scripts_are_produced_and_complete_command_names(tmp_path: Path) -> None:
+    bindir = Path(sys.executable).parent  # the dev venv's tunerctl console script
+    assert (bindir / "tunerctl").exists()
+    env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
+
+    def source(shell: str) -> str:
+        p = subprocess.run([str(bindir / "tunerctl")], capture_output=True, text=True,
+                           timeout=60, env={**env, "_TUNERCTL_COMPLETE": f"{shell}_source"})
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    script = tmp_path / "tunerctl.bash"
+    script.write_text(source("bash"))
+    done = subprocess.run(["bash", "-c", f"source {script}; COMP_WORDS=(tunerctl adv); "
+                           "COMP_CWORD=1; _tunerctl_completion tunerctl; "
+                           'printf "%s\\n" "${COMPREPLY[@]}"'],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.split() == ["advise"], done.stdout + done.stderr
+    zsh = source("zsh")
+    assert zsh.startswith("#compdef tunerctl") and "_TUNERCTL_COMPLETE=zsh_complete" in zsh
+    # zsh itself is not installed here: ask the program the way that script does
+    q = subprocess.run([str(bindir / "tunerctl")], capture_output=True, text=True, timeout=60,
+                       env={**env, "COMP_WORDS": "tunerctl policy ch", "COMP_CWORD": "2",
+                            "_TUNERCTL_COMPLETE": "zsh_complete"})
+    assert q.stdout.splitlines()[:2] == ["plain", "check"], q.stdout

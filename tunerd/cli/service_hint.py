@@ -57,7 +57,7 @@ def log_hint(manifest: dict[str, str] | None = None, systemd: bool | None = None
                 "start it with `systemctl start tunerd`")
     log = m.get("LOG_FILE") or DEFAULT_LOG
     tunerd = str(Path(m["PREFIX"]) / "bin/tunerd") if m.get("PREFIX") else "tunerd"
-    args = m.get("TUNERD_ARGS", "")
+    args = m.get("DAEMON_FLAGS", "")
     start = f"nohup {tunerd}{' ' + args if args else ''} >>{log} 2>&1 </dev/null &"
     return (f"tunerd is not run by systemd here; its log is {log}; start it with "
             f"`{start}` (or run scripts/install.sh again)")
