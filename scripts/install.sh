@@ -1,56 +1,158 @@
 #!/bin/sh
-# Install tunerd into a venv (default /opt/tunerd), put tunerd/tunerctl on the PATH,
-# install the systemd unit, and start the daemon on the bundled default policy.
-#   sudo ./scripts/install.sh            install and start
-#   sudo ./scripts/install.sh --no-start install only
-# Environment: PREFIX (venv, default /opt/tunerd), PYTHON (default /usr/bin/python3).
+# Install tunerd, or upgrade it in place: a venv (default /opt/tunerd), tunerd and
+# tunerctl on the PATH, the systemd unit, bash and zsh completion, then start the
+# daemon (on the bundled default policy until /etc/tunerd/policies has files).
+#
+#   ./scripts/install.sh              install or upgrade, and (re)start the daemon
+#   ./scripts/install.sh --no-start   install or upgrade only
+#
+# Run it as root (a root shell needs no sudo). Run again after `git pull`: when what it
+# installs changed (code, policies, unit: compared by hash, not only the version) it
+# restarts the daemon and prints "tunerd OLD -> NEW"; state in STATE_DIR and RUNTIME_DIR
+# is kept. With systemd as PID 1 the daemon is the tunerd.service unit; without it
+# (containers) it runs in the background with its log in LOG_FILE, stopped through
+# RUNTIME_DIR/tunerd.pid. scripts/uninstall.sh removes what this script put in place.
+#
+# Environment (every path can be moved, e.g. into a temporary tree):
+#   PREFIX=/opt/tunerd          the venv            BIN_DIR=/usr/local/bin
+#   ETC_DIR=/etc/tunerd         config + policies   UNIT_DIR=/etc/systemd/system
+#   RUNTIME_DIR=/run/tunerd     STATE_DIR=/var/lib/tunerd   LOG_FILE=/var/log/tunerd.log
+#   BASH_COMPLETION_DIR=/usr/share/bash-completion/completions
+#   ZSH_COMPLETION_DIR=/usr/local/share/zsh/site-functions
+#   PYTHON=/usr/bin/python3     INIT=auto|systemd|none (auto: systemd when it is PID 1)
+#   TUNERD_ARGS="..."           extra tunerd flags (e.g. --metrics-listen 0.0.0.0:9464)
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${PREFIX:-/opt/tunerd}
-PYTHON=${PYTHON:-/usr/bin/python3}
-start=yes
-[ "${1:-}" = "--no-start" ] && start=no
+. "$here/scripts/service-lib.sh"
 
-if [ "$(id -u)" != 0 ]; then
-    echo "install.sh: run as root (sudo $0)" >&2
-    exit 4
-fi
+start=yes
+for arg in "$@"; do
+    case $arg in
+        --no-start) start=no ;;
+        -h|--help) sed -n '2,/^set -eu/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "install.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+    esac
+done
+require_root install.sh
+load_layout
+PYTHON=${PYTHON:-/usr/bin/python3}
 
 # Debian/Ubuntu system Python refuses `pip install` outside a venv (PEP 668), and
 # venv itself is a separate package there.
-if ! "$PYTHON" -m venv --help >/dev/null 2>&1 || ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv
+if [ ! -x "$PREFIX/bin/python" ]; then
+    if ! "$PYTHON" -m venv --help >/dev/null 2>&1 || ! "$PYTHON" -c 'import ensurepip' 2>/dev/null
+    then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv
+    fi
 fi
-"$PYTHON" -m venv "$PREFIX"
-"$PREFIX/bin/pip" install -q --upgrade pip
-"$PREFIX/bin/pip" install -q "$here"
-ln -sf "$PREFIX/bin/tunerd" /usr/local/bin/tunerd
-ln -sf "$PREFIX/bin/tunerctl" /usr/local/bin/tunerctl
-install -d -m 0755 /etc/tunerd /etc/tunerd/policies
-install -m 0644 "$here/systemd/tunerd.service" /etc/systemd/system/tunerd.service
-# No policy in /etc/tunerd/policies yet: the daemon uses the bundled policies/default.toml.
 
-[ "$start" = yes ] || exit 0
-if [ -d /run/systemd/system ]; then
-    systemctl daemon-reload
-    systemctl enable --now tunerd
+# What this install puts in place: the package sources, and the unit and daemon flags
+# rendered for this layout. Any change in them means the daemon must restart.
+daemon_args=$(daemon_flags)
+unit_text=$(sed "s|^ExecStart=/opt/tunerd/bin/tunerd\$|ExecStart=$PREFIX/bin/tunerd${daemon_args:+ $daemon_args}|" \
+    "$here/systemd/tunerd.service")
+new_hash=$(
+    cd "$here"
+    { find -L tunerd policies -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+        | LC_ALL=C sort -z | xargs -0 sha256sum
+      sha256sum pyproject.toml
+      printf '%s\n%s\n' "$unit_text" "$daemon_args"; } | sha256sum | cut -d' ' -f1
+)
+old_version=$(installed_version)
+old_hash=$(manifest_value SOURCE_HASH)
+
+if [ -n "$old_version" ] && [ "$old_hash" = "$new_hash" ]; then
+    changed=no
+    echo "tunerd $old_version is already installed in $PREFIX (same code)"
 else
-    # No systemd as PID 1 (containers, CI): run it in the background, logs in /var/log.
-    if [ -S /run/tunerd/tunerd.sock ] && tunerctl status >/dev/null 2>&1; then
-        echo "tunerd is already running"
+    changed=yes
+    if [ ! -x "$PREFIX/bin/python" ]; then
+        "$PYTHON" -m venv "$PREFIX"
+        "$PREFIX/bin/pip" install -q --upgrade pip
+    fi
+    "$PREFIX/bin/pip" install -q "$here"
+fi
+new_version=$(installed_version)
+[ -n "$new_version" ] || { echo "install.sh: $PREFIX/bin/python cannot import tunerd" >&2; exit 1; }
+
+install -d -m 0755 "$BIN_DIR" "$ETC_DIR" "$ETC_DIR/policies" "$UNIT_DIR" \
+    "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR" "$PREFIX/share/tunerd"
+ln -sfn "$PREFIX/bin/tunerd" "$BIN_DIR/tunerd"
+ln -sfn "$PREFIX/bin/tunerctl" "$BIN_DIR/tunerctl"
+# A config file listing every key with its default, all commented out; never overwritten.
+if [ ! -e "$ETC_DIR/tunerd.toml" ]; then
+    "$PREFIX/bin/python" -I - "$ETC_DIR/tunerd.toml" <<'EOF'
+import sys
+from tunerd.daemon.config import describe_keys
+lines = ["# tunerd configuration (`tunerd --help` explains each key). Every key is",
+         "# optional; a command-line flag wins over its key. Defaults shown commented out.", ""]
+for key, default, meaning in describe_keys():
+    lines += [f"# {meaning}", f"# {key} = {default}", ""]
+with open(sys.argv[1], "x") as f:
+    f.write("\n".join(lines))
+EOF
+    chmod 0644 "$ETC_DIR/tunerd.toml"
+fi
+write_file "$UNIT_DIR/tunerd.service" 0644 "$unit_text"
+# click's completion scripts; the programs are looked up on the PATH when completing
+write_file "$BASH_COMPLETION_DIR/tunerctl" 0644 \
+    "$(_TUNERCTL_COMPLETE=bash_source "$PREFIX/bin/tunerctl")"
+write_file "$ZSH_COMPLETION_DIR/_tunerctl" 0644 \
+    "$(_TUNERCTL_COMPLETE=zsh_source "$PREFIX/bin/tunerctl")"
+# What was installed where: read by uninstall.sh, by the next install.sh (the hash) and
+# by tunerctl (which log file to point at when the daemon does not answer).
+write_file "$PREFIX/share/tunerd/install.env" 0644 "$(
+    for k in PREFIX BIN_DIR ETC_DIR UNIT_DIR BASH_COMPLETION_DIR ZSH_COMPLETION_DIR \
+             RUNTIME_DIR STATE_DIR LOG_FILE TUNERD_ARGS; do
+        eval "v=\$$k"
+        printf "%s=%s\n" "$k" "$(shell_quote "$v")"
+    done
+    printf "INIT=%s\nDAEMON_FLAGS=%s\nVERSION=%s\nSOURCE_HASH=%s\n" "$INIT_SETTING" \
+        "$(shell_quote "$daemon_args")" "$new_version" "$new_hash")"
+
+if [ -z "$old_version" ]; then
+    echo "installed tunerd $new_version in $PREFIX"
+elif [ "$changed" = yes ] && [ "$old_version" = "$new_version" ]; then
+    echo "tunerd $old_version -> $new_version: reinstalled (same version, the code changed)"
+elif [ "$changed" = yes ]; then
+    echo "tunerd $old_version -> $new_version"
+fi
+
+if [ "$start" = no ]; then
+    pid=$(daemon_pid)
+    if [ -n "$pid" ] && [ "$changed" = yes ]; then
+        echo "note: tunerd (pid $pid) still runs the previous code; run install.sh without" \
+             "--no-start (or restart it) to use $new_version"
+    fi
+    exit 0
+fi
+
+if [ "$INIT" = systemd ]; then
+    systemctl daemon-reload
+    systemctl enable tunerd >/dev/null 2>&1 || systemctl enable tunerd
+    if [ "$changed" = yes ]; then
+        systemctl restart tunerd  # starts it when it was not running
     else
-        nohup "$PREFIX/bin/tunerd" >>/var/log/tunerd.log 2>&1 </dev/null &
-        echo "started tunerd (pid $!) without systemd; logs in /var/log/tunerd.log"
+        systemctl start tunerd
+    fi
+else
+    pid=$(daemon_pid)
+    if [ -n "$pid" ] && [ "$changed" = yes ]; then
+        stop_daemon "$pid"
+        pid=""
+    fi
+    if [ -n "$pid" ]; then
+        echo "tunerd is already running (pid $pid)"
+    else
+        start_daemon
     fi
 fi
-i=0
-until tunerctl status >/dev/null 2>&1; do
-    i=$((i + 1))
-    if [ $i -gt 100 ]; then
-        echo "install.sh: tunerd did not answer; see journalctl -u tunerd or /var/log/tunerd.log" >&2
-        exit 1
-    fi
-    sleep 0.1
-done
-tunerctl status
+wait_ready || exit 1
+pid=$(daemon_pid)
+if [ "$INIT" = systemd ]; then
+    echo "tunerd $new_version runs as tunerd.service (pid $pid); log: journalctl -u tunerd"
+else
+    echo "tunerd $new_version runs without systemd (pid $pid); log: $LOG_FILE"
+fi
+ctl status || true

@@ -1,10 +1,15 @@
 #!/bin/sh
-# Set up everything the test suite needs, then run it:  sudo ./scripts/test.sh [pytest args]
+# Set up everything the test suite needs, then run it:  ./scripts/test.sh [pytest args]
 # Installs Debian packages (iproute2, prometheus, numactl, ...), makes .venv with the
-# project and its test extras, runs ruff, mypy and pytest. Run as root: the tests bind
-# real processes, create network namespaces and a test user.
+# project and its test extras, runs ruff, mypy and pytest. Run as root (a root shell
+# needs no sudo): the tests bind real processes, create network namespaces and a test user.
 set -eu
 cd "$(dirname "$0")/.."
+if [ "$(id -u)" != 0 ]; then
+    echo "test.sh: must run as root (the tests bind real processes, create network" \
+         "namespaces and a test user): run it from a root shell, or with sudo" >&2
+    exit 4
+fi
 PYTHON=${PYTHON:-/usr/bin/python3}
 
 need_pkgs=""

@@ -19,13 +19,17 @@ GPU_CHECKS = {"nvidia-driver", "torch", "torch-cuda", "cuda-version", "cudnn", "
 
 
 def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> None:
-    r = run_ctl("--json", "doctor", "--data-dir", str(tmp_path))
+    r = run_ctl("--json", "doctor", "--data-dir", str(tmp_path), "--python", sys.executable)
     rep = json.loads(r.out)
     assert r.rc == (1 if rep["summary"]["FAIL"] else 0), r.err
     checks = {c["id"]: c for c in rep["checks"]}
     assert set(checks) >= GPU_CHECKS
     assert {"pcie-acs", "iommu", "data-fs", "data-device", "nofile", "numa-balancing",
-            "cpu-governor", "nccl-mtu", "cuda-toolkit", "libcudart"} <= set(checks)
+            "cpu-governor", "nccl-mtu", "cuda-toolkit", "libcudart",
+            "training-python"} <= set(checks)
+    assert checks["training-python"]["status"] == "PASS"
+    assert checks["training-python"]["data"]["python"] == sys.executable
+    assert checks["training-python"]["data"]["found_by"] == "--python"
     for c in rep["checks"]:
         assert set(c) == {"id", "title", "status", "evidence", "fix", "data"}
         assert c["status"] in ("PASS", "WARN", "FAIL", "SKIP") and c["evidence"]
@@ -44,15 +48,72 @@ def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> N
         assert checks["torch"]["status"] == "SKIP"
         assert "torch is not installed" in checks["torch"]["evidence"]
     assert sum(rep["summary"].values()) == len(rep["checks"])
-    human = run_ctl("doctor", "--data-dir", str(tmp_path))
+    human = run_ctl("doctor", "--data-dir", str(tmp_path), "--python", sys.executable)
     assert "SKIP  NVIDIA driver and NVML" in human.out and "PASS" in human.out
+
+
+def _fake_python(d: Path) -> Path:
+    """A real interpreter under another directory: a python3 symlink to this one."""
+    d.mkdir(parents=True, exist_ok=True)
+    exe = d / "python3"
+    exe.symlink_to(sys.executable)
+    return exe
+
+
+def test_training_python_is_found_on_path_but_never_in_tunerds_own_venv(tmp_path: Path) -> None:
+    own = tmp_path / "opt-tunerd"
+    _fake_python(own / "bin")
+    job = _fake_python(tmp_path / "conda/bin")
+    env = {"PATH": f"{own / 'bin'}:{tmp_path / 'empty'}:{job.parent}"}
+    found = doctor.find_training_python(None, env, tmp_path / "no.toml", own_prefix=str(own))
+    assert found.path == str(job) and found.how == "python3 on PATH"
+    assert any("tunerd's own venv" in n for n in found.notes)
+    # --python wins over everything, and a bare name is looked up on PATH
+    explicit = doctor.find_training_python("python3", {"PATH": str(job.parent)},
+                                           own_prefix=str(own))
+    assert explicit.path == str(job) and explicit.how == "--python"
+
+
+def test_training_python_falls_back_to_job_python_in_the_config(tmp_path: Path) -> None:
+    job = _fake_python(tmp_path / "venv/bin")
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text(f'job_python = "{job}"\n')
+    found = doctor.find_training_python(None, {"PATH": str(tmp_path / "nothing")}, cfg,
+                                        own_prefix=str(tmp_path / "own"))
+    assert found.path == str(job) and found.how == f"job_python in {cfg}"
+    cfg.write_text("verify_interval = 5.0\n")
+    none = doctor.find_training_python(None, {"PATH": ""}, cfg, own_prefix="/nonexistent")
+    assert none.path is None and f"no job_python in {cfg}" in none.notes
+    c = doctor.check_python(Env(python=None, python_notes=none.notes))
+    assert c.status == "SKIP" and "no training Python found" in c.evidence
+    assert {x.status for x in doctor.check_torch(Env(python=None))} == {"SKIP"}
+
+
+def test_doctor_cli_says_which_python_it_checked_and_how(tmp_path: Path) -> None:
+    job = _fake_python(tmp_path / "jobs/bin")
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text(f'job_python = "{job}"\n')
+    # no python3 on PATH (tunerctl runs by its full path): the config's job_python is used
+    r = run_ctl("doctor", "--json", "--data-dir", str(tmp_path), "--config", str(cfg),
+                env={"PATH": str(tmp_path / "empty")})
+    checks = {c["id"]: c for c in json.loads(r.out)["checks"]}
+    py = checks["training-python"]
+    assert py["status"] == "PASS", py
+    assert py["data"]["python"] == str(job) and py["data"]["found_by"] == f"job_python in {cfg}"
+    assert str(job) in py["evidence"] and "job_python in" in py["evidence"]
+    assert str(job) in checks["torch"]["evidence"]  # torch was probed in that interpreter
+    r = run_ctl("doctor", "--data-dir", str(tmp_path), "--config", str(cfg),
+                env={"PATH": str(job.parent)})
+    assert f"Training Python: checked {job}" in r.out and "found by python3 on PATH" in r.out
+    r = run_ctl("doctor", "--data-dir", str(tmp_path), "--python", str(tmp_path / "nope"))
+    assert r.rc == 1 and "FAIL  Training Python:" in r.out
 
 
 def test_driver_check_passes_on_replayed_nvml(nvml_backend: None) -> None:
     nvml.set_backend(TelemetryReplay())
     c = doctor.check_driver(Env())
     assert c.status == "PASS"
-    assert c.evidence == "driver 550.54.15, NVML 12.550.54.15, CUDA driver API 12.4, 2 GPU(s)"
+    assert c.evidence == "driver 550.54.15, NVML 12.550.54.15, CUDA driver API 12.4, 2 GPUs"
 
 
 def test_driver_check_fails_when_nvidia_hardware_has_no_driver(nvml_backend: None,
@@ -137,7 +198,8 @@ def test_governor_numa_balancing_iommu_on_trees(tmp_path: Path) -> None:
         d.mkdir(parents=True)
         (d / "scaling_governor").write_text(gov + "\n")
     g = doctor.check_governor(Env(sys_root=sys_))
-    assert g.status == "WARN" and "powersave on 1 CPU(s)" in g.evidence
+    assert g.status == "WARN" and "powersave on 1 CPU" in g.evidence
+    assert "performance on 1 CPU" in g.evidence
     assert doctor.check_governor(Env(sys_root=tmp_path / "none")).status == "SKIP"
     (proc / "sys/kernel").mkdir(parents=True)
     (proc / "sys/kernel/numa_balancing").write_text("1\n")

@@ -29,7 +29,7 @@ SHOW = ("grep Cpus_allowed_list /proc/self/status; echo \"cvd=$CUDA_VISIBLE_DEVI
 
 
 def test_run_execs_cmd_bound(daemon) -> None:
-    r = daemon.ctl("run", "--cpus", "1", "--", "sh", "-c", SHOW)
+    r = daemon.ctl("run", "--ncpus", "1", "--", "sh", "-c", SHOW)
     assert r.rc == 0, r.err
     lines = r.out.splitlines()
     bound = parse_cpulist(lines[0].split(":", 1)[1])
@@ -54,7 +54,7 @@ def test_daemon_unreachable_is_exit_3(tmp_path: Path) -> None:
 
 def test_lease_released_when_tunerctl_is_killed(daemon) -> None:
     p = subprocess.Popen([sys.executable, "-m", "tunerd.cli.main", "--socket",
-                          str(daemon.socket), "run", "--cpus", "1", "--", "sleep", "30"],
+                          str(daemon.socket), "run", "--ncpus", "1", "--", "sleep", "30"],
                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         got = wait_for(lambda: leases_of(daemon), 15, "a lease")
@@ -74,7 +74,7 @@ def test_run_exclusive_moves_scope_off_and_back(daemon) -> None:
     bystander = spawn(["sh", "-c", "sleep 60 & wait"])
     try:
         wait_for(lambda: os.path.exists(f"/proc/{bystander.pid}"), 5, "the bystander")
-        r = daemon.ctl("run", "--cpus", "1", "--exclusive", "--exclusive-scope",
+        r = daemon.ctl("run", "--ncpus", "1", "--exclusive", "--exclusive-scope",
                        f"pid:{bystander.pid}", "--", "sh", "-c",
                        f"grep Cpus_allowed_list /proc/{bystander.pid}/status; "
                        "grep Cpus_allowed_list /proc/self/status")
@@ -102,10 +102,10 @@ def test_run_on_replay_sets_env_but_applies_nothing(daemon_factory) -> None:
 def test_exclusive_scope_that_does_not_exist_leaves_no_lease(daemon, tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    r = daemon.ctl("alloc", "--cpus", "1", "--exclusive", "--exclusive-scope",
+    r = daemon.ctl("alloc", "--ncpus", "1", "--exclusive", "--exclusive-scope",
                    f"pid:{gone.pid}")
     assert r.rc == 2 and f"no process {gone.pid}" in r.err
-    r = daemon.ctl("alloc", "--cpus", "1", "--exclusive", "--exclusive-scope",
+    r = daemon.ctl("alloc", "--ncpus", "1", "--exclusive", "--exclusive-scope",
                    f"cgroup:/tunerd-test-none-{os.getpid()}")
     assert r.rc == 2 and "no such cgroup" in r.err
     assert leases_of(daemon) == []
@@ -125,7 +125,7 @@ def test_run_exclusive_with_a_cgroup_scope(daemon) -> None:
             (cg / f).write_text((CPUSET / f).read_text())
         bystander = spawn(["sleep", "60"])
         (cg / "cgroup.procs").write_text(str(bystander.pid))
-        r = daemon.ctl("run", "--cpus", "1", "--exclusive", "--exclusive-scope",
+        r = daemon.ctl("run", "--ncpus", "1", "--exclusive", "--exclusive-scope",
                        f"cgroup:/{cg.name}", "--", "sh", "-c",
                        f"grep Cpus_allowed_list /proc/{bystander.pid}/status; "
                        "grep Cpus_allowed_list /proc/self/status")
@@ -149,7 +149,7 @@ def test_run_exclusive_with_a_cgroup_scope(daemon) -> None:
 def test_moves_are_put_back_after_a_daemon_crash(daemon) -> None:
     bystander = spawn(["sleep", "60"])
     job = subprocess.Popen([sys.executable, "-m", "tunerd.cli.main", "--socket",
-                            str(daemon.socket), "run", "--cpus", "1", "--exclusive",
+                            str(daemon.socket), "run", "--ncpus", "1", "--exclusive",
                             "--exclusive-scope", f"pid:{bystander.pid}", "--", "sleep", "60"],
                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

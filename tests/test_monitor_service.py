@@ -97,12 +97,13 @@ def test_a_failing_sampler_does_not_stop_the_others(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("value", "want"), [
     ("off", None), ("OFF", None), ("127.0.0.1:9464", ("127.0.0.1", 9464)),
     ("0.0.0.0:1", ("0.0.0.0", 1)), ("[::1]:9464", ("::1", 9464)),
-    ("gpu-node-01:9100", ("gpu-node-01", 9100))])
+    ("gpu-node-01:9100", ("gpu-node-01", 9100)), ("127.0.0.1:0", ("127.0.0.1", 0)),
+    ("[::1]:0", ("::1", 0))])
 def test_parse_listen(value: str, want: tuple[str, int] | None) -> None:
     assert parse_listen(value) == want
 
 
-@pytest.mark.parametrize("bad", ["", "9464", ":9464", "host:", "host:0", "host:65536",
+@pytest.mark.parametrize("bad", ["", "9464", ":9464", "host:", "host:-1", "host:65536",
                                  "::1:9464", "[::1]9464", "[nothost]:1", "h:12ab"])
 def test_parse_listen_rejects(bad: str) -> None:
     with pytest.raises(UsageError, match="metrics_listen"):

@@ -1,4 +1,4 @@
 """tunerd: host-tuning agent for Linux GPU training nodes."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["__version__"]

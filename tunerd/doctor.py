@@ -30,14 +30,17 @@ TORCH_TIMEOUT = 60.0
 GOOD_FS = ("xfs", "ext4")
 NVIDIA_VENDOR = "0x10de"
 
+DEFAULT_CONFIG = Path("/etc/tunerd/tunerd.toml")
+
 # Printed as JSON by the probe subprocess; every value guarded, never raises.
 TORCH_PROBE = r"""
 import json, sys
-out = {}
+out = {"python": sys.version.split()[0]}
 try:
     import torch
 except Exception as e:
-    print(json.dumps({"import_error": f"{type(e).__name__}: {e}"})); sys.exit(0)
+    out["import_error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out)); sys.exit(0)
 out["version"] = torch.__version__
 out["cuda_build"] = torch.version.cuda
 try:
@@ -73,6 +76,73 @@ class Check:
 
 
 @dataclass
+class TrainingPython:
+    """The interpreter training jobs use, and how doctor found it."""
+
+    path: str | None  # None: none found
+    how: str  # "--python", "python3 on PATH", "job_python in FILE"
+    notes: list[str] = field(default_factory=list)  # what was looked at and passed over
+
+
+def _python_on_path(environ: Mapping[str, str], own_prefix: str) -> tuple[str | None, list[str]]:
+    """The first ``python3`` on PATH that is not tunerd's own venv (it has no torch)."""
+    notes: list[str] = []
+    own = os.path.realpath(own_prefix)
+    for d in environ.get("PATH", "").split(os.pathsep):
+        if not d:
+            continue
+        cand = os.path.join(d, "python3")
+        if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+            continue
+        real_dir = os.path.realpath(d)
+        if real_dir == own or real_dir.startswith(own.rstrip("/") + "/"):
+            notes.append(f"passed over {cand}: tunerd's own venv ({own_prefix})")
+            continue
+        return cand, notes
+    return None, notes
+
+
+def _configured_python(config: Path) -> tuple[str | None, str]:
+    """``job_python`` from the daemon's config file; (None, why) when absent or unreadable."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        data = tomllib.loads(config.read_text())
+    except FileNotFoundError:
+        return None, f"no {config}"
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        return None, f"cannot read {config}: {getattr(err, 'strerror', None) or err}"
+    value = data.get("job_python")
+    if value is None:
+        return None, f"no job_python in {config}"
+    if not isinstance(value, str) or not value:
+        return None, f"{config}: job_python must be a path, got {value!r}"
+    return value, ""
+
+
+def find_training_python(explicit: str | None, environ: Mapping[str, str],
+                         config: Path | None = None,
+                         own_prefix: str = sys.prefix) -> TrainingPython:
+    """--python, else python3 on the caller's PATH (not tunerd's venv), else job_python."""
+    if explicit:
+        found = explicit if os.sep in explicit else shutil.which(
+            explicit, path=environ.get("PATH", os.defpath))
+        return TrainingPython(found or explicit, "--python")
+    path, notes = _python_on_path(environ, own_prefix)
+    if path is not None:
+        return TrainingPython(path, "python3 on PATH", notes)
+    notes.append("no python3 on PATH" + (" besides tunerd's own" if notes else ""))
+    cfg = config or DEFAULT_CONFIG
+    configured, why = _configured_python(cfg)
+    if configured is not None:
+        return TrainingPython(configured, f"job_python in {cfg}", notes)
+    notes.append(why)
+    return TrainingPython(None, "", notes)
+
+
+@dataclass
 class Env:
     """Where the checks look: real roots by default, temporary trees in tests."""
 
@@ -80,7 +150,10 @@ class Env:
     sys_root: Path = Path("/sys")
     etc_root: Path = Path("/etc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    python: str = sys.executable
+    # the training Python whose torch is checked (find_training_python); None: not found
+    python: str | None = None
+    python_how: str = "given"
+    python_notes: list[str] = field(default_factory=list)
     data_dir: Path = field(default_factory=Path.cwd)
     torch_timeout: float = TORCH_TIMEOUT
     _torch: dict[str, Any] | None = None
@@ -91,7 +164,11 @@ class Env:
     def torch(self) -> dict[str, Any]:
         """Torch facts from a subprocess (run once); {"skip"/"fail": reason} when absent."""
         if self._torch is None:
-            self._torch = probe_torch(self.python, self.torch_timeout, self.environ)
+            if self.python is None:
+                self._torch = {"skip": "no training Python found ("
+                               + "; ".join(self.python_notes) + "); pass --python PATH"}
+            else:
+                self._torch = probe_torch(self.python, self.torch_timeout, self.environ)
         return self._torch
 
 
@@ -111,9 +188,32 @@ def probe_torch(python: str, timeout: float, environ: Mapping[str, str]) -> dict
     if "import_error" in data:
         why = str(data["import_error"])
         if why.startswith("ModuleNotFoundError") and "'torch'" in why:
-            return {"skip": f"torch is not installed for {python}"}
-        return {"fail": f"import torch failed: {why}"}
+            return {"skip": f"torch is not installed for {python}", "python": data.get("python")}
+        return {"fail": f"import torch failed for {python}: {why}", "python": data.get("python")}
     return data
+
+
+def check_python(env: Env) -> Check:
+    """Which interpreter the torch checks ran against, and how it was found."""
+    title = "Training Python"
+    notes = "; ".join(env.python_notes)
+    if env.python is None:
+        return Check("training-python", title, SKIP,
+                     f"no training Python found: {notes}",
+                     data={"python": None, "found_by": None, "notes": env.python_notes})
+    data = {"python": env.python, "found_by": env.python_how, "notes": env.python_notes}
+    t = env.torch()
+    if "skip" in t and t["skip"].startswith("cannot run"):
+        status = FAIL if env.python_how == "--python" else WARN
+        return Check("training-python", title, status, f"{env.python} ({env.python_how}): "
+                     f"{t['skip'].removeprefix('cannot run ' + env.python + ': ')}",
+                     "Pass the interpreter your jobs use: tunerctl doctor --python PATH "
+                     "(or set job_python in /etc/tunerd/tunerd.toml).", data=data)
+    version = t.get("python")
+    return Check("training-python", title, PASS,
+                 f"checked {env.python}" + (f" (Python {version})" if version else "")
+                 + f", found by {env.python_how}" + (f"; {notes}" if notes else ""),
+                 data={**data, "version": version})
 
 
 def _read(path: Path) -> str | None:
@@ -121,6 +221,11 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def _n(n: int, word: str) -> str:
+    """``_n(1, "GPU")`` -> "1 GPU", ``_n(2, "GPU")`` -> "2 GPUs"."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _text(v: Any) -> str:
@@ -150,12 +255,12 @@ def check_driver(env: Env) -> Check:
                          default=None)
         n = nvml.call("nvmlDeviceGetCount", default=0)
         return Check("nvidia-driver", "NVIDIA driver and NVML", PASS,
-                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, {n} GPU(s)",
+                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, {_n(n, 'GPU')}",
                      data={"driver": drv, "nvml": lib, "cuda_driver": fmt_cuda(cuda), "gpus": n})
     devs = nvidia_pci_devices(env)
     if devs:
         return Check("nvidia-driver", "NVIDIA driver and NVML", FAIL,
-                     f"{len(devs)} NVIDIA PCI device(s) ({', '.join(devs[:4])}) but "
+                     f"{_n(len(devs), 'NVIDIA PCI device')} ({', '.join(devs[:4])}) but "
                      f"{nvml.reason()}",
                      "Install/load the NVIDIA driver matching your CUDA (nvidia-smi must work).")
     return Check("nvidia-driver", "NVIDIA driver and NVML", SKIP,
@@ -215,22 +320,22 @@ def check_libcudart(env: Env) -> Check:
 def check_torch(env: Env) -> list[Check]:
     t = env.torch()
     if "skip" in t:
-        reason = t["skip"]
+        reason = t["skip"] + (f" ({env.python_how})" if env.python else "")
         return [Check(i, title, SKIP, reason) for i, title in (
             ("torch", "PyTorch imports"), ("torch-cuda", "torch.cuda is available"),
             ("cuda-version", "torch CUDA vs driver CUDA"), ("cudnn", "cuDNN version"),
             ("nccl", "NCCL version"))]
     if "fail" in t:
-        return [Check("torch", "PyTorch imports", FAIL, t["fail"],
+        return [Check("torch", "PyTorch imports", FAIL, t["fail"] + f" ({env.python_how})",
                       "Reinstall torch matching your CUDA driver (pip install torch "
                       "--index-url https://download.pytorch.org/whl/cuXYZ).")]
     out = [Check("torch", "PyTorch imports", PASS,
-                 f"torch {t['version']} (CUDA build {t.get('cuda_build') or 'none: CPU-only'})",
-                 data=t)]
+                 f"torch {t['version']} (CUDA build {t.get('cuda_build') or 'none: CPU-only'}) "
+                 f"in {env.python}", data=t)]
     gpu_node = nvml.available()
     if t.get("cuda_available"):
         out.append(Check("torch-cuda", "torch.cuda is available", PASS,
-                         f"{t['device_count']} device(s): {', '.join(t.get('devices') or [])}"))
+                         f"{_n(t['device_count'], 'device')}: {', '.join(t.get('devices') or [])}"))
     elif gpu_node:
         out.append(Check("torch-cuda", "torch.cuda is available", FAIL,
                          f"NVML sees GPUs but torch.cuda.is_available() is False "
@@ -343,13 +448,13 @@ def check_acs(env: Env) -> Check:
             enabled.append(f"{bdf} ({how})")
     if enabled:
         return Check("pcie-acs", title, WARN,
-                     f"ACS enabled on {len(enabled)} bridge(s): {', '.join(enabled[:6])}",
+                     f"ACS enabled on {_n(len(enabled), 'bridge')}: {', '.join(enabled[:6])}",
                      "ACS redirects GPU peer-to-peer traffic through the root complex (slow "
                      "NCCL P2P, hangs). On bare metal: setpci -s BDF ECAP_ACS+6.w=0000 at "
                      "boot (not with VMs that need IOMMU isolation).",
                      data={"enabled": enabled})
     return Check("pcie-acs", title, PASS,
-                 f"ACS source validation off on {len(bridges) - unreadable} bridge(s); "
+                 f"ACS source validation off on {_n(len(bridges) - unreadable, 'bridge')}; "
                  f"{unreadable} without ACS capability or unreadable")
 
 
@@ -364,9 +469,10 @@ def check_iommu(env: Env) -> Check:
     if not units:
         return Check("iommu", title, PASS, "no IOMMU active (DMA is not translated)")
     if "iommu=pt" in args or "iommu.passthrough=1" in args:
-        return Check("iommu", title, PASS, f"{len(units)} IOMMU unit(s), passthrough (iommu=pt)")
+        return Check("iommu", title, PASS,
+                     f"{_n(len(units), 'IOMMU unit')}, passthrough (iommu=pt)")
     return Check("iommu", title, WARN,
-                 f"{len(units)} IOMMU unit(s) translating DMA; kernel cmdline has no iommu=pt",
+                 f"{_n(len(units), 'IOMMU unit')} translating DMA; kernel cmdline has no iommu=pt",
                  "Add iommu=pt (with intel_iommu=on / amd_iommu=on) to the kernel command "
                  "line so GPU and NIC DMA (GPUDirect RDMA, NCCL) skips translation.")
 
@@ -474,7 +580,7 @@ def check_governor(env: Env) -> Check:
     if not govs:
         return Check("cpu-governor", "CPU frequency governor", SKIP,
                      "no cpufreq on this node (VM or firmware-controlled)")
-    ev = ", ".join(f"{g} on {n} CPU(s)" for g, n in sorted(govs.items()))
+    ev = ", ".join(f"{g} on {_n(n, 'CPU')}" for g, n in sorted(govs.items()))
     if set(govs) == {"performance"}:
         return Check("cpu-governor", "CPU frequency governor", PASS, ev)
     return Check("cpu-governor", "CPU frequency governor", WARN, ev,
@@ -540,7 +646,7 @@ def check_nccl_mtu(env: Env) -> Check:
 
 
 CHECKS: list[Callable[[Env], Check | list[Check]]] = [
-    check_driver, check_nvcc, check_libcudart, check_torch, check_acs, check_iommu,
+    check_driver, check_nvcc, check_libcudart, check_python, check_torch, check_acs, check_iommu,
     check_data_fs, check_nofile, check_numa_balancing, check_governor, check_nccl_mtu,
 ]
 

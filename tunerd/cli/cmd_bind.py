@@ -1,8 +1,8 @@
 """tunerctl bind | unbind | jobs.
 
-On the start-up path of job prologs: imports click, the stdlib and
-tunerd.cli.context only (tunerd.cpulist, stdlib-only, is imported when a list is
-parsed).
+On the start-up path of job prologs: imports click, the stdlib,
+tunerd.cli.context and tunerd.cli.types only (tunerd.cpulist, stdlib-only, is
+imported when a list is parsed).
 """
 
 from __future__ import annotations
@@ -12,27 +12,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-
-
-class CpuListType(click.ParamType):
-    """The kernel's cpulist syntax, checked here so a typo never reaches the daemon."""
-
-    name = "LIST"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> str:
-        from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
-
-        try:
-            ids = parse_cpulist(str(value))
-        except CpuListError as err:
-            self.fail(str(err), param, ctx)
-        if not ids:
-            self.fail("empty list", param, ctx)
-        return format_cpulist(ids)
-
-
-CPULIST = CpuListType()
+from tunerd.cli.types import CPULIST, PID, CountType, plural
 
 
 def _human_bind(r: dict[str, Any]) -> str:
@@ -41,10 +21,13 @@ def _human_bind(r: dict[str, Any]) -> str:
         where.append(f"cpus {r['cpus']}")
     if r.get("mems") is not None:
         moved = r.get("pages_moved")
-        where.append(f"mems {r['mems']}" + (f" ({moved} pages moved)" if moved else ""))
+        where.append(f"mems {r['mems']}"
+                     + (f" ({plural(moved, 'page')} moved)" if moved else ""))
     if r.get("gpus"):
         where.append("gpus " + ",".join(str(g) for g in r["gpus"]))
-    head = f"bound pid {r['pid']} ({r.get('threads')} threads)"
+    threads = r.get("threads")
+    head = f"bound pid {r['pid']}" + (
+        f" ({plural(threads, 'thread')})" if isinstance(threads, int) else "")
     if r.get("dry_run"):
         head = f"dry run: would bind pid {r['pid']}"
     text = head + (" to " + ", ".join(where) if where else "")
@@ -55,11 +38,11 @@ def _human_bind(r: dict[str, Any]) -> str:
 
 
 @click.command()
-@click.argument("pid", type=click.IntRange(min=1))
+@click.argument("pid", type=PID)
 @click.option("--cpus", type=CPULIST, help="CPUs to run on (cpulist, e.g. 2-5,8).")
 @click.option("--mems", type=CPULIST, help="NUMA nodes for memory (cpulist); moves pages.")
 @click.option("--gpus", type=CPULIST, help="GPUs the process uses: place near them.")
-@click.option("--nofile", type=click.IntRange(min=1), help="RLIMIT_NOFILE to set.")
+@click.option("--nofile", type=CountType(), help="RLIMIT_NOFILE to set.")
 @click.option("--exclusive", is_flag=True, help="Do not share the CPUs with other jobs.")
 def bind(pid: int, cpus: str | None, mems: str | None, gpus: str | None,
          nofile: int | None, exclusive: bool) -> int:
@@ -77,13 +60,15 @@ def bind(pid: int, cpus: str | None, mems: str | None, gpus: str | None,
 
 
 @click.command()
-@click.argument("pid", type=click.IntRange(min=1))
+@click.argument("pid", type=PID)
 def unbind(pid: int) -> int:
     """Restore what bind changed."""
     ctx = get_ctx()
 
     def human(r: dict[str, Any]) -> str:
-        return "\n".join([f"unbound pid {r['pid']}: restored {r.get('threads')} threads",
+        threads = r.get("threads")
+        what = plural(threads, "thread") if isinstance(threads, int) else "its threads"
+        return "\n".join([f"unbound pid {r['pid']}: restored {what}",
                           *(f"note: {n}" for n in r.get("notes") or [])])
 
     ctx.emit(ctx.call("unbind", pid=pid), human)
@@ -105,7 +90,7 @@ def _human_jobs(r: dict[str, Any]) -> str:
                .rstrip() for row in rows]
     leases = r.get("leases")
     if leases:
-        out.append(f"{len(leases)} lease(s): see `tunerctl --json jobs`")
+        out.append(f"{plural(len(leases), 'lease')}: see `tunerctl jobs --json`")
     return "\n".join(out)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import plural
 
 
 def _v(value: Any) -> str:
@@ -53,7 +54,7 @@ def _human_verify(res: dict[str, Any]) -> str:
     lines = [f"drift: {c['key']}: current {_v(c['current'])}, policy wants {c['desired']}"
              for c in res["drift"]]
     if not lines:
-        lines.append(f"no drift ({res['checked']} setting(s) checked)")
+        lines.append(f"no drift ({plural(res['checked'], 'setting')} checked)")
     if not res.get("enforcing", True):
         lines.append("note: settings were reverted; `tunerctl apply` enforces them again")
     return "\n".join(lines + _skipped(res) + _unavailable(res))

@@ -15,16 +15,34 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import CPULIST, CountType
 
 # set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
 _NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
 MPOL_BIND = 2
 
+class CpusType(click.ParamType):
+    """``--cpus LIST``; a plain integer is the old ``--cpus N`` count (one more release)."""
+
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str | int:
+        if isinstance(value, int) or str(value).strip().isdigit():
+            return int(value)
+        return CPULIST.convert(value, param, ctx)
+
+
 _COMMON = [
-    click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
+    click.option("--gpus", type=CountType(minimum=0), default=0, show_default=True,
                  help="Number of GPUs."),
-    click.option("--cpus", type=click.IntRange(min=1), default=None,
+    click.option("--ncpus", type=CountType(), default=None,
                  help="Number of CPUs (default: this node's per-GPU share)."),
+    click.option("--cpus", type=CpusType(), default=None,
+                 help="Exactly these CPUs (cpulist, e.g. 2-5,8), as for bind."),
+    click.option("--workers", type=CountType(minimum=0, maximum=1024),
+                 default=None,
+                 help="DataLoader worker processes per rank: placement leaves room for them."),
     click.option("--exclusive", is_flag=True,
                  help="No other lease or rule may use these CPUs."),
     click.option("--exclusive-scope", metavar="pid:N|cgroup:/PATH", default=None,
@@ -35,14 +53,26 @@ _COMMON = [
     click.option("--tag", default=None, metavar="TEXT",
                  help="Label for `release --tag` (default inside Slurm: slurm:$SLURM_JOB_ID)."),
 ]
-_JSON = click.option("--json", "local_json", is_flag=True,
-                     help="JSON output (same as tunerctl --json).")
 
 
 def _common(fn: Any) -> Any:
     for opt in reversed(_COMMON):
         fn = opt(fn)
     return fn
+
+
+def _cpu_args(ncpus: int | None, cpus: str | int | None) -> dict[str, Any]:
+    """The wire arguments ``ncpus`` (count) and ``cpus`` (cpulist), from either spelling."""
+    if isinstance(cpus, int):
+        click.echo(f"tunerctl: warning: --cpus {cpus} as a CPU count is deprecated and goes "
+                   f"away in the next release; use --ncpus {cpus} (--cpus takes a CPU list, "
+                   f"as in bind: CPU {cpus} alone is --cpus {cpus}-{cpus})", err=True)
+        if ncpus is not None:
+            raise click.UsageError("give --ncpus N or --cpus N, not both")
+        return {"ncpus": cpus, "cpus": None}
+    if ncpus is not None and cpus is not None:
+        raise click.UsageError("give --ncpus N (a count) or --cpus LIST (exact CPUs), not both")
+    return {"ncpus": ncpus, "cpus": cpus}
 
 
 def _env(result: dict[str, Any], uuids: bool) -> dict[str, str]:
@@ -65,19 +95,26 @@ def _notes(r: dict[str, Any]) -> None:
         click.echo(f"tunerctl: note: {n}", err=True)
 
 
+def _request(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+             exclusive: bool, exclusive_scope: str | None, tag: str | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"gpus": gpus, **_cpu_args(ncpus, cpus), "exclusive": exclusive,
+                            "exclusive_scope": exclusive_scope, "tag": _default_tag(tag)}
+    if workers is not None:
+        args["workers"] = workers
+    return args
+
+
 @click.command()
 @_common
-@_JSON
-def alloc(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None,
-          uuids: bool, tag: str | None, local_json: bool) -> int:
+def alloc(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+          exclusive: bool, exclusive_scope: str | None, uuids: bool, tag: str | None) -> int:
     """Reserve GPUs and CPUs without launching; prints shell `export` lines.
 
     Use as: eval "$(tunerctl alloc --gpus 2)"; end it with `tunerctl release $TUNERD_LEASE`.
     """
     ctx = get_ctx()
-    ctx.as_json = ctx.as_json or local_json
-    r = ctx.call("alloc", gpus=gpus, cpus=cpus, exclusive=exclusive,
-                 exclusive_scope=exclusive_scope, tag=_default_tag(tag))
+    r = ctx.call("alloc", **_request(gpus, ncpus, cpus, workers, exclusive, exclusive_scope,
+                                     tag))
     r["env"] = _env(r, uuids)
     if ctx.as_json:
         ctx.emit(r)
@@ -98,11 +135,9 @@ def _default_tag(tag: str | None) -> str | None:
 @click.argument("lease", required=False)
 @click.option("--tag", default=None, metavar="TEXT",
               help="Release every lease with this tag (yours; all of them for root).")
-@_JSON
-def release(lease: str | None, tag: str | None, local_json: bool) -> int:
+def release(lease: str | None, tag: str | None) -> int:
     """End lease LEASE (such as L3), or all leases tagged TEXT; give GPUs and CPUs back."""
     ctx = get_ctx()
-    ctx.as_json = ctx.as_json or local_json
     if (lease is None) == (tag is None):
         raise click.UsageError("give either LEASE or --tag TEXT")
     if tag is not None:
@@ -116,11 +151,9 @@ def release(lease: str | None, tag: str | None, local_json: bool) -> int:
 
 
 @click.command()
-@_JSON
-def leases(local_json: bool) -> int:
+def leases() -> int:
     """Current leases."""
     ctx = get_ctx()
-    ctx.as_json = ctx.as_json or local_json
     rs = ctx.call("leases")
 
     def human(rs: list[dict[str, Any]]) -> str:
@@ -163,8 +196,9 @@ def _parse_list(text: str) -> set[int]:
                                  "allow_interspersed_args": False})
 @_common
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | None, uuids: bool,
-        tag: str | None, command: tuple[str, ...]) -> int:
+def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+        exclusive: bool, exclusive_scope: str | None, uuids: bool, tag: str | None,
+        command: tuple[str, ...]) -> int:
     """Allocate, then exec COMMAND bound, with CUDA_VISIBLE_DEVICES set.
 
     The lease ends when COMMAND exits. COMMAND not found: exit 127.
@@ -175,8 +209,8 @@ def run(gpus: int, cpus: int | None, exclusive: bool, exclusive_scope: str | Non
         argv = argv[1:]
     if not argv:
         raise click.UsageError("run: missing COMMAND")
-    r = ctx.call("run", gpus=gpus, cpus=cpus, exclusive=exclusive,
-                 exclusive_scope=exclusive_scope, command=argv, tag=_default_tag(tag))
+    r = ctx.call("run", command=argv, **_request(gpus, ncpus, cpus, workers, exclusive,
+                                                 exclusive_scope, tag))
     ctx.client().close()
     env = _env(r, uuids)
     os.environ.update(env)

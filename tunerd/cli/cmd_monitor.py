@@ -9,11 +9,12 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import PID, SecondsType, plural
 
 
 @click.command()
 @click.option("--once", is_flag=True, help="Print one frame and exit (no full-screen view).")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+@click.option("--interval", type=SecondsType(0.1), default=1.0, show_default=True,
               help="Seconds between refreshes.")
 def top(once: bool, interval: float) -> int:
     """Live view of GPUs, NUMA nodes and bound jobs."""
@@ -56,16 +57,25 @@ def metrics() -> int:
 @click.command()
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None,
               help="Directory the training data is read from (default: current directory).")
-@click.option("--python", "python", default=None,
-              help="Python whose torch to check (default: the one running tunerctl).")
-def doctor(data_dir: Path | None, python: str | None) -> int:
-    """Environment self-check: driver, CUDA, torch, NCCL, PCIe, filesystems, limits."""
-    from tunerd.doctor import Env, format_report, run_checks
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="The Python your training jobs run with, whose torch and CUDA to check "
+                   "(default: python3 on your PATH other than tunerd's own venv, else "
+                   "job_python from the daemon's config file).")
+@click.option("--config", "config", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, metavar="FILE",
+              help="The daemon's config file, for job_python (default /etc/tunerd/tunerd.toml).")
+def doctor(data_dir: Path | None, python: str | None, config: Path | None) -> int:
+    """Environment self-check: driver, CUDA, torch, NCCL, PCIe, filesystems, limits.
+
+    Says which Python it checked torch in, and how it found it.
+    """
+    import os
+
+    from tunerd.doctor import Env, find_training_python, format_report, run_checks
 
     ctx = get_ctx()
-    env = Env()
-    if python:
-        env.python = python
+    found = find_training_python(python, os.environ, config)
+    env = Env(python=found.path, python_how=found.how, python_notes=found.notes)
     results = run_checks(data_dir=data_dir or Path.cwd(), env=env)
     summary = {s: sum(1 for r in results if r.status == s)
                for s in ("PASS", "WARN", "FAIL", "SKIP")}
@@ -78,7 +88,7 @@ def _human_advice(res: dict[str, Any]) -> str:
     lines: list[str] = []
     for job in res.get("jobs") or []:
         lines.append(f"pid {job['pid']} ({job.get('name') or '-'}), "
-                     f"{job['samples']} sample(s):")
+                     f"{plural(job['samples'], 'sample')}:")
         if not job["findings"]:
             lines.append("  no findings")
         for f in job["findings"]:
@@ -89,7 +99,7 @@ def _human_advice(res: dict[str, Any]) -> str:
 
 
 @click.command()
-@click.argument("pid", type=int, required=False)
+@click.argument("pid", type=PID, required=False)
 def advise(pid: int | None) -> int:
     """Bottleneck findings for a bound job (or every bound job)."""
     ctx = get_ctx()

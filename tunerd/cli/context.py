@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import click
 
 from tunerd.client import Client
-from tunerd.errors import TunerdError
+from tunerd.errors import DaemonUnreachable, TunerdError
 from tunerd.protocol import error_to_wire
 
 
 class CliContext:
+    # the one this tunerctl run made: main() reads --json from it to report an error
+    active: ClassVar[CliContext | None] = None
+
     # a plain class, not a dataclass: tunerctl start-up time matters (job prologs)
     def __init__(self, socket_path: str | None = None, as_json: bool = False) -> None:
         self.socket_path = socket_path
         self.as_json = as_json
         self._client: Client | None = None
+        CliContext.active = self
 
     def client(self) -> Client:
         if self._client is None:
@@ -51,5 +55,10 @@ def report_error(err: TunerdError, as_json: bool) -> None:
         import json
 
         click.echo(json.dumps({"ok": False, "error": error_to_wire(err)}, indent=2, default=str))
-    click.echo(f"tunerctl: error: {err.message}", err=True)
+    if isinstance(err, DaemonUnreachable):
+        from tunerd.cli.service_hint import unreachable_message
+
+        click.echo(f"tunerctl: error: {unreachable_message(err.message)}", err=True)
+    else:
+        click.echo(f"tunerctl: error: {err.message}", err=True)
     sys.stderr.flush()

@@ -46,6 +46,28 @@ LAZY_COMMANDS: dict[str, str] = {
 }
 
 
+def _set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_root().obj.as_json = True
+
+
+def with_json_option(cmd: click.Command) -> click.Command:
+    """Let ``--json`` stand after the command too (``tunerctl doctor --json``).
+
+    Added to every command and subcommand as click parses it, so it is an option
+    of that command only: in ``run -- CMD --json`` the ``--json`` stays part of CMD.
+    A command that defines its own ``--json`` keeps it.
+    """
+    if not any("--json" in p.opts for p in cmd.params):
+        cmd.params.append(click.Option(
+            ["--json"], is_flag=True, expose_value=False, callback=_set_json,
+            help="Machine-readable JSON output (same as tunerctl --json)."))
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            with_json_option(sub)
+    return cmd
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
@@ -53,11 +75,12 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = LAZY_COMMANDS.get(cmd_name)
         if target is None:
-            return super().get_command(ctx, cmd_name)
+            cmd = super().get_command(ctx, cmd_name)
+            return None if cmd is None else with_json_option(cmd)
         mod_name, _, attr = target.partition(":")
         cmd = getattr(importlib.import_module(mod_name), attr)
         assert isinstance(cmd, click.Command)
-        return cmd
+        return with_json_option(cmd)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("Aborted.", err=True)
         code = int(ExitCode.FAILED)
     except TunerdError as e:
-        from tunerd.cli.context import report_error
+        from tunerd.cli.context import CliContext, report_error
 
-        report_error(e, "--json" in (argv if argv is not None else sys.argv))
+        report_error(e, CliContext.active is not None and CliContext.active.as_json)
         code = int(exit_code(e))
     except KeyboardInterrupt:
         code = 130

@@ -6,11 +6,13 @@ function of the daemon's ``top`` reply, so the layout is tested at 80 columns.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -28,6 +30,33 @@ def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
 
 
+def fold(text: str, width: int) -> list[str]:
+    """Greedy word wrap that never breaks inside a `command` (backtick span)."""
+    lines: list[str] = []
+    cur = ""
+    for tok in re.findall(r"`[^`]*`\S*|\S+", text):
+        if cur and len(cur) + 1 + len(tok) > width:
+            lines.append(cur)
+            cur = tok
+        else:
+            cur = f"{cur} {tok}" if cur else tok
+    if cur:
+        lines.append(cur)
+    return lines
+
+
+class Note:
+    """A line of prose wrapped at the console's width by ``fold``."""
+
+    def __init__(self, text: str, style: str = "") -> None:
+        self.text = text
+        self.style = style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Text]:
+        for line in fold(self.text, options.max_width):
+            yield Text(line, style=self.style, no_wrap=True, overflow="ellipsis")
+
+
 def _table(title: str) -> Table:
     return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                  expand=False, title_style="bold")
@@ -36,7 +65,7 @@ def _table(title: str) -> Table:
 def _gpus(sample: dict[str, Any]) -> RenderableType:
     gpu = sample.get("gpu") or {}
     if not gpu.get("available"):
-        return Text(f"GPUs: {gpu.get('reason') or 'not available'}", style="yellow")
+        return Note(f"GPUs: {gpu.get('reason') or 'not available'}", style="yellow")
     t = _table("GPUs")
     for col in ("GPU", "Util", "Memory", "Power", "Temp", "SM clock", "Throttle"):
         t.add_column(col, no_wrap=True, overflow="ellipsis",
@@ -67,7 +96,7 @@ def _numa(sample: dict[str, Any]) -> RenderableType:
 def _jobs(sample: dict[str, Any]) -> RenderableType:
     jobs = sample.get("jobs") or []
     if not jobs:
-        return Text("No bound jobs (tunerctl bind PID / tunerctl run -- CMD).", style="dim")
+        return Note("No bound jobs (`tunerctl bind PID` / `tunerctl run -- CMD`).", style="dim")
     t = _table("Jobs")
     t.add_column("PID", justify="right", no_wrap=True)
     t.add_column("Name", no_wrap=True, overflow="ellipsis", max_width=14)

@@ -26,7 +26,9 @@ class LeaseCommands:
         cpus_arg = req.args.get("cpus")
         cpus: frozenset[int] | None = None
         if isinstance(cpus_arg, int) and not isinstance(cpus_arg, bool):
-            ncpus = cpus_arg if ncpus is None else ncpus  # legacy: a count (one release)
+            if ncpus is not None:  # legacy: a count from an older tunerctl (one release)
+                raise UsageError(f"{req.cmd}: give 'ncpus' or a count in 'cpus', not both")
+            ncpus = cpus_arg
         elif cpus_arg is not None:
             cpus = ids_arg(req, "cpus")
             if not cpus:

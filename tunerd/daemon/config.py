@@ -1,8 +1,14 @@
-"""Daemon configuration: /etc/tunerd/tunerd.toml (optional) overridden by flags."""
+"""Daemon configuration: /etc/tunerd/tunerd.toml (optional) overridden by flags.
+
+Every key is listed once in ``KEYS`` with its meaning and its own check, so
+``tunerd --help``, the README and the validation cannot disagree. An error names
+the file and the key (or the flag) and the value it got.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -15,6 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG = Path("/etc/tunerd/tunerd.toml")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -36,6 +43,8 @@ class DaemonConfig:
     sys_root: Path = Path("/sys")
     etc_root: Path = Path("/etc")
     debug_apply_delay: float = 0.0  # seconds slept between two host writes (crash tests)
+    # the Python training jobs run with; `tunerctl doctor` checks its torch
+    job_python: Path | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -46,43 +55,139 @@ class DaemonConfig:
         return self.state_dir / "state.json"
 
 
-_PATH_KEYS = {"policy_dir", "runtime_dir", "state_dir", "topology",
-              "proc_root", "sys_root", "etc_root"}
+class _Bad(Exception):
+    """A value that breaks its key's rule; the message says what was expected."""
+
+
+def _path(v: Any) -> Path:
+    if not isinstance(v, (str, Path)) or not str(v):
+        raise _Bad(f"must be a path, got {v!r}")
+    return Path(v)
+
+
+def _abs_path(v: Any) -> Path:
+    p = _path(v)
+    if not p.is_absolute():
+        raise _Bad(f"must be an absolute path, got {v!r}")
+    return p
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad(f"must be true or false, got {v!r}")
+    return v
+
+
+def _seconds(minimum: float, inclusive: bool) -> Callable[[Any], float]:
+    what = f"{minimum:g} or more" if inclusive else f"greater than {minimum:g}"
+
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _Bad(f"must be a number of seconds ({what}), got {v!r}")
+        ok = v >= minimum if inclusive else v > minimum
+        if not ok or v != v or v == float("inf"):
+            raise _Bad(f"must be a number of seconds {what}, got {v!r}")
+        return float(v)
+
+    return check
+
+
+def _log_level(v: Any) -> str:
+    if v not in LOG_LEVELS:
+        raise _Bad(f"must be one of {'|'.join(LOG_LEVELS)}, got {v!r}")
+    return str(v)
+
+
+def _listen(v: Any) -> str:
+    from tunerd.monitor.listen import parse_listen
+
+    if not isinstance(v, str):
+        raise _Bad(f"must be a string (HOST:PORT or off), got {v!r}")
+    try:
+        parse_listen(v)
+    except UsageError as err:
+        raise _Bad(err.message) from err
+    return v
+
+
+# key -> (meaning shown by `tunerd --help`, check that returns the typed value)
+KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "policy_dir": ("directory of policy *.toml files (none there: the bundled default)",
+                   _path),
+    "runtime_dir": ("control socket, pidfile, per-process state (tmpfs)", _path),
+    "state_dir": ("durable state: the original of every host setting changed", _path),
+    "topology": ("replay this topology snapshot instead of reading the machine", _path),
+    "metrics_listen": ("Prometheus endpoint HOST:PORT, [IPv6]:PORT, port 0 = any free "
+                       "port, or off", _listen),
+    "dry_run": ("plan and log every change, write nothing", _bool),
+    "log_level": ("debug | info | warning | error", _log_level),
+    "verify_interval": ("seconds between drift checks (drift is re-applied)",
+                        _seconds(0, inclusive=False)),
+    "sample_interval": ("seconds between monitor samples", _seconds(0, inclusive=False)),
+    "history_seconds": ("seconds of monitor history kept in memory",
+                        _seconds(0, inclusive=False)),
+    "client_timeout": ("seconds a control client may stay silent mid-request",
+                       _seconds(0, inclusive=False)),
+    "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",
+                    _bool),
+    "proc_root": ("/proc the host-setting tuners use (tests: a temporary tree)", _path),
+    "sys_root": ("/sys the host-setting tuners use", _path),
+    "etc_root": ("/etc the host-setting tuners use (nccl.conf)", _path),
+    "debug_apply_delay": ("seconds slept between two host writes (crash tests only)",
+                          _seconds(0, inclusive=True)),
+    "job_python": ("absolute path of the Python training jobs use (`tunerctl doctor`)",
+                   _abs_path),
+}
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(key, default as TOML text, meaning) for every config key, in file order."""
+    out = []
+    for f in fields(DaemonConfig):
+        default = getattr(DaemonConfig, f.name)
+        if default is None:
+            shown = "(unset)"
+        elif isinstance(default, bool):
+            shown = "true" if default else "false"
+        elif isinstance(default, float):
+            shown = f"{default:.1f}" if default == int(default) else f"{default:g}"
+        else:
+            shown = f'"{default}"'
+        out.append((f.name, shown, KEYS[f.name][0]))
+    return out
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
-    """Read the TOML config (if any), then apply command-line overrides."""
+    """Read the TOML config (if any), then apply command-line overrides.
+
+    ``overrides`` maps a key to a flag's value (None: flag not given).
+    """
     cfg = DaemonConfig()
-    known = {f.name: f for f in fields(DaemonConfig)}
-    values: dict[str, Any] = {}
     cfg_path = path or DEFAULT_CONFIG
+    raw: dict[str, Any] = {}
     if path is not None or cfg_path.exists():
         try:
             raw = tomllib.loads(cfg_path.read_text())
         except OSError as err:
             raise UsageError(f"{cfg_path}: cannot read config: {err.strerror}") from err
+        except UnicodeDecodeError as err:
+            raise UsageError(f"{cfg_path}: not UTF-8 text: {err.reason}") from err
         except tomllib.TOMLDecodeError as err:
             raise UsageError(f"{cfg_path}: {err}") from err
-        for key, val in raw.items():
-            k = key.replace("-", "_")
-            if k not in known:
-                raise UsageError(f"{cfg_path}: unknown key {key!r}")
-            values[k] = val
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for k, v in values.items():
-        default = getattr(cfg, k)
-        if k in _PATH_KEYS:
-            v = Path(v)
-        elif isinstance(default, bool):
-            if not isinstance(v, bool):
-                raise UsageError(f"config key {k!r} must be true or false, got {v!r}")
-        elif isinstance(default, float):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise UsageError(f"config key {k!r} must be a positive number, got {v!r}")
-            v = float(v)
-        elif not isinstance(v, str):
-            raise UsageError(f"config key {k!r} must be a string, got {v!r}")
-        setattr(cfg, k, v)
-    if cfg.log_level not in ("debug", "info", "warning", "error"):
-        raise UsageError(f"log level must be debug|info|warning|error, got {cfg.log_level!r}")
+    for key, val in raw.items():
+        k = key.replace("-", "_")
+        if k not in KEYS:
+            raise UsageError(f"{cfg_path}: unknown key {key!r} (known: {', '.join(KEYS)})")
+        _set(cfg, k, val, f"{cfg_path}: key {key!r}")
+    for k, val in overrides.items():
+        if val is not None:
+            _set(cfg, k, val, "--" + k.replace("_", "-"))
     return cfg
+
+
+def _set(cfg: DaemonConfig, key: str, value: Any, where: str) -> None:
+    check = KEYS[key][1]
+    try:
+        setattr(cfg, key, check(value))
+    except _Bad as err:
+        raise UsageError(f"{where}: {err}") from err

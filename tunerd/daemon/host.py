@@ -268,10 +268,16 @@ class HostSettings:
         return res["restored"]
 
     async def revert(self) -> dict[str, Any]:
-        """Restore every saved original; stop enforcing until the next apply or reload."""
+        """Restore every saved original; stop enforcing until the next apply or reload.
+
+        A revert with nothing to restore changes nothing, so enforcing stays as it was:
+        it must not quietly switch off drift correction and hotplug.
+        """
         async with self.lock:
-            self.enforcing = False
-            return self._revert_keys(list(self.originals))
+            keys = list(self.originals)
+            if keys:
+                self.enforcing = False
+            return self._revert_keys(keys)
 
     # -- verify -------------------------------------------------------------------
     def verify(self) -> dict[str, Any]:

@@ -42,16 +42,53 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def _epilog() -> str:
+    from tunerd.daemon.config import describe_keys
+
+    lines = ["config file keys (TOML, all optional; a flag given wins over its key):"]
+    for key, default, meaning in describe_keys():
+        lines += [f"  {key} = {default}", f"      {meaning}"]
+    lines += ["", "signals: SIGHUP re-reads the policies (a bad policy is refused and the",
+              "old one kept); SIGTERM/SIGINT stop gracefully.",
+              "exit codes: 0 stopped cleanly, 1 failed (e.g. a bad policy at start),",
+              "2 usage error (bad flag, config file or snapshot)."]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tunerd", description="tunerd host-tuning daemon")
-    p.add_argument("--config", type=Path, help="config file (default /etc/tunerd/tunerd.toml)")
-    p.add_argument("--policy-dir", type=Path)
-    p.add_argument("--runtime-dir", type=Path)
-    p.add_argument("--state-dir", type=Path)
-    p.add_argument("--topology", type=Path, metavar="SNAPSHOT.json")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT|off")
-    p.add_argument("--dry-run", action="store_true", default=None)
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    from tunerd import __version__
+    from tunerd.daemon.config import DEFAULT_CONFIG, LOG_LEVELS, DaemonConfig
+
+    d = DaemonConfig()
+    p = argparse.ArgumentParser(
+        prog="tunerd", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="tunerd: host-tuning daemon for GPU training nodes.\n"
+                    "Runs in the foreground (systemd style); talk to it with tunerctl.",
+        epilog=_epilog())
+    p.add_argument("--version", action="version", version=f"tunerd {__version__}")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help=f"config file (default {DEFAULT_CONFIG}, read if it exists; "
+                        "keys below)")
+    p.add_argument("--policy-dir", type=Path, metavar="DIR",
+                   help=f"policy *.toml files (default {d.policy_dir}; "
+                        "none there: the bundled default policy)")
+    p.add_argument("--runtime-dir", type=Path, metavar="DIR",
+                   help=f"control socket tunerd.sock and per-process state "
+                        f"(default {d.runtime_dir})")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help=f"durable state: originals of changed host settings "
+                        f"(default {d.state_dir})")
+    p.add_argument("--topology", type=Path, metavar="SNAPSHOT.json",
+                   help="replay a recorded topology (tunerctl topology --save) instead "
+                        "of this machine's (default: this machine)")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT|off",
+                   help=f"Prometheus /metrics endpoint; [IPv6]:PORT works, port 0 takes "
+                        f"any free port (default {d.metrics_listen})")
+    p.add_argument("--dry-run", action="store_true", default=None,
+                   help="plan and log every change but write nothing to the host "
+                        "(default off)")
+    p.add_argument("--log-level", choices=LOG_LEVELS,
+                   help=f"log verbosity, to stderr (default {d.log_level})")
     return p.parse_args(argv)
 
 

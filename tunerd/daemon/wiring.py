@@ -108,10 +108,14 @@ def build(cfg: DaemonConfig) -> Daemon:
                         state_path=cfg.state_path, dry_run=cfg.dry_run,
                         verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)
 
-    def daemon_facts() -> dict[str, float]:
-        return {"policy_ok": 0.0 if policy.error else 1.0,
+    def daemon_facts() -> dict[str, float | None]:
+        """Daemon health for the metrics (read from the HTTP thread: plain values only)."""
+        return {"policy_rejected": 1.0 if policy.error else 0.0,
+                "host_enforcing": 1.0 if host.enforcing else 0.0,
+                "host_drifted": float((host.last_verify or {}).get("drift", 0)),
+                "host_failed": float(len(host.failed)),
                 "rule_bind_failures": float(autobind.failed),
-                "drift_settings": float((host.last_verify or {}).get("drift", 0)),
+                "rule_matches": float(autobind.matched),
                 "errors_open": float(len(errors.open_problems("error")))}
 
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,

@@ -1,4 +1,4 @@
-"""Parse ``metrics_listen``: "host:port", "[v6addr]:port", or "off"."""
+"""Parse ``metrics_listen``: "host:port", "[v6addr]:port", or "off"; port 0 = any free port."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def parse_listen(value: str) -> tuple[str, int] | None:
         host, sep, port_s = v.rpartition(":")
         if not sep or not host or ":" in host:
             raise bad
-    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise UsageError(f"metrics_listen: port must be 1-65535, got {port_s!r} in {value!r}")
+    # port 0: the kernel picks a free port; the daemon logs it and status reports it
+    if not port_s.isdigit() or not 0 <= int(port_s) < 65536:
+        raise UsageError(f"metrics_listen: port must be 0-65535 (0: any free port), "
+                         f"got {port_s!r} in {value!r}")
     return host, int(port_s)

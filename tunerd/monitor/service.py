@@ -59,7 +59,7 @@ class Monitor:
 
     def __init__(self, settings: MonitorSettings, jobs: BoundJobs, errors: ErrorSink, *,
                  reports: ReportStore | None = None,
-                 daemon_facts: Callable[[], Mapping[str, float]] | None = None) -> None:
+                 daemon_facts: Callable[[], Mapping[str, float | None]] | None = None) -> None:
         self.settings = settings
         self.bound = jobs
         self.errors = errors
@@ -86,6 +86,8 @@ class Monitor:
         self._http: Any = None
         self.registry: Any = None
         self.metrics_error: str | None = None
+        self.metrics_port: int | None = None
+        self.metrics_address: str | None = None
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
@@ -115,8 +117,11 @@ class Monitor:
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
             self.errors.record("monitor", self.metrics_error, key="metrics", level="warning")
             return
-        log.info("Prometheus metrics on http://%s/metrics",
-                 f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        # the port the kernel gave, which differs from the one asked for when that was 0
+        self.metrics_port = int(self._http.server_address[1])
+        self.metrics_address = (f"[{host}]:{self.metrics_port}" if ":" in host
+                                else f"{host}:{self.metrics_port}")
+        log.info("Prometheus metrics on http://%s/metrics", self.metrics_address)
 
     async def policy_changed(self) -> None:
         return None
@@ -216,7 +221,7 @@ class Monitor:
         gpu_txt = (f"{len(gpu.get('gpus') or [])} GPU(s)" if gpu.get("available")
                    else "GPUs not available")
         where = ("metrics off" if self.listen is None else self.metrics_error
-                 or f"metrics on {self.settings.metrics_listen}")
+                 or f"metrics on {self.metrics_address}")
         last_cpu = s.get("cpu_seconds")
         recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
                         if v == v)  # NaN-free
@@ -235,5 +240,7 @@ class Monitor:
             "history_bound_bytes": self.history.bound_bytes(),
             "samplers": self.sampler_status,
             "metrics_listen": self.settings.metrics_listen,
+            "metrics_address": self.metrics_address,  # HOST:PORT really bound, or None
+            "metrics_port": self.metrics_port,
             "metrics_error": self.metrics_error,
         }

@@ -1,0 +1,100 @@
+"""Parameter types shared by tunerctl commands, with messages that say what was expected.
+
+click's own ``IntRange`` answers a typo with "'notapid' is not a valid integer range";
+these say "PID must be a positive integer, got 'notapid'". On the start-up path of
+job prologs: imports click only (tunerd.cpulist, stdlib-only, when a list is parsed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+
+class CountType(click.ParamType):
+    """An integer in [minimum, maximum]; ``what`` names it in errors (click already
+    names an option, so options leave it out: "Invalid value for '--ncpus': must be
+    a positive integer, got 'x'")."""
+
+    def __init__(self, what: str = "", minimum: int = 1, maximum: int | None = None,
+                 metavar: str = "N") -> None:
+        self.what = what
+        self.minimum = minimum
+        self.maximum = maximum
+        self.name = metavar
+
+    def _expected(self) -> str:
+        if self.maximum is not None:
+            return f"an integer from {self.minimum} to {self.maximum}"
+        if self.minimum == 1:
+            return "a positive integer"
+        if self.minimum == 0:
+            return "an integer, 0 or more"
+        return f"an integer, {self.minimum} or more"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            n = value
+        else:
+            text = str(value).strip()
+            # int() would also take "1_000" and "+3"; a PID or count is plain digits
+            if not text.isdigit():
+                self.fail(f"{self._subject()} {self._expected()}, got {value!r}", param, ctx)
+            n = int(text)
+        if n < self.minimum or (self.maximum is not None and n > self.maximum):
+            self.fail(f"{self._subject()} {self._expected()}, got {n}", param, ctx)
+        return n
+
+    def _subject(self) -> str:
+        return f"{self.what} must be" if self.what else "must be"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return self.name
+
+
+class SecondsType(click.ParamType):
+    """A number of seconds, at least ``minimum``."""
+
+    name = "SECONDS"
+
+    def __init__(self, minimum: float) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"must be a number of seconds, got {value!r}", param, ctx)
+        if not v >= self.minimum:  # also false for NaN
+            self.fail(f"must be at least {self.minimum:g} s, got {value!r}", param, ctx)
+        return v
+
+
+class CpuListType(click.ParamType):
+    """The kernel's cpulist syntax, checked here so a typo never reaches the daemon."""
+
+    name = "LIST"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+
+        try:
+            ids = parse_cpulist(str(value))
+        except CpuListError as err:
+            self.fail(str(err), param, ctx)
+        if not ids:
+            self.fail("empty list", param, ctx)
+        return format_cpulist(ids)
+
+
+PID = CountType("PID", metavar="PID")
+CPULIST = CpuListType()
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "thread")`` -> "1 thread"; ``plural(2, "thread")`` -> "2 threads"."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
