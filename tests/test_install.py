@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_as
-from tests.leases_helpers import wait_for
+from tests.helpers import REPO, run_as, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -198,7 +197,7 @@ def test_install_upgrade_reinstall_and_uninstall(tree: Tree) -> None:
 
     # -- daemon stopped: the installed tunerctl points at the log install.sh uses ------
     os.kill(third, signal.SIGTERM)
-    assert wait_for(lambda: not _alive(third), 20)
+    wait_for(lambda: not _alive(third), 20, "the old daemon to exit")
     r = tree.ctl("status")
     assert r.returncode == 3
     assert f"its log is {env['LOG_FILE']}" in r.stderr
@@ -212,7 +211,7 @@ def test_install_upgrade_reinstall_and_uninstall(tree: Tree) -> None:
     r = tree.script("uninstall.sh")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nothing to restore" in r.stdout and f"stopped tunerd (pid {fourth})" in r.stdout
-    assert wait_for(lambda: not _alive(fourth), 10)
+    wait_for(lambda: not _alive(fourth), 10, "the daemon to exit")
     for gone in (env["PREFIX"], env["RUNTIME_DIR"], f"{env['BIN_DIR']}/tunerd",
                  f"{env['BIN_DIR']}/tunerctl", str(unit), str(bash_script),
                  f"{env['ZSH_COMPLETION_DIR']}/_tunerctl"):

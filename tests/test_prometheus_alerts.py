@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, write_policy
-from tests.leases_helpers import DGX_H100, kill, rule_policy, spawn, unique_sleeper, wait_for
+from tests.helpers import REPO, DaemonProc, wait_for, write_policy
+from tests.leases_helpers import DGX_H100, kill, rule_policy, spawn, unique_sleeper
 
 RULES_DIR = REPO / "contrib" / "prometheus"
 RULES = RULES_DIR / "tunerd-alerts.yml"
@@ -59,12 +59,11 @@ def _used_by_rules() -> set[str]:
 def _replay_gpu_exposition(tmp_path: Path) -> str:
     """The Monitor in-process on recorded NVML data: the GPU series a GPU node exports."""
     from tests.monitor_helpers import TelemetryReplay
-    from tests.test_monitor_service import HostDaemon
+    from tests.test_monitor_service import make_monitor
     from tunerd import nvml
-    from tunerd.monitor.service import Monitor
 
     with nvml.use_backend(TelemetryReplay()):
-        mon = Monitor(HostDaemon(tmp_path))  # type: ignore[arg-type]
+        mon = make_monitor(tmp_path)
 
         async def go() -> None:
             await mon.start()
@@ -84,7 +83,8 @@ def test_every_metric_the_rules_use_is_exported(daemon_factory: Any, tmp_path: P
         assert r.rc == 0, r.err
         # a bound job's fd series appear once the monitor has sampled it
         names = wait_for(lambda: (n := _metric_names(d.ctl("metrics").out))
-                         >= {"tunerd_job_open_fds", "tunerd_job_max_fds"} and n, 15)
+                         >= {"tunerd_job_open_fds", "tunerd_job_max_fds"} and n, 15,
+                         "the job's fd series")
         assert names, d.ctl("metrics").out
     finally:
         kill(p)
@@ -112,16 +112,17 @@ def test_health_metrics_follow_the_daemon(daemon_factory: Any, tmp_path: Path) -
     assert metric("tunerd_rule_bind_failures_total") == 0.0
     p = spawn([str(exe), "30"], {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""})
     try:
-        assert wait_for(lambda: metric("tunerd_rule_bind_failures_total") == 1.0, 10)
+        wait_for(lambda: metric("tunerd_rule_bind_failures_total") == 1.0, 10,
+                 "tunerd_rule_bind_failures_total 1")
         assert metric("tunerd_rule_matches_total") == 1.0
     finally:
         kill(p)
     write_policy(pol, "00-test.toml", "[policy\n")  # a syntax error: the reload is refused
     d.signal(signal.SIGHUP)
-    assert wait_for(lambda: metric("tunerd_policy_rejected") == 1.0, 10)
+    wait_for(lambda: metric("tunerd_policy_rejected") == 1.0, 10, "tunerd_policy_rejected 1")
     write_policy(pol, "00-test.toml", '[policy]\nname = "fixed"\n')
     d.signal(signal.SIGHUP)
-    assert wait_for(lambda: metric("tunerd_policy_rejected") == 0.0, 10)
+    wait_for(lambda: metric("tunerd_policy_rejected") == 0.0, 10, "tunerd_policy_rejected 0")
 
 
 @needs_promtool
@@ -170,8 +171,9 @@ def test_a_real_prometheus_fires_tunerd_down_for_a_stopped_node(daemon_factory: 
                 if a["state"] == "firing"}
 
     try:
-        got = wait_for(lambda: f"TunerdDown@127.0.0.1:{dead}" in (f := firing()) and f, 60, 0.5)
-        assert got, (tmp_path / "prometheus.log").read_text()[-3000:]
+        got = wait_for(lambda: f"TunerdDown@127.0.0.1:{dead}" in (f := firing()) and f, 60,
+                       "TunerdDown firing for the stopped node", interval=0.5,
+                       detail=lambda: (tmp_path / "prometheus.log").read_text()[-3000:])
         assert f"TunerdDown@127.0.0.1:{port}" not in got  # the running node is not down
     finally:
         prom.terminate()
