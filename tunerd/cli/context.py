@@ -9,24 +9,50 @@ from typing import Any
 import click
 
 from tunerd.client import Client
-from tunerd.errors import TunerdError
+from tunerd.errors import DaemonUnreachable, TunerdError
 from tunerd.protocol import error_to_wire
 
 
 class CliContext:
     # a plain class, not a dataclass: tunerctl start-up time matters (job prologs)
-    def __init__(self, socket_path: str | None = None, as_json: bool = False) -> None:
+    def __init__(self, socket_path: str | None = None, as_json: bool = False,
+                 timeout: float = 60.0) -> None:
         self.socket_path = socket_path
         self.as_json = as_json
+        self.timeout = timeout
         self._client: Client | None = None
+        self._connected = False
 
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.socket_path)
+            self._client = Client(self.socket_path, timeout=self.timeout)
         return self._client
 
     def call(self, cmd: str, **args: Any) -> Any:
-        return self.client().call(cmd, **args)
+        client = self.client()
+        try:
+            if not self._connected:
+                client.connect()
+                self._connected = True
+        except DaemonUnreachable as err:
+            if isinstance(err.__cause__, TimeoutError):
+                raise self._timed_out(client, "accept the connection",
+                                      f"{cmd!r} was not sent") from err
+            raise
+        try:
+            return client.call(cmd, **args)
+        except DaemonUnreachable as err:
+            if isinstance(err.__cause__, TimeoutError):
+                raise self._timed_out(client, f"answer {cmd!r}",
+                                      "whether it took effect is unknown") from err
+            raise
+
+    def _timed_out(self, client: Client, what: str, outcome: str) -> DaemonUnreachable:
+        # the client's own message says only "timed out": name the socket, the bound
+        # and where the bound comes from, so that a prolog's log line is actionable
+        return DaemonUnreachable(
+            f"tunerd at {client.path} did not {what} within {self.timeout:g} s"
+            f" (tunerctl --timeout, env TUNERCTL_TIMEOUT); {outcome}")
 
     def emit(self, result: Any, human: Callable[[Any], str | None] | None = None) -> None:
         """Print ``result`` as JSON (--json) or through the ``human`` formatter."""
