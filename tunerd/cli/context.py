@@ -21,7 +21,6 @@ class CliContext:
         self.as_json = as_json
         self.timeout = timeout
         self._client: Client | None = None
-        self._connected = False
 
     def client(self) -> Client:
         if self._client is None:
@@ -31,28 +30,17 @@ class CliContext:
     def call(self, cmd: str, **args: Any) -> Any:
         client = self.client()
         try:
-            if not self._connected:
-                client.connect()
-                self._connected = True
-        except DaemonUnreachable as err:
-            if isinstance(err.__cause__, TimeoutError):
-                raise self._timed_out(client, "accept the connection",
-                                      f"{cmd!r} was not sent") from err
-            raise
-        try:
             return client.call(cmd, **args)
         except DaemonUnreachable as err:
-            if isinstance(err.__cause__, TimeoutError):
-                raise self._timed_out(client, f"answer {cmd!r}",
-                                      "whether it took effect is unknown") from err
-            raise
-
-    def _timed_out(self, client: Client, what: str, outcome: str) -> DaemonUnreachable:
-        # the client's own message says only "timed out": name the socket, the bound
-        # and where the bound comes from, so that a prolog's log line is actionable
-        return DaemonUnreachable(
-            f"tunerd at {client.path} did not {what} within {self.timeout:g} s"
-            f" (tunerctl --timeout, env TUNERCTL_TIMEOUT); {outcome}")
+            if not isinstance(err.__cause__, TimeoutError):
+                raise
+            # the client's own message says only "timed out": name the socket, the
+            # bound and where the bound comes from, so a prolog's log line is actionable.
+            # (A Unix-socket connect never waits: a full backlog is EAGAIN at once.)
+            raise DaemonUnreachable(
+                f"tunerd at {client.path} did not answer {cmd!r} within {self.timeout:g} s"
+                " (tunerctl --timeout, env TUNERCTL_TIMEOUT); whether it took effect is"
+                " unknown") from err
 
     def emit(self, result: Any, human: Callable[[Any], str | None] | None = None) -> None:
         """Print ``result`` as JSON (--json) or through the ``human`` formatter."""
