@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,30 +89,49 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 class SyslogSink:
-    """A datagram socket the scripts' logger writes to (SYSLOG_SOCKET in their config)."""
+    """A datagram socket the scripts' logger writes to (SYSLOG_SOCKET in their config).
+
+    Read all the time by a thread: a Unix datagram socket queues only
+    net.unix.max_dgram_qlen (10) messages, and then logger blocks (the scripts'
+    bound on logger then drops the line; that is their job, not this sink's).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(path))
         path.chmod(0o666)  # job users log as themselves
-        self.sock.setblocking(False)
+        self.sock.settimeout(0.1)
         self.seen: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="syslog-sink", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.seen.append(data.decode(errors="replace"))
 
     def messages(self) -> list[str]:
-        """Every message received so far (drains the socket first)."""
-        while True:
-            try:
-                self.seen.append(self.sock.recv(65536).decode(errors="replace"))
-            except BlockingIOError:
-                return list(self.seen)
+        """Every message received so far."""
+        with self._lock:
+            return list(self.seen)
 
     def wait_for(self, needle: str, timeout: float = 10.0) -> str:
         return str(wait_until(lambda: next((m for m in self.messages() if needle in m), None),
                               timeout, f"a syslog message with {needle!r}",
-                              detail=lambda: "\n".join(self.seen[-10:])))
+                              detail=lambda: "\n".join(self.messages()[-10:])))
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
         self.sock.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -282,12 +283,15 @@ def test_scripts_add_at_most_2s_when_the_daemon_hangs_or_is_gone(
         before = cpus_allowed(t.pid)
         r, took = run_script(scripts, PROLOG, task_env(t.pid, 0, SLURM_STEP_GPUS="0"))
         assert r.returncode == 0 and took <= BOUND_S, (took, r.stderr)
-        assert "not bound (tunerctl exit 3)" in r.stderr and str(sock) in r.stderr, r.stderr
+        # exit 3: tunerctl's own --timeout; 124: the scripts' guard stopped it first
+        assert re.search(r"not bound \(tunerctl exit (3|124)\)", r.stderr), r.stderr
+        assert str(sock) in r.stderr, r.stderr
         assert r.stdout.startswith("print tunerd: not bound")
         assert cpus_allowed(t.pid) == before
         r, took = run_script(scripts, EPILOG, epilog_env("4242"))
         assert r.returncode == 0 and took <= BOUND_S, (took, r.stderr)
-        assert "not released (tunerctl exit 3)" in r.stderr and str(sock) in r.stderr
+        assert re.search(r"not released \(tunerctl exit (3|124)\)", r.stderr), r.stderr
+        assert str(sock) in r.stderr, r.stderr
         syslog.wait_for("tunerd-task-prolog: job 4242.0 task 0: not bound")
         syslog.wait_for("tunerd-epilog: job 4242: leases tagged slurm:4242 not released")
     finally:
@@ -306,10 +310,10 @@ def test_guard_stops_a_tunerctl_that_hangs_itself(tmp_path: Path, scripts: Path)
     try:
         r, took = run_script(scripts, PROLOG, task_env(t.pid, 0, SLURM_STEP_GPUS="0"))
         assert r.returncode == 0 and took <= BOUND_S, (took, r.stderr)
-        assert "did not finish within 1.5 s and was stopped" in r.stderr, r.stderr
+        assert "did not finish within 1.4 s and was stopped" in r.stderr, r.stderr
         r, took = run_script(scripts, EPILOG, epilog_env())
         assert r.returncode == 0 and took <= BOUND_S, (took, r.stderr)
-        assert "did not finish within 1.5 s" in r.stderr
+        assert "did not finish within 1.4 s" in r.stderr
     finally:
         kill(t)
 

@@ -17,7 +17,7 @@
 #     USER_MESSAGES    TaskProlog lines in the job's output: all | problems | none
 #                      (default problems)
 # - a bounded tunerctl call (ts_tunerctl): `tunerctl --timeout TIMEOUT` inside
-#   `timeout -k 0.2 TIMEOUT+0.5`, in an empty environment. The task prolog runs with
+#   `timeout -k 0.1 TIMEOUT+0.4`, in an empty environment. The task prolog runs with
 #   the job's environment, which the user controls: PATH, PYTHONPATH, TUNERD_SOCKET
 #   or TUNERCTL_TIMEOUT from there must not decide what runs, where it connects or
 #   how long a task start may wait.
@@ -25,8 +25,9 @@
 #   Slurm 22.05 keeps neither TaskProlog nor Epilog stderr anywhere an admin looks,
 #   so syslog is where they are read (journalctl -t tunerd-slurm).
 #
-# Worst case a script adds: TIMEOUT + 0.7 s for tunerctl plus 0.3 s for its one
-# syslog line, 2 s with the defaults.
+# Worst case a script adds: TIMEOUT + 0.5 s for tunerctl plus 0.5 s for its one
+# syslog line, 2 s with the defaults. (logger blocks when the syslog socket's
+# queue is full, e.g. a wedged journald: its line is then lost, not the time.)
 
 # slurmd runs the Epilog with no PATH; the task prolog gets the user's
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -36,7 +37,7 @@ TS_CONF=
 TS_TUNERCTL=
 TS_SOCKET=/run/tunerd/tunerd.sock
 TS_TIMEOUT=1
-TS_GUARD=1.5
+TS_GUARD=1.4
 TS_SYSLOG=yes
 TS_SYSLOG_SOCKET=
 TS_FACILITY=daemon
@@ -122,7 +123,7 @@ ts_init() {
             if [ -x "$_c" ]; then TS_TUNERCTL=$_c; break; fi
         done
     fi
-    TS_GUARD=$(echo "$TS_TIMEOUT" | awk '{printf "%g", $1 + 0.5}')
+    TS_GUARD=$(echo "$TS_TIMEOUT" | awk '{printf "%g", $1 + 0.4}')
 }
 
 # ts_log LEVEL TEXT: one line on stderr and, unless SYSLOG=no, in syslog; the
@@ -135,10 +136,10 @@ ts_log() {
     [ "$TS_SYSLOG" = yes ] || return 0
     # logger may block on a wedged syslog daemon: bound it too
     if [ -n "$TS_SYSLOG_SOCKET" ]; then
-        timeout -k 0.1 0.2 logger -t tunerd-slurm -p "$TS_FACILITY.$1" \
+        timeout -k 0.1 0.4 logger -t tunerd-slurm -p "$TS_FACILITY.$1" \
             -u "$TS_SYSLOG_SOCKET" -- "$_msg" 2>/dev/null
     else
-        timeout -k 0.1 0.2 logger -t tunerd-slurm -p "$TS_FACILITY.$1" -- "$_msg" 2>/dev/null
+        timeout -k 0.1 0.4 logger -t tunerd-slurm -p "$TS_FACILITY.$1" -- "$_msg" 2>/dev/null
     fi
     return 0
 }
@@ -155,7 +156,7 @@ ts_tunerctl() {
     # split on spaces on purpose
     # shellcheck disable=SC2086
     TS_OUT=$(env -i PATH="$PATH" LC_ALL=C.UTF-8 \
-        timeout -k 0.2 "$TS_GUARD" $TS_TUNERCTL --socket "$TS_SOCKET" \
+        timeout -k 0.1 "$TS_GUARD" $TS_TUNERCTL --socket "$TS_SOCKET" \
         --timeout "$TS_TIMEOUT" "$@" 2>&1)
     TS_RC=$?
     case $TS_RC in

@@ -26,7 +26,7 @@
 # starts unbound. What to run and where to connect come from the admin config
 # only, never from the job's environment.
 
-TS_SELF="tunerd-task-prolog: job ${SLURM_JOB_ID:-?}.${SLURM_STEP_ID:-?} task ${SLURM_LOCALID:-?}"
+TS_SELF="tunerd-task-prolog: job ${SLURM_JOB_ID:-?}.${SLURM_STEP_ID:-batch} task ${SLURM_LOCALID:-?}"
 case $0 in */*) TS_DIR=${0%/*} ;; *) TS_DIR=. ;; esac
 if [ ! -r "$TS_DIR/tunerd-slurm-common.sh" ]; then
     echo "$TS_SELF: $TS_DIR/tunerd-slurm-common.sh missing; nothing done" >&2
