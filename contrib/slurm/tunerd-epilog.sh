@@ -22,6 +22,7 @@ if [ ! -r "$TS_DIR/tunerd-slurm-common.sh" ]; then
     echo "$TS_SELF: $TS_DIR/tunerd-slurm-common.sh missing; nothing done" >&2
     exit 0
 fi
+# shellcheck source=tunerd-slurm-common.sh
 . "$TS_DIR/tunerd-slurm-common.sh"
 ts_init trusted
 

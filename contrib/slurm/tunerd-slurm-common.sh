@@ -29,6 +29,9 @@
 # syslog line, 2 s with the defaults. (logger blocks when the syslog socket's
 # queue is full, e.g. a wedged journald: its line is then lost, not the time.)
 
+# the TS_* variables set here are read by the scripts that source this file
+# shellcheck disable=SC2034
+
 # slurmd runs the Epilog with no PATH; the task prolog gets the user's
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
