@@ -22,6 +22,13 @@ command -v useradd >/dev/null 2>&1 || need_pkgs="$need_pkgs passwd"
 command -v systemd-analyze >/dev/null 2>&1 || need_pkgs="$need_pkgs systemd"
 command -v tmux >/dev/null 2>&1 || need_pkgs="$need_pkgs tmux"
 command -v lspci >/dev/null 2>&1 || need_pkgs="$need_pkgs pciutils"
+# a real single-node Slurm for tests/test_slurm_real.py (the tests start their own
+# munged/slurmctld/slurmd; policy-rc.d below keeps the packaged services stopped)
+command -v slurmd >/dev/null 2>&1 || need_pkgs="$need_pkgs slurm-wlm"
+command -v munged >/dev/null 2>&1 || need_pkgs="$need_pkgs munge"
+command -v logger >/dev/null 2>&1 || need_pkgs="$need_pkgs bsdutils"
+# capsh: tests/test_nocap.py runs the daemon without CAP_SYS_RESOURCE
+command -v capsh >/dev/null 2>&1 || need_pkgs="$need_pkgs libcap2-bin"
 [ -e /usr/lib/x86_64-linux-gnu/libudev.so.1 ] || [ -e /lib/x86_64-linux-gnu/libudev.so.1 ] \
     || ldconfig -p | grep -q libudev.so.1 || need_pkgs="$need_pkgs libudev1"
 "$PYTHON" -c 'import ensurepip' 2>/dev/null || need_pkgs="$need_pkgs python3-venv"

@@ -18,19 +18,33 @@ class CliContext:
     active: ClassVar[CliContext | None] = None
 
     # a plain class, not a dataclass: tunerctl start-up time matters (job prologs)
-    def __init__(self, socket_path: str | None = None, as_json: bool = False) -> None:
+    def __init__(self, socket_path: str | None = None, as_json: bool = False,
+                 timeout: float = 60.0) -> None:
         self.socket_path = socket_path
         self.as_json = as_json
+        self.timeout = timeout
         self._client: Client | None = None
         CliContext.active = self
 
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.socket_path)
+            self._client = Client(self.socket_path, timeout=self.timeout)
         return self._client
 
     def call(self, cmd: str, **args: Any) -> Any:
-        return self.client().call(cmd, **args)
+        client = self.client()
+        try:
+            return client.call(cmd, **args)
+        except DaemonUnreachable as err:
+            if not isinstance(err.__cause__, TimeoutError):
+                raise
+            # the client's own message says only "timed out": name the socket, the
+            # bound and where the bound comes from, so a prolog's log line is actionable.
+            # (A Unix-socket connect never waits: a full backlog is EAGAIN at once.)
+            raise DaemonUnreachable(
+                f"tunerd at {client.path} did not answer {cmd!r} within {self.timeout:g} s"
+                " (tunerctl --timeout, env TUNERCTL_TIMEOUT); whether it took effect is"
+                " unknown") from err
 
     def emit(self, result: Any, human: Callable[[Any], str | None] | None = None) -> None:
         """Print ``result`` as JSON (--json) or through the ``human`` formatter."""

@@ -87,13 +87,19 @@ class LazyGroup(click.Group):
 @click.option("--socket", "socket_path", envvar="TUNERD_SOCKET", default=None,
               help="Control socket (default /run/tunerd/tunerd.sock, env TUNERD_SOCKET).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+# Job prologs and epilogs must never wait long for a hung daemon: this bounds the
+# connect and each reply (not a whole multi-request command such as `top`).
+@click.option("--timeout", "timeout", envvar="TUNERCTL_TIMEOUT", default=60.0,
+              show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds to wait for the daemon to accept and to answer each request;"
+                   " on expiry exit 3 (env TUNERCTL_TIMEOUT).")
 @click.version_option(version=__version__, prog_name="tunerctl")
 @click.pass_context
-def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
+def cli(ctx: click.Context, socket_path: str | None, as_json: bool, timeout: float) -> None:
     """Talk to the tunerd host-tuning daemon."""
     from tunerd.cli.context import CliContext
 
-    ctx.obj = CliContext(socket_path=socket_path, as_json=as_json)
+    ctx.obj = CliContext(socket_path=socket_path, as_json=as_json, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

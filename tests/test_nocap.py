@@ -1,0 +1,179 @@
+"""A daemon without CAP_SYS_RESOURCE (issue 10 item 6): Docker's default capability
+set, some hardened units, and this sandbox's root all lack it, so raising a hard
+RLIMIT_NOFILE fails there. The bundled policies ask nofile = 1048576; that one
+failing step must not cost the job its CPU binding.
+
+The daemon runs under `capsh --drop=cap_sys_resource --`, so these tests mean the
+same on a host whose root has the capability. Policies: the bundled ones, copied,
+plus one file that only narrows the bundled torch-training rule to this test's
+processes (the machine is shared; the rule must not bind anyone else's torchrun).
+Host settings the bundled base.toml asks (vm.numa_balancing) go to a temporary
+tree, never to this host.
+"""
+
+from __future__ import annotations
+
+import resource
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, DaemonProc, write_policy
+from tests.leases_helpers import cpus_allowed, kill, unique_sleeper, wait_for
+from tests.slurm_helpers import TOPOLOGY
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+CAP_SYS_RESOURCE = 24  # linux/capability.h
+LEAD = pytest.mark.xfail(strict=True, reason="partial success of a binding: lead")
+LOW_NOFILE = (1024, 4096)  # a hard limit below the policy's 1048576: raising it needs the cap
+
+
+def cap_eff(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    raise AssertionError(f"no CapEff in /proc/{pid}/status")
+
+
+@dataclass
+class NoCapDaemon(DaemonProc):
+    """The real daemon, exec'd by capsh with CAP_SYS_RESOURCE out of its bounding set."""
+
+    def argv(self) -> list[str]:
+        # capsh runs bash with what follows "--"; bash execs the daemon (same PID)
+        return ["capsh", "--drop=cap_sys_resource", "--", "-c", 'exec "$0" "$@"',
+                *super().argv()]
+
+
+@pytest.fixture
+def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
+    """(daemon, token): the token is the env value that puts a process under the rule."""
+    if shutil.which("capsh") is None:
+        pytest.skip("capsh not installed (libcap2-bin; scripts/test.sh installs it)")
+    token = secrets.token_hex(6)
+    pdir = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", pdir)
+    write_policy(pdir, "zz-test-scope.toml", f"""\
+# only narrows the bundled rule: match.env tables merge key by key
+[policy]
+name = "test-scope"
+
+[[job]]
+name = "torch-training"
+match.env = {{ TUNERD_NOCAP_TEST = "{token}" }}
+""")
+    tree = tmp_path / "tree"
+    (tree / "proc/sys/kernel").mkdir(parents=True)
+    (tree / "proc/sys/kernel/numa_balancing").write_text("1\n")
+    (tree / "sys").mkdir()
+    (tree / "etc").mkdir()
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text(f'proc_root = "{tree}/proc"\nsys_root = "{tree}/sys"\n'
+                   f'etc_root = "{tree}/etc"\n')
+    base = tmp_path / "d"
+    base.mkdir()
+    d = NoCapDaemon(tmp=base, policy_dir=pdir,
+                    extra_args=["--config", str(cfg), "--topology", str(TOPOLOGY)])
+    try:
+        d.start()
+        assert d.proc is not None
+        assert not cap_eff(d.proc.pid) >> CAP_SYS_RESOURCE & 1, "capsh did not drop it"
+        show = d.ctl("--json", "policy", "show").json()
+        rule = next(j for j in show["job"] if j["name"] == "torch-training")
+        assert rule["nofile"] == 1048576 and rule["match"]["env"]["LOCAL_RANK"] == "*"
+        # base.toml's host setting went to the tree, not to this host
+        assert wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text()
+                        .strip() == "0", timeout=10)
+        yield d, token
+    finally:
+        d.stop()
+
+
+def low_nofile() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, LOW_NOFILE)
+
+
+def start_rank(tmp_path: Path, token: str) -> subprocess.Popen[bytes]:
+    """A process the bundled rule matches (a `train*.py` with LOCAL_RANK set)."""
+    exe = unique_sleeper(tmp_path, f"train_nocap_{token}.py")
+    return subprocess.Popen([str(exe), "300"], preexec_fn=low_nofile,
+                            env={"PATH": "/usr/bin:/bin", "LOCAL_RANK": "0",
+                                 "CUDA_VISIBLE_DEVICES": "0", "TUNERD_NOCAP_TEST": token})
+
+
+def job_of(d: DaemonProc, pid: int) -> dict[str, Any] | None:
+    jobs = d.ctl("--json", "jobs").json()["jobs"]
+    return next((j for j in jobs if j["pid"] == pid and j.get("origin") == "rule"), None)
+
+
+def test_the_daemon_really_runs_without_the_capability(
+        tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    """The set-up is what it claims: an explicit fd limit above the hard one is refused
+    (exit 4, naming the capability), and a CPU-only bind works."""
+    d, _ = nocap_daemon
+    p = subprocess.Popen(["sleep", "300"], preexec_fn=low_nofile)
+    try:
+        r = d.ctl("bind", str(p.pid), "--nofile", "1048576")
+        assert r.rc == 4 and "CAP_SYS_RESOURCE" in r.err, (r.rc, r.err)
+        assert resource.prlimit(p.pid, resource.RLIMIT_NOFILE) == LOW_NOFILE
+        r = d.ctl("bind", str(p.pid), "--cpus", "1")
+        assert r.rc == 0, r.err
+        assert cpus_allowed(p.pid) == "1"
+    finally:
+        kill(p)
+
+
+@LEAD
+def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
+        tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    d, token = nocap_daemon
+    rank = start_rank(tmp_path, token)
+    try:
+        job = wait_for(lambda: job_of(d, rank.pid), timeout=15)
+        status = d.ctl("--json", "status").json()
+        assert job, f"rank not bound by the rule: {status.get('errors')}"
+        # GPU 0's share of this machine's CPUs, really applied
+        assert cpus_allowed(rank.pid) == job["cpus"] == "0"
+        # the fd limit could not be raised: said, with the capability's name
+        assert "CAP_SYS_RESOURCE" in " ".join(job.get("notes") or []), job
+        assert "CAP_SYS_RESOURCE" in str(status), status
+    finally:
+        kill(rank)
+
+
+@LEAD
+def test_status_exits_1_when_a_rule_failed(
+        tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    d, token = nocap_daemon
+    assert d.ctl("status").rc == 0  # nothing failed yet
+    rank = start_rank(tmp_path, token)
+    try:
+        assert wait_for(lambda: "CAP_SYS_RESOURCE" in d.ctl("status").out, timeout=15)
+        r = d.ctl("status")
+        assert r.rc == 1, r.out
+    finally:
+        kill(rank)
+
+
+@LEAD
+def test_run_keeps_its_cpus_and_notes_the_missing_capability(
+        tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    """`tunerctl run` lease binds apply [limits] nofile (1048576 in the bundled policies)."""
+    d, _ = nocap_daemon
+    r = subprocess.run(
+        [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "run", "--gpus", "1",
+         "--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status; ulimit -Hn"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, preexec_fn=low_nofile)
+    assert r.returncode == 0, r.stderr
+    assert "Cpus_allowed_list:\t0\n" in r.stdout, r.stdout  # GPU 0's CPU, applied
+    assert f"\n{LOW_NOFILE[1]}\n" in r.stdout + "\n"  # the hard limit stayed, as it must
+    assert "CAP_SYS_RESOURCE" in r.stderr, r.stderr  # ... and the reply says why
