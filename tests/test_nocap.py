@@ -25,14 +25,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, write_policy
-from tests.leases_helpers import cpus_allowed, kill, unique_sleeper, wait_for
+from tests.helpers import REPO, DaemonProc, wait_for, write_policy
+from tests.leases_helpers import cpus_allowed, kill, unique_sleeper
 from tests.slurm_helpers import TOPOLOGY
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
 CAP_SYS_RESOURCE = 24  # linux/capability.h
-LEAD = pytest.mark.xfail(strict=True, reason="partial success of a binding: lead")
 LOW_NOFILE = (1024, 4096)  # a hard limit below the policy's 1048576: raising it needs the cap
 
 
@@ -91,8 +90,8 @@ match.env = {{ TUNERD_NOCAP_TEST = "{token}" }}
         rule = next(j for j in show["job"] if j["name"] == "torch-training")
         assert rule["nofile"] == 1048576 and rule["match"]["env"]["LOCAL_RANK"] == "*"
         # base.toml's host setting went to the tree, not to this host
-        assert wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text()
-                        .strip() == "0", timeout=10)
+        wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text().strip() == "0",
+                 10, "numa_balancing = 0 in the temporary tree")
         yield d, token
     finally:
         d.stop()
@@ -132,15 +131,14 @@ def test_the_daemon_really_runs_without_the_capability(
         kill(p)
 
 
-@LEAD
 def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
         tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
     d, token = nocap_daemon
     rank = start_rank(tmp_path, token)
     try:
-        job = wait_for(lambda: job_of(d, rank.pid), timeout=15)
+        job = wait_for(lambda: job_of(d, rank.pid), 15, "the rank bound by the rule",
+                       detail=lambda: str(d.ctl("--json", "status").json().get("errors")))
         status = d.ctl("--json", "status").json()
-        assert job, f"rank not bound by the rule: {status.get('errors')}"
         # GPU 0's share of this machine's CPUs, really applied
         assert cpus_allowed(rank.pid) == job["cpus"] == "0"
         # the fd limit could not be raised: said, with the capability's name
@@ -150,21 +148,20 @@ def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
         kill(rank)
 
 
-@LEAD
 def test_status_exits_1_when_a_rule_failed(
         tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
     d, token = nocap_daemon
     assert d.ctl("status").rc == 0  # nothing failed yet
     rank = start_rank(tmp_path, token)
     try:
-        assert wait_for(lambda: "CAP_SYS_RESOURCE" in d.ctl("status").out, timeout=15)
+        wait_for(lambda: "CAP_SYS_RESOURCE" in d.ctl("status").out, 15,
+                 "status to name CAP_SYS_RESOURCE")
         r = d.ctl("status")
         assert r.rc == 1, r.out
     finally:
         kill(rank)
 
 
-@LEAD
 def test_run_keeps_its_cpus_and_notes_the_missing_capability(
         tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
     """`tunerctl run` lease binds apply [limits] nofile (1048576 in the bundled policies)."""

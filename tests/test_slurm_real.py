@@ -7,8 +7,8 @@ tests/fixtures/topologies/this-machine-2gpus.json: this machine's real CPUs and 
 GPUs, whose per-GPU share of the CPUs is one CPU each (GPU 0: CPU 0, GPU 1: CPU 1
 on the 2-CPU development VM).
 
-Items 1-3 need placement that starts from the caller's allocation (the lead's
-change): they are strict xfails until it lands, and then turn into passes.
+Items 1-3 check that placement starts from the caller's allocation: the step's
+cpuset, the job's GPUs, the CPU count Slurm granted the task.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DaemonProc
-from tests.leases_helpers import cpus_allowed, leases_of, unique_sleeper, wait_for
+from tests.helpers import DaemonProc, wait_for
+from tests.leases_helpers import cpus_allowed, leases_of, unique_sleeper
 from tests.slurm_helpers import (
     SlurmCluster,
     hung_socket,
@@ -36,7 +36,6 @@ from tunerd.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 
-LEAD = pytest.mark.xfail(strict=True, reason="placement inside the allocation: lead")
 BOUND_S = 2.0  # what a hung or missing daemon may add to a task's start or a job's end
 
 # Prints the cpuset of the task's Slurm step and the task's affinity as KEY=VALUE
@@ -86,8 +85,9 @@ def quiet_node(slurm: SlurmCluster, tunerd: DaemonProc) -> Iterator[None]:  # no
 
 
 def idle_node(slurm: SlurmCluster, timeout: float = 30.0) -> None:  # noqa: F811
-    got = wait_for(lambda: not slurm.jobs() and slurm.node_state() == "IDLE", timeout, 0.1)
-    assert got, f"node not idle: {slurm.node_state()}, jobs {slurm.jobs()}\n{slurm.logs()}"
+    wait_for(lambda: not slurm.jobs() and slurm.node_state() == "IDLE", timeout,
+             "the node to be idle", interval=0.1,
+             detail=lambda: f"{slurm.node_state()}, jobs {slurm.jobs()}\n{slurm.logs()}")
 
 
 def kv(text: str) -> dict[str, str]:
@@ -114,7 +114,6 @@ def rule_jobs(d: DaemonProc, pids: list[int]) -> dict[int, dict[str, Any]] | Non
 
 # -- item 1: the task prolog keeps the CPUs Slurm granted ------------------------------
 
-@LEAD
 def test_srun_c2_with_one_gpu_keeps_both_cpus(slurm: SlurmCluster,  # noqa: F811
                                               tunerd: DaemonProc) -> None:
     probe = job_script(slurm, "c2", 'probe ""\nsleep 1\n')
@@ -134,7 +133,6 @@ def _holder(slurm: SlurmCluster, *args: str) -> None:  # noqa: F811
     slurm.wait_job_running(job)
 
 
-@LEAD
 def test_alloc_in_a_job_takes_only_the_jobs_gpus(slurm: SlurmCluster,  # noqa: F811
                                                  tunerd: DaemonProc) -> None:
     _holder(slurm, "--gres=gpu:1")  # Slurm gives it GPU 0 ...
@@ -149,12 +147,11 @@ def test_alloc_in_a_job_takes_only_the_jobs_gpus(slurm: SlurmCluster,  # noqa: F
     assert got["gpus"] == [1], got  # not GPU 0, the other job's
 
 
-@LEAD
 def test_alloc_in_a_job_without_gres_gets_no_gpu(slurm: SlurmCluster,  # noqa: F811
                                                  tunerd: DaemonProc) -> None:
     _holder(slurm, "--gres=gpu:1")
     lease = slurm.root / "jobs" / "alloc-none.json"
-    body = (f"{tunerctl(tunerd)} --json alloc --gpus 1 > {lease} 2>&1\n"
+    body = (f"{tunerctl(tunerd)} --json alloc --gpus 1 > {lease} 2>{lease}.err\n"
             'echo "ALLOC_RC=$?"\n')
     r = slurm.srun("-c1", str(job_script(slurm, "alloc-none", body)))
     assert r.returncode == 0, r.stderr
@@ -168,7 +165,6 @@ def test_alloc_in_a_job_without_gres_gets_no_gpu(slurm: SlurmCluster,  # noqa: F
 
 # -- item 3: placement inside the step ------------------------------------------------
 
-@LEAD
 def test_run_in_a_step_with_one_cpu_places_inside_it(slurm: SlurmCluster,  # noqa: F811
                                                      tunerd: DaemonProc) -> None:
     _holder(slurm)  # takes the first core: this step gets another one
@@ -189,7 +185,6 @@ def test_run_in_a_step_with_one_cpu_places_inside_it(slurm: SlurmCluster,  # noq
         assert parse_cpulist(out[f"{which}_MASK"]) <= step, r.stdout  # ... inside the step
 
 
-@LEAD
 def test_rule_bound_ranks_in_a_c1_step_bind_inside_it(slurm: SlurmCluster,  # noqa: F811
                                                       tunerd: DaemonProc,
                                                       rank_bin: Path) -> None:
@@ -204,9 +199,8 @@ wait
     assert len(step) == 1, out
     pids = [int(out["RANK0"]), int(out["RANK1"])]
     # each rank wants its GPU's CPU; one of those two CPUs is outside this step
-    bound = wait_for(lambda: rule_jobs(tunerd, pids), timeout=15)
-    status = tunerd.ctl("--json", "status").json()
-    assert bound, f"not both ranks rule-bound: {status.get('errors')}"
+    bound = wait_for(lambda: rule_jobs(tunerd, pids), 15, "both ranks rule-bound",
+                     detail=lambda: str(tunerd.ctl("--json", "status").json().get("errors")))
     for pid in pids:
         assert parse_cpulist(bound[pid]["cpus"]) <= step
         assert parse_cpulist(cpus_allowed(pid) or "") <= step
@@ -220,9 +214,9 @@ def _timed_job(slurm: SlurmCluster) -> tuple[int, float, float]:  # noqa: F811
     r = slurm.srun("-c1", "--gres=gpu:1", "bash", "-c", 'echo "JOB=$SLURM_JOB_ID"')
     t1 = time.monotonic()
     assert r.returncode == 0, r.stderr
-    idle = wait_for(lambda: slurm.node_state() == "IDLE", timeout=30, every=0.05)
+    wait_for(lambda: slurm.node_state() == "IDLE", 30, "the node to be idle after the job",
+             interval=0.05, detail=lambda: f"{slurm.node_state()}\n{slurm.logs()}")
     t2 = time.monotonic()
-    assert idle, f"node state {slurm.node_state()} 30 s after the job ended\n{slurm.logs()}"
     return int(kv(r.stdout)["JOB"]), t1 - t0, t2 - t1
 
 
@@ -272,7 +266,7 @@ def test_messages_reach_syslog_and_the_jobs_output(slurm: SlurmCluster,  # noqa:
     msg = slurm.syslog.wait_for(f"tunerd-task-prolog: job {job}.0 task 0: bound near GPU 0")
     assert "tunerd-slurm:" in msg
     slurm.syslog.wait_for(f"tunerd-epilog: job {job}: released lease")
-    assert wait_for(lambda: not leases_of(tunerd), timeout=10)  # the epilog ended the lease
+    wait_for(lambda: not leases_of(tunerd), 10, "the epilog to end the lease")
     # a task that cannot be bound says so in the job's output, too
     slurm.configure_scripts(slurm.root / "gone.sock", user_messages="problems")
     r = slurm.srun("-c1", "--gres=gpu:1", "true")

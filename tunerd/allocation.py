@@ -25,6 +25,7 @@ the cgroup allows, never widen it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,18 @@ from tunerd.topology.visible import parse_gpu_list, visible_gpus
 
 __all__ = ["Allocation", "cvd_names", "read_allocation", "slurm_gpus"]
 
+# Slurm's cgroup paths: /slurm/uid_0/job_12/step_0 (v1), /system.slice/slurmstepd.scope/
+# job_12/step_0 (v2), /slurm_NODE/uid_0/job_12/step_batch (multiple-slurmd)
+_SLURM_CGROUP = re.compile(r"slurm[^/]*/(?:.*/)?job_(\d+)(?:/step_([^/]+))?")
+
 
 @dataclass(frozen=True)
 class Allocation:
     """The part of the node a process may use, as its scheduler decided."""
 
     cpus: frozenset[int] | None = None  # cgroup cpuset; None: not confined
-    current: frozenset[int] | None = None  # its affinity mask now (a scheduler's binding)
+    current: frozenset[int] | None = None  # its affinity mask now, where narrower than that
+    mask: frozenset[int] | None = None  # its affinity mask now
     gpus: tuple[int, ...] | None = None  # GPUs it may use; None: not restricted
     ncpus: int | None = None  # CPUs granted per task (SLURM_CPUS_PER_TASK)
     scheduler: str | None = None  # "Slurm job 12 step 0", ... for explanations
@@ -50,6 +56,10 @@ class Allocation:
     @property
     def confined(self) -> bool:
         return self.cpus is not None or self.gpus is not None or self.ncpus is not None
+
+    @property
+    def slurm(self) -> bool:
+        return bool(self.scheduler and self.scheduler.startswith("Slurm"))
 
     def describe(self) -> str:
         parts = []
@@ -162,11 +172,15 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
         scheduler = f"Slurm job {env['SLURM_JOB_ID']}"
         if env.get("SLURM_STEP_ID"):
             scheduler += f" step {env['SLURM_STEP_ID']}"
-    elif env.get("KUBERNETES_SERVICE_HOST"):
+    elif cg is not None and (m := _SLURM_CGROUP.search(cg.path)):
+        # a task not exec'd yet (a TaskProlog's target) still has slurmstepd's environment
+        scheduler = f"Slurm job {m.group(1)}" + (f" step {m.group(2)}" if m.group(2) else "")
+    elif env.get("KUBERNETES_SERVICE_HOST") or (cg is not None and "kubepods" in cg.path):
         scheduler = "Kubernetes pod"
     elif cpus is not None:
         scheduler = f"cgroup {cg.path if cg else '?'}"
-    return Allocation(cpus=cpus, current=current, gpus=gpus, ncpus=ncpus, scheduler=scheduler)
+    return Allocation(cpus=cpus, current=current, mask=mask or None, gpus=gpus, ncpus=ncpus,
+                      scheduler=scheduler)
 
 
 def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:

@@ -281,11 +281,15 @@ class AutoBinder:
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)
             left_out = [n for n in notes if "not set" in n]
             if left_out:
+                # the rule asked for more than the daemon may do (a limit without
+                # CAP_SYS_RESOURCE): the CPUs are bound, the rest is an error until the
+                # process ends, so `tunerctl status` exits 1 and an operator hears of it
                 self.partial += 1
                 self.errors.record("autobind", f"rule {m.rule.name}, pid {pid}: bound to CPUs "
                                    f"{format_cpulist(placed.cpus or frozenset())}, but "
-                                   + "; ".join(left_out), key=f"partial:{m.rule.name}",
-                                   level="warning")
+                                   + "; ".join(left_out), key=f"partial:{pid}")
+                self.pidwatch.watch(pid, start, "rule-partial",
+                                    lambda p: self.errors.resolve("autobind", f"partial:{p}"))
             if m.rule.exclusive and m.rule.exclusive_scope:
                 self.mover.move_off(f"rule:{pid}:{start}", m.rule.exclusive_scope,
                                     placed.cpus or frozenset(), pid, 0)

@@ -284,11 +284,12 @@ class Placer:
         if count is None and alloc is not None and alloc.ncpus is not None:
             count = alloc.ncpus
             notes.append(f"{alloc.ncpus} CPUs as granted by {alloc.describe()}")
-        if count is None and alloc is not None and alloc.current is not None \
-                and alloc.scheduler and alloc.scheduler.startswith("Slurm") and not req.ranks:
-            count = len(alloc.current & usable) or None
+        if count is None and alloc is not None and alloc.slurm and alloc.mask is not None \
+                and not req.ranks:
+            # the task's mask is what Slurm granted it (-c N): keep the count, refine where
+            count = len(alloc.mask & usable) or None
             if count:
-                notes.append(f"{count} CPUs as the scheduler bound the task")
+                notes.append(f"{count} CPUs, as {alloc.scheduler} granted the task")
         if count is not None and count > len(usable):
             notes.append(f"asked for {count} CPUs, the allocation has {len(usable)} "
                          f"({format_cpulist(usable)}): using those")

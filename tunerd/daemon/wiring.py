@@ -87,13 +87,13 @@ def build(cfg: DaemonConfig) -> Daemon:
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
     pidwatch = PidWatch()
-    binder = Binder(cfg.proc_root, cfg.sys_root)
+    binder = Binder()  # processes live in the real /proc (proc_root is for host settings)
     leases_section: dict[str, Any] = runtime.section("leases")
     leases_section.setdefault("moved", {})
     mover = ExclusiveMover(leases_section["moved"], save_runtime, dry_run=cfg.dry_run)
     jobs = JobRegistry(binder, runtime.section("bindings"), save_runtime, pidwatch, errors,
                        dry_run=cfg.dry_run, mover=mover)
-    placer = Placer(topology, HostCapacity.read(cfg.sys_root), policy.housekeeping,
+    placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
                           limits=policy.lease_limits, default_nofile=policy.default_nofile)
