@@ -46,8 +46,7 @@ class Monitor:
         self.gpu = GpuSampler()
         self.host = HostSampler()
         # numa_maps and per-thread states every ~10 s whatever the interval
-        self.jobs = JobSampler(runtime_dir=cfg.runtime_dir,
-                               slow_every=max(1, round(10.0 / self.interval)),
+        self.jobs = JobSampler(slow_every=max(1, round(10.0 / self.interval)),
                                node_cpus=self.host.node_cpus)
         self.history = History(cfg.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
