@@ -461,26 +461,32 @@ class Process:
         ptrace access (root has it); without them only the start is read.
         """
         out: dict[str, str] = {}
+        half = limit // 2
         fd = os.open(f"{self._base}/environ", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            raw, cut = _read_prefix(fd, limit)
-            if not cut:
+            # the first half first: most environments fit, and a larger one never
+            # costs more than ``limit`` bytes of reading in all
+            raw = os.read(fd, half + 1)
+            if len(raw) <= half:
                 _parse_environ(raw, False, False, out)
                 return out
-            half = limit // 2
             st = self.stat()
             size = st.env_end - st.env_start
-            if size <= limit or st.env_start == 0:
-                _parse_environ(raw, False, True, out)
-                return out
-            _parse_environ(raw[:half], False, True, out)
-            # one byte more in front: if it is the NUL ending an entry, the first
-            # entry of the tail is whole
-            tail = os.pread(fd, half + 1, size - half - 1)
-            if tail[:1] == b"\0":
-                _parse_environ(tail[1:], False, False, out)
+            if st.env_start == 0:  # size unknown: the start, up to the limit
+                raw += os.read(fd, limit + 1 - len(raw))
+                _parse_environ(raw[:limit], False, len(raw) > limit, out)
+            elif size <= limit:
+                _parse_environ(raw + os.pread(fd, size - len(raw), len(raw)), False, False,
+                               out)
             else:
-                _parse_environ(tail, True, False, out)
+                _parse_environ(raw[:half], False, True, out)
+                # one byte more in front: if it is the NUL ending an entry, the first
+                # entry of the tail is whole
+                tail = os.pread(fd, half + 1, size - half - 1)
+                if tail[:1] == b"\0":
+                    _parse_environ(tail[1:], False, False, out)
+                else:
+                    _parse_environ(tail, True, False, out)
         finally:
             os.close(fd)
         return out
