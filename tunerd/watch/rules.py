@@ -12,10 +12,11 @@ Matching runs for every exec on the host, so the order of work is chosen by
 cost: the command line (one bounded read, globs compiled once per policy) first,
 environ (a larger read) only after a command line matched.
 
-Bounds. Only the first ``CMDLINE_MATCH_BYTES`` (16 KiB) of a command line are
-read and matched: a glob must match within them, and on a longer command line
-it must end with ``*`` (standing for the unseen rest). A glob that would only
-match past the first 16 KiB does not match. The environment is read up to
+Bounds. Only the first ``CMDLINE_MATCH_BYTES`` (4 KiB, one page: all that
+/proc/PID/cmdline showed before Linux 4.2) of a command line are read and
+matched: a glob must match within them, and on a longer command line it must
+end with ``*`` (standing for the unseen rest). A glob that would only match past
+the first 4 KiB does not match. The environment is read up to
 ``ENVIRON_MATCH_BYTES`` (64 KiB): a larger one as its first and last 32 KiB,
 where launchers such as torchrun put LOCAL_RANK and RANK (tunerd.procfs,
 ``Process.environ``); a variable only in between is not seen. Without the bounds
@@ -40,7 +41,7 @@ from tunerd.watch.globs import Glob, GlobSet
 
 __all__ = ["CMDLINE_MATCH_BYTES", "ENVIRON_MATCH_BYTES", "JobRule", "RuleMatch", "RuleSet"]
 
-CMDLINE_MATCH_BYTES = 16 << 10
+CMDLINE_MATCH_BYTES = 4 << 10
 ENVIRON_MATCH_BYTES = 64 << 10
 
 log = logging.getLogger("tunerd.rules")
