@@ -35,6 +35,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import resource
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -209,6 +210,9 @@ def parse_io(text: str) -> IoCounters:
     return IoCounters(vals["read_bytes"], vals["write_bytes"], vals["rchar"], vals["wchar"])
 
 
+_NUMA_NODE = re.compile(r" N(\d+)=(\d+)")
+
+
 def parse_numa_maps(text: str, *, as_bytes: bool = True) -> dict[int, int]:
     """NUMA node -> resident bytes (or pages, ``as_bytes=False``) over every mapping.
 
@@ -216,19 +220,18 @@ def parse_numa_maps(text: str, *, as_bytes: bool = True) -> dict[int, int]:
     ``kernelpagesize_kB`` (huge pages count 2 MiB or 1 GiB each).
     """
     nodes: dict[int, int] = {}
+    find = _NUMA_NODE.findall
     for line in text.splitlines():
-        page_kb = 4
-        counts: list[tuple[int, int]] = []
-        for tok in line.split()[1:]:
-            if tok[0] == "N" and "=" in tok:
-                node, _, pages = tok[1:].partition("=")
-                if node.isdigit():
-                    counts.append((int(node), int(pages)))
-            elif tok.startswith("kernelpagesize_kB="):
-                page_kb = int(tok[18:])
-        unit = page_kb * 1024 if as_bytes else 1
+        counts = find(line)
+        if not counts:
+            continue
+        unit = 1
+        if as_bytes:
+            k = line.find(" kernelpagesize_kB=")
+            unit = (int(line[k + 19:].split(None, 1)[0]) if k >= 0 else 4) * 1024
         for nid, npages in counts:
-            nodes[nid] = nodes.get(nid, 0) + npages * unit
+            n = int(nid)
+            nodes[n] = nodes.get(n, 0) + int(npages) * unit
     return nodes
 
 
