@@ -281,3 +281,24 @@ def test_a_report_is_never_trusted_to_be_well_formed() -> None:
     assert t["workers"][:3] == [3, 5, 6] and len(t["workers"]) <= 1024
     assert "evil" not in t and t["devices"] == [] and t["age_seconds"] is None
     assert torch_from_report({"memory": "x", "workers": {}})["memory"] == {}
+
+
+def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -> None:
+    """CUDA memory sent with `report` ends in the job's history columns, where the
+    gpu-memory-fragmentation rule of advise finds it (no file involved)."""
+    from tunerd.advise import advise
+
+    pid = child.pid
+    start = Process(pid).start_time()
+    rec = {"pid": pid, "start_time": start, "name": "child", "cpus": "0", "gpus": [0]}
+    report = {"pid": pid, "device": "cuda", "local_rank": 0, "start_time": start,
+              "memory": {"reserved": 60 << 30, "allocated": 20 << 30, "max_allocated": 30 << 30}}
+    js, h = JobSampler(), History(history_seconds=10, sample_interval=1)
+    for t in range(3):
+        h.add({"time": float(t), "jobs": js.sample([rec], {}, reports={pid: report})})
+    ring = h.job(pid)
+    assert ring is not None
+    cols = ring.columns()
+    assert cols["torch_reserved_bytes"][-1] == 60 << 30
+    [f] = [f for f in advise(rec, cols) if f.id == "gpu-memory-fragmentation"]
+    assert f.evidence["reserved_over_allocated"] == 3.0
