@@ -19,8 +19,9 @@ is gone or unreadable.
 
 Why not psutil for all of it: psutil has no per-object proc root (only a global),
 reports start time as float seconds where binding needs the exact clock ticks of
-stat field 22 for pid identity, and its ``oneshot()`` costs about twice this
-reader per job (bench/procfs_readers.py measures both side by side).
+stat field 22 for pid identity, reads all of a command line where the exec path
+wants a bounded prefix, and its ``oneshot()`` of the job sampler's fields costs
+two to four times this reader (bench/procfs_readers.py measures both side by side).
 
 Small files. :func:`read_bytes`/:func:`read_text` read a /proc or /sys file and
 raise ``OSError`` as the kernel gave it (errno and file name); :func:`read_value`

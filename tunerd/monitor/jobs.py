@@ -8,8 +8,8 @@ whole process, per-thread task/*/stat reads grow with the thread count, and
 per-cycle files together (measured: ~25 us a read).
 
 Every read goes through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
-reads the same files but costs about twice as much per job
-(bench/procfs_readers.py), so it is not used here.
+reads the same files (and statm for the RSS) but costs two to four times as
+much per job (bench/procfs_readers.py), so it is not used here.
 
 Training-side numbers (step time, throughput, torch memory) are not read from
 any file: jobs send them with the control-socket command ``report``
