@@ -203,12 +203,11 @@ class IoCounters(NamedTuple):
 
 
 def parse_io(text: str) -> IoCounters:
-    vals: dict[str, int] = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        if v.strip():
-            vals[k.strip()] = int(v)
-    return IoCounters(vals["read_bytes"], vals["write_bytes"], vals["rchar"], vals["wchar"])
+    # "rchar: 900\nwchar: 800\n...": names and values alternate
+    tok = text.split()
+    vals = dict(zip(tok[::2], tok[1::2], strict=False))
+    return IoCounters(int(vals["read_bytes:"]), int(vals["write_bytes:"]),
+                      int(vals["rchar:"]), int(vals["wchar:"]))
 
 
 _NUMA_NODE = re.compile(r" N(\d+)=(\d+)")

@@ -20,6 +20,7 @@ that blocks the sampler in open(); a message cannot.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,8 +90,14 @@ def _cpuset(text: Any) -> frozenset[int]:
         return frozenset(int(x) for x in text)
     if not text:
         return frozenset()
+    return _parse_cached(str(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_cached(text: str) -> frozenset[int]:
+    """Bound jobs keep their CPU lists: parse each once, not every cycle."""
     try:
-        return parse_cpulist(str(text))
+        return parse_cpulist(text)
     except CpuListError:
         return frozenset()
 
