@@ -21,7 +21,8 @@ Exec path: the command line of a process with a 1 MiB command line, psutil
 ``cmdline()`` (reads all of it) against ``read_cmdline_prefix`` (the 4 KiB the
 rules match).
 
-CPU is this thread's (time.thread_time_ns) per call; medians over ``--n`` calls.
+CPU is this thread's (time.thread_time_ns) per call; medians over ``--n`` calls, the
+two readers interleaved call by call.
 
     python bench/procfs_readers.py [--n 300] [--json FILE]
 
@@ -47,9 +48,14 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from tunerd.monitor.host import HostSampler  # noqa: E402
+from tunerd.monitor.host import (  # noqa: E402
+    HostSampler,
+    parse_diskstats,
+    parse_net_dev,
+    parse_proc_stat,
+)
 from tunerd.monitor.jobs import JobSampler  # noqa: E402
-from tunerd.procfs import Process, read_cmdline_prefix  # noqa: E402
+from tunerd.procfs import Process, read_cmdline_prefix, read_text  # noqa: E402
 from tunerd.watch.rules import CMDLINE_MATCH_BYTES  # noqa: E402
 
 JOB = ("import os, threading, time\nbuf = bytearray(32 << 20)\n"
@@ -115,7 +121,16 @@ def tunerd_cycle(pids: list[int], status: bool) -> None:
 
 def pair(name: str, ps: Callable[[], Any], hand: Callable[[], Any], n: int,
          per: int = 1) -> dict[str, Any]:
-    a, b = cpu_us(ps, n, per), cpu_us(hand, n, per)
+    """Both readers, interleaved call by call so that both see the same machine load."""
+    ps(), hand()
+    a_s: list[float] = []
+    b_s: list[float] = []
+    for _ in range(n):
+        for fn, out in ((ps, a_s), (hand, b_s)):
+            t = time.thread_time_ns()
+            fn()
+            out.append((time.thread_time_ns() - t) / 1000 / per)
+    a, b = statistics.median(a_s), statistics.median(b_s)
     return {"name": name, "psutil_us": a, "tunerd_us": b, "ratio": a / b if b else float("inf")}
 
 
@@ -146,12 +161,21 @@ def main() -> int:
         fn = getattr(host, f"_{part}")
         parts[part] = lambda fn=fn: fn({"unavailable": {}}, 1.0)
     rows += [
-        pair("host: CPU times per CPU", lambda: psutil.cpu_times(percpu=True), parts["cpu"],
-             a.n),
+        pair("host: CPU times per CPU (read + parse)",
+             lambda: psutil.cpu_times(percpu=True),
+             lambda: parse_proc_stat(read_text("/proc/stat", None)), a.n),
+        pair("host: disks (read + parse)", lambda: psutil.disk_io_counters(perdisk=True),
+             lambda: parse_diskstats(read_text("/proc/diskstats", None)), a.n),
+        pair("host: NICs (read + parse)", lambda: psutil.net_io_counters(pernic=True),
+             lambda: parse_net_dev(read_text("/proc/net/dev", None)), a.n),
+        pair("host: CPU part (tunerd: + busy ratios per CPU and node)",
+             lambda: psutil.cpu_times(percpu=True), parts["cpu"], a.n),
         pair("host: memory (psutil: whole host; tunerd: per NUMA node)",
              psutil.virtual_memory, parts["memory"], a.n),
-        pair("host: disks", lambda: psutil.disk_io_counters(perdisk=True), parts["disks"], a.n),
-        pair("host: NICs", lambda: psutil.net_io_counters(pernic=True), parts["net"], a.n),
+        pair("host: disks part (tunerd: + whole-disk filter, rates)",
+             lambda: psutil.disk_io_counters(perdisk=True), parts["disks"], a.n),
+        pair("host: NICs part (tunerd: + rates)",
+             lambda: psutil.net_io_counters(pernic=True), parts["net"], a.n),
     ]
     with children(1, ["y" * 65_536] * 16) as [big]:
         rows.append(pair("exec path: 1 MiB command line", psutil.Process(big).cmdline,
@@ -161,6 +185,7 @@ def main() -> int:
     print(f"psutil {psutil.__version__} vs tunerd.procfs; thread CPU per call, median of "
           f"{a.n} (per job: {a.jobs} live processes)")
     print(f"  {'':58s} {'psutil us':>10s} {'tunerd us':>10s} {'ratio':>6s}")
+    print("  (ratio = psutil / tunerd: above 1, tunerd's reader is cheaper)")
     for r in rows:
         print(f"  {r['name']:58s} {r['psutil_us']:10.1f} {r['tunerd_us']:10.1f} "
               f"{r['ratio']:6.2f}")
