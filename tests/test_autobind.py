@@ -240,7 +240,7 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
             assert parse_cpulist(b["cpus"]) <= inside
         assert not parse_cpulist(bound[0]["cpus"]) & parse_cpulist(bound[1]["cpus"])
     finally:
-        from tunerd.watch.procfs import descendants
+        from tunerd.procfs import descendants
 
         for pid in reversed(descendants(launcher.pid)):
             try:

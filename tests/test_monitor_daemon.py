@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from io import StringIO
@@ -244,8 +245,6 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
     from tests.helpers import REPO
 
     d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
-    # reports come over the socket: no world-writable directory a user could plant in
-    assert not (d.runtime_dir / "jobs").exists()
     p = subprocess.Popen([sys.executable, "-c",
                           REPORTER.format(repo=str(REPO), sock=str(d.socket))],
                          stdout=subprocess.PIPE, text=True)
@@ -264,10 +263,36 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
         assert f["evidence"]["reserved_over_allocated"] == 3.0
         top = d.ctl("--json", "top").json()
         job = next(j for j in top["sample"]["jobs"] if j["pid"] == p.pid)
-        assert job["report"]["samples_per_s"] == 320.0 and job["report"]["steps"] == 10
+        assert job["torch"]["samples_per_s"] == 320.0 and job["torch"]["steps"] == 10
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.root
+def test_no_file_a_user_can_plant_freezes_the_sampler(daemon_factory: Any,
+                                                      tmp_path: Path) -> None:
+    """Issue 9: any user could mkfifo RUNTIME_DIR/jobs/PID.json for a bound PID; the
+    sampler blocked in open() and SIGTERM left the daemon alive for 20 s. Torch stats
+    now come with the `report` command: the runtime dir has no directory a user may
+    write, and the sampler keeps sampling a bound job."""
+    d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
+    writable = [str(q) for q in [d.runtime_dir, *d.runtime_dir.rglob("*")]
+                if q.is_dir() and q.stat().st_mode & 0o022]
+    assert writable == [], f"directories other users may write in the runtime dir: {writable}"
+    with ready_child("import time\nprint('ready', flush=True)\ntime.sleep(120)") as p:
+        assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
+
+        def samples() -> int:
+            return int(d.ctl("--json", "status").json()["services"]["monitor"]["samples_total"])
+
+        first = samples()
+        wait_for(lambda: samples() >= first + 4, 15, "four more samples")
+        top = d.ctl("--json", "top").json()["sample"]
+        assert [j["pid"] for j in top["jobs"]] == [p.pid] and top["jobs"][0]["torch"] is None
+        t0 = time.monotonic()
+        assert d.stop(timeout=10) == 0
+        assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.root

@@ -17,8 +17,9 @@ from tunerd import nvml
 from tunerd.monitor.gpu import GpuSampler
 from tunerd.monitor.history import JOB_FIELDS, MAX_JOB_RINGS, History
 from tunerd.monitor.host import HostSampler, parse_psi
-from tunerd.monitor.jobs import JobSampler, parse_numa_maps, parse_stat
+from tunerd.monitor.jobs import JobSampler, torch_from_report
 from tunerd.monitor.ring import Ring
+from tunerd.procfs import Process, parse_numa_maps, parse_stat
 
 STAT_1 = """cpu  200 0 100 1000 50 0 0 0 0 0
 cpu0 100 0 50 500 25 0 0 0 0 0
@@ -130,8 +131,8 @@ def test_parse_psi_and_stat_with_odd_comm() -> None:
     assert parse_psi("some avg10=0.50 avg60=0 avg300=0 total=7\n") == {
         "some_avg10": 0.005, "some_total_seconds": 7e-6}
     st = parse_stat("42 (a) b (c) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 7 18 999 20 5000")
-    assert st["state"] == "R" and st["utime"] == 11 and st["threads"] == 7
-    assert st["start_time"] == 999 and st["rss_pages"] == 5000
+    assert st.comm == "a) b (c" and st.state == "R" and st.utime == 11
+    assert st.num_threads == 7 and st.start_time == 999 and st.rss_pages == 5000
 
 
 def test_parse_numa_maps() -> None:
@@ -198,20 +199,21 @@ def child() -> Iterator[subprocess.Popen[str]]:
         yield p
 
 
-def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path: Path) -> None:
+def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     pid = child.pid
-    start = parse_stat(Path(f"/proc/{pid}/stat").read_text())["start_time"]
+    start = Process(pid).start_time()
     rec = {"pid": pid, "start_time": start, "name": "child", "cpus": "0", "mems": "0",
            "gpus": [0]}
     gpu = {"gpus": [{"gpu": 0, "utilization_ratio": 0.25}],
            "processes": [{"gpu": 0, "pid": pid, "used_memory_bytes": 1e9}]}
-    js = JobSampler(runtime_dir=tmp_path)
-    (tmp_path / "jobs").mkdir()
-    (tmp_path / "jobs" / f"{pid}.json").write_text(
-        '{"devices": [{"device": 0, "reserved_bytes": 9, "allocated_bytes": 4}]}')
+    js = JobSampler()
+    report = {"pid": pid, "steps": 10, "step_time_s": 0.25, "samples_per_s": 128.0,
+              "device": "cuda", "memory": {"allocated": 4, "reserved": 9, "max_allocated": 6},
+              "workers": [], "num_workers": 0, "rank": 0, "local_rank": 0,
+              "local_world_size": 1, "time": time.time() - 2, "start_time": start}
     host = {"cpus": [{"cpu": 0, "busy_ratio": 0.75}, {"cpu": 1, "busy_ratio": 0.1}]}
     js.sample([rec], gpu, host)
-    [s] = js.sample([rec], gpu, host)
+    [s] = js.sample([rec], gpu, host, reports={pid: report})
     assert s["cpus_busy_ratio"] == 0.75  # the job is bound to cpu 0 only
     assert s["rss_bytes"] > 64 << 20
     assert s["open_fds"] == len(os.listdir(f"/proc/{pid}/fd"))
@@ -221,6 +223,11 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str], tmp_path
     assert s["locality_ratio"] == 1.0  # one NUMA node here: every page is on node 0
     assert sum(s["numa_bytes"].values()) > 64 << 20
     assert s["torch"]["devices"][0]["reserved_bytes"] == 9
+    assert s["torch"]["step_time_s"] == 0.25 and s["torch"]["age_seconds"] >= 2
+    assert s["uid"] == os.getuid() and s["start_time"] == start
+    # no report, or one sent by an earlier process with this pid: no torch numbers
+    [s] = js.sample([rec], gpu, host, reports={pid: {**report, "start_time": start - 1}})
+    assert s["torch"] is None
     assert s["voluntary_ctxt_switches_total"] >= 0
     # a PID reused by another process is not the job any more; an exited one is dropped
     assert js.sample([{**rec, "start_time": start + 1}], gpu) == []
@@ -263,17 +270,35 @@ def test_gpu_sampler_on_replayed_telemetry(nvml_backend: None) -> None:
         {"gpu": 1, "pid": 4244, "used_memory_bytes": None}]
 
 
-@pytest.mark.root
-def test_torch_stats_of_another_user_are_ignored(tmp_path: Path) -> None:
-    """RUNTIME_DIR/jobs is world-writable: only the job owner's (or root's) file counts."""
-    (tmp_path / "jobs").mkdir()
-    f = tmp_path / "jobs" / "777.json"
-    f.write_text('{"devices": []}')
-    js = JobSampler(runtime_dir=tmp_path)
-    assert js._torch(777, uid=1000) == {"devices": []}  # root-owned: trusted
-    os.chown(f, 4321, 4321)
-    assert js._torch(777, uid=1000) is None
-    assert js._torch(777, uid=4321) == {"devices": []}
-    link = tmp_path / "jobs" / "778.json"
-    link.symlink_to(f)
-    assert js._torch(778, uid=4321) is None  # never follow a planted link
+def test_a_report_is_never_trusted_to_be_well_formed() -> None:
+    """A report comes from the job's user: wrong types and unknown keys are dropped."""
+    t = torch_from_report({"steps": "10", "step_time_s": float("nan"), "samples_per_s": True,
+                           "device": "tpu", "memory": {"allocated": 1.5, "rss": 7, "x": 1},
+                           "workers": [3, "4", None, 5] + [6] * 5000, "rank": 2,
+                           "evil": "x" * 100}, now=100.0)
+    assert t["steps"] is None and t["step_time_s"] is None and t["samples_per_s"] is None
+    assert t["device"] is None and t["memory"] == {"rss": 7} and t["rank"] == 2
+    assert t["workers"][:3] == [3, 5, 6] and len(t["workers"]) <= 1024
+    assert "evil" not in t and t["devices"] == [] and t["age_seconds"] is None
+    assert torch_from_report({"memory": "x", "workers": {}})["memory"] == {}
+
+
+def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -> None:
+    """CUDA memory sent with `report` ends in the job's history columns, where the
+    gpu-memory-fragmentation rule of advise finds it (no file involved)."""
+    from tunerd.advise import advise
+
+    pid = child.pid
+    start = Process(pid).start_time()
+    rec = {"pid": pid, "start_time": start, "name": "child", "cpus": "0", "gpus": [0]}
+    report = {"pid": pid, "device": "cuda", "local_rank": 0, "start_time": start,
+              "memory": {"reserved": 60 << 30, "allocated": 20 << 30, "max_allocated": 30 << 30}}
+    js, h = JobSampler(), History(history_seconds=10, sample_interval=1)
+    for t in range(3):
+        h.add({"time": float(t), "jobs": js.sample([rec], {}, reports={pid: report})})
+    ring = h.job(pid)
+    assert ring is not None
+    cols = ring.columns()
+    assert cols["torch_reserved_bytes"][-1] == 60 << 30
+    [f] = [f for f in advise(rec, cols) if f.id == "gpu-memory-fragmentation"]
+    assert f.evidence["reserved_over_allocated"] == 3.0

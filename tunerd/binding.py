@@ -52,11 +52,11 @@ from typing import Any
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
+from tunerd.procfs import PF_KTHREAD, Process, Stat, read_text
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
 CAP_SYS_RESOURCE = 24
-PF_KTHREAD = 0x00200000  # include/linux/sched.h
 SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
 MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
 
@@ -189,22 +189,6 @@ class BindResult:
         }
 
 
-def read_proc(path: Path | str) -> bytes:
-    """One read of a small /proc or /sys file (cheaper than Path.read_bytes on hot paths)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
-
-
-def _has_cap(cap: int, proc_root: Path) -> bool:
-    for line in (proc_root / "self" / "status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> cap & 1)
-    return False
-
-
 class Binder:
     def __init__(self, proc_root: Path | str = "/proc", sys_root: Path | str = "/sys") -> None:
         self.proc = Path(proc_root)
@@ -215,47 +199,29 @@ class Binder:
     def has_cap_sys_resource(self) -> bool:
         """Whether this process may raise hard limits and prlimit other users (cached)."""
         if self._cap_sys_resource is None:
-            self._cap_sys_resource = _has_cap(CAP_SYS_RESOURCE, self.proc)
+            me = Process(os.getpid(), self._proc_s)
+            self._cap_sys_resource = bool(me.cap_effective() >> CAP_SYS_RESOURCE & 1)
         return self._cap_sys_resource
 
-    # -- reading ---------------------------------------------------------------
-    def _stat(self, pid: int) -> list[bytes]:
-        """/proc/PID/stat from field 3 (state) on; the comm before it may hold spaces
-        and parentheses, so fields are counted after the last ")"."""
-        try:
-            raw = read_proc(f"{self._proc_s}/{pid}/stat")
-        except (FileNotFoundError, ProcessLookupError) as err:
-            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
-        fields = raw[raw.rindex(b")") + 2:].split()
-        if fields[0] in (b"Z", b"X"):
-            raise NoSuchProcess(f"process {pid} has exited", pid=pid)
-        return fields
+    # -- reading (tunerd.procfs: its error boundary maps a vanished process to
+    # NoSuchProcess, a zombie too where alive=True) ------------------------------
+    def _stat(self, pid: int) -> Stat:
+        return Process(pid, self._proc_s).stat(alive=True)
 
     def start_time(self, pid: int) -> int:
         """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
-        return int(self._stat(pid)[19])
+        return self._stat(pid).start_time
 
     def is_kernel_thread(self, pid: int) -> bool:
         """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
-        return bool(int(self._stat(pid)[6]) & PF_KTHREAD)
+        return bool(self._stat(pid).flags & PF_KTHREAD)
 
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
-        try:
-            text = read_proc(f"{self._proc_s}/{pid}/status").decode()
-        except (FileNotFoundError, ProcessLookupError) as err:
-            raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
-        for line in text.splitlines():
-            if line.startswith("Uid:"):
-                parts = line.split()
-                return int(parts[1]), int(parts[2])
-        raise NoSuchProcess(f"process {pid} has no Uid line (exited?)", pid=pid)
+        return Process(pid, self._proc_s).uids()
 
     def tids(self, pid: int) -> list[int]:
-        try:  # a str path: pathlib's joins cost more than the listdir on this hot path
-            return [int(t) for t in os.listdir(f"{self._proc_s}/{pid}/task")]
-        except (FileNotFoundError, ProcessLookupError) as err:
-            raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid) from err
+        return Process(pid, self._proc_s).tids()
 
     def online_cpus(self) -> frozenset[int]:
         return read_ids(self.sys / "devices" / "system" / "cpu" / "online")
@@ -265,31 +231,24 @@ class Binder:
         return read_ids(p) if p.exists() else frozenset({0})  # no NUMA: one node 0
 
     def nr_open(self) -> int:
-        return int((self.proc / "sys" / "fs" / "nr_open").read_text())
+        return int(read_text(f"{self._proc_s}/sys/fs/nr_open"))
 
     def pages_per_node(self, pid: int) -> dict[int, int]:
-        """Pages of ``pid`` per NUMA node, summed over /proc/PID/numa_maps (N<node>=<pages>)."""
-        out: dict[int, int] = {}
+        """Pages of ``pid`` per NUMA node, summed over /proc/PID/numa_maps (N<node>=<pages>);
+        empty once the process is gone."""
         try:
-            text = (self.proc / str(pid) / "numa_maps").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return out
-        for line in text.splitlines():
-            for tok in line.split():
-                if tok[0] == "N" and "=" in tok:
-                    node, _, n = tok[1:].partition("=")
-                    if node.isdigit():
-                        out[int(node)] = out.get(int(node), 0) + int(n)
-        return out
+            return Process(pid, self._proc_s).numa_pages()
+        except NoSuchProcess:
+            return {}
 
     # -- pinning ---------------------------------------------------------------
     def pin(self, pid: int) -> Target:
         """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
         if pid <= 0:
             raise UsageError(f"invalid pid {pid}")
-        fields = self._stat(pid)
-        st = int(fields[19])
-        if int(fields[6]) & PF_KTHREAD:
+        stat = self._stat(pid)
+        st = stat.start_time
+        if stat.flags & PF_KTHREAD:
             raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
                              pid=pid)
         try:
@@ -338,12 +297,9 @@ class Binder:
 
     def _tgid(self, tid: int) -> str:
         try:
-            for line in (self.proc / str(tid) / "status").read_text().splitlines():
-                if line.startswith("Tgid:"):
-                    return line.split()[1]
-        except OSError:
-            pass
-        return "?"
+            return str(Process(tid, self._proc_s).tgid())
+        except TunerdError:
+            return "?"
 
     # -- validation --------------------------------------------------------------
     def prepare(self, t: Target, *, cpus: frozenset[int] | None = None,

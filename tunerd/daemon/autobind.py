@@ -288,8 +288,7 @@ class AutoBinder:
                 self.errors.record("autobind", f"rule {m.rule.name}, pid {pid}: bound to CPUs "
                                    f"{format_cpulist(placed.cpus or frozenset())}, but "
                                    + "; ".join(left_out), key=f"partial:{pid}")
-                self.pidwatch.watch(pid, start, "rule-partial",
-                                    lambda p: self.errors.resolve("autobind", f"partial:{p}"))
+                self.pidwatch.watch(pid, start, "rule-partial", self._partial_exited)
             if m.rule.exclusive and m.rule.exclusive_scope:
                 self.mover.move_off(f"rule:{pid}:{start}", m.rule.exclusive_scope,
                                     placed.cpus or frozenset(), pid, 0)
@@ -332,6 +331,9 @@ class AutoBinder:
             self._failed[pid] = start
             # the failure's error resolves itself when the process ends
             self.pidwatch.watch(pid, start, "rule-failed", self._failed_exited)
+
+    def _partial_exited(self, pid: int) -> None:
+        self.errors.resolve("autobind", f"partial:{pid}")
 
     def _failed_exited(self, pid: int) -> None:
         self._failed.pop(pid, None)

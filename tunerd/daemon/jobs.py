@@ -402,7 +402,8 @@ class JobRegistry:
         return procfs.read_comm(pid, self.proc) or ""
 
     def _cmdline(self, pid: int) -> str:
-        return (procfs.read_cmdline(pid, self.proc) or "").strip()
+        # shown by `tunerctl jobs`: the first 4 KiB is plenty, and keeps the state small
+        return (procfs.read_cmdline(pid, self.proc, limit=4096) or "").strip()
 
     def _save_quietly(self) -> None:
         try:

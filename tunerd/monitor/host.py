@@ -14,16 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.procfs import read_text
 
 SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's block size
 # Devices that are not real disks: loop, RAM disks, floppies (as node_exporter skips them)
 _SKIP_DISK_PREFIXES = ("loop", "ram", "zram", "fd")
 PSI_RESOURCES = ("cpu", "memory", "io")
-
-
-def read_text(path: Path) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("ascii", "replace")
+# Files are read whole (limit None): /proc/stat, diskstats and net/dev grow with the
+# CPUs, disks and interfaces; tunerd.procfs.read_text raises OSError, caught per part.
 
 
 def parse_proc_stat(text: str) -> dict[int, tuple[int, int, int]]:
@@ -114,7 +112,7 @@ class HostSampler:
         for name in names:
             if name.startswith("node") and name[4:].isdigit():
                 try:
-                    nodes[int(name[4:])] = parse_cpulist(read_text(base / name / "cpulist"))
+                    nodes[int(name[4:])] = parse_cpulist(read_text(base / name / "cpulist", None))
                 except (OSError, ValueError):
                     continue
         return dict(sorted(nodes.items()))
@@ -135,7 +133,7 @@ class HostSampler:
 
     # -- parts ---------------------------------------------------------------
     def _cpu(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_proc_stat(read_text(self.proc / "stat"))
+        cur = parse_proc_stat(read_text(self.proc / "stat", None))
         prev, self._prev_stat = self._prev_stat, cur
         cpus: list[dict[str, Any]] = []
         agg: dict[int, list[int]] = {}  # cpu -> [dtotal, dbusy, diowait]
@@ -166,7 +164,7 @@ class HostSampler:
         if not nodes:
             raise OSError(f"no NUMA nodes under {base}")
         for entry in nodes:
-            mi = parse_node_meminfo(read_text(base / f"node{entry['node']}" / "meminfo"))
+            mi = parse_node_meminfo(read_text(base / f"node{entry['node']}" / "meminfo", None))
             entry["memory_total_bytes"] = mi.get("MemTotal")
             entry["memory_free_bytes"] = mi.get("MemFree")
             entry["memory_used_bytes"] = mi.get("MemUsed")
@@ -176,7 +174,7 @@ class HostSampler:
         errors = []
         for res in PSI_RESOURCES:
             try:
-                psi[res] = parse_psi(read_text(self.proc / "pressure" / res))
+                psi[res] = parse_psi(read_text(self.proc / "pressure" / res, None))
             except OSError as err:  # kernel without CONFIG_PSI or booted with psi=0
                 errors.append(f"{res}: {err.strerror or err}")
         out["psi"] = psi
@@ -184,7 +182,7 @@ class HostSampler:
             out["unavailable"]["pressure"] = "; ".join(errors)
 
     def _disks(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_diskstats(read_text(self.proc / "diskstats"))
+        cur = parse_diskstats(read_text(self.proc / "diskstats", None))
         try:  # whole disks only: partitions are summed into their disk by the kernel
             whole = set(os.listdir(self.sys / "block"))
         except OSError:
@@ -211,7 +209,7 @@ class HostSampler:
         out["disks"] = disks
 
     def _net(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_net_dev(read_text(self.proc / "net/dev"))
+        cur = parse_net_dev(read_text(self.proc / "net/dev", None))
         prev, self._prev_net = self._prev_net, cur
         nics = []
         for name, v in sorted(cur.items()):

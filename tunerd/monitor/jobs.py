@@ -6,80 +6,83 @@ their last value carried between reads: numa_maps walks the page tables of the
 whole process, per-thread task/*/stat reads grow with the thread count, and
 /proc/PID/status (context switches, uid) costs as much to generate as the other
 per-cycle files together (measured: ~25 us a read).
+
+Every read goes through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
+reads the same files (and statm for the RSS) but costs two to four times as
+much per job (bench/procfs_readers.py), so it is not used here.
+
+Training-side numbers (step time, throughput, torch memory) are not read from
+any file: jobs send them with the control-socket command ``report``
+(tunerd.torch's StepReporter) and the daemon hands the latest report per pid to
+:meth:`JobSampler.sample`. A file in a user-writable directory could be a FIFO
+that blocks the sampler in open(); a message cannot.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
+import functools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import CpuListError, parse_cpulist
+from tunerd.errors import NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.procfs import CLK_TCK, PAGE_SIZE, PROC, Process
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-TORCH_STATS_MAX = 64 * 1024  # a torch stats file larger than this is not ours: ignore it
+__all__ = ["JobSampler", "torch_from_report"]
 
-
-def parse_stat(text: str) -> dict[str, Any]:
-    """The fields of /proc/PID/stat we use (the comm may contain spaces and ')')."""
-    rest = text[text.rindex(")") + 2:].split()
-    # rest[0] is field 3 (state); field N is rest[N - 3]
-    return {"state": rest[0], "utime": int(rest[11]), "stime": int(rest[12]),
-            "threads": int(rest[17]), "start_time": int(rest[19]),
-            "rss_pages": int(rest[21])}
+_MAX_WORKERS = 1024  # DataLoader workers per rank (the policy allows 0..1024)
 
 
-def parse_status(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        if key in ("VmRSS", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
-            parts = val.split()
-            out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-        elif key == "Uid":
-            out["uid"] = int(val.split()[0])
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return None
+    return float(v)
+
+
+def torch_from_report(report: Mapping[str, Any], now: float | None = None) -> dict[str, Any]:
+    """The ``torch`` part of a job sample from one ``report`` request's args.
+
+    Only known keys of the right type are kept (a report comes from the job's
+    user, so nothing in it is trusted to be well-formed). ``devices`` repeats the
+    CUDA memory in the per-device shape that the history and ``advise`` read.
+    """
+    mem_in = report.get("memory")
+    memory = {k: v for k, v in (mem_in.items() if isinstance(mem_in, Mapping) else ())
+              if k in ("allocated", "reserved", "max_allocated", "rss")
+              and _int(v) is not None}
+    workers_in = report.get("workers")
+    workers = ([w for w in workers_in[:_MAX_WORKERS] if _int(w) is not None]
+               if isinstance(workers_in, list) else [])
+    device = report.get("device") if report.get("device") in ("cuda", "cpu") else None
+    sent = _num(report.get("time"))
+    out: dict[str, Any] = {
+        "steps": _int(report.get("steps")),
+        "step_time_s": _num(report.get("step_time_s")),
+        "samples_per_s": _num(report.get("samples_per_s")),
+        "device": device,
+        "memory": memory,
+        "workers": workers,
+        "num_workers": _int(report.get("num_workers")),
+        "rank": _int(report.get("rank")),
+        "local_rank": _int(report.get("local_rank")),
+        "local_world_size": _int(report.get("local_world_size")),
+        "time": sent,
+        "age_seconds": (max(0.0, (now or time.time()) - sent) if sent is not None else None),
+        "devices": [],
+    }
+    if device == "cuda" and "reserved" in memory and "allocated" in memory:
+        out["devices"] = [{"device": out["local_rank"],
+                           "reserved_bytes": memory["reserved"],
+                           "allocated_bytes": memory["allocated"],
+                           "max_allocated_bytes": memory.get("max_allocated")}]
     return out
-
-
-def parse_io(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        if v.strip():
-            out[k.strip()] = int(v)
-    return out
-
-
-def parse_numa_maps(text: str) -> dict[int, int]:
-    """numa node -> resident bytes, summed over every mapping in /proc/PID/numa_maps."""
-    nodes: dict[int, int] = {}
-    for line in text.splitlines():
-        page_kb = 4
-        counts: list[tuple[int, int]] = []
-        for tok in line.split()[2:]:
-            if tok[0] == "N" and "=" in tok:
-                node, _, pages = tok[1:].partition("=")
-                if node.isdigit():
-                    counts.append((int(node), int(pages)))
-            elif tok.startswith("kernelpagesize_kB="):
-                page_kb = int(tok[18:])
-        for nid, npages in counts:
-            nodes[nid] = nodes.get(nid, 0) + npages * page_kb * 1024
-    return nodes
-
-
-def parse_limits_nofile(text: str) -> tuple[int | None, int | None]:
-    for line in text.splitlines():
-        if line.startswith("Max open files"):
-            soft, hard = line[26:].split()[:2]
-            return (None if soft == "unlimited" else int(soft),
-                    None if hard == "unlimited" else int(hard))
-    return None, None
 
 
 def _cpuset(text: Any) -> frozenset[int]:
@@ -87,8 +90,14 @@ def _cpuset(text: Any) -> frozenset[int]:
         return frozenset(int(x) for x in text)
     if not text:
         return frozenset()
+    return _parse_cached(str(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_cached(text: str) -> frozenset[int]:
+    """Bound jobs keep their CPU lists: parse each once, not every cycle."""
     try:
-        return parse_cpulist(str(text))
+        return parse_cpulist(text)
     except CpuListError:
         return frozenset()
 
@@ -101,30 +110,36 @@ class _JobState:
     write_bytes: int | None
     numa: dict[int, int] | None = None
     runnable: int | None = None
-    status: dict[str, int] | None = None
-    torch: dict[str, Any] | None = None
+    uid: int | None = None
+    ctx: tuple[int, int] | None = None
     slow_at: int = -1
 
 
 class JobSampler:
-    def __init__(self, proc_root: Path = Path("/proc"), runtime_dir: Path | None = None,
-                 slow_every: int = 10, node_cpus: dict[int, frozenset[int]] | None = None
-                 ) -> None:
-        self.proc = Path(proc_root)
+    def __init__(self, proc_root: Path | str = PROC, slow_every: int = 10,
+                 node_cpus: dict[int, frozenset[int]] | None = None) -> None:
+        self.proc = str(proc_root)
         # NUMA node -> its CPUs: a job bound without --mems counts as local the nodes of
         # its CPUs (the kernel allocates there first under the default policy)
         self.node_cpus = node_cpus or {}
-        self.runtime_dir = runtime_dir
         self.slow_every = max(1, slow_every)
         self._state: dict[tuple[Any, Any], _JobState] = {}
         self._cycle = 0
 
     def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
-               host: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+               host: dict[str, Any] | None = None,
+               reports: Mapping[int, Mapping[str, Any]] | None = None
+               ) -> list[dict[str, Any]]:
         """One sample per bound job record; a job that is gone is left out.
 
         ``gpu`` and ``host`` are this cycle's samples: GPU memory per pid, utilization
         of the job's GPUs and the busy share of the job's CPUs come from them.
+        ``reports``: pid -> the args of the latest ``report`` request that process
+        sent (steps, step_time_s, memory, workers, ...), optionally with ``time``
+        (when it was received, wall clock) and ``start_time`` (stat ticks of the
+        process that sent it: a report of an earlier process with the same pid is
+        ignored). Each job's ``torch`` field is built from its report
+        (:func:`torch_from_report`), or None without one.
         """
         self._cycle += 1
         gpu_mem: dict[int, float] = {}
@@ -134,17 +149,20 @@ class JobSampler:
         gpu_util = {g["gpu"]: g.get("utilization_ratio") for g in gpu.get("gpus") or []}
         cpu_busy = {c["cpu"]: c["busy_ratio"] for c in (host or {}).get("cpus") or []
                     if c.get("busy_ratio") is not None}
+        now = time.time()
         out = []
         seen = set()
         for rec in records:
             try:
                 s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
-            except (FileNotFoundError, ProcessLookupError):
+            except NoSuchProcess:
                 continue  # exited between the registry's snapshot and this read
-            except (OSError, ValueError, IndexError) as err:
-                s = {"pid": rec.get("pid"), "name": rec.get("name"),
-                     "error": f"{type(err).__name__}: {err}"}
+            except (TunerdError, ValueError, TypeError, KeyError) as err:
+                msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
+                s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
             if s is not None:
+                if "error" not in s:
+                    s["torch"] = self._torch(s, reports, now)
                 out.append(s)
                 seen.add((rec.get("pid"), rec.get("start_time")))
         for key in list(self._state):
@@ -152,30 +170,40 @@ class JobSampler:
                 del self._state[key]
         return out
 
+    @staticmethod
+    def _torch(s: dict[str, Any], reports: Mapping[int, Mapping[str, Any]] | None,
+               now: float) -> dict[str, Any] | None:
+        rep = reports.get(s["pid"]) if reports else None
+        if not isinstance(rep, Mapping):
+            return None
+        st = rep.get("start_time")
+        if isinstance(st, int) and st != s["start_time"]:
+            return None  # sent by an earlier process with this pid
+        return torch_from_report(rep, now)
+
     def _one(self, rec: dict[str, Any], gpu_mem: dict[int, float],
              gpu_util: dict[int, float | None],
              cpu_busy: dict[int, float]) -> dict[str, Any] | None:
         pid = int(rec["pid"])
-        base = f"{self.proc}/{pid}"  # str paths: pathlib joins were ~15% of a cycle
-        st = parse_stat(_read(f"{base}/stat"))
+        proc = Process(pid, self.proc)
+        st = proc.stat()
         want_start = rec.get("start_time")
-        if isinstance(want_start, int) and want_start != st["start_time"]:
+        if isinstance(want_start, int) and want_start != st.start_time:
             return None  # PID reused by another process: not our job any more
         try:
-            io: dict[str, int] | None = parse_io(_read(f"{base}/io"))
-        except PermissionError:
-            io = None
+            io = proc.io_counters()
+            rb: int | None = io.read_bytes
+            wb: int | None = io.write_bytes
+        except PermissionDenied:
+            rb = wb = None
         now = time.monotonic()
-        ticks = st["utime"] + st["stime"]
-        key = (pid, rec.get("start_time"))
+        ticks = st.utime + st.stime
+        key = (pid, want_start)
         prev = self._state.get(key)
-        rb = io.get("read_bytes") if io else None
-        wb = io.get("write_bytes") if io else None
         cur = _JobState(now, ticks, rb, wb)
         if prev is not None:
-            cur.numa, cur.runnable, cur.torch = prev.numa, prev.runnable, prev.torch
-            cur.status = prev.status
-            cur.slow_at = prev.slow_at
+            cur.numa, cur.runnable = prev.numa, prev.runnable
+            cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
         cpus = _cpuset(rec.get("cpus"))
         mems = _cpuset(rec.get("mems")) or frozenset(
             n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
@@ -184,10 +212,11 @@ class JobSampler:
             # offsetting by pid spreads them over the slow period (the first read is
             # still immediate)
             cur.slow_at = self._cycle - (pid % self.slow_every if prev is None else 0)
-            cur.numa = self._numa(base)
-            cur.runnable = self._runnable(base)
-            cur.status = parse_status(_read(f"{base}/status"))
-            cur.torch = self._torch(pid, cur.status.get("uid"))
+            cur.numa = _optional(proc.numa_bytes)  # no CONFIG_NUMA, or no permission
+            cur.runnable = _optional(proc.runnable_threads)
+            with proc.oneshot():  # one status read for both
+                cur.uid = proc.uids()[0]
+                cur.ctx = proc.ctx_switches()
         self._state[key] = cur
 
         cores = rd_bps = wr_bps = None
@@ -198,17 +227,16 @@ class JobSampler:
                 rd_bps = max(0, rb - prev.read_bytes) / dt
             if wb is not None and prev.write_bytes is not None:
                 wr_bps = max(0, wb - prev.write_bytes) / dt
-        status = cur.status or {}
         numa_total = sum(cur.numa.values()) if cur.numa else 0
         locality = (sum(b for n, b in cur.numa.items() if n in mems) / numa_total
                     if cur.numa and mems and numa_total else None)
-        soft, hard = self._nofile(pid, base)
+        soft, hard = _optional(proc.nofile) or (None, None)
         gpus = [int(g) for g in rec.get("gpus") or []]
         utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
         return {
-            "pid": pid, "start_time": rec.get("start_time"), "name": rec.get("name"),
+            "pid": pid, "start_time": st.start_time, "name": rec.get("name"),
             "local_nodes": sorted(mems),
-            "uid": status.get("uid"), "cpu_seconds_total": ticks / CLK_TCK,
+            "uid": cur.uid, "cpu_seconds_total": ticks / CLK_TCK,
             "cpus": rec.get("cpus"), "mems": rec.get("mems"), "gpus": gpus,
             "ncpus": len(cpus) or None,
             "cpu_cores": cores,
@@ -217,89 +245,28 @@ class JobSampler:
             # the job's children (DataLoader workers are processes, not threads)
             "cpus_busy_ratio": sum(busy) / len(busy) if (busy := [
                 cpu_busy[c] for c in cpus if c in cpu_busy]) else None,
-            "threads": st["threads"], "state": st["state"],
+            "threads": st.num_threads, "state": st.state,
             "runnable_threads": cur.runnable,
-            "rss_bytes": st["rss_pages"] * PAGE_SIZE,
+            "rss_bytes": st.rss_pages * PAGE_SIZE,
             "numa_bytes": {str(n): b for n, b in sorted((cur.numa or {}).items())},
             "locality_ratio": locality,
             "read_bytes_total": rb, "write_bytes_total": wb,
             "read_bytes_per_second": rd_bps, "write_bytes_per_second": wr_bps,
-            "voluntary_ctxt_switches_total": status.get("voluntary_ctxt_switches"),
-            "nonvoluntary_ctxt_switches_total": status.get("nonvoluntary_ctxt_switches"),
-            "open_fds": self._fds(base), "nofile_soft": soft, "nofile_hard": hard,
+            "voluntary_ctxt_switches_total": cur.ctx[0] if cur.ctx else None,
+            "nonvoluntary_ctxt_switches_total": cur.ctx[1] if cur.ctx else None,
+            "open_fds": _optional(proc.num_fds), "nofile_soft": soft, "nofile_hard": hard,
             "gpu_memory_bytes": gpu_mem.get(pid),
             "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,
-            "torch": cur.torch,
+            "torch": None,
         }
 
-    # -- sources -------------------------------------------------------------
-    @staticmethod
-    def _fds(base: str) -> int | None:
-        try:
-            # Linux >= 6.2 reports the number of open fds as the size of /proc/PID/fd
-            # (commit f1f1f2569901), which is one stat() instead of a directory listing.
-            n = os.stat(f"{base}/fd").st_size
-            return n if n > 0 else len(os.listdir(f"{base}/fd"))
-        except OSError:
-            return None
 
-    @staticmethod
-    def _nofile(pid: int, base: str) -> tuple[int | None, int | None]:
-        try:
-            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-            inf = resource.RLIM_INFINITY
-            return (None if soft == inf else soft, None if hard == inf else hard)
-        except (OSError, ValueError):
-            try:
-                return parse_limits_nofile(_read(f"{base}/limits"))
-            except OSError:
-                return None, None
-
-    @staticmethod
-    def _numa(base: str) -> dict[int, int] | None:
-        try:
-            return parse_numa_maps(_read(f"{base}/numa_maps"))
-        except (OSError, ValueError):
-            return None  # kernel without CONFIG_NUMA, or no permission
-
-    @staticmethod
-    def _runnable(base: str) -> int | None:
-        try:
-            tids = os.listdir(f"{base}/task")
-        except OSError:
-            return None
-        n = 0
-        for tid in tids:
-            try:
-                text = _read(f"{base}/task/{tid}/stat")
-            except OSError:
-                continue
-            if text[text.rindex(")") + 2] == "R":
-                n += 1
-        return n
-
-    def _torch(self, pid: int, uid: int | None) -> dict[str, Any] | None:
-        """Memory stats a job publishes with ``tunerd.torch`` (see that module)."""
-        if self.runtime_dir is None:
-            return None
-        path = self.runtime_dir / "jobs" / f"{pid}.json"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            # the jobs dir is world-writable (sticky): trust only the job owner's file
-            if st.st_uid not in (uid, 0) or st.st_size > TORCH_STATS_MAX:
-                return None
-            data = json.loads(os.read(fd, TORCH_STATS_MAX))
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(fd)
-        return data if isinstance(data, dict) else None
-
-
-def _read(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
+def _optional(getter: Any) -> Any:
+    """A source that may be unavailable for this process: None instead of an error
+    (a vanished process still raises NoSuchProcess: the job is left out)."""
+    try:
+        return getter()
+    except NoSuchProcess:
+        raise
+    except TunerdError:
+        return None

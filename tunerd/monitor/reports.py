@@ -117,18 +117,8 @@ class ReportStore:
         for pid in [p for p, r in self._by_pid.items() if now - r.time > STALE_AFTER]:
             del self._by_pid[pid]
 
-    def attach(self, jobs: list[dict[str, Any]]) -> None:
-        """Put each job's latest report into its sample (``report``, and ``torch`` memory)."""
+    def snapshot(self) -> dict[int, dict[str, Any]]:
+        """pid -> the latest report (with its sender's start time), for one sampling cycle."""
         self.expire()
-        for j in jobs:
-            r = self._by_pid.get(j.get("pid", -1))
-            if r is None or (r.start_time is not None and j.get("start_time") not in
-                             (None, r.start_time)):
-                continue
-            j["report"] = r.to_json()
-            if r.memory and r.device == "cuda":
-                j["torch"] = {"pid": r.pid, "time": r.time, "devices": [{
-                    "device": 0, "reserved_bytes": r.memory.get("reserved"),
-                    "allocated_bytes": r.memory.get("allocated"),
-                    "max_allocated_bytes": r.memory.get("max_allocated")}]}
-            j["reported_workers"] = list(r.workers)
+        return {pid: {**r.to_json(), "start_time": r.start_time}
+                for pid, r in self._by_pid.items()}

@@ -163,9 +163,9 @@ class Monitor:
     async def cycle(self) -> dict[str, Any]:
         records = self.job_records()
         loop = asyncio.get_running_loop()
-        sample = await loop.run_in_executor(self._pool, self.collect, records)
+        reports = self.reports.snapshot()
+        sample = await loop.run_in_executor(self._pool, self.collect, records, reports)
         # back on the loop: publish and remember
-        self.reports.attach(sample["jobs"])
         self.latest = sample
         self.samples_total += 1
         self.sample_cpu_seconds_total += sample["cpu_seconds"]
@@ -179,7 +179,8 @@ class Monitor:
         self.errors_total = self.errors.total
         return sample
 
-    def collect(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def collect(self, records: list[dict[str, Any]],
+                reports: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """One sample of everything (runs in the sampler thread)."""
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         failed: dict[str, str | None] = {}
@@ -198,7 +199,7 @@ class Monitor:
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
         host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
-        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host), [])
+        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
         return {
             "time": time.time(), "interval": self.interval,
             "duration_seconds": time.perf_counter() - wall0,

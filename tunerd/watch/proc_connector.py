@@ -37,8 +37,9 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
+
+from tunerd.procfs import parse_status, read_text
 
 __all__ = [
     "PROC_EVENT_EXEC",
@@ -121,12 +122,11 @@ def listen_refusal(proc_self: str = "/proc/self") -> str | None:
     sent), so check up front instead of waiting for events that never come.
     """
     try:
-        status = Path(proc_self, "status").read_text()
-        uid_map = Path(proc_self, "uid_map").read_text().split()
+        fields = parse_status(read_text(f"{proc_self}/status"))
+        uid_map = read_text(f"{proc_self}/uid_map").split()
     except OSError as err:
         return f"cannot read {proc_self}: {err.strerror}"
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    cap_eff = int(fields.get("CapEff", "0").strip() or "0", 16)
+    cap_eff = int(fields.get("CapEff", "0") or "0", 16)
     if not cap_eff & (1 << CAP_NET_ADMIN):
         return "CAP_NET_ADMIN is needed to listen to process events"
     if uid_map[:3] != ["0", "0", "4294967295"]:

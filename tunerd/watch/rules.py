@@ -2,38 +2,47 @@
 
 A rule matches when every key it gives matches (README, "Policies"):
 
-* ``match.cmdline`` -- any of the globs matches the whole command line, its
+* ``match.cmdline`` -- any of the globs matches the command line, its
   NUL-separated arguments joined by single spaces (``python -u train.py --lr 3``);
 * ``match.env`` -- every listed variable is set and its value matches the glob
   (``LOCAL_RANK = "*"`` means "is set");
 * ``match.user`` -- the real uid is one of the named users (names or numbers).
 
 Matching runs for every exec on the host, so the order of work is chosen by
-cost: the command line (one small read, one precompiled regex for all rules)
-first, environ (a larger read) only after a command line matched.
+cost: the command line (one bounded read, globs compiled once per policy) first,
+environ (a larger read) only after a command line matched.
+
+Bounds. Only the first ``CMDLINE_MATCH_BYTES`` (4 KiB, one page: all that
+/proc/PID/cmdline showed before Linux 4.2) of a command line are read and
+matched: a glob must match within them, and on a longer command line it must
+end with ``*`` (standing for the unseen rest). A glob that would only match past
+the first 4 KiB does not match. The environment is read up to
+``ENVIRON_MATCH_BYTES`` (64 KiB): a larger one as its first and last 32 KiB,
+where launchers such as torchrun put LOCAL_RANK and RANK (tunerd.procfs,
+``Process.environ``); a variable only in between is not seen. Without the bounds
+a user exec'ing 1 MiB command lines in a loop made the daemon read and scan
+every byte of each (milliseconds of CPU per exec); with them the cost per exec
+is fixed (bench/exec_storm.py). Globs are matched in time linear in the text
+(tunerd.watch.globs), never with a backtracking regex.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import pwd
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tunerd import procfs
 from tunerd.policy.typed import JobSpec, TorchSettings
-from tunerd.watch import procfs
+from tunerd.watch.globs import Glob, GlobSet
 
-__all__ = ["JobRule", "RuleMatch", "RuleSet"]
+__all__ = ["CMDLINE_MATCH_BYTES", "ENVIRON_MATCH_BYTES", "JobRule", "RuleMatch", "RuleSet"]
+
+CMDLINE_MATCH_BYTES = 4 << 10
+ENVIRON_MATCH_BYTES = 64 << 10
 
 log = logging.getLogger("tunerd.rules")
-
-
-def _glob_regex(globs: tuple[str, ...]) -> re.Pattern[str] | None:
-    if not globs:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs))
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,6 @@ class JobRule:
     exclusive: bool = False
     exclusive_scope: str | None = None
     uids: frozenset[int] = field(default=frozenset(), compare=False)
-    cmd_re: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
-    env_re: tuple[tuple[str, re.Pattern[str]], ...] = field(default=(), compare=False,
-                                                             repr=False)
     workers: int | None = None  # DataLoader workers per rank: placement room
     # what tunerd.torch applies in the processes this rule bound
     torch: TorchSettings = field(default_factory=TorchSettings)
@@ -74,21 +80,21 @@ class JobRule:
             placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
             exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
             workers=spec.workers, torch=spec.torch,
-            uids=frozenset(uids), cmd_re=_glob_regex(spec.cmdline),
-            env_re=tuple((k, re.compile(fnmatch.translate(v))) for k, v in env),
+            uids=frozenset(uids),
         )
 
     def matches(self, cmdline: str, uid: int | None, env: dict[str, str] | None) -> bool:
-        if self.cmd_re is not None and not self.cmd_re.match(cmdline):
+        """Whether this rule alone matches (RuleSet.match is the compiled, bounded path)."""
+        if self.cmdline and not GlobSet(self.cmdline).match(cmdline, False):
             return False
         if self.users and uid not in self.uids:
             return False
-        if self.env_re:
+        if self.env:
             if env is None:
                 return False
-            for var, rx in self.env_re:
+            for var, g in self.env:
                 val = env.get(var)
-                if val is None or not rx.match(val):
+                if val is None or not Glob(g).match(val):
                     return False
         return True
 
@@ -97,22 +103,35 @@ class JobRule:
 class RuleMatch:
     rule: JobRule
     pid: int
-    cmdline: str
+    cmdline: str  # at most CMDLINE_MATCH_BYTES of it
     uid: int | None
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """A rule's globs, compiled once per policy (RuleSet is built on each load)."""
+
+    rule: JobRule
+    cmd: GlobSet | None
+    env: tuple[tuple[str, Glob], ...]
+
+
 class RuleSet:
-    """All rules of the policy in force, with a one-regex early reject."""
+    """All rules of the policy in force, with a one-pass early reject."""
 
     def __init__(self, rules: list[JobRule], proc: str = procfs.PROC) -> None:
         self.rules = rules
         self.proc = proc
-        # A rule without a cmdline glob must look at every exec; otherwise one
-        # regex built from every rule's globs rejects unrelated commands at once.
-        self._all_need_cmd = all(r.cmd_re is not None for r in self.rules)
-        globs = tuple(g for r in self.rules for g in r.cmdline)
-        self._any_cmd = _glob_regex(globs)
+        self._compiled = [
+            _Compiled(r, GlobSet(r.cmdline) if r.cmdline else None,
+                      tuple((var, Glob(g)) for var, g in r.env))
+            for r in rules]
+        # A rule without a cmdline glob must look at every exec; otherwise the
+        # globs of every rule together reject unrelated commands at once.
+        self._any_cmd: GlobSet | None = None
+        if rules and all(c.cmd is not None for c in self._compiled):
+            self._any_cmd = GlobSet(g for r in rules for g in r.cmdline)
         self._need_uid = any(r.users for r in self.rules)
 
     @classmethod
@@ -124,25 +143,38 @@ class RuleSet:
         return bool(self.rules)
 
     def match(self, pid: int) -> RuleMatch | None:
-        """The first rule matching process ``pid``, or None (also when it is gone)."""
+        """The first rule matching process ``pid``, or None (also when it is gone).
+
+        Reads at most CMDLINE_MATCH_BYTES of the command line, and
+        ENVIRON_MATCH_BYTES of the environment only once a command line matched.
+        """
         if not self.rules:
             return None
-        cmdline = procfs.read_cmdline(pid, self.proc)
-        if not cmdline:  # gone, or a kernel thread
+        got = procfs.read_cmdline_prefix(pid, self.proc, CMDLINE_MATCH_BYTES)
+        if got is None or not got[0]:  # gone, or a kernel thread
             return None
-        if self._all_need_cmd and self._any_cmd is not None and not self._any_cmd.match(cmdline):
+        cmdline, cut = got
+        if self._any_cmd is not None and not self._any_cmd.match(cmdline, cut):
             return None
         uid = procfs.read_uid(pid, self.proc) if self._need_uid else None
         env: dict[str, str] | None = None
-        for rule in self.rules:
-            if rule.cmd_re is not None and not rule.cmd_re.match(cmdline):
+        for c in self._compiled:
+            rule = c.rule
+            if c.cmd is not None and not c.cmd.match(cmdline, cut):
                 continue
-            if rule.env_re and env is None:
-                env = procfs.read_environ(pid, self.proc)
-            if rule.matches(cmdline, uid, env):
-                if env is None:  # binding needs LOCAL_RANK / CUDA_VISIBLE_DEVICES
-                    env = procfs.read_environ(pid, self.proc)
-                if uid is None:
-                    uid = procfs.read_uid(pid, self.proc)
-                return RuleMatch(rule, pid, cmdline, uid, env or {})
+            if rule.users and uid not in rule.uids:
+                continue
+            if c.env:
+                if env is None:
+                    env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
+                    if env is None:
+                        return None  # gone
+                if not all((val := env.get(var)) is not None and glob.match(val)
+                           for var, glob in c.env):
+                    continue
+            if env is None:  # binding needs LOCAL_RANK / CUDA_VISIBLE_DEVICES
+                env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
+            if uid is None:
+                uid = procfs.read_uid(pid, self.proc)
+            return RuleMatch(rule, pid, cmdline, uid, env or {})
         return None
