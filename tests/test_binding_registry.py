@@ -140,9 +140,7 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
 
 def test_partial_bind_keeps_the_cpus_when_the_fd_limit_cannot_be_set(tmp_path: Path) -> None:
     """Without CAP_SYS_RESOURCE a hard limit cannot be raised: the CPUs are bound anyway."""
-    from tunerd.binding import CAP_SYS_RESOURCE, _has_cap
-
-    if _has_cap(CAP_SYS_RESOURCE, Path("/proc")):
+    if Binder().has_cap_sys_resource():
         pytest.skip("this daemon may raise hard limits: nothing to leave out")
 
     async def scenario() -> None:

@@ -13,19 +13,20 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import MappingProxyType
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunerd import procfs
+from tunerd.policy.typed import JobSpec
 from tunerd.watch.globs import Glob, GlobSet
 from tunerd.watch.rules import CMDLINE_MATCH_BYTES, ENVIRON_MATCH_BYTES, RuleSet
 
 SLEEPER = "print('ready', flush=True)\nimport time\ntime.sleep(60)"
 FILLER = ["f" * 65_536] * 16  # 1 MiB of arguments (one argument may be at most 128 KiB)
-TORCH_RULE = {"job": [{"name": "torch-training",
-                       "match": {"cmdline": ["*torchrun*", "*train*.py*"],
-                                 "env": {"LOCAL_RANK": "*"}}}]}
+TORCH_RULE = (JobSpec(name="torch-training", cmdline=("*torchrun*", "*train*.py*"),
+                      env=MappingProxyType({"LOCAL_RANK": "*"})),)
 
 
 @given(st.text("ab*?[]!-^\\.", max_size=8), st.text("ab-.[]!^\\\n", max_size=10))
@@ -100,7 +101,7 @@ def test_rules_read_a_bounded_prefix_of_a_1mib_command_line() -> None:
 
 
 def test_a_glob_that_needs_the_end_does_not_match_a_cut_line() -> None:
-    rules = RuleSet.from_policy({"job": [{"name": "end", "match": {"cmdline": ["*-c*x.py"]}}]})
+    rules = RuleSet.from_policy((JobSpec(name="end", cmdline=("*-c*x.py",)),))
     with sleeper(["x.py"]) as short, sleeper([*FILLER, "x.py"]) as long:
         assert rules.match(short.pid) is not None
         assert rules.match(long.pid) is None
