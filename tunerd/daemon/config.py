@@ -30,6 +30,7 @@ class DaemonConfig:
     sample_interval: float = 1.0  # seconds between monitor samples
     history_seconds: float = 3600.0  # monitor history kept in memory
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
+    max_connections_per_user: int = 128  # open control connections per non-root uid
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
     # -- host settings: roots the tuners read and write (tests point them at a temp tree)
     proc_root: Path = Path("/proc")
@@ -80,6 +81,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise UsageError(f"config key {k!r} must be a positive number, got {v!r}")
             v = float(v)
+        elif isinstance(default, int):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"config key {k!r} must be a positive integer, got {v!r}")
         elif not isinstance(v, str):
             raise UsageError(f"config key {k!r} must be a string, got {v!r}")
         setattr(cfg, k, v)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tunerd.errors import TunerdError
+from tunerd.logutil import RepeatFilter
 from tunerd.protocol import ExitCode
 
 # syslog priorities, for journald's SyslogLevelPrefix parsing of "<N>" on stderr
@@ -33,6 +34,9 @@ def setup_logging(level: str) -> None:
         handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         )
+    # repeated identical errors (a connection flood, a stream of bad requests) must
+    # not flood the log: a few per minute, then a count
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -71,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunerd: error: {err.message}", file=sys.stderr)
         return int(ExitCode.USAGE)
     setup_logging(cfg.log_level)
+    from tunerd.daemon.server import raise_nofile_limit
+
+    raise_nofile_limit()  # a connection, a pidfd, a watcher: each one fd
     try:
         rc = asyncio.run(Daemon(cfg).run())
     except KeyboardInterrupt:
