@@ -19,6 +19,7 @@ from tunerd.daemon.state import StateStore
 from tunerd.errors import TunerdError
 from tunerd.policy import NodeFacts, Policy, PolicyError, load_policy_dir
 from tunerd.protocol import exit_code
+from tunerd.safefs import prepare_dir
 
 log = logging.getLogger("tunerd")
 
@@ -61,7 +62,9 @@ class Daemon:
         self.policy_loaded_at: float | None = None
         self.started_at = time.time()
         self.services: list[Service] = []
-        self.server = ControlServer(self, cfg.socket_path, idle_timeout=cfg.client_timeout)
+        self.server = ControlServer(
+            self, cfg.socket_path, idle_timeout=cfg.client_timeout,
+            max_connections_per_user=cfg.max_connections_per_user)
         self.errors: list[dict[str, Any]] = []  # recent errors shown by `tunerctl status`
         self._stop = asyncio.Event()
         self._topology: Any = None
@@ -130,9 +133,12 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for d in (self.cfg.runtime_dir, self.cfg.state_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.cfg.runtime_dir, 0o755)
+        try:  # owned by root (or by us, unprivileged), writable by nobody else
+            prepare_dir(self.cfg.runtime_dir, 0o755, "runtime dir")
+            prepare_dir(self.cfg.state_dir, 0o700, "state dir")
+        except TunerdError as err:
+            log.error("cannot start: %s", err.message)
+            return 1
         self.state.load()
         if self.state.load_error:
             self.record_error("state", self.state.load_error)
@@ -155,7 +161,11 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
 
-        await self.server.start()
+        try:
+            await self.server.start()
+        except TunerdError as err:
+            log.error("cannot start: %s", err.message)
+            return 1
         started: list[Service] = []
         try:
             for svc in self.services:
