@@ -163,7 +163,7 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
         assert wait_for(lambda: cpus_allowed(job.pid) == str(job_cpu), 10), d.log()
         assert wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == rest
                                     for p in tree), 5), [cpus_allowed(p) for p in tree]
-        state = (d.state_dir / "state.json").read_text()
+        state = (d.runtime_dir / "state.json").read_text()
         assert f"rule:{job.pid}:" in state  # originals saved
         kill(job)
         assert wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == HOST_CPUS

@@ -15,7 +15,7 @@ from tunerd.daemon.config import DaemonConfig
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.registry import HANDLER_MODULES
 from tunerd.daemon.server import ControlServer
-from tunerd.daemon.state import StateStore
+from tunerd.daemon.state import DurableStore, RuntimeStore, SplitState
 from tunerd.errors import TunerdError
 from tunerd.policy import NodeFacts, Policy, PolicyError, load_policy_dir
 from tunerd.protocol import exit_code
@@ -55,7 +55,9 @@ SERVICE_FACTORIES: list[str] = [
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
-        self.state = StateStore(cfg.state_path)
+        durable = DurableStore(cfg.state_path)
+        self.state = SplitState(RuntimeStore(cfg.runtime_dir / "state.json", legacy=durable),
+                                durable)
         self.notifier = Notifier.from_env()
         self.policy: Policy | None = None
         self.policy_error: str | None = None
@@ -139,7 +141,11 @@ class Daemon:
         except TunerdError as err:
             log.error("cannot start: %s", err.message)
             return 1
-        self.state.load()
+        try:
+            self.state.load()
+        except TunerdError as err:  # damaged originals and no usable backup
+            log.error("cannot start: %s", err.message)
+            return 1
         if self.state.load_error:
             self.record_error("state", self.state.load_error)
         try:
