@@ -201,6 +201,17 @@ def test_damaged_durable_file_without_backup_refuses_to_start(tmp_path: Path,
     assert os.path.lexists(durable)  # nothing removed or overwritten
 
 
+def test_missing_file_with_a_damaged_backup_starts_empty_and_says_so(tmp_path: Path) -> None:
+    """After the operator moved a damaged file aside as the refusal told them to."""
+    s, _, durable = stores(tmp_path)
+    durable.with_name("state.json.bak").write_text("{")
+    s.load()
+    assert s.load_error and "starting with no saved originals" in s.load_error
+    s.save()
+    assert not durable.exists()  # nothing changed: nothing written
+    assert s.section("host") == {}
+
+
 def test_unreadable_durable_file_refuses_to_start(tmp_path: Path,
                                                   unpriv_user: tuple[int, int]) -> None:
     """A daemon run by a user whose state file it cannot read (root reads anything)."""

@@ -371,13 +371,18 @@ class DurableStore(_JsonStore):
             self.save()  # the main file is whole again
             return
         if data is None:  # no main file, but maybe a backup (the main one was removed)
-            bak, _ = self._usable(self.backup)
+            bak, bak_err = self._usable(self.backup)
             if bak is not None:
                 self.load_error = (f"{self.path} is missing; recovered the host originals "
                                    f"from {self.backup}")
                 log.error("%s", self.load_error)
                 self._install(bak)
                 self.save()
+            elif bak_err is not None:  # moved aside by an operator, and no good copy
+                self.load_error = (f"{self.path} is missing and {bak_err}: starting with no "
+                                   "saved originals of host settings")
+                log.error("%s", self.load_error)
+            self._saved = self.payload()  # nothing to write until something changes
             return
         self._install(data)
         self._saved = self.payload()
