@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tunerd.daemon.cmd_core  # noqa: F401 - registers ping
 from tests.helpers import DaemonProc, run_as
 from tunerd.client import Client
 from tunerd.daemon.registry import COMMANDS, Peer, Request
@@ -125,3 +126,39 @@ def test_decode_refuses_non_json_numbers_and_deep_nesting() -> None:
         with pytest.raises(UsageError):
             decode(bad)
     assert decode(b'{"a": 1.5e3}') == {"a": 1500.0}
+
+
+def test_handlers_that_wait_answer_in_order(tmp_path: Path) -> None:
+    """Handlers run inline until their first wait, then in a task: replies keep order."""
+    async def slow(d: Any, req: Request) -> dict[str, Any]:
+        await asyncio.sleep(0.2)
+        return {"slow": req.args.get("n")}
+
+    async def late_error(d: Any, req: Request) -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        raise UsageError("late")
+
+    async def scenario() -> list[Any]:
+        srv = ControlServer(None, tmp_path / "t.sock")  # type: ignore[arg-type]
+        await srv.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "t.sock"))
+            writer.write(b'{"id":1,"cmd":"test.slow","args":{"n":1}}\n'
+                         b'{"id":2,"cmd":"ping","args":{}}\n'
+                         b'{"id":3,"cmd":"test.late","args":{}}\n'
+                         b'{"id":4,"cmd":"test.slow","args":{"n":4}}\n')
+            out = [strict_json(await reader.readline()) for _ in range(4)]
+            writer.close()
+            return out
+        finally:
+            await srv.stop()
+
+    COMMANDS["test.slow"], COMMANDS["test.late"] = slow, late_error
+    try:
+        replies = asyncio.run(scenario())
+    finally:
+        del COMMANDS["test.slow"], COMMANDS["test.late"]
+    assert [r["id"] for r in replies] == [1, 2, 3, 4]
+    assert replies[0]["result"] == {"slow": 1} and replies[1]["result"]["pong"]
+    assert replies[2]["error"]["message"] == "late" and replies[3]["result"] == {"slow": 4}
+    assert not (tmp_path / "t.sock").exists()

@@ -17,7 +17,8 @@ Robustness rules, because any local user can connect:
 
 Connections are plain non-blocking sockets driven by loop readers: per request
 that is one recv, one parse, the handler, one encode and one send, with no
-stream objects or timers per connection.
+stream objects or timers per connection, and no task unless the handler has to
+wait for something.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import stat
 import struct
 import time
 from collections import Counter, deque
+from collections.abc import Coroutine, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -276,6 +278,41 @@ class ControlServer:
                 f"internal error: the reply could not be encoded as JSON ({err})"))})
 
 
+class _Resumed:
+    """Hands a coroutine that already ran up to its first suspension over to a Task.
+
+    The Task gets what the coroutine yielded (the future it waits on) and then
+    drives it on with what it sends or throws in (a result, a cancellation):
+    what ``yield from`` would do for a generator.
+    """
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, bytes], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, bytes]:
+        coro, value = self._coro, self._first
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:  # forwarded into the coroutine, not handled
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
+async def _finish(resumed: _Resumed) -> bytes:
+    return await resumed
+
+
 def error_line(err: TunerdError) -> bytes:
     return encode({"id": None, "ok": False, "error": error_to_wire(err)})
 
@@ -373,7 +410,16 @@ class _Connection:
             line = self._lines.popleft()
             if not line.strip():
                 continue
-            task = self._loop.create_task(self._server.handle(self.peer, line))
+            # run the handler right here up to its first real wait: most requests
+            # (status, ping, jobs, bind) never wait, and then no task is needed
+            coro = self._server.handle(self.peer, line)
+            try:
+                first = coro.send(None)
+            except StopIteration as done:
+                self.last = time.monotonic()
+                self._send(done.value)
+                continue
+            task = self._loop.create_task(_finish(_Resumed(coro, first)))
             self._task = task
             task.add_done_callback(self._done)
             return
