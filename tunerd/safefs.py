@@ -273,15 +273,12 @@ def read_regular(path: Path | str, limit: int = 64 << 20) -> bytes:
         os.close(fd)
 
 
-def write_atomic(path: Path | str, payload: bytes, mode: int = 0o600, sync: bool = True,
-                 *, backup: str | None = None) -> None:
+def write_atomic(path: Path | str, payload: bytes, mode: int = 0o600, sync: bool = True) -> None:
     """Replace ``path`` with ``payload`` atomically: readers see the old or the new file.
 
     The temp file is made next to it with ``O_CREAT | O_EXCL | O_NOFOLLOW`` on the
     dir's fd (a planted symlink cannot redirect it). ``sync``: fsync the file before
-    the rename and the dir after it (durable across power loss). ``backup``: name
-    (in the same dir) that keeps the previous generation, as a hard link made
-    before the rename, so one of the two always holds a complete file.
+    the rename and the dir after it (durable across power loss).
     On failure the temp file is removed and ``FileWriteError`` is raised.
     """
     path = Path(path)
@@ -306,8 +303,6 @@ def write_atomic(path: Path | str, payload: bytes, mode: int = 0o600, sync: bool
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if backup is not None:
-            _link_backup(dfd, name, backup)
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         made = False
         if sync:
@@ -321,20 +316,3 @@ def write_atomic(path: Path | str, payload: bytes, mode: int = 0o600, sync: bool
             except OSError:
                 pass
         os.close(dfd)
-
-
-def _link_backup(dfd: int, name: str, backup: str) -> None:
-    """Make ``backup`` another name of the current ``name`` (no-op when there is none)."""
-    tmp = f".{backup}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        os.link(name, tmp, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    try:
-        os.rename(tmp, backup, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except OSError:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise
