@@ -166,7 +166,7 @@ def test_exclusive_rule_moves_scope_off_and_back(tmp_path: Path, daemon_factory)
         wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == rest for p in tree), 5,
                  "the scope to move off the job's CPU",
                  detail=lambda: str([cpus_allowed(p) for p in tree]))
-        state = (d.state_dir / "state.json").read_text()
+        state = (d.runtime_dir / "state.json").read_text()
         assert f"rule:{job.pid}:" in state  # originals saved
         kill(job)
         wait_for(lambda: all(parse_cpulist(cpus_allowed(p) or "") == HOST_CPUS for p in tree),

@@ -162,7 +162,7 @@ def test_exit_of_a_bound_process_drops_its_job(daemon: DaemonProc) -> None:
         wait_for(lambda: jobs_pids(daemon) == [], 10, "the job to be dropped")
 
     def saved_bindings() -> object:
-        return json.loads((daemon.state_dir / "state.json").read_text())["bindings"]
+        return json.loads((daemon.runtime_dir / "state.json").read_text())["bindings"]
 
     # the record of a dead process goes to disk with the next coalesced save (<= 0.5 s)
     wait_for(lambda: saved_bindings() == {}, 5, "the dropped job to be saved")
@@ -235,7 +235,7 @@ def test_restart_readopts_live_bindings_and_drops_dead_ones(daemon_factory) -> N
         if with_mems:  # the dead process's child cpuset was cleaned up on start
             assert child_cg.name.startswith("tunerd-")
             wait_for(lambda: not child_cg.exists(), 10, f"{child_cg} to be removed")
-        state = json.loads((d.state_dir / "state.json").read_text())
+        state = json.loads((d.runtime_dir / "state.json").read_text())
         assert list(state["bindings"]) == [str(live.pid)]
         # the re-adopted binding still restores exactly, and exits are still seen
         assert d.ctl("unbind", str(live.pid)).rc == 0

@@ -26,7 +26,7 @@ from tunerd.daemon.leases import LeaseLimits, LeaseService
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.router import Peer, Request
-from tunerd.daemon.state import StateStore
+from tunerd.daemon.state import RuntimeStore
 from tunerd.errors import UsageError
 from tunerd.placement import Placement
 from tunerd.topology import load_topology
@@ -42,7 +42,7 @@ class Parts:
     """The registry and what the composition root gives it (tunerd.daemon.wiring)."""
 
     def __init__(self, tmp: Path, dry_run: bool = False, topology: Path | None = None) -> None:
-        self.state = StateStore(tmp / "state.json")
+        self.state = RuntimeStore(tmp / "state.json")
         self.state.load()
         self.errors = ErrorLog()
         self.pidwatch = PidWatch()

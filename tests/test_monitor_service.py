@@ -17,7 +17,7 @@ from tunerd.binding import Binder
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.state import StateStore
+from tunerd.daemon.state import RuntimeStore
 from tunerd.errors import UsageError
 from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.service import Monitor, MonitorSettings
@@ -28,7 +28,7 @@ PROMTOOL = shutil.which("promtool")
 def make_monitor(tmp_path: Path) -> Monitor:
     """The real Monitor with a real (empty) JobRegistry and error log: no daemon around it."""
     errors = ErrorLog()
-    state = StateStore(tmp_path / "state.json")
+    state = RuntimeStore(tmp_path / "state.json")
     jobs = JobRegistry(Binder(), state.section("bindings"), state.save, PidWatch(), errors)
     return Monitor(MonitorSettings(metrics_listen="off"), jobs, errors)
 

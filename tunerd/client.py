@@ -4,20 +4,47 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
+import time
 from typing import Any
 
-from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError
+from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError, UsageError
 from tunerd.protocol import DEFAULT_SOCKET, MAX_MESSAGE, decode, encode, error_from_reply
 
-__all__ = ["Client", "default_socket_path"]
+__all__ = ["Client", "check_server", "default_socket_path"]
 
 
 def default_socket_path() -> str:
     return os.environ.get("TUNERD_SOCKET") or DEFAULT_SOCKET
 
 
+def check_server(sock: socket.socket, path: str) -> None:
+    """Refuse a server that is not root and not the owner of the socket's directory."""
+    pid, uid, _gid = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid == 0:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        owner = os.stat(directory).st_uid
+    except OSError as err:
+        raise DaemonUnreachable(f"cannot check who owns {directory}: {err.strerror}") from err
+    if uid != owner:
+        raise DaemonUnreachable(
+            f"refusing the server on {path}: it runs as uid {uid} (pid {pid}), but tunerd "
+            f"must run as root or as the owner of {directory} (uid {owner}); another user "
+            "may be impersonating tunerd", server_uid=uid, server_pid=pid)
+
+
 class Client:
-    """One connection to the daemon; ``call`` sends a request and waits for its reply."""
+    """One connection to the daemon; ``call`` sends a request and waits for its reply.
+
+    Before the first request goes out the server's credentials are checked
+    (SO_PEERCRED): it must run as root, or as the uid that owns the socket's
+    directory (a daemon a user runs in a dir of their own). Anything else may be
+    another user impersonating tunerd, so the client refuses it with
+    DaemonUnreachable (exit 3) and a message saying why.
+    """
 
     def __init__(self, path: str | None = None, timeout: float = 60.0) -> None:
         self.path = path or default_socket_path()
@@ -27,19 +54,36 @@ class Client:
         self._next_id = 1
 
     def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        delay = 0.001
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                s.connect(self.path)
+                break
+            except BlockingIOError as err:
+                # EAGAIN: the listen queue is full (a burst of connects); wait for room
+                s.close()
+                if time.monotonic() + delay > deadline:
+                    raise DaemonUnreachable(
+                        f"tunerd at {self.path} is too busy: its listen queue stayed full "
+                        f"for {self.timeout:g} s") from err
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except PermissionError as err:
+                s.close()
+                raise PermissionDenied(f"cannot connect to {self.path}: {err.strerror}") from err
+            except (OSError, TimeoutError) as err:
+                s.close()
+                raise DaemonUnreachable(
+                    f"tunerd is not reachable at {self.path}: {err.strerror or err}") from err
         try:
-            s.connect(self.path)
-        except PermissionError as err:
+            check_server(s, self.path)
+        except BaseException:
             s.close()
-            raise PermissionDenied(f"cannot connect to {self.path}: {err.strerror}") from err
-        except OSError as err:
-            s.close()
-            raise DaemonUnreachable(
-                f"tunerd is not reachable at {self.path}: {err.strerror or err}"
-                " (is the daemon running? see `systemctl status tunerd`)"
-            ) from err
+            raise
+        s.settimeout(self.timeout)
         self._sock = s
 
     def close(self) -> None:
@@ -61,11 +105,18 @@ class Client:
         rid = self._next_id
         self._next_id += 1
         try:
-            self._sock.sendall(encode({"id": rid, "cmd": cmd, "args": args}))
+            data = encode({"id": rid, "cmd": cmd, "args": args})
+        except (TypeError, ValueError) as err:  # NaN, or a value JSON cannot hold
+            raise UsageError(f"{cmd}: arguments cannot be sent as JSON: {err}") from err
+        try:
+            self._sock.sendall(data)
             line = self._readline()
         except (OSError, TimeoutError) as err:
             raise DaemonUnreachable(f"lost the connection to tunerd at {self.path}: {err}") from err
-        reply = decode(line)
+        try:
+            reply = decode(line)
+        except UsageError as err:
+            raise TunerdError(f"malformed reply from tunerd at {self.path}: {err.message}") from err
         if reply.get("ok"):
             return reply.get("result")
         raise error_from_reply(reply.get("error") or {})
@@ -78,6 +129,6 @@ class Client:
                 raise TunerdError(f"tunerd at {self.path} closed the connection")
             self._buf += chunk
             if len(self._buf) > 64 * MAX_MESSAGE:
-                raise TunerdError("reply from tunerd is too large")
+                raise TunerdError(f"reply from tunerd at {self.path} is too large")
         line, _, self._buf = self._buf.partition(b"\n")
         return line

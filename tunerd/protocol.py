@@ -38,6 +38,7 @@ __all__ = [
     "error_from_reply",
     "error_to_wire",
     "exit_code",
+    "reply_id",
 ]
 
 MAX_MESSAGE = 1 << 20  # 1 MiB: longer request lines are refused
@@ -102,16 +103,47 @@ def error_from_reply(err: dict[str, Any]) -> TunerdError:
                **(details if isinstance(details, dict) else {}))
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (_INF, -_INF):  # 1e999: valid JSON syntax, but no finite number
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
+_INF = float("inf")
+
+
 def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    """One message line. Raises ValueError for NaN/Infinity (not JSON) and TypeError for
+    values JSON cannot hold: a peer must never receive a line it cannot parse."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
 def decode(line: bytes) -> dict[str, Any]:
-    """Parse one message; raises UsageError for anything but a JSON object."""
+    """Parse one message; raises UsageError for anything but a JSON object.
+
+    NaN, Infinity and 1e999 (which Python's json accepts) are refused, and so is nesting
+    deep enough to exhaust the parser's recursion (``[`` x 100,000).
+    """
     try:
-        obj = json.loads(line)
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise UsageError("malformed message: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
         raise UsageError(f"malformed message: {err}") from err
     if not isinstance(obj, dict):
         raise UsageError("malformed message: expected a JSON object")
     return obj
+
+
+def reply_id(msg: dict[str, Any]) -> str | int | None:
+    """The request's ``id`` as a reply may echo it: a string, an integer or null."""
+    rid = msg.get("id")
+    if rid is None or isinstance(rid, str) or (isinstance(rid, int)
+                                                and not isinstance(rid, bool)):
+        return rid
+    return None

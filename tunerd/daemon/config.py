@@ -37,6 +37,7 @@ class DaemonConfig:
     sample_interval: float = 1.0  # seconds between monitor samples
     history_seconds: float = 3600.0  # monitor history kept in memory
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
+    max_connections_per_user: int = 128  # open control connections per non-root uid
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
     # -- host settings: roots the tuners read and write (tests point them at a temp tree)
     proc_root: Path = Path("/proc")
@@ -92,6 +93,15 @@ def _seconds(minimum: float, inclusive: bool) -> Callable[[Any], float]:
     return check
 
 
+def _count(minimum: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise _Bad(f"must be an integer, {minimum} or more, got {v!r}")
+        return v
+
+    return check
+
+
 def _log_level(v: Any) -> str:
     if v not in LOG_LEVELS:
         raise _Bad(f"must be one of {'|'.join(LOG_LEVELS)}, got {v!r}")
@@ -128,6 +138,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                         _seconds(0, inclusive=False)),
     "client_timeout": ("seconds a control client may stay silent mid-request",
                        _seconds(0, inclusive=False)),
+    "max_connections_per_user": ("open control connections one non-root uid may hold",
+                                 _count(1)),
     "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",
                     _bool),
     "proc_root": ("/proc the host-setting tuners use (tests: a temporary tree)", _path),
@@ -151,6 +163,8 @@ def describe_keys() -> list[tuple[str, str, str]]:
             shown = "true" if default else "false"
         elif isinstance(default, float):
             shown = f"{default:.1f}" if default == int(default) else f"{default:g}"
+        elif isinstance(default, int):
+            shown = str(default)
         else:
             shown = f'"{default}"'
         out.append((f.name, shown, KEYS[f.name][0]))

@@ -33,6 +33,8 @@ log = logging.getLogger("tunerd.exclusive")
 
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpuset")
 _SCOPE_RE = re.compile(r"^(pid:(?P<pid>\d+)|cgroup:(?P<cg>/[^\0]*))$")
+_NAME_MAX = 255  # bytes in one path component (NAME_MAX)
+_PATH_MAX = 4096 - len("/sys/fs/cgroup/unified/cgroup.procs")  # PATH_MAX, roots included
 
 
 def parse_scope(scope: str) -> tuple[str, str]:
@@ -45,6 +47,14 @@ def parse_scope(scope: str) -> tuple[str, str]:
     path = m.group("cg")
     if ".." in Path(path).parts:
         raise UsageError(f"exclusive scope {scope!r}: '..' is not allowed in a cgroup path")
+    # a name the kernel cannot hold would only fail later as ENAMETOOLONG
+    long = next((p for p in Path(path).parts if len(os.fsencode(p)) > _NAME_MAX), None)
+    if long is not None:
+        raise UsageError(f"exclusive scope {scope[:60]!r}...: cgroup name {long[:40]!r}... "
+                         f"is longer than {_NAME_MAX} bytes")
+    if len(os.fsencode(path)) > _PATH_MAX:
+        raise UsageError(f"exclusive scope {scope[:60]!r}...: the cgroup path is longer "
+                         f"than {_PATH_MAX} bytes")
     return "cgroup", path
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tunerd.errors import TunerdError
+from tunerd.logutil import RepeatFilter
 from tunerd.protocol import ExitCode, exit_code
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ def setup_logging(level: str) -> None:
         handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         )
+    # repeated identical errors (a connection flood, a stream of bad requests) must
+    # not flood the log: a few per minute, then a count
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -111,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunerd: error: {err.message}", file=sys.stderr)
         return int(ExitCode.USAGE)
     setup_logging(cfg.log_level)
+    from tunerd.daemon.server import raise_nofile_limit
+
+    raise_nofile_limit()  # a connection, a pidfd, a watcher: each one fd
     try:
         rc = asyncio.run(_run(cfg))
     except KeyboardInterrupt:

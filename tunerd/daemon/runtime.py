@@ -1,4 +1,4 @@
-"""The daemon's own files in RUNTIME_DIR and STATE_DIR: the directories and the pidfile."""
+"""RUNTIME_DIR/tunerd.pid: how scripts without systemd find the daemon."""
 
 from __future__ import annotations
 
@@ -6,13 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["prepare_dirs", "read_pidfile", "remove_pidfile", "write_pidfile"]
-
-
-def prepare_dirs(runtime_dir: Path, state_dir: Path) -> None:
-    for d in (runtime_dir, state_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    os.chmod(runtime_dir, 0o755)
+__all__ = ["read_pidfile", "remove_pidfile", "write_pidfile"]
 
 
 def write_pidfile(path: Path) -> None:

@@ -1,132 +1,511 @@
 """The control socket: JSON lines over a Unix stream socket, with peer credentials.
 
-Robustness rules: every connection has an idle timeout; a line over 1 MiB, a
-malformed message or a half-sent message gets an error reply (then the
-connection is closed where the stream can no longer be trusted); a failing
-handler never takes the server down.
+Robustness rules, because any local user can connect:
+
+* the socket is created with its final mode (bind under a umask), never chmod'ed
+  by name afterwards, so a swapped-in symlink cannot redirect a chmod;
+* a non-root uid may hold at most ``max_connections_per_user`` connections at once;
+  one more gets one error line and is closed (root is never limited);
+* the listen backlog fits a burst of connects; accept() failures for lack of fds
+  or memory pause accepting briefly instead of spinning, and are logged once
+  (the daemon's log filter rate-limits repeats);
+* every connection has an idle timeout; a line over 1 MiB, a malformed message,
+  NaN, too deep a nesting or a half-sent message gets an error reply (then the
+  connection is closed where the stream can no longer be trusted);
+* a reply is always one valid JSON line; a failing handler never takes the
+  server down.
+
+Connections are plain non-blocking sockets driven by loop readers: per request
+that is one recv, one parse, the handler, one encode and one send, with no
+stream objects or timers per connection, and no task unless the handler has to
+wait for something.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import socket
+import stat
 import struct
+import time
+from collections import Counter, deque
+from collections.abc import Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
 from tunerd.daemon.router import Peer, Request, Router
-from tunerd.errors import TunerdError, UsageError
-from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire
+from tunerd.errors import Failed, TunerdError, UsageError
+from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id
 
 log = logging.getLogger("tunerd.server")
 
+__all__ = ["ControlServer", "peer_credentials", "raise_nofile_limit"]
+
 IDLE_TIMEOUT = 30.0  # seconds a client may stay silent before it is dropped
+MAX_CONNECTIONS_PER_USER = 128  # open connections one non-root uid may hold
+LISTEN_BACKLOG = 4096  # pending connects; the kernel caps it at net.core.somaxconn
+ACCEPT_BATCH = 512  # connections accepted per wake-up: a flood cannot starve the loop
+ACCEPT_PAUSE = 0.1  # seconds accepting pauses after EMFILE/ENFILE/ENOBUFS/ENOMEM
+RECV_SIZE = 256 * 1024
+OUT_HIGH = 4 * MAX_MESSAGE  # queued reply bytes above which a connection's requests wait
+CLOSE_GRACE = 1.0  # seconds a closing connection may take to flush its last reply
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_PEERCRED = struct.Struct("3i")
 
 
 def peer_credentials(sock: socket.socket) -> Peer:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
     return Peer(pid=pid, uid=uid, gid=gid)
 
 
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's RLIMIT_NOFILE soft limit to its hard limit; (old, new) soft.
+
+    Each client connection, bound process (pidfd) and watcher holds an fd; the
+    default soft limit of 1,024 is a denial of service waiting for a user with
+    a loop of connects.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as err:
+        log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, err)
+        return soft, soft
+    return soft, hard
+
+
+def _bind_listener(path: Path, backlog: int) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening socket at ``path`` with mode 0666, replacing a stale socket there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise Failed(f"{path} exists and is not a socket; refusing to remove it",
+                         path=str(path))
+        # a stale socket of a previous daemon (or a symlink): unlink never follows
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+                         | socket.SOCK_CLOEXEC)
+    try:
+        # Everyone may connect; what a peer may do is decided per request from
+        # SO_PEERCRED. The mode comes from the umask at bind(): a chmod by name
+        # after bind() could be redirected by a symlink swapped in meanwhile.
+        old = os.umask(0o111)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        st = os.lstat(path)
+        sock.listen(backlog)
+    except OSError as err:
+        sock.close()
+        raise Failed(f"cannot listen on {path}: {err.strerror or err}", path=str(path),
+                     errno=err.errno) from err
+    return sock, (st.st_dev, st.st_ino)
+
+
 class ControlServer:
-    def __init__(self, router: Router, path: Path, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(self, router: Router, path: Path, idle_timeout: float = IDLE_TIMEOUT,
+                 *, max_connections_per_user: int = MAX_CONNECTIONS_PER_USER,
+                 backlog: int = LISTEN_BACKLOG) -> None:
         self.router = router
         self.path = Path(path)
         self.idle_timeout = idle_timeout
-        self._server: asyncio.AbstractServer | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
+        self.max_connections_per_user = max_connections_per_user
+        self.backlog = backlog
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: socket.socket | None = None
+        self._inode: tuple[int, int] | None = None
+        self._conns: set[_Connection] = set()
+        self._per_uid: Counter[int] = Counter()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        self.accepted_total = 0
+        self.refused_total = 0  # over the per-user limit
+        self.accept_errors_total = 0
 
+    # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), limit=MAX_MESSAGE
-        )
-        # Everyone may connect; what a peer may do is decided per request from SO_PEERCRED.
-        os.chmod(self.path, 0o666)
+        self._loop = asyncio.get_running_loop()
+        self._sock, self._inode = _bind_listener(self.path, self.backlog)
+        self._loop.add_reader(self._sock.fileno(), self._on_acceptable)
+        self._schedule_sweep()
         log.info("control socket listening on %s", self.path)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-        for t in list(self._conns):
-            t.cancel()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        loop = self._loop
+        if loop is None:
+            return
+        for h in (self._sweeper, self._resume):
+            if h is not None:
+                h.cancel()
+        if self._sock is not None:
+            loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            # only our own socket: a newer daemon may already serve at this path
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._inode:
+                    os.unlink(self.path)
+        for conn in list(self._conns):
+            conn.abort(cancel=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
-        try:
-            peer = peer_credentials(writer.get_extra_info("socket"))
-            await self._session(peer, reader, writer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:  # a broken connection must never reach the loop
-            log.exception("control connection failed")
-        finally:
-            self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    def status(self) -> dict[str, Any]:
+        return {"connections": len(self._conns), "accepted_total": self.accepted_total,
+                "refused_total": self.refused_total,
+                "accept_errors_total": self.accept_errors_total,
+                "max_connections_per_user": self.max_connections_per_user}
 
-    async def _session(
-        self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while True:
+    # -- accepting -------------------------------------------------------------
+    def _on_acceptable(self) -> None:
+        assert self._sock is not None
+        for _ in range(ACCEPT_BATCH):
             try:
-                line = await asyncio.wait_for(reader.readuntil(b"\n"), self.idle_timeout)
-            except asyncio.TimeoutError:
-                await self._reply_error(writer, None, UsageError(
-                    f"timeout: no complete request within {self.idle_timeout:g} s"))
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            except asyncio.IncompleteReadError as err:
-                if err.partial.strip():
-                    await self._reply_error(writer, None, UsageError(
-                        "incomplete message: connection closed before the end of the line"))
-                return
-            except asyncio.LimitOverrunError:
-                await self._reply_error(writer, None, UsageError(
-                    f"message too large: requests are limited to {MAX_MESSAGE} bytes"))
-                return
-            if not line.strip():
+            except ConnectionAbortedError:
                 continue
-            reply = await self._dispatch(peer, line)
-            writer.write(encode(reply))
-            await writer.drain()
+            except OSError as err:
+                self.accept_errors_total += 1
+                if err.errno in _OUT_OF_RESOURCES:
+                    log.error("control socket %s: accept() failed: %s; pausing accepts for "
+                              "%g s", self.path, err.strerror, ACCEPT_PAUSE)
+                    self._pause_accepting()
+                else:
+                    log.error("control socket %s: accept() failed: %s", self.path,
+                              err.strerror or err)
+                return
+            self._admit(conn)
 
-    async def _dispatch(self, peer: Peer, line: bytes) -> dict[str, Any]:
+    def _pause_accepting(self) -> None:
+        assert self._loop is not None and self._sock is not None
+        self._loop.remove_reader(self._sock.fileno())
+        self._resume = self._loop.call_later(ACCEPT_PAUSE, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._resume = None
+        if self._sock is not None and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._on_acceptable)
+
+    def _admit(self, sock: socket.socket) -> None:
+        assert self._loop is not None
+        try:
+            sock.setblocking(False)
+            peer = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        if peer.uid != 0 and self._per_uid[peer.uid] >= self.max_connections_per_user:
+            self.refused_total += 1
+            log.warning("uid %d holds %d connections (max_connections_per_user): refusing "
+                        "more", peer.uid, self._per_uid[peer.uid])
+            err = Failed(f"too many connections: uid {peer.uid} already has "
+                         f"{self._per_uid[peer.uid]} open connections to tunerd "
+                         f"(max_connections_per_user = {self.max_connections_per_user})")
+            with contextlib.suppress(OSError):  # a fresh socket's buffer takes one line
+                sock.send(encode({"id": None, "ok": False, "error": error_to_wire(err)}))
+            sock.close()
+            return
+        self.accepted_total += 1
+        self._per_uid[peer.uid] += 1
+        conn = _Connection(self, self._loop, sock, peer)
+        self._conns.add(conn)
+
+    def _closed(self, conn: _Connection) -> None:
+        if conn in self._conns:
+            self._conns.discard(conn)
+            n = self._per_uid[conn.peer.uid] - 1
+            if n > 0:
+                self._per_uid[conn.peer.uid] = n
+            else:
+                del self._per_uid[conn.peer.uid]
+
+    # -- idle connections ------------------------------------------------------
+    def _schedule_sweep(self) -> None:
+        assert self._loop is not None
+        every = min(max(self.idle_timeout / 4, 0.05), 5.0)
+        self._sweeper = self._loop.call_later(every, self._sweep)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns):
+            conn.check_idle(now)
+        self._schedule_sweep()
+
+    # -- requests --------------------------------------------------------------
+    async def handle(self, peer: Peer, line: bytes) -> bytes:
+        """One request line in, one reply line out (never raises)."""
         rid: Any = None
         try:
             msg = decode(line)
-            rid = msg.get("id")
+            rid = reply_id(msg)
             cmd = msg.get("cmd")
             args = msg.get("args") or {}
             if not isinstance(cmd, str) or not isinstance(args, dict):
                 raise UsageError("malformed message: needs 'cmd' (string) and 'args' (object)")
             handler = self.router.get(cmd)
             if handler is None:
-                raise UsageError(f"unknown command {cmd!r}")
-            req = Request(cmd=cmd, args=args, peer=peer)
-            result = await handler(req)
-            return {"id": rid, "ok": True, "result": result}
+                raise UsageError(f"unknown command {cmd[:100]!r}")
+            result = await handler(Request(cmd=cmd, args=args, peer=peer))
+            reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
         except TunerdError as err:
-            return {"id": rid, "ok": False, "error": error_to_wire(err)}
+            reply = {"id": rid, "ok": False, "error": error_to_wire(err)}
         except Exception as err:
             log.exception("handler for %r failed", line[:200])
-            return {"id": rid, "ok": False,
-                    "error": error_to_wire(TunerdError(f"internal error: {err!r}"))}
+            reply = {"id": rid, "ok": False,
+                     "error": error_to_wire(TunerdError(f"internal error: {err!r}"))}
+        try:
+            return encode(reply)
+        except (TypeError, ValueError) as err:  # NaN or an object in a result
+            log.error("reply to %r cannot be sent as JSON: %s", line[:200], err)
+            return encode({"id": rid, "ok": False, "error": error_to_wire(TunerdError(
+                f"internal error: the reply could not be encoded as JSON ({err})"))})
 
-    async def _reply_error(
-        self, writer: asyncio.StreamWriter, rid: Any, err: TunerdError
-    ) -> None:
-        with contextlib.suppress(Exception):
-            writer.write(encode({"id": rid, "ok": False, "error": error_to_wire(err)}))
-            await asyncio.wait_for(writer.drain(), 1.0)
+
+class _Resumed:
+    """Hands a coroutine that already ran up to its first suspension over to a Task.
+
+    The Task gets what the coroutine yielded (the future it waits on) and then
+    drives it on with what it sends or throws in (a result, a cancellation):
+    what ``yield from`` would do for a generator.
+    """
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, bytes], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, Any, bytes]:
+        coro, value = self._coro, self._first
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:  # forwarded into the coroutine, not handled
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
+async def _finish(resumed: _Resumed) -> bytes:
+    return await resumed
+
+
+def error_line(err: TunerdError) -> bytes:
+    return encode({"id": None, "ok": False, "error": error_to_wire(err)})
+
+
+class _Connection:
+    """One client: reads lines, runs them one at a time, writes replies in order."""
+
+    __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_incomplete", "_lines",
+                 "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
+                 "closing_since", "last", "peer")
+
+    def __init__(self, server: ControlServer, loop: asyncio.AbstractEventLoop,
+                 sock: socket.socket, peer: Peer) -> None:
+        self._server = server
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self.peer = peer
+        self._buf = bytearray()
+        self._out = bytearray()
+        self._lines: deque[bytes] = deque()
+        self._task: asyncio.Task[bytes] | None = None
+        self._final: bytes | None = None  # an error line to send last, then close
+        self._eof = False
+        self._incomplete = False  # the peer closed in the middle of a line
+        self._closing = False  # close once the queued replies are out
+        self.closing_since = 0.0
+        self.last = time.monotonic()  # the last complete request or reply
+        self._writing = False
+        self._reading = True
+        loop.add_reader(self._fd, self._on_readable)
+
+    # -- reading ---------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            data = self._sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort()
+            return
+        if not data:
+            self._stop_reading()
+            self._eof = True
+            self._incomplete = bool(self._buf.strip())
+            self._buf.clear()
+            self._pump()
+            return
+        buf = self._buf
+        start = len(buf)
+        buf += data
+        pos = buf.find(b"\n", start)
+        if pos >= 0:
+            begin = 0
+            while pos >= 0:
+                self._lines.append(bytes(buf[begin:pos]))
+                begin = pos + 1
+                pos = buf.find(b"\n", begin)
+            del buf[:begin]
+            self.last = time.monotonic()
+        if len(buf) > MAX_MESSAGE:
+            buf.clear()
+            self._fail(UsageError(
+                f"message too large: requests are limited to {MAX_MESSAGE} bytes"))
+            return
+        self._pump()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    # -- running requests ------------------------------------------------------
+    def _pump(self) -> None:
+        """Start the next request, or finish the connection when nothing is left."""
+        if self._sock.fileno() < 0:
+            return
+        while self._task is None and len(self._out) < OUT_HIGH and not self._closing:
+            if self._final is not None:
+                self._send(self._final)
+                self._final = None
+                self._closing = True
+                self._maybe_close()
+                return
+            if not self._lines:
+                if self._eof:
+                    if self._incomplete:
+                        self._incomplete = False
+                        self._final = error_line(UsageError(
+                            "incomplete message: connection closed before the end of the line"))
+                        continue
+                    self._closing = True
+                    self._maybe_close()
+                return
+            line = self._lines.popleft()
+            if not line.strip():
+                continue
+            # run the handler right here up to its first real wait: most requests
+            # (status, ping, jobs, bind) never wait, and then no task is needed
+            coro = self._server.handle(self.peer, line)
+            try:
+                first = coro.send(None)
+            except StopIteration as done:
+                self.last = time.monotonic()
+                self._send(done.value)
+                continue
+            task = self._loop.create_task(_finish(_Resumed(coro, first)))
+            self._task = task
+            task.add_done_callback(self._done)
+            return
+
+    def _done(self, task: asyncio.Task[bytes]) -> None:
+        self._task = None
+        if task.cancelled():
+            return
+        self.last = time.monotonic()
+        self._send(task.result())
+        self._pump()
+
+    def _fail(self, err: TunerdError) -> None:
+        """Answer ``err`` after the request in flight, then close: the stream is not
+        to be trusted any more."""
+        self._lines.clear()
+        self._stop_reading()
+        self._final = error_line(err)
+        self._pump()
+
+    def check_idle(self, now: float) -> None:
+        if self._closing:
+            if not self.closing_since:
+                self.closing_since = now
+            elif now - self.closing_since > CLOSE_GRACE:
+                self.abort()  # it does not read its last reply
+            return
+        if self._final is not None:
+            return  # sent once the request in flight is answered
+        if self._task is None and not self._lines and \
+                now - self.last > self._server.idle_timeout:
+            self._fail(UsageError(f"timeout: no complete request within "
+                                  f"{self._server.idle_timeout:g} s"))
+
+    # -- writing ---------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        if self._sock.fileno() < 0:
+            return
+        if not self._out:
+            try:
+                n = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self.abort()
+                return
+            if n == len(data):
+                return
+            data = data[n:]
+        self._out += data
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            n = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort()
+            return
+        del self._out[:n]
+        if not self._out:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+            if self._closing:
+                self._maybe_close()
+            else:
+                self._pump()
+
+    # -- closing ---------------------------------------------------------------
+    def _maybe_close(self) -> None:
+        if self._closing and not self._out:
+            self.abort()
+
+    def abort(self, cancel: bool = False) -> None:
+        """Close now. A request in flight still runs to its end (a client that goes
+        away must not leave a change half made) unless ``cancel`` (daemon stop)."""
+        if self._sock.fileno() < 0:
+            return
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        if self._writing:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+        if cancel and self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._sock.close()
+        self._server._closed(self)

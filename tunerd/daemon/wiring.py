@@ -16,7 +16,6 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from tunerd.binding import Binder
@@ -39,31 +38,17 @@ from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Router
-from tunerd.daemon.runtime import prepare_dirs
 from tunerd.daemon.server import ControlServer
-from tunerd.daemon.state import StateStore
-from tunerd.errors import Failed
+from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.policy import NodeFacts, Policy
+from tunerd.safefs import prepare_dir
 from tunerd.topology import load_topology
 from tunerd.tuners import build_tuners
 
 __all__ = ["build"]
 
 log = logging.getLogger("tunerd")
-
-
-def _saver(store: StateStore) -> Callable[[], None]:
-    """``store.save`` raising tunerd errors (naming the file and errno), not OSError."""
-
-    def save() -> None:
-        try:
-            store.save()
-        except OSError as err:
-            raise Failed(f"cannot write {store.path}: {err.strerror or err}",
-                         errno=err.errno) from err
-
-    return save
 
 
 def build(cfg: DaemonConfig) -> Daemon:
@@ -73,14 +58,18 @@ def build(cfg: DaemonConfig) -> Daemon:
     state or the policy cannot be used.
     """
     errors = ErrorLog()
-    prepare_dirs(cfg.runtime_dir, cfg.state_dir)
-    durable = StateStore(cfg.state_path)
-    durable.load()
-    if durable.load_error:
-        errors.record("state", durable.load_error)
-    runtime = durable  # one file until the runtime store lands
-    save_runtime = _saver(runtime)
-    save_durable = _saver(durable)
+    # owned by root (or by us, unprivileged), writable by nobody else: refused otherwise
+    prepare_dir(cfg.runtime_dir, 0o755, "runtime dir")
+    prepare_dir(cfg.state_dir, 0o700, "state dir")
+    # host originals: durable (fsync, backup copy); per-process state: tmpfs, no fsync
+    durable = DurableStore(cfg.state_path)
+    runtime = RuntimeStore(cfg.runtime_dir / "state.json", legacy=durable)
+    durable.load()  # StateDamaged (one line naming the file and the way out): no start
+    runtime.load()
+    for store in (durable, runtime):
+        if store.load_error:
+            errors.record("state", store.load_error, key=str(store.path))
+    save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
@@ -128,7 +117,8 @@ def build(cfg: DaemonConfig) -> Daemon:
 
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
     router = Router()
-    server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout)
+    server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
+                           max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
                     on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],

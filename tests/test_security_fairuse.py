@@ -1,0 +1,157 @@
+"""What one local user must not be able to do to everyone else (issue 9, found 2, 4, 5).
+
+These are the lead's fixes (lease fair use, the monitor's FIFO freeze): the tests
+replay the attacks with the real test user and are marked xfail(strict=True)
+until the fixes land, so that they start failing the day they pass.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import DaemonProc, run_as, write_policy
+from tunerd.client import Client
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.errors import TunerdError
+
+pytestmark = pytest.mark.root
+
+ONLINE = sorted(parse_cpulist(Path("/sys/devices/system/cpu/online").read_text()))
+
+
+def call(sock: str, cmd: str, args: dict[str, Any]) -> Any:
+    with Client(sock, timeout=30) as c:
+        return c.call(cmd, **args)
+
+
+def try_call(sock: str, cmd: str, args: dict[str, Any]) -> tuple[bool, str]:
+    try:
+        call(sock, cmd, args)
+    except TunerdError as err:
+        return False, f"{type(err).__name__}: {err.message}"
+    return True, ""
+
+
+def user_sleeper(uid: int, gid: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "300"], user=uid, group=gid, extra_groups=[])
+
+
+@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] user_exclusive = false "
+                   "(the default) must refuse a non-root exclusive lease")
+def test_user_cannot_take_every_cpu_exclusively(daemon: DaemonProc,
+                                                unpriv_user: tuple[int, int]) -> None:
+    uid, gid = unpriv_user
+    ok, _ = run_as(uid, gid, try_call, str(daemon.socket), "alloc",
+                   {"cpus": len(ONLINE), "exclusive": True})
+    root_ok, why = try_call(str(daemon.socket), "alloc", {"cpus": 1})
+    assert root_ok, f"root's alloc failed after a user's exclusive lease: {why}"
+    assert not ok, "a non-root user took an exclusive lease the policy does not allow"
+
+
+@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] max_per_user = 64 "
+                   "(leases one non-root user may hold)")
+def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
+    uid, gid = unpriv_user
+
+    def many(sock: str) -> tuple[int, str]:
+        made = 0
+        with Client(sock, timeout=30) as c:
+            for _ in range(80):
+                try:
+                    c.call("alloc", cpus=1)
+                except TunerdError as err:
+                    return made, err.message
+                made += 1
+        return made, ""
+
+    made, why = run_as(uid, gid, many, str(daemon.socket))
+    assert made == 64 and "64" in why, (made, why)
+
+
+@pytest.mark.xfail(strict=True, reason="lead: `release --tag` of a tag the caller has no "
+                   "lease under exits 0 and releases nothing")
+def test_release_of_another_users_tag_is_an_error(daemon: DaemonProc,
+                                                  unpriv_user: tuple[int, int]) -> None:
+    uid, gid = unpriv_user
+    call(str(daemon.socket), "alloc", {"cpus": 1, "tag": "roots-job"})
+    ok, why = run_as(uid, gid, try_call, str(daemon.socket), "release", {"tag": "roots-job"})
+    assert len(call(str(daemon.socket), "leases", {})) == 1
+    assert not ok and "roots-job" in why
+
+
+@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] alloc_ttl (seconds an alloc "
+                   "lease no process holds may live), shown by `tunerctl leases`")
+def test_unheld_alloc_lease_expires(daemon_factory, tmp_path: Path) -> None:
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", '[policy]\nname = "t"\n[leases]\nalloc_ttl = 2\n')
+    d: DaemonProc = daemon_factory(policy_dir=pol).start()
+    lease = call(str(d.socket), "alloc", {"cpus": 1})
+    assert "expires" in d.ctl("leases").out
+    time.sleep(4)
+    assert lease["id"] not in [x["id"] for x in call(str(d.socket), "leases", {})]
+
+
+@pytest.mark.skipif(len(ONLINE) < 2, reason="needs 2 CPUs")
+@pytest.mark.xfail(strict=True, reason="lead: an exclusive move plus a bind of the same "
+                   "process must restore its original CPUs when both end (found 5)")
+def test_exclusive_lease_plus_bind_restores_the_cpus(daemon: DaemonProc) -> None:
+    s = subprocess.Popen(["sleep", "300"])
+    try:
+        before = os.sched_getaffinity(s.pid)
+        sock = str(daemon.socket)
+        lease = call(sock, "alloc", {"cpus": 1, "exclusive": True,
+                                     "exclusive_scope": f"pid:{s.pid}"})
+        assert os.sched_getaffinity(s.pid) != before  # moved off the lease's CPU
+        call(sock, "bind", {"pid": s.pid, "cpus": format_cpulist(before)})
+        call(sock, "release", {"lease": lease["id"]})
+        call(sock, "unbind", {"pid": s.pid})
+        assert os.sched_getaffinity(s.pid) == before
+    finally:
+        s.kill()
+        s.wait()
+
+
+def _plant_fifos(run: str, pids: list[int]) -> int:
+    """As the user: a FIFO wherever the daemon might read a job's file."""
+    made = 0
+    for d in (run, os.path.join(run, "jobs")):
+        for pid in pids:
+            try:
+                os.mkfifo(os.path.join(d, f"{pid}.json"))
+                made += 1
+            except OSError:
+                pass  # not writable for this user: fine, that is the fix
+    return made
+
+
+@pytest.mark.xfail(strict=True, reason="lead: removes the RUNTIME_DIR/jobs channel; today a "
+                   "user's FIFO there freezes the sampler and SIGTERM waits for it (found 2)")
+def test_sigterm_ends_the_daemon_within_1s_despite_user_fifos(
+        daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
+    uid, gid = unpriv_user
+    job = user_sleeper(uid, gid)
+    try:
+        run_as(uid, gid, call, str(daemon.socket), "bind", {"pid": job.pid, "cpus": "0"})
+        run_as(uid, gid, _plant_fifos, str(daemon.runtime_dir), [job.pid])
+        time.sleep(3)  # a few monitor cycles
+        assert daemon.proc is not None
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        try:
+            daemon.proc.wait(10)
+        finally:
+            took = time.monotonic() - t0
+        assert took < 1.0, f"SIGTERM took {took:.1f} s"
+    finally:
+        job.kill()
+        job.wait()
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()

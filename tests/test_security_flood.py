@@ -1,0 +1,229 @@
+"""Connection floods (issue 9, found 3): per-user limit, listen backlog, fd limits,
+accept() errors that pause instead of spinning, and a log that does not explode."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import resource
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, DaemonProc
+from tests.security_helpers import forked_as, recv, start_daemon
+from tunerd.client import Client
+from tunerd.logutil import RepeatFilter
+
+pytestmark = pytest.mark.root
+
+
+def _hold_connections(conn: Connection, path: str, n: int) -> None:
+    """As the test user: open ``n`` connections, report how many the daemon refused,
+    keep the rest open until told to stop."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n + 100, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    held: list[socket.socket] = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(20)
+        s.connect(path)
+        held.append(s)
+    # the daemon answers an over-limit connection with one line and closes it
+    time.sleep(2.0)
+    refused, kept, messages = 0, 0, set()
+    for s in held:
+        s.setblocking(False)
+        try:
+            data = s.recv(4096)
+        except BlockingIOError:
+            kept += 1
+            continue
+        if data:
+            refused += 1
+            messages.add(data.decode())
+    conn.send((refused, kept, sorted(messages)))
+    conn.recv()  # "stop"
+    for s in held:
+        s.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_user_holding_1100_connections_is_limited_and_root_is_served(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    uid, gid = unpriv_user
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("max_connections_per_user = 100\n")
+    d: DaemonProc = daemon_factory(args=["--config", str(cfg)]).start()
+    log_before = len(d.log())
+    with forked_as(uid, gid, _hold_connections, str(d.socket), 1100) as conn:
+        refused, kept, messages = recv(conn, timeout=120)
+        assert (kept, refused) == (100, 1000)
+        assert len(messages) == 1 and "too many connections" in messages[0]
+        assert f"uid {uid} already has 100 open connections" in messages[0]
+        assert "max_connections_per_user = 100" in messages[0]
+        t0 = time.monotonic()
+        r = d.ctl("--json", "status")
+        took = time.monotonic() - t0
+        assert r.rc == 0 and took < 5, (r, took)  # a tunerctl start-up included
+        with Client(str(d.socket), timeout=10) as c:  # root is not limited
+            assert c.call("ping")["pong"]
+    # once the user lets go, their connections count down again
+    assert _user_ping(uid, gid, str(d.socket))
+    new_log = d.log()[log_before:]
+    assert len(re.findall("refusing more", new_log)) <= 5, new_log[-2000:]
+    assert "Traceback" not in new_log
+
+
+def _user_ping(uid: int, gid: int, path: str) -> bool:
+    from tests.helpers import run_as
+
+    def ping(p: str) -> bool:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with Client(p, timeout=10) as c:
+                    return bool(c.call("ping")["pong"])
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    return bool(run_as(uid, gid, ping, path))
+
+
+def test_a_burst_of_1000_connects_fits_the_backlog(daemon: DaemonProc) -> None:
+    socks = []
+    eagain = 0
+    try:
+        for _ in range(1000):  # as fast as one thread can: no waiting for accept()
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                s.connect(str(daemon.socket))
+            except BlockingIOError:
+                eagain += 1
+            socks.append(s)
+    finally:
+        for s in socks:
+            s.close()
+    assert eagain == 0
+
+
+def test_400_simultaneous_clients_connect(daemon: DaemonProc) -> None:
+    start = threading.Barrier(400)
+    errors: list[str] = []
+    ok: list[int] = []
+
+    def one() -> None:
+        c = Client(str(daemon.socket), timeout=60)
+        start.wait()
+        try:
+            c.connect()
+            ok.append(c.call("ping")["pid"])
+        except Exception as err:
+            errors.append(repr(err))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=one) for _ in range(400)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(ok) == 400
+
+
+def test_daemon_raises_its_fd_soft_limit(daemon_factory) -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard <= 256:
+        pytest.skip("hard RLIMIT_NOFILE too low to tell")
+    d: DaemonProc = start_daemon(daemon_factory(), nofile=(256, hard))
+    limits = Path(f"/proc/{d.proc.pid}/limits").read_text()  # type: ignore[union-attr]
+    soft_now = re.search(r"Max open files\s+(\d+)\s+(\d+)", limits)
+    assert soft_now and int(soft_now.group(1)) == hard == int(soft_now.group(2))
+
+
+def test_out_of_fds_pauses_accepting_without_spinning_or_flooding_the_log(
+        daemon_factory) -> None:
+    """The daemon's hard limit is tiny, so accept() fails with EMFILE under a flood."""
+    d: DaemonProc = start_daemon(daemon_factory(), nofile=(96, 96))
+    assert d.proc is not None
+    socks = []
+    try:
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(str(d.socket))
+            except OSError as err:  # the backlog may fill while the daemon has no fds
+                assert err.errno in (errno.EAGAIN, errno.ECONNREFUSED), err
+                s.close()
+                break
+            socks.append(s)
+        time.sleep(1.0)
+        cpu0 = cpu_seconds(d.proc.pid)
+        time.sleep(3.0)
+        used = cpu_seconds(d.proc.pid) - cpu0
+        assert used < 0.6, f"the daemon used {used:.2f} s of CPU in 3 s while out of fds"
+        log = d.log()
+        assert "accept() failed" in log and "Too many open files" in log
+        assert log.count("accept() failed") <= 6, log[-3000:]
+        assert "Traceback" not in log and "out of system resource" not in log
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 20  # fds are back: it serves again
+    while True:
+        try:
+            with Client(str(d.socket), timeout=5) as c:
+                assert c.call("ping")["pong"]
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_repeat_filter_lets_a_few_through_then_counts() -> None:
+    now = [0.0]
+    flt = RepeatFilter(burst=3, window=10.0, clock=lambda: now[0])
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("tunerd.test.repeat")
+    logger.propagate = False
+    h = Keep()
+    h.addFilter(flt)
+    logger.addHandler(h)
+    try:
+        for _ in range(1000):
+            logger.error("accept() failed: %s", "Too many open files")
+        logger.error("something else")
+        now[0] = 11.0
+        logger.error("accept() failed: %s", "Too many open files")
+    finally:
+        logger.removeHandler(h)
+    assert seen[:3] == ["accept() failed: Too many open files"] * 3
+    assert seen[3] == "something else"
+    assert seen[4] == ("accept() failed: Too many open files [997 identical message(s) "
+                       "suppressed in the previous 10 s]")
+    assert len(seen) == 5 and flt.dropped_total == 997
+
+
+def test_unit_raises_the_fd_limit() -> None:
+    unit = (REPO / "systemd" / "tunerd.service").read_text()
+    m = re.search(r"^LimitNOFILE=(\d+)$", unit, re.M)
+    assert m and int(m.group(1)) >= 65536
