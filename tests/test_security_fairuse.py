@@ -1,8 +1,8 @@
 """What one local user must not be able to do to everyone else (issue 9, found 2, 4, 5).
 
-These are the lead's fixes (lease fair use, the monitor's FIFO freeze): the tests
-replay the attacks with the real test user and are marked xfail(strict=True)
-until the fixes land, so that they start failing the day they pass.
+Each test replays an attack with the real test user: lease fair use ([leases]
+user_exclusive, max_per_user, alloc_ttl), release of another user's tag, an
+exclusive lease plus a bind that stripped a CPU for good, the monitor's FIFO freeze.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def user_sleeper(uid: int, gid: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(["sleep", "300"], user=uid, group=gid, extra_groups=[])
 
 
-@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] user_exclusive = false "
-                   "(the default) must refuse a non-root exclusive lease")
 def test_user_cannot_take_every_cpu_exclusively(daemon: DaemonProc,
                                                 unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user
@@ -55,8 +53,6 @@ def test_user_cannot_take_every_cpu_exclusively(daemon: DaemonProc,
     assert not ok, "a non-root user took an exclusive lease the policy does not allow"
 
 
-@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] max_per_user = 64 "
-                   "(leases one non-root user may hold)")
 def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user
 
@@ -75,8 +71,6 @@ def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int,
     assert made == 64 and "64" in why, (made, why)
 
 
-@pytest.mark.xfail(strict=True, reason="lead: `release --tag` of a tag the caller has no "
-                   "lease under exits 0 and releases nothing")
 def test_release_of_another_users_tag_is_an_error(daemon: DaemonProc,
                                                   unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user
@@ -86,8 +80,6 @@ def test_release_of_another_users_tag_is_an_error(daemon: DaemonProc,
     assert not ok and "roots-job" in why
 
 
-@pytest.mark.xfail(strict=True, reason="lead + policy: [leases] alloc_ttl (seconds an alloc "
-                   "lease no process holds may live), shown by `tunerctl leases`")
 def test_unheld_alloc_lease_expires(daemon_factory, tmp_path: Path) -> None:
     pol = tmp_path / "pol"
     write_policy(pol, "00.toml", '[policy]\nname = "t"\n[leases]\nalloc_ttl = 2\n')
@@ -99,8 +91,6 @@ def test_unheld_alloc_lease_expires(daemon_factory, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(len(ONLINE) < 2, reason="needs 2 CPUs")
-@pytest.mark.xfail(strict=True, reason="lead: an exclusive move plus a bind of the same "
-                   "process must restore its original CPUs when both end (found 5)")
 def test_exclusive_lease_plus_bind_restores_the_cpus(daemon: DaemonProc) -> None:
     s = subprocess.Popen(["sleep", "300"])
     try:
@@ -131,8 +121,6 @@ def _plant_fifos(run: str, pids: list[int]) -> int:
     return made
 
 
-@pytest.mark.xfail(strict=True, reason="lead: removes the RUNTIME_DIR/jobs channel; today a "
-                   "user's FIFO there freezes the sampler and SIGTERM waits for it (found 2)")
 def test_sigterm_ends_the_daemon_within_1s_despite_user_fifos(
         daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user

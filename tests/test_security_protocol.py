@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tunerd.daemon.registry import COMMANDS, Peer, Request
 
 import tunerd.daemon.cmd_core  # noqa: F401 - registers ping
 from tests.helpers import DaemonProc, run_as
 from tunerd.client import Client
+from tunerd.daemon.router import Peer, Request, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.errors import UsageError
 from tunerd.protocol import decode, encode
@@ -88,15 +88,13 @@ def test_long_cgroup_scope_is_a_usage_error(daemon: DaemonProc) -> None:
 
 def test_a_reply_that_cannot_be_json_becomes_an_error_reply() -> None:
     """A handler result with NaN (or an object) must not reach the wire as invalid JSON."""
-    async def nan(d: Any, req: Request) -> dict[str, Any]:
+    async def nan(req: Request) -> dict[str, Any]:
         return {"value": float("nan")}
 
-    COMMANDS["test.nan"] = nan
-    try:
-        srv = ControlServer(None, Path("/nonexistent/tunerd.sock"))  # type: ignore[arg-type]
-        line = asyncio.run(srv.handle(Peer(1, 0, 0), b'{"id":3,"cmd":"test.nan","args":{}}'))
-    finally:
-        del COMMANDS["test.nan"]
+    router = Router()
+    router.add("test.nan", nan)
+    srv = ControlServer(router, Path("/nonexistent/tunerd.sock"))
+    line = asyncio.run(srv.handle(Peer(1, 0, 0), b'{"id":3,"cmd":"test.nan","args":{}}'))
     reply = strict_json(line)
     assert reply["id"] == 3 and not reply["ok"]
     assert "could not be encoded" in reply["error"]["message"]
@@ -112,7 +110,7 @@ def test_a_reply_that_cannot_be_json_becomes_an_error_reply() -> None:
                               | st.dictionaries(st.text(max_size=8), kids, max_size=4),
                               max_leaves=20).map(lambda o: json.dumps(o).encode())))
 def test_any_line_gets_exactly_one_valid_json_reply(line: bytes) -> None:
-    srv = ControlServer(None, Path("/nonexistent/tunerd.sock"))  # type: ignore[arg-type]
+    srv = ControlServer(Router(), Path("/nonexistent/tunerd.sock"))
     out = asyncio.run(srv.handle(Peer(1, 1000, 1000), line.replace(b"\n", b" ")))
     assert out.endswith(b"\n") and out.count(b"\n") == 1
     reply = strict_json(out)
@@ -130,16 +128,16 @@ def test_decode_refuses_non_json_numbers_and_deep_nesting() -> None:
 
 def test_handlers_that_wait_answer_in_order(tmp_path: Path) -> None:
     """Handlers run inline until their first wait, then in a task: replies keep order."""
-    async def slow(d: Any, req: Request) -> dict[str, Any]:
+    async def slow(req: Request) -> dict[str, Any]:
         await asyncio.sleep(0.2)
         return {"slow": req.args.get("n")}
 
-    async def late_error(d: Any, req: Request) -> dict[str, Any]:
+    async def late_error(req: Request) -> dict[str, Any]:
         await asyncio.sleep(0.01)
         raise UsageError("late")
 
     async def scenario() -> list[Any]:
-        srv = ControlServer(None, tmp_path / "t.sock")  # type: ignore[arg-type]
+        srv = ControlServer(router, tmp_path / "t.sock")
         await srv.start()
         try:
             reader, writer = await asyncio.open_unix_connection(str(tmp_path / "t.sock"))
@@ -153,11 +151,14 @@ def test_handlers_that_wait_answer_in_order(tmp_path: Path) -> None:
         finally:
             await srv.stop()
 
-    COMMANDS["test.slow"], COMMANDS["test.late"] = slow, late_error
-    try:
-        replies = asyncio.run(scenario())
-    finally:
-        del COMMANDS["test.slow"], COMMANDS["test.late"]
+    async def ping(req: Request) -> dict[str, Any]:
+        return {"pong": True}
+
+    router = Router()
+    router.add("test.slow", slow)
+    router.add("test.late", late_error)
+    router.add("ping", ping)
+    replies = asyncio.run(scenario())
     assert [r["id"] for r in replies] == [1, 2, 3, 4]
     assert replies[0]["result"] == {"slow": 1} and replies[1]["result"]["pong"]
     assert replies[2]["error"]["message"] == "late" and replies[3]["result"] == {"slow": 4}

@@ -506,9 +506,6 @@ def _leases(d: DaemonProc) -> list[dict[str, Any]]:
 
 
 @pytest.mark.root
-@pytest.mark.xfail(strict=True, reason="lead: alloc must roll the lease back (or reply "
-                   "success) when the state write fails; today the lease exists and holds "
-                   "CPUs while the reply says it failed")
 def test_full_disk_alloc_is_all_or_nothing(tiny_state: DaemonProc, tiny_fs: Path) -> None:
     d = tiny_state
     fill(tiny_fs)
@@ -521,8 +518,6 @@ def test_full_disk_alloc_is_all_or_nothing(tiny_state: DaemonProc, tiny_fs: Path
 
 
 @pytest.mark.root
-@pytest.mark.xfail(strict=True, reason="lead: release/unbind did their work but reply exit 1 "
-                   "when the state write fails; the reply must say what happened")
 def test_full_disk_release_and_unbind_replies_are_truthful(tiny_state: DaemonProc,
                                                           tiny_fs: Path) -> None:
     d = tiny_state

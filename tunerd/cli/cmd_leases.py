@@ -160,10 +160,26 @@ def leases() -> int:
         if not rs:
             return "no leases"
         return "\n".join(f"{_summary(r)}; {r['user']}"
-                         + (f", pid {r['pid']}" if r.get("pid") else "") for r in rs)
+                         + (f", pid {r['pid']}" if r.get("pid") else "")
+                         + (f", tag {r['tag']}" if r.get("tag") else "")
+                         + (f"; expires {_expires(r['expires'])}" if r.get("expires") else "")
+                         for r in rs)
 
     ctx.emit(rs, human)
     return 0
+
+
+def _expires(t: float) -> str:
+    """When an alloc lease ends by itself ([leases] alloc_ttl)."""
+    import time
+
+    left = t - time.time()
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    if left <= 0:
+        return f"{when} (now)"
+    if left < 3600:
+        return f"{when} (in {int(left // 60)} min {int(left % 60)} s)"
+    return f"{when} (in {left / 3600:.1f} h)"
 
 
 def set_mempolicy_bind(nodes: set[int]) -> None:
