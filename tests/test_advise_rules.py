@@ -16,6 +16,7 @@ from tunerd.advise import (
     io_bound,
     remote_numa,
     throttling,
+    workers_crowded,
 )
 from tunerd.monitor.history import History
 
@@ -135,3 +136,22 @@ def test_advise_orders_by_severity_and_reads_history_rings() -> None:
     found = advise(JOB, ring.columns())
     assert [f.id for f in found] == ["fd-limit", "data-loading-bound"]
     assert found[0].to_dict()["severity"] == "critical"
+
+
+def test_workers_crowding_one_cpu_is_found_with_the_job_and_its_workers() -> None:
+    """The guide's example: 4 DataLoader workers and the loop bound to one busy CPU."""
+    crowded = cols(workers=[4, 4, 4], ncpus=[1, 1, 1], tree_cpu_ratio=[.99, .98, .99],
+                   cpu_ratio=[.57, .55, .58])
+    f = workers_crowded(JOB, crowded)
+    assert f is not None and f.id == "data-loading-cpu-starved"
+    assert f.evidence["workers"] == 4 and f.evidence["ncpus"] == 1
+    assert f.evidence["job_cpu_ratio_median"] == 0.57  # what the job alone showed
+    # room for every worker: no finding; CPUs not busy: no finding
+    assert workers_crowded(JOB, cols(workers=[4, 4], ncpus=[8, 8],
+                                     tree_cpu_ratio=[.99, .99])) is None
+    assert workers_crowded(JOB, cols(workers=[4, 4], ncpus=[1, 1],
+                                     tree_cpu_ratio=[.4, .5])) is None
+    # runnable workers count toward oversubscription too
+    f2 = cpu_oversubscription(JOB, cols(runnable_threads=[1, 1, 1], tree_runnable=[5, 5, 6],
+                                        ncpus=[1, 1, 1]))
+    assert f2 is not None and f2.evidence["runnable_threads_median"] == 5

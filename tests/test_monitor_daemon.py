@@ -366,3 +366,76 @@ def test_metrics_port_in_use_is_reported_and_the_daemon_keeps_serving(
         assert st.rc == 0
         assert f"cannot listen on 127.0.0.1:{port}" in st.out
         assert "tunerd_up 1.0" in d.ctl("metrics").out  # the socket path still works
+
+
+GUIDE_EXAMPLE = """
+import time, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Synthetic(Dataset):  # the guide's example: CPU-side preprocessing per sample
+    def __len__(self): return 1 << 30
+    def __getitem__(self, i):
+        x = torch.randn(256, 256)
+        for _ in range(4):
+            x = torch.tanh(x @ x.T / 256)
+        return x[0, :1024 // 4].repeat(4), torch.randint(0, 10, ())
+
+torch.set_num_threads(1)
+model = torch.nn.Linear(1024, 1024)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loader = DataLoader(Synthetic(), batch_size=32, num_workers=4)
+print("ready", flush=True)
+for x, _ in loader:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.root
+def test_the_guides_example_on_one_cpu_is_found_within_15s(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    """Issue 11: 4 DataLoader workers and the loop bound to 1 CPU gave "no findings";
+    the job's own CPU share (57%) hid its workers. advise now counts them."""
+    pytest.importorskip("torch")
+    d: DaemonProc = daemon_factory().start()  # the default 1 s sampling
+    p = subprocess.Popen([sys.executable, "-c", GUIDE_EXAMPLE], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        cpu = str(min(os.sched_getaffinity(0)))
+        t0 = time.monotonic()
+        r = d.ctl("bind", str(p.pid), "--cpus", cpu)
+        assert r.rc == 0, r.err
+        # the workers were forked before the bind: they keep their masks, so bind them too
+        wait_for(lambda: len(_children(p.pid)) >= 4, 30, "4 DataLoader workers")
+        for w in _children(p.pid):
+            assert d.ctl("bind", str(w), "--cpus", cpu).rc == 0
+
+        def finding() -> Any:
+            res = d.ctl("--json", "advise", str(p.pid)).json()
+            ids = {f["id"]: f for j in res["jobs"] for f in j["findings"]}
+            return ids.get("data-loading-cpu-starved") or ids.get("cpu-oversubscription")
+
+        f = wait_for(finding, 15, "a data-loading or oversubscription finding", interval=0.5)
+        assert time.monotonic() - t0 < 30
+        top = next(j for j in d.ctl("--json", "top").json()["sample"]["jobs"]
+                   if j["pid"] == p.pid)
+        assert top["workers"] >= 4, top
+        assert f["evidence"].get("workers", 4) >= 4
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return out

@@ -51,6 +51,11 @@ def _vals(cols: Columns, name: str) -> list[float]:
     return [v for v in cols.get(name, []) if v is not None and not math.isnan(v)]
 
 
+def _col(cols: Columns, name: str) -> list[float]:
+    """A column with NaN for missing values, so two columns stay aligned."""
+    return [math.nan if v is None else v for v in cols.get(name, [])]
+
+
 def _median(vals: Sequence[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
@@ -190,8 +195,46 @@ def fd_limit(job: dict[str, Any], cols: Columns) -> Finding | None:
         "'file_system') also helps.")
 
 
+def workers_crowded(job: dict[str, Any], cols: Columns) -> Finding | None:
+    """DataLoader workers and the main process crowd too few CPUs (the guide's example).
+
+    The job's own CPU time misses its workers (processes, not threads); the tree's
+    CPU time (job + workers) against the CPUs it is bound to does not.
+    """
+    tree = _vals(cols, "tree_cpu_ratio")
+    workers = _vals(cols, "workers")
+    ncpus = _vals(cols, "ncpus")
+    if len(tree) < 2 or not workers or not ncpus:
+        return None
+    w, n, t = int(workers[-1]), int(ncpus[-1]), _median(tree)
+    assert t is not None
+    if w < 1 or w + 1 <= n or t < CPU_SATURATED_ABOVE:
+        return None
+    return Finding(
+        "data-loading-cpu-starved", "warning",
+        f"{w} DataLoader worker(s) and the main process share {n} busy CPU(s)",
+        {"workers": w, "ncpus": n, "tree_cpu_ratio_median": _r(t),
+         "job_cpu_ratio_median": _r(_median(_vals(cols, "cpu_ratio"))),
+         "bound_cpus": job.get("cpus"), "worker_pids": (job.get("worker_pids") or [])[:16],
+         "samples": len(tree)},
+        "Every CPU the job may use is busy, and its DataLoader workers (separate "
+        "processes) and the training loop take turns on them: the step waits for batches "
+        "and the workers wait for CPU time. The job's own CPU share hides this; the share "
+        "of the job with its workers shows it.",
+        "Give the job at least one CPU per worker plus one for the training loop "
+        "(tunerctl bind PID --cpus LIST, a [[job]] rule with workers = N, or tunerctl run "
+        "--workers N), or lower num_workers to the CPUs it has "
+        "(tunerd.torch.dataloader_kwargs() sizes it from the CPUs given).",
+        ["https://pytorch.org/docs/stable/data.html#multi-process-data-loading"])
+
+
 def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
-    run = _vals(cols, "runnable_threads")
+    # the job's runnable threads, or with its workers' where that is more
+    own, tree = _col(cols, "runnable_threads"), _col(cols, "tree_runnable")
+    n = max(len(own), len(tree))
+    own, tree = own + [math.nan] * (n - len(own)), tree + [math.nan] * (n - len(tree))
+    run = [max(x for x in (a, b) if not math.isnan(x))
+           for a, b in zip(own, tree, strict=True) if not (math.isnan(a) and math.isnan(b))]
     ncpus = _vals(cols, "ncpus")
     if not run or not ncpus:
         return None
@@ -211,8 +254,8 @@ def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
 
 
 RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
-    data_loading, io_bound, remote_numa, gpu_fragmentation, throttling, fd_limit,
-    cpu_oversubscription,
+    data_loading, workers_crowded, io_bound, remote_numa, gpu_fragmentation, throttling,
+    fd_limit, cpu_oversubscription,
 ]
 
 

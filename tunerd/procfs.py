@@ -501,6 +501,24 @@ class Process:
         return [int(t) for t in os.listdir(f"{self._base}/task") if t.isdigit()]
 
     @_boundary
+    def children(self) -> list[int]:
+        """Child processes, from /proc/PID/task/TID/children (no scan of every process).
+
+        The kernel lists a task's children there (CONFIG_PROC_CHILDREN, on in every
+        distribution kernel); DataLoader workers are children of the rank's main thread
+        (fork) or of a thread that started them. Empty where the file is missing.
+        """
+        out: list[int] = []
+        base = f"{self._base}/task"
+        for tid in os.listdir(base):
+            try:
+                raw = _read_once(f"{base}/{tid}/children")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out += [int(x) for x in raw.split()]
+        return out
+
+    @_boundary
     def runnable_threads(self) -> int:
         """Threads in state R now (one task/TID/stat read per thread)."""
         n = 0

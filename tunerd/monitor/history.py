@@ -28,7 +28,8 @@ JOB_FIELDS = ("time", "cpu_cores", "cpu_ratio", "cpus_busy_ratio", "ncpus", "thr
               "runnable_threads", "rss_bytes", "locality_ratio", "open_fds", "nofile_soft",
               "read_bytes_per_second", "write_bytes_per_second", "gpu_memory_bytes",
               "gpu_utilization_ratio", "gpu_throttle_reasons", "torch_reserved_bytes",
-              "torch_allocated_bytes", "iowait_ratio", "psi_io_some", "disk_busy_max")
+              "torch_allocated_bytes", "iowait_ratio", "psi_io_some", "disk_busy_max",
+              "workers", "tree_cpu_ratio", "tree_runnable")
 
 
 def _get(d: dict[str, Any] | None, *path: Any) -> Any:
@@ -120,7 +121,8 @@ class History:
                 j.get("write_bytes_per_second"), j.get("gpu_memory_bytes"),
                 j.get("gpu_utilization_ratio"),
                 _or_bits(bits), reserved, allocated, iowait,
-                _get(psi, "io", "some_avg10"), disk_busy))
+                _get(psi, "io", "some_avg10"), disk_busy, j.get("workers"),
+                j.get("tree_cpu_ratio"), j.get("tree_runnable")))
         for key in list(self.jobs):
             if key not in live:
                 del self.jobs[key]

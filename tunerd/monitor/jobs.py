@@ -102,6 +102,9 @@ def _parse_cached(text: str) -> frozenset[int]:
         return frozenset()
 
 
+MAX_WORKERS = 256  # child processes of one job sampled per cycle
+
+
 @dataclass
 class _JobState:
     t: float
@@ -113,6 +116,7 @@ class _JobState:
     uid: int | None = None
     ctx: tuple[int, int] | None = None
     slow_at: int = -1
+    workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
 
 
 class JobSampler:
@@ -201,6 +205,9 @@ class JobSampler:
         key = (pid, want_start)
         prev = self._state.get(key)
         cur = _JobState(now, ticks, rb, wb)
+        workers = self._workers(proc, prev.workers if prev is not None else None, now,
+                                prev.t if prev is not None else None)
+        cur.workers = workers["ticks"]
         if prev is not None:
             cur.numa, cur.runnable = prev.numa, prev.runnable
             cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
@@ -258,7 +265,58 @@ class JobSampler:
             "gpu_memory_bytes": gpu_mem.get(pid),
             "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,
             "torch": None,
+            # its worker processes (DataLoader workers are processes, not threads)
+            "workers": workers["n"], "worker_pids": workers["pids"],
+            "workers_cpu_cores": workers["cores"], "workers_rss_bytes": workers["rss"],
+            "tree_cpu_cores": (None if cores is None else cores + (workers["cores"] or 0.0)),
+            "tree_cpu_ratio": (None if cores is None or not cpus
+                               else (cores + (workers["cores"] or 0.0)) / len(cpus)),
+            # processes and threads of the job and its workers that are running or
+            # waiting for a CPU now
+            "tree_runnable": (cur.runnable if cur.runnable is not None
+                              else int(st.state == "R")) + workers["runnable"],
         }
+
+    def _workers(self, proc: Process, prev: dict[int, tuple[int, int]] | None, now: float,
+                 prev_t: float | None) -> dict[str, Any]:
+        """The job's child processes (two levels: a worker may fork its own helpers).
+
+        One stat read per child per cycle; at most MAX_WORKERS of them.
+        """
+        ticks: dict[int, tuple[int, int]] = {}
+        runnable = rss = 0
+        delta = 0
+        try:
+            todo = proc.children()
+        except TunerdError:
+            todo = []
+        level = 0
+        while todo and level < 2 and len(ticks) < MAX_WORKERS:
+            nxt: list[int] = []
+            for pid in todo[:MAX_WORKERS - len(ticks)]:
+                child = Process(pid, self.proc)
+                try:
+                    cst = child.stat()
+                except TunerdError:
+                    continue
+                t = cst.utime + cst.stime
+                ticks[pid] = (cst.start_time, t)
+                old = prev.get(pid) if prev else None
+                if old is not None and old[0] == cst.start_time:
+                    delta += max(0, t - old[1])
+                runnable += int(cst.state == "R")
+                rss += cst.rss_pages * PAGE_SIZE
+                if level == 0:
+                    try:
+                        nxt += child.children()
+                    except TunerdError:
+                        pass
+            todo, level = nxt, level + 1
+        cores = (delta / CLK_TCK / (now - prev_t)
+                 if prev is not None and prev_t is not None and now > prev_t else None)
+        return {"n": len(ticks), "pids": sorted(ticks)[:64], "ticks": ticks,
+                "cores": cores if ticks else (0.0 if prev is not None else None),
+                "rss": rss, "runnable": runnable}
 
 
 def _optional(getter: Any) -> Any:
