@@ -265,6 +265,9 @@ class Placer:
                          f"housekeeping CPUs {format_cpulist(allowed)}; using them")
         return allowed
 
+    def _smt(self) -> int:
+        return max((len(c.siblings) for c in self.topo.cpus.values()), default=1) or 1
+
     def _usable(self, allowed: frozenset[int] | None, hk: frozenset[int]) -> frozenset[int]:
         online = self.topo.online_cpus()
         base = online & allowed if allowed is not None else online
@@ -304,6 +307,9 @@ class Placer:
                 count = max(1, min(share, len(usable) // ranks or 1))
             else:
                 count = max(1, len(usable) // ranks)
+            smt = self._smt()
+            if count > smt:  # whole cores: a rank never shares a core with the next one
+                count -= count % smt
             need = 1 + max(0, req.workers)
             if count < need:
                 rank = req.rank if req.rank is not None else 0
