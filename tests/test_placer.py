@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import FIXTURES
 from tunerd.allocation import Allocation
 from tunerd.cpulist import format_cpulist
-from tunerd.daemon.placer import HostCapacity, PlaceRequest, Placer, Reservation
+from tunerd.daemon.placer import HostCapacity, Placer, PlaceRequest, Reservation
 from tunerd.errors import PlacementError, UsageError
 from tunerd.topology import load_topology
 

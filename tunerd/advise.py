@@ -231,8 +231,8 @@ def workers_crowded(job: dict[str, Any], cols: Columns) -> Finding | None:
 def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
     # the job's runnable threads, or with its workers' where that is more
     own, tree = _col(cols, "runnable_threads"), _col(cols, "tree_runnable")
-    n = max(len(own), len(tree))
-    own, tree = own + [math.nan] * (n - len(own)), tree + [math.nan] * (n - len(tree))
+    size = max(len(own), len(tree))
+    own, tree = own + [math.nan] * (size - len(own)), tree + [math.nan] * (size - len(tree))
     run = [max(x for x in (a, b) if not math.isnan(x))
            for a, b in zip(own, tree, strict=True) if not (math.isnan(a) and math.isnan(b))]
     ncpus = _vals(cols, "ncpus")
