@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -132,8 +133,16 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            # BaseServer.shutdown() waits for serve_forever's next poll (up to 0.5 s):
+            # let a daemon thread wait for it, so that SIGTERM ends the daemon at once
+            http = self._http
+            self._http = None
+
+            def close() -> None:
+                http.shutdown()
+                http.server_close()
+
+            threading.Thread(target=close, name="tunerd-metrics-stop", daemon=True).start()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self) -> None:
