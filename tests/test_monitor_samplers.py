@@ -220,8 +220,12 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     assert (s["nofile_soft"], s["nofile_hard"]) == (300, 400)
     assert s["threads"] == 1 and s["cpu_cores"] is not None and s["cpu_cores"] >= 0
     assert s["gpu_memory_bytes"] == 1e9 and s["gpu_utilization_ratio"] == 0.25
-    assert s["locality_ratio"] == 1.0  # one NUMA node here: every page is on node 0
-    assert sum(s["numa_bytes"].values()) > 64 << 20
+    # one NUMA node: every page is local, and numa_maps (a page-table walk) is not read
+    assert s["locality_ratio"] == 1.0 and s["numa_bytes"] == {}
+    # where there are several nodes, it is read (here: all of it on node 0)
+    two = JobSampler(node_cpus={0: frozenset({0}), 1: frozenset({1})})
+    [m] = two.sample([rec], gpu, host)
+    assert sum(m["numa_bytes"].values()) > 64 << 20 and m["locality_ratio"] == 1.0
     assert s["torch"]["devices"][0]["reserved_bytes"] == 9
     assert s["torch"]["step_time_s"] == 0.25 and s["torch"]["age_seconds"] >= 2
     assert s["uid"] == os.getuid() and s["start_time"] == start

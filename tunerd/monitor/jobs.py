@@ -103,6 +103,7 @@ def _parse_cached(text: str) -> frozenset[int]:
 
 
 MAX_WORKERS = 256  # child processes of one job sampled per cycle
+NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 
 
 @dataclass
@@ -116,6 +117,7 @@ class _JobState:
     uid: int | None = None
     ctx: tuple[int, int] | None = None
     slow_at: int = -1
+    slow_count: int = 0  # slow cycles so far (numa_maps on every NUMA_EVERY-th)
     workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
 
 
@@ -211,6 +213,7 @@ class JobSampler:
         if prev is not None:
             cur.numa, cur.runnable = prev.numa, prev.runnable
             cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
+            cur.slow_count = prev.slow_count
         cpus = _cpuset(rec.get("cpus"))
         mems = _cpuset(rec.get("mems")) or frozenset(
             n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
@@ -219,7 +222,15 @@ class JobSampler:
             # offsetting by pid spreads them over the slow period (the first read is
             # still immediate)
             cur.slow_at = self._cycle - (pid % self.slow_every if prev is None else 0)
-            cur.numa = _optional(proc.numa_bytes)  # no CONFIG_NUMA, or no permission
+            if len(self.node_cpus) > 1:
+                # numa_maps walks the page tables of the whole process (1-2 ms for a
+                # 32 MiB job, far more for a training job): only where there is more
+                # than one node to be remote from, and only every NUMA_EVERY slow cycles
+                cur.slow_count = prev.slow_count + 1 if prev is not None else 0
+                if cur.slow_count % NUMA_EVERY == 0:
+                    cur.numa = _optional(proc.numa_bytes)  # no CONFIG_NUMA, no permission
+            else:  # one NUMA node: every page is local, nothing to read
+                cur.numa = None
             cur.runnable = _optional(proc.runnable_threads)
             with proc.oneshot():  # one status read for both
                 cur.uid = proc.uids()[0]
@@ -236,7 +247,8 @@ class JobSampler:
                 wr_bps = max(0, wb - prev.write_bytes) / dt
         numa_total = sum(cur.numa.values()) if cur.numa else 0
         locality = (sum(b for n, b in cur.numa.items() if n in mems) / numa_total
-                    if cur.numa and mems and numa_total else None)
+                    if cur.numa and mems and numa_total
+                    else 1.0 if len(self.node_cpus) <= 1 else None)
         soft, hard = _optional(proc.nofile) or (None, None)
         gpus = [int(g) for g in rec.get("gpus") or []]
         utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
