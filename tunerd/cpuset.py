@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.procfs import read_text
 
 __all__ = ["CHILD_PREFIX", "CpusetCgroup", "child_name", "find_cpuset", "read_ids",
            "tunerd_children"]
@@ -38,11 +39,8 @@ _V1_DIRS = ("cpuset", "cpu,cpuset", "cpuset,cpu")
 
 
 def read_ids(path: Path) -> frozenset[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return parse_cpulist(os.read(fd, 1 << 16).decode())
-    finally:
-        os.close(fd)
+    """A cpulist file (cpuset.cpus, .../online); raises OSError (tunerd.procfs.read_text)."""
+    return parse_cpulist(read_text(path))
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ class CpusetCgroup:
         if self.version == 1:
             return (self.dir / "cpuset.cpus").exists()
         try:
-            ctl = (self.dir / "cgroup.subtree_control").read_text().split()
+            ctl = read_text(self.dir / "cgroup.subtree_control").split()
         except OSError:
             return False
         return "cpuset" in ctl
@@ -198,7 +196,7 @@ def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
 
     Raises FileNotFoundError / ProcessLookupError if the process is gone.
     """
-    lines = (proc_root / str(pid) / "cgroup").read_text().splitlines()
+    lines = read_text(proc_root / str(pid) / "cgroup").splitlines()
     base = sys_root / "fs" / "cgroup"
     unified: str | None = None
     for line in lines:
@@ -218,7 +216,7 @@ def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
     if unified is not None:
         v2 = v2_mount(sys_root)
         if v2 is not None:
-            ctrls = (v2 / "cgroup.controllers").read_text().split()
+            ctrls = read_text(v2 / "cgroup.controllers").split()
             if "cpuset" in ctrls:
                 cg = CpusetCgroup(2, v2, unified)
                 return cg if cg.dir.is_dir() else None

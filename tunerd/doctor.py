@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd import nvml
+from tunerd.procfs import read_value
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 NOFILE_MIN = 65536
@@ -216,12 +217,6 @@ def check_python(env: Env) -> Check:
                  data={**data, "version": version})
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
 
 def _n(n: int, word: str) -> str:
     """``_n(1, "GPU")`` -> "1 GPU", ``_n(2, "GPU")`` -> "2 GPUs"."""
@@ -241,8 +236,8 @@ def nvidia_pci_devices(env: Env) -> list[str]:
     except OSError:
         return out
     for bdf in names:
-        cls = _read(base / bdf / "class") or ""
-        if _read(base / bdf / "vendor") == NVIDIA_VENDOR and cls[:4] in ("0x03", "0x12"):
+        cls = read_value(base / bdf / "class") or ""
+        if read_value(base / bdf / "vendor") == NVIDIA_VENDOR and cls[:4] in ("0x03", "0x12"):
             out.append(bdf)
     return out
 
@@ -390,7 +385,7 @@ def pci_bridges(env: Env) -> list[str]:
         names = sorted(os.listdir(base))
     except OSError:
         return []
-    return [b for b in names if (_read(base / b / "class") or "").startswith("0x0604")]
+    return [b for b in names if (read_value(base / b / "class") or "").startswith("0x0604")]
 
 
 def acs_source_validation(setpci_out: str) -> bool | None:
@@ -464,7 +459,7 @@ def check_iommu(env: Env) -> Check:
         units = os.listdir(env.sys_root / "class/iommu")
     except OSError:
         units = []
-    cmdline = _read(env.proc_root / "cmdline") or ""
+    cmdline = read_value(env.proc_root / "cmdline") or ""
     args = cmdline.split()
     if not units:
         return Check("iommu", title, PASS, "no IOMMU active (DMA is not translated)")
@@ -480,7 +475,7 @@ def check_iommu(env: Env) -> Check:
 # -- storage -------------------------------------------------------------------
 def find_mount(env: Env, path: Path) -> tuple[str, str, str] | None:
     """(mount point, fs type, major:minor) of the mount holding ``path``."""
-    text = _read(env.proc_root / "self/mountinfo")
+    text = read_value(env.proc_root / "self/mountinfo")
     if text is None:
         return None
     target = str(path.resolve())
@@ -523,7 +518,7 @@ def check_data_device(env: Env, d: Path, majmin: str) -> Check:
     except OSError:
         return Check("data-device", title, SKIP, f"{d} is not on a block device ({majmin})")
     disk = real.parent if (real / "partition").exists() else real
-    rot = _read(disk / "queue/rotational")
+    rot = read_value(disk / "queue/rotational")
     name = disk.name
     if rot is None:
         return Check("data-device", title, SKIP, f"{name}: no queue/rotational")
@@ -546,7 +541,7 @@ def check_nofile(env: Env) -> Check:
 
 
 def check_numa_balancing(env: Env) -> Check:
-    val = _read(env.proc_root / "sys/kernel/numa_balancing")
+    val = read_value(env.proc_root / "sys/kernel/numa_balancing")
     if val is None:
         return Check("numa-balancing", "Automatic NUMA balancing", SKIP,
                      "kernel without CONFIG_NUMA_BALANCING")
@@ -574,7 +569,7 @@ def check_governor(env: Env) -> Check:
         cpus = []
     govs: dict[str, int] = {}
     for c in cpus:
-        g = _read(base / c / "cpufreq/scaling_governor")
+        g = read_value(base / c / "cpufreq/scaling_governor")
         if g is not None:
             govs[g] = govs.get(g, 0) + 1
     if not govs:
@@ -593,7 +588,7 @@ def nccl_ifname(env: Env) -> tuple[str | None, str]:
     v = env.environ.get("NCCL_SOCKET_IFNAME")
     if v:
         return v, "env NCCL_SOCKET_IFNAME"
-    text = _read(env.etc_root / "nccl.conf") or ""
+    text = read_value(env.etc_root / "nccl.conf") or ""
     for line in text.splitlines():
         k, _, val = line.partition("=")
         if k.strip() == "NCCL_SOCKET_IFNAME" and val.strip():
@@ -632,7 +627,7 @@ def check_nccl_mtu(env: Env) -> Check:
                      "Set NCCL_SOCKET_IFNAME to the fabric interface(s), e.g. =ens1f0.")
     small, info = [], []
     for n in nics:
-        mtu = _read(base / n / "mtu")
+        mtu = read_value(base / n / "mtu")
         fabric = (base / n / "device").exists()  # a physical NIC, not lo/bridge/veth
         info.append(f"{n} mtu {mtu}{'' if fabric else ' (virtual)'}")
         if fabric and mtu is not None and int(mtu) < JUMBO_MTU:

@@ -70,7 +70,7 @@ def scope_pids(scope: str, proc: str = procfs.PROC,
         procs = Path(base + arg.rstrip("/")) / "cgroup.procs"
         if procs.is_file():
             try:
-                return [int(x) for x in procs.read_text().split()]
+                return [int(x) for x in procfs.read_text(procs, None).split()]
             except OSError as err:
                 raise UsageError(f"exclusive scope {scope!r}: cannot read {procs}: "
                                  f"{err.strerror}") from err

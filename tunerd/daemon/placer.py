@@ -47,6 +47,7 @@ from tunerd.placement import (
     whole_cores,
 )
 from tunerd.placement import place as place_on_topology
+from tunerd.procfs import read_text
 from tunerd.topology.model import Topology
 
 __all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
@@ -67,7 +68,7 @@ class HostCapacity:
     def read(cls, sys_root: str | Path = "/sys") -> HostCapacity:
         def one(path: str, default: frozenset[int]) -> frozenset[int]:
             try:
-                return parse_cpulist(Path(sys_root, path).read_text())
+                return parse_cpulist(read_text(Path(sys_root, path)))
             except (OSError, CpuListError):
                 return default
 

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from tunerd.cpulist import CpuListError, parse_cpulist
+from tunerd.procfs import read_value
 from tunerd.topology.model import Cpu, Nic, NumaNode
 
 __all__ = [
@@ -25,15 +26,9 @@ __all__ = [
 _PCI_ADDR = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
 
 def _read_int(path: Path) -> int | None:
-    s = _read(path)
+    s = read_value(path)
     try:
         return int(s) if s is not None else None
     except ValueError:
@@ -41,7 +36,7 @@ def _read_int(path: Path) -> int | None:
 
 
 def _read_cpulist(path: Path) -> frozenset[int] | None:
-    s = _read(path)
+    s = read_value(path)
     if s is None:
         return None
     try:
@@ -136,12 +131,12 @@ def read_numa_nodes(sys_root: Path = Path("/sys"), cpus: frozenset[int] | None =
         if cpus is not None:
             node_cpus &= cpus
         mem = 0
-        meminfo = _read(d / "meminfo") or ""
+        meminfo = read_value(d / "meminfo") or ""
         m = re.search(r"MemTotal:\s+(\d+)\s*kB", meminfo)
         if m:
             mem = int(m.group(1)) * 1024
         dist: dict[int, int] = {}
-        dist_s = _read(d / "distance")
+        dist_s = read_value(d / "distance")
         if dist_s:
             # one value per *online* node, in node order (drivers/base/node.c,
             # node_read_distance: for_each_online_node)
@@ -160,7 +155,7 @@ def read_numa_nodes(sys_root: Path = Path("/sys"), cpus: frozenset[int] | None =
 
 
 def _mem_total(proc_root: Path) -> int:
-    m = re.search(r"MemTotal:\s+(\d+)\s*kB", _read(proc_root / "meminfo") or "")
+    m = re.search(r"MemTotal:\s+(\d+)\s*kB", read_value(proc_root / "meminfo") or "")
     return int(m.group(1)) * 1024 if m else 0
 
 

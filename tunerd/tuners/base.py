@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from tunerd.errors import Failed
+from tunerd.procfs import read_value
 
 __all__ = [
     "Change",
@@ -26,7 +27,6 @@ __all__ = [
     "Tuner",
     "bracketed",
     "normalize",
-    "read_text",
     "to_setting_value",
     "write_text",
 ]
@@ -103,16 +103,6 @@ class SettingError(Failed):
                 "path": self.details.get("path")}
 
 
-def read_text(path: Path) -> str | None:
-    """Contents of a sysfs/procfs file, stripped; None when it is absent or unreadable."""
-    try:
-        return path.read_text().strip()
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return None
-    except OSError:  # e.g. EINVAL/EIO from a driver that cannot report the value
-        return None
-
-
 def write_text(path: Path, value: str, key: str) -> None:
     """Write one value as `echo -n VALUE > FILE` does (O_TRUNC: harmless on sysfs, needed
     on a plain file in a test tree); an OSError becomes SettingError."""
@@ -185,7 +175,7 @@ class FileTuner(Generic[S]):
 
     def current(self, key: str) -> str | None:
         path = self.path_for(key)
-        raw = read_text(path) if path else None
+        raw = read_value(path) if path else None
         return None if raw is None else self.parse(key, raw)
 
     def read(self, keys: Iterable[str] | None = None) -> dict[str, str | None]:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.policy.typed import CpuSection
-from tunerd.tuners.base import Change, SettingError, normalize, read_text, write_text
+from tunerd.procfs import read_value
+from tunerd.tuners.base import Change, SettingError, normalize, write_text
 
 KEY = "cpu:governor"
 _CPU_DIR = re.compile(r"cpu(\d+)$")
@@ -42,7 +43,7 @@ class CpuTuner:
     def per_cpu(self) -> dict[str, str]:
         vals = {}
         for cpu, f in self.governor_files().items():
-            v = read_text(f)
+            v = read_value(f)
             if v is not None:
                 vals[cpu] = v
         return vals
@@ -72,7 +73,7 @@ class CpuTuner:
         if not files or change.desired is None:
             raise SettingError(KEY, change.desired, "no cpufreq on this machine")
         for f in files.values():
-            if normalize(read_text(f)) != change.desired:
+            if normalize(read_value(f)) != change.desired:
                 write_text(f, change.desired, KEY)
 
     def save_original(self, change: Change) -> dict[str, Any]:
@@ -82,7 +83,7 @@ class CpuTuner:
         files = self.governor_files()
         for cpu, gov in (saved.get("per_cpu") or {}).items():
             f = files.get(cpu)
-            if f is not None and read_text(f) != gov:
+            if f is not None and read_value(f) != gov:
                 write_text(f, str(gov), KEY)
 
     def mentions(self, key: str, desired: CpuSection) -> bool:
