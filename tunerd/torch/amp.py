@@ -27,7 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunerd.torch.affinity import check_process
-from tunerd.torch.settings import daemon_settings, env_overrides, log, record, warn_once
+from tunerd.torch.settings import (
+    daemon_settings,
+    env_overrides,
+    log,
+    record,
+    valid_settings,
+    warn_once,
+)
 
 __all__ = ["Amp", "cpu_has_native_bf16", "maybe_compile"]
 
@@ -50,7 +57,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def _resolve(key: str, given: Any, computed: Any, settings: Mapping[str, Any] | None,
              env: Mapping[str, str] | None) -> tuple[Any, str]:
     value, source = (computed, "computed") if given is None else (given, "argument")
-    layer = daemon_settings() if settings is None else settings
+    layer = daemon_settings() if settings is None else valid_settings(settings, "settings")
     if key in layer:
         value, source = layer[key], "daemon"
     over = env_overrides(env)

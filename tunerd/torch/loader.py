@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunerd.torch.affinity import Allocation, allocation, check_process, make_worker_init_fn
-from tunerd.torch.settings import daemon_settings, env_overrides, log, record, warn_once
+from tunerd.torch.settings import (
+    daemon_settings,
+    env_overrides,
+    log,
+    record,
+    valid_settings,
+    warn_once,
+)
 
 __all__ = ["LoaderPlan", "dataloader_kwargs", "loader_plan"]
 
@@ -80,7 +87,8 @@ def loader_plan(*, cuda: bool | None = None, alloc: Allocation | None = None,
                                         "persistent_workers": persistent_workers,
                                         "prefetch_factor": prefetch_factor}.items()
                       if v is not None}),
-        ("daemon ([[job]] torch table)", daemon_settings() if settings is None else settings),
+        ("daemon ([[job]] torch table)",
+         daemon_settings() if settings is None else valid_settings(settings, "settings")),
         ("environment", env_overrides(env)),
     ]
     share = math.floor(alloc.share)
