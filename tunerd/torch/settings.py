@@ -28,6 +28,7 @@ __all__ = [
     "ENV",
     "daemon_settings",
     "env_overrides",
+    "parse_setting",
     "record",
     "valid_settings",
     "warn_once",
@@ -67,7 +68,7 @@ def warn_once(key: str, message: str, *args: Any) -> None:
     log.warning(message, *args)
 
 
-def _parse(key: str, raw: Any, origin: str) -> Any:
+def parse_setting(key: str, raw: Any, origin: str) -> Any:
     """One setting's value from the environment (str) or the daemon (JSON); raises
     ValueError naming ``origin``, the key and the value."""
     if key == "amp":
@@ -109,7 +110,7 @@ def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         if raw is None or raw.strip() == "":
             continue
         try:
-            out[key] = _parse(key, raw, var)
+            out[key] = parse_setting(key, raw, var)
         except ValueError as err:
             warn_once(f"env:{var}={raw}", "tunerd.torch: ignoring %s", err)
     return out
@@ -130,7 +131,7 @@ def valid_settings(table: Any, origin: str = "daemon settings") -> dict[str, Any
                       origin, key)
             continue
         try:
-            out[key] = _parse(key, raw, f"{origin}: {key}")
+            out[key] = parse_setting(key, raw, f"{origin}: {key}")
         except ValueError as err:
             warn_once(f"settings:{origin}:{key}", "tunerd.torch: ignoring %s", err)
     return out
