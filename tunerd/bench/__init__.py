@@ -145,6 +145,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         schedule = interleave(cfg.runs, cfg.warmup)
         # the helpers in the command talk to the same daemon as the placement does
         base_env = {**cfg.env, **({"TUNERD_SOCKET": cfg.socket_path} if cfg.socket_path else {})}
+        if hog_pid is not None:
+            base_env["TUNERD_BENCH_HOG"] = str(hog_pid)  # the noisy neighbour, for scripts
         for i, (label, warm) in enumerate(schedule):
             if progress:
                 progress(i, len(schedule), None, f"{label} ({spec_of[label].describe()})")

@@ -157,6 +157,23 @@ while True:
 """
 
 
+def _live_members(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are not zombies."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
 class CpuHog:
     """A noisy neighbour: ``procs`` processes spinning on the CPU (one process tree, its
     own session, so one kill of its group ends it)."""
@@ -177,12 +194,17 @@ class CpuHog:
     def stop(self) -> None:
         if self.proc is None:
             return
+        pgid = self.proc.pid
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group we created, by its id
+            os.killpg(pgid, signal.SIGKILL)  # the group we created, by its id
         except ProcessLookupError:
             pass
         self.proc.wait()
         self.proc = None
+        # the forked children are reaped by init, not by us: return once none is running
+        deadline = time.monotonic() + 5.0
+        while _live_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def __enter__(self) -> CpuHog:
         return self.start()

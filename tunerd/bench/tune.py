@@ -77,10 +77,11 @@ class Step:
     candidate: ArmSpec
     result: BenchResult
     kept: bool
+    old: Any = None  # the value in the baseline (the command's own when not set)
 
     def describe(self) -> str:
         c = self.result.comparison
-        old = _value_of(self.baseline, self.setting)
+        old = self.old
         head = f"{self.setting}: {_show(old)} -> {_show(self.value)}: "
         if self.result.failed():
             first = self.result.failed()[0]
@@ -88,7 +89,7 @@ class Step:
         return head + c.verdict + ("; kept" if self.kept else f"; kept {_show(old)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"setting": self.setting, "value": self.value,
+        return {"setting": self.setting, "value": self.value, "old": self.old,
                 "baseline": self.baseline.to_dict(), "candidate": self.candidate.to_dict(),
                 "kept": self.kept, "comparison": self.result.comparison.to_dict(),
                 "failed_runs": len(self.result.failed())}
@@ -191,7 +192,7 @@ def search(cfg: BenchConfig, *, dims: tuple[str, ...] = DIMENSIONS, daemon: bool
         cand = current.with_setting(dim, value)
         out = bench(replace(cfg, arms=(current, cand)))
         kept = out.comparison.winner == "B" and not out.failed()
-        step = Step(dim, value, current, cand, out, kept)
+        step = Step(dim, value, current, cand, out, kept, _value_of(current, dim, known))
         res.steps.append(step)
         say(step.describe())
         if kept:

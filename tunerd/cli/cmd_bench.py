@@ -12,7 +12,7 @@ import click
 
 from tunerd.cli.context import get_ctx
 
-QUICK_RUNS = 3
+QUICK_RUNS = 4
 QUICK_STEPS = 20
 DEFAULT_STEPS = 48
 
@@ -122,12 +122,12 @@ class _Progress:
 
 @click.command(context_settings={"allow_interspersed_args": False})
 @click.option("--runs", type=click.IntRange(2, 1000), default=None,
-              help="Measured runs per arm [default: 5; --quick: 3].")
+              help="Measured runs per arm [default: 5; --quick: 4].")
 @click.option("--warmup", type=click.IntRange(0, 100), default=None,
               help="Runs per arm discarded first [default: 1; --quick: 0].")
 @click.option("--quick", is_flag=True,
-              help="3 runs per arm, no warm-up run, a shorter built-in workload (<= 60 s on a "
-                   "2-CPU machine).")
+              help="4 runs per arm (the fewest that can name a winner), no warm-up run, a "
+                   "shorter built-in workload (<= 60 s on a 2-CPU machine).")
 @click.option("--a", "arm_a", metavar="SPEC", default=None,
               help="Arm A: placement=unbound|tunerd|exclusive and settings, e.g. "
                    "'placement=unbound,amp=off' [default: placement=unbound].")

@@ -25,9 +25,10 @@ def _daemon_answers() -> bool:
 
 @click.command(context_settings={"allow_interspersed_args": False})
 @click.option("--quick", is_flag=True,
-              help="3 runs per arm, no warm-up, one round, no torch.compile trial.")
+              help="4 runs per arm (the fewest that can name a winner), no warm-up, one "
+                   "round, no torch.compile trial.")
 @click.option("--runs", type=click.IntRange(2, 1000), default=None,
-              help="Measured runs per arm of every comparison [default: 5; --quick: 3].")
+              help="Measured runs per arm of every comparison [default: 5; --quick: 4].")
 @click.option("--warmup", type=click.IntRange(0, 100), default=None,
               help="Warm-up runs per arm [default: 1; --quick: 0].")
 @click.option("--settings", "only", metavar="LIST", default=None,
@@ -140,7 +141,8 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
         if start_m and end_m:
             click.echo(f"{result.steps[0].result.comparison.metric}: {start_m:.4g} as it was, "
                        f"{end_m:.4g} with the kept changes ({end_m / start_m:.3f}x); "
-                       f"{len(result.steps)} comparison(s) in {result.elapsed_s:.0f} s")
+                       f"{len(result.steps)} comparison(s) in {result.elapsed_s:.0f} s",
+                       err=True)  # stdout is the rule alone, ready for a policy file
         click.echo(snippet, nl=False)
         if save is not None:
             click.echo(f"# written to {save}; check it with: tunerctl policy check {save}",
