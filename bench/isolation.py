@@ -5,7 +5,8 @@ example; ``--workers`` DataLoader workers, 0 by default so the job is one proces
 on one CPU), measured the same way in one run, interleaved (A B C, B C A, C A B ...)
 after one warm-up round:
 
-- alone: pinned to one CPU (the last one), nothing else started;
+- alone: pinned to the CPU the exclusive lease gets (asked from the daemon first, so
+  both run on the same CPU), nothing else started;
 - unbound + hog: a 2-process CPU hog (``--hog-procs``) runs, the job is not bound;
 - tunerd + hog: the same hog, the job started with
   ``tunerctl run --ncpus 1 --exclusive --exclusive-scope pid:HOG`` (``--cpus 1`` with a
@@ -38,6 +39,16 @@ from tunerd.bench.stats import compare
 CONFIGS = ("alone", "unbound + hog", "tunerd + hog")
 
 
+def the_lease_cpu(d: Daemon) -> str:
+    """The CPU a one-CPU exclusive lease gets here (alloc, then release)."""
+    from tunerd.client import Client
+
+    with Client(str(d.socket)) as c:
+        lease = c.call("alloc", gpus=0, cpus=1, exclusive=True)  # legacy count: both daemons
+        c.call("release", lease=lease["id"])
+    return str(lease["cpus"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="measured runs per configuration")
@@ -56,6 +67,7 @@ def main() -> int:
     values: dict[str, list[float]] = {c: [] for c in CONFIGS}
     problems: list[str] = []
     count = "--ncpus" if run_takes_ncpus() else "--cpus"  # one CPU, either spelling
+    lease_cpu = the_lease_cpu(d)
     try:
         with tunerd_on_path() as path_env:
             env = {**path_env, "TUNERD_BENCH_STEPS": str(args.steps),
@@ -67,7 +79,7 @@ def main() -> int:
                     hog = CpuHog(args.hog_procs).start() if "hog" in config else None
                     try:
                         if config == "alone":
-                            argv = ["taskset", "-c", str(cpus[-1]), *cmd]
+                            argv = ["taskset", "-c", lease_cpu, *cmd]
                         elif config == "unbound + hog":
                             argv = list(cmd)
                         else:
