@@ -189,6 +189,10 @@ class CpuHog:
     def start(self) -> CpuHog:
         self.proc = subprocess.Popen([sys.executable, "-c", _HOG, str(self.procs)],
                                      start_new_session=True, stdin=subprocess.DEVNULL)
+        # the first run must already face every hog process, not just the parent
+        deadline = time.monotonic() + 10.0
+        while len(_live_members(self.proc.pid)) < self.procs and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self
 
     def stop(self) -> None:
