@@ -336,3 +336,28 @@ def test_helpers_write_what_they_resolved_for_bench(tmp_path: Path) -> None:
     assert kinds["dataloader"]["num_workers"] == 0
     assert kinds["dataloader"]["sources"]["num_workers"] == "env TUNERD_NUM_WORKERS"
     assert kinds["reporter"]["steps"] == 3
+
+
+def test_cuda_paths_on_a_gpu_node(torch_mod) -> None:
+    """Runs only where CUDA is (none on the dev VM): fp16 autocast with an enabled
+    GradScaler, pinned memory by default, CUDA memory in the reporter."""
+    torch = torch_mod
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    from tunerd.torch import Amp, StepReporter
+
+    amp = Amp("cuda", "fp16", settings={}, env={})
+    assert amp.mode == "fp16" and amp.scaler.is_enabled()
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp.autocast():
+        out = model(torch.randn(8, 64, device="cuda"))
+    assert out.dtype == torch.float16
+    amp.backward(out.float().pow(2).mean())
+    amp.step(opt)
+    assert loader_plan(alloc=Allocation((0, 1, 2, 3)), settings={}, env={}).pin_memory
+    rep = StepReporter(batch_size=8, daemon=False)
+    rep.step()
+    rep.step()
+    mem = rep.close()["memory"]
+    assert set(mem) == {"allocated", "reserved", "max_allocated"} and mem["allocated"] > 0
