@@ -25,7 +25,7 @@ from tunerd.torch import (
     env_overrides,
     loader_plan,
 )
-from tunerd.torch.reporter import DaemonLink, current_report
+from tunerd.torch.link import DaemonLink, current_report
 
 
 def plan(cpus: int, cuda: bool, sharing: int = 1, slot: int = 0, **kw):  # type: ignore[no-untyped-def]

@@ -35,16 +35,16 @@ from tunerd.torch.affinity import (
     worker_init_fn,
 )
 from tunerd.torch.amp import Amp, cpu_has_native_bf16, maybe_compile
+from tunerd.torch.link import daemon_settings, dataloader_workers
 from tunerd.torch.loader import LoaderPlan, dataloader_kwargs, loader_plan
 from tunerd.torch.reporter import (
     StepReporter,
-    dataloader_workers,
     report_memory,
     stats_path,
     torch_memory_stats,
     write_stats,
 )
-from tunerd.torch.settings import daemon_settings, env_overrides
+from tunerd.torch.settings import env_overrides
 
 __all__ = [
     "Allocation",

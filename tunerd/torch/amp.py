@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunerd.torch.affinity import check_process
+from tunerd.torch.link import daemon_settings
 from tunerd.torch.settings import (
-    daemon_settings,
     env_overrides,
     log,
     record,

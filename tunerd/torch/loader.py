@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunerd.torch.affinity import Allocation, allocation, check_process, make_worker_init_fn
+from tunerd.torch.link import daemon_settings
 from tunerd.torch.settings import (
-    daemon_settings,
     env_overrides,
     log,
     record,

@@ -26,7 +26,6 @@ from typing import Any
 __all__ = [
     "AMP_MODES",
     "ENV",
-    "daemon_settings",
     "env_overrides",
     "parse_setting",
     "record",
@@ -56,7 +55,6 @@ _FALSE = {"0", "false", "no", "off"}
 
 _warned: set[str] = set()
 _lock = threading.Lock()
-_daemon_cache: dict[str, Any] | None = None
 
 
 def warn_once(key: str, message: str, *args: Any) -> None:
@@ -135,29 +133,6 @@ def valid_settings(table: Any, origin: str = "daemon settings") -> dict[str, Any
         except ValueError as err:
             warn_once(f"settings:{origin}:{key}", "tunerd.torch: ignoring %s", err)
     return out
-
-
-def daemon_settings(refresh: bool = False, timeout: float = 0.5) -> dict[str, Any]:
-    """The ``torch`` table of the ``[[job]]`` rule that bound this process ({} if none).
-
-    Asked once per process with the ``report`` command (steps=0) and cached. No
-    daemon, an old daemon that does not know ``report``, or any other failure gives {}
-    (the helpers work without a daemon); only a reply that makes no sense is warned
-    about.
-    """
-    global _daemon_cache
-    if _daemon_cache is not None and not refresh:
-        return dict(_daemon_cache)
-    from tunerd.torch.reporter import DaemonLink, current_report
-
-    link = DaemonLink(timeout=timeout)
-    try:
-        reply = link.send(current_report(steps=0))
-    finally:
-        link.close()
-    settings = valid_settings(reply.get("settings") if reply else None)
-    _daemon_cache = settings
-    return dict(settings)
 
 
 def record(kind: str, values: Mapping[str, Any]) -> None:
