@@ -1,55 +1,232 @@
-"""tunerctl bench: A/B training benchmark (as is vs. placed by tunerd)."""
+"""tunerctl bench: A/B benchmark of a training command (or the built-in workload)."""
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
 import sys
+from pathlib import Path
+from typing import Any
 
 import click
 
 from tunerd.cli.context import get_ctx
 
+QUICK_RUNS = 4
+QUICK_STEPS = 20
+DEFAULT_STEPS = 48
 
-@click.command(context_settings={"ignore_unknown_options": False})
-@click.option("--runs", type=click.IntRange(2, 1000), default=5, show_default=True,
-              help="Measured runs per arm.")
-@click.option("--warmup", type=click.IntRange(0, 100), default=1, show_default=True,
-              help="Runs per arm discarded first.")
-@click.option("--gpus", type=click.IntRange(0, 1024), default=None, help="B arm: GPUs to lease.")
-@click.option("--cpus", type=click.IntRange(1, 65536), default=None, help="B arm: CPUs to lease.")
-@click.option("--exclusive", is_flag=True, help="B arm: exclusive placement.")
-@click.option("--timeout", type=float, default=3600.0, show_default=True,
-              help="Seconds before one run counts as failed.")
+
+def cpus_option(ncpus: int | None, cpus: str | None) -> tuple[int | None, str | None]:
+    """--ncpus N / --cpus LIST, with the older --cpus N (a count) kept for one release."""
+    from tunerd.cpulist import CpuListError, parse_cpulist
+
+    if cpus is not None and cpus.strip().isdigit():
+        click.echo(f"tunerctl: warning: --cpus {cpus} as a CPU count is deprecated and will "
+                   f"be removed; use --ncpus {cpus} (--cpus takes a list such as 0-3)", err=True)
+        if ncpus is not None:
+            raise click.UsageError("give --ncpus N or the older --cpus N, not both")
+        return int(cpus), None
+    if cpus is not None:
+        try:
+            parse_cpulist(cpus)
+        except CpuListError as err:
+            raise click.BadParameter(str(err), param_hint="--cpus") from None
+        if ncpus is not None:
+            raise click.UsageError("give --ncpus N (a count) or --cpus LIST, not both")
+    return ncpus, cpus
+
+
+def _torch_hint(exclude: str) -> str:
+    """A Python on this machine that has torch, for the error message ("" if none)."""
+    from tunerd.bench.arms import probe
+    from tunerd.errors import TunerdError
+
+    seen = {os.path.realpath(exclude)}
+    for cand in (shutil.which("python3"), shutil.which("python"), ".venv/bin/python"):
+        if not cand or not os.path.exists(cand) or os.path.realpath(cand) in seen:
+            continue
+        seen.add(os.path.realpath(cand))
+        try:
+            if probe(cand, timeout=10).torch:
+                return f" ({cand} has torch: --python {cand})"
+        except TunerdError:
+            continue
+    return ""
+
+
+def workload_python(python: str | None) -> Any:
+    """The built-in workload's interpreter; Failed (exit 1) when it cannot import torch:
+    the workload trains with torch, and nothing else is ever run in its place."""
+    from tunerd.bench.arms import probe
+    from tunerd.errors import Failed
+
+    path = python or sys.executable
+    interp = probe(path)
+    if not interp.torch:
+        raise Failed(f"the built-in workload trains with torch, and {interp.executable} "
+                     f"(Python {interp.version}) cannot import torch; choose an interpreter "
+                     f"that has it with --python PATH{_torch_hint(interp.executable)}, or "
+                     "install torch there (pip install 'tunerd[torch]')")
+    return interp
+
+
+class _Progress:
+    """A rich progress bar on a terminal, one line per run otherwise (none with --json)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.bar: Any = None
+        self.task: Any = None
+        self.quiet = quiet
+        self.per_arm = {"A": 0, "B": 0}
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, done: int, total: int, result: Any, what: str) -> None:
+        if self.bar is not None:
+            if self.task is None:
+                self.task = self.bar.add_task("bench", total=total)
+            desc = f"running {what}" if result is None else self._line(result)
+            self.bar.update(self.task, completed=done, description=desc)
+            return
+        if result is not None and not self.quiet:
+            click.echo(f"[{done}/{total}] {self._line(result)}", err=True)
+
+    def _line(self, r: Any) -> str:
+        self.per_arm[r.arm] += 1
+        name = f"{r.arm} run {self.per_arm[r.arm]}" + (" (warm-up)" if r.warmup else "")
+        if r.error:
+            return f"{name}: failed, {r.error} ({r.wall_s:.1f} s)"
+        return f"{name}: {r.metric} = {r.value:.4g} ({r.wall_s:.1f} s)"
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option("--runs", type=click.IntRange(2, 1000), default=None,
+              help="Measured runs per arm [default: 5; --quick: 4].")
+@click.option("--warmup", type=click.IntRange(0, 100), default=None,
+              help="Runs per arm discarded first [default: 1; --quick: 0].")
+@click.option("--quick", is_flag=True,
+              help="4 runs per arm (the fewest that can name a winner), no warm-up run, a "
+                   "shorter built-in workload (<= 60 s on a 2-CPU machine).")
+@click.option("--a", "arm_a", metavar="SPEC", default=None,
+              help="Arm A: placement=unbound|tunerd|exclusive and settings, e.g. "
+                   "'placement=unbound,amp=off' [default: placement=unbound].")
+@click.option("--b", "arm_b", metavar="SPEC", default=None,
+              help="Arm B, as --a; settings: num_workers, pin_memory, persistent_workers, "
+                   "prefetch_factor, amp=off|bf16|fp16, compile [default: placement=tunerd].")
+@click.option("--gpus", type=click.IntRange(0, 1024), default=None,
+              help="tunerd arms: GPUs to lease.")
+@click.option("--ncpus", type=click.IntRange(1, 65536), default=None,
+              help="tunerd arms: number of CPUs to lease.")
+@click.option("--cpus", metavar="LIST", default=None,
+              help="tunerd arms: exactly these CPUs (the older --cpus N still means a count, "
+                   "with a warning).")
+@click.option("--exclusive", is_flag=True, help="Arm B placement=exclusive (older spelling).")
+@click.option("--noisy", is_flag=True,
+              help="Noisy neighbour: a CPU hog runs during both arms (exclusive arms move it "
+                   "off their CPUs).")
+@click.option("--noisy-procs", type=click.IntRange(1, 1024), default=None,
+              help="Processes of the hog [default: the CPUs this process may use].")
+@click.option("--python", "python", metavar="PATH", default=None,
+              help="Interpreter of the built-in workload [default: tunerctl's own].")
+@click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
+              help="Batches of the built-in workload per run [default: 48; --quick: 20].")
+@click.option("--timeout", type=click.FloatRange(1, None), default=None,
+              help="Seconds before one run counts as failed [default: 600; --quick: 120].")
+@click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also plot the metric of every run per arm (needs the 'plot' extra).")
+@click.option("--json", "local_json", is_flag=True, help="JSON output (same as tunerctl --json).")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def bench(runs: int, warmup: int, gpus: int | None, cpus: int | None, exclusive: bool,
-          timeout: float, cmd: tuple[str, ...]) -> int:
-    """A/B-test CMD as it is (A) against `tunerctl run` placement (B).
+def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
+          arm_b: str | None, gpus: int | None, ncpus: int | None, cpus: str | None,
+          exclusive: bool, noisy: bool, noisy_procs: int | None, python: str | None,
+          steps: int | None, timeout: float | None, png: Path | None, local_json: bool,
+          cmd: tuple[str, ...]) -> int:
+    """A/B-test a training command: arm A against arm B, interleaved, with a 95% interval.
 
-    Without CMD a small built-in training loop is used (torch if installed). A command can
-    report its own metric by printing `TUNERD_METRIC <name> <value> [higher|lower]`.
+    By default A is the command as it is and B runs it through `tunerctl run` (tunerd's
+    placement). Arms can also differ in training settings (num_workers, pin_memory, amp,
+    compile), which reach the command through tunerd.torch's environment overrides.
+    Without CMD the built-in workload runs (the guide's example: nn.Linear(1024, 1024),
+    AMP, gradient accumulation, a DataLoader with workers), in --python's interpreter.
+    A command reports its figure of merit by printing
+    `TUNERD_METRIC <name> <value> [higher|lower]` or through tunerd.torch.StepReporter;
+    otherwise wall time is compared.
 
-    Example: tunerctl bench --runs 7 --gpus 1 -- python train.py --epochs 1
+    \b
+    Examples:
+      tunerctl bench --quick
+      tunerctl bench --a amp=off --b amp=bf16 --runs 7
+      tunerctl bench --noisy --b placement=exclusive --ncpus 1
+      tunerctl bench --runs 7 --gpus 1 -- python train.py --epochs 1
     """
-    from tunerd.abtest import format_outcome, run_ab
+    from tunerd.bench import BenchConfig, builtin_command, run_bench, tunerd_on_path
+    from tunerd.bench.arms import ArmSpec, PlacementRequest, parse_arm
+    from tunerd.bench.report import format_human, format_json, plot_missing, write_png
+    from tunerd.bench.workload import NAME
 
     ctx = get_ctx()
-    command = list(cmd) or [sys.executable, "-m", "tunerd.workload"]
-    tuned = [sys.executable, "-m", "tunerd.cli.main"]
-    if ctx.socket_path:
-        tuned += ["--socket", ctx.socket_path]
-    tuned.append("run")
-    if gpus is not None:
-        tuned += ["--gpus", str(gpus)]
-    if cpus is not None:
-        tuned += ["--cpus", str(cpus)]
+    as_json = ctx.as_json or local_json
+    command = list(cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and python:
+        raise click.UsageError("--python chooses the built-in workload's interpreter; with a "
+                               "command, name the interpreter in the command")
+    a = parse_arm(arm_a, "--a") if arm_a is not None else ArmSpec("unbound")
+    b = parse_arm(arm_b, "--b") if arm_b is not None else ArmSpec("tunerd")
     if exclusive:
-        tuned.append("--exclusive")
-    tuned.append("--")
-    ctx.call("ping")  # fail early (exit 3) when the B arm cannot work
-    outcome = run_ab(command, tuned, runs=runs, warmup=warmup, timeout=timeout,
-                     progress=None if ctx.as_json else lambda s: click.echo(s, err=True))
-    if ctx.as_json:
-        click.echo(json.dumps(outcome.to_dict(), indent=2))
-    else:
-        click.echo(format_outcome(outcome))
-    return 1 if outcome.a.failures or outcome.b.failures or not outcome.b.values else 0
+        b = b.with_setting("placement", "exclusive")
+    if a == b:
+        raise click.UsageError(f"arms A and B are the same ({a.describe()}): nothing to compare")
+    ncpus, cpus = cpus_option(ncpus, cpus)
+    if png is not None and (why := plot_missing()):
+        from tunerd.errors import Failed
+
+        raise Failed(why)
+    runs = runs or (QUICK_RUNS if quick else 5)
+    warmup = warmup if warmup is not None else (0 if quick else 1)
+    steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
+    timeout = timeout or (120.0 if quick else 600.0)
+    if any(s.placement != "unbound" for s in (a, b)):
+        ctx.call("ping")  # no daemon: exit 3 now, not after the first arm
+    with tunerd_on_path() as path_env:
+        if command:
+            interp, workload, env = None, "command: " + " ".join(command), {}
+        else:
+            interp = workload_python(python)
+            command = builtin_command(interp.path)
+            workload, env = NAME, {**path_env, "TUNERD_BENCH_STEPS": str(steps)}
+        cfg = BenchConfig(command=command, workload=workload, arms=(a, b),
+                          placement=PlacementRequest(gpus, ncpus, cpus), interpreter=interp,
+                          runs=runs, warmup=warmup, timeout=timeout,
+                          noisy=(noisy_procs or len(os.sched_getaffinity(0))) if noisy else 0,
+                          socket_path=ctx.socket_path, env=env)
+        with _Progress(quiet=as_json) as progress:
+            result = run_bench(cfg, progress)
+    click.echo(format_json(result) if as_json else format_human(result))
+    if png is not None:
+        write_png(result, png)
+        if not as_json:
+            click.echo(f"plot: {png}")
+    return result.exit_code()

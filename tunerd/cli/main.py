@@ -20,6 +20,7 @@ from tunerd.protocol import ExitCode, exit_code
 # command name -> "module:attribute" of its click command
 LAZY_COMMANDS: dict[str, str] = {
     "bench": "tunerd.cli.cmd_bench:bench",
+    "tune": "tunerd.cli.cmd_tune:tune",
     "status": "tunerd.cli.cmd_core:status",
     "reload": "tunerd.cli.cmd_core:reload",
     "bind": "tunerd.cli.cmd_bind:bind",

@@ -1,0 +1,99 @@
+"""tunerctl tune end to end on a small workload: a script whose batches really are faster
+with 2 DataLoader workers, reading num_workers through tunerd.torch.dataloader_kwargs
+(no torch needed for that helper, which keeps the test fast)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from tests.helpers import REPO, CliResult, run_ctl
+
+SMALL_TRAIN = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import tunerd.torch as tt
+
+kw = tt.dataloader_kwargs(cuda=False)   # computed: 1 worker on 2 CPUs; tune varies it
+workers = kw.get("num_workers", 0)
+t0 = time.perf_counter()
+for _ in range(4):  # a batch waits 40 ms for data with 1 worker, 10 ms with 2; more than
+    time.sleep({{0: 0.04, 1: 0.04, 2: 0.01}}.get(workers, 0.03))  # 2 oversubscribe 2 CPUs
+print("TUNERD_METRIC samples_per_second", 4 * 32 / (time.perf_counter() - t0), "higher")
+"""
+
+
+def tune(*args: str, socket: str, timeout: float = 240) -> CliResult:
+    return run_ctl("--socket", socket, "tune", *args, timeout=timeout)
+
+
+@pytest.fixture
+def small_train(tmp_path: Path) -> Path:
+    p = tmp_path / "small_train.py"
+    p.write_text(SMALL_TRAIN.format(repo=str(REPO)))
+    return p
+
+
+def test_tune_keeps_what_helps_skips_what_cannot_apply_and_prints_a_rule(
+        daemon, small_train: Path) -> None:
+    r = tune("--quick", "--", sys.executable, str(small_train), socket=str(daemon.socket))
+    assert r.rc == 0, r.err + r.out
+    log = r.err
+    # settings the script never reads are skipped, with the reason
+    assert "pin_memory: skipped (no CUDA" in log
+    assert "amp: skipped (the command does not use tunerd.torch.Amp)" in log
+    assert "compile" not in log  # --quick leaves torch.compile out
+    # placement was tried and changed nothing measurable here
+    assert "placement: as is" not in log and "placement: unbound -> tunerd:" in log
+    # num_workers: 1 -> 2 helps (kept), 2 -> 4 does not: the walk stops there
+    assert "num_workers: 1 -> 2: B (" in log and "num_workers: 1 -> 2: B" in log
+    assert "num_workers: 2 -> 4: A (" in log and "kept 2" in log
+    assert "num_workers: 4 -> 8" not in log and "num_workers: 2 -> 1" not in log
+    rule = tomllib.loads(r.out)
+    job = rule["job"][0]
+    assert job["name"] == "tuned-small_train"
+    assert job["match"]["cmdline"] == ["*small_train.py*"]
+    assert job["workers"] == 2 and job["torch"] == {"num_workers": 2}
+    assert job["placement"] in ("none", "gpu-local", "exclusive")
+    assert "# kept: " in r.out and "num_workers=2" in r.out
+
+
+def test_tune_json_and_saved_rule_pass_policy_check(daemon, small_train: Path,
+                                                    tmp_path: Path) -> None:
+    saved = tmp_path / "50-tuned.toml"
+    r = tune("--quick", "--json", "--settings", "num_workers", "--save", str(saved), "--",
+             sys.executable, str(small_train), socket=str(daemon.socket))
+    assert r.rc == 0, r.err
+    d = json.loads(r.out)
+    assert d["final"]["settings"] == {"num_workers": 2}
+    assert [s["kept"] for s in d["steps"]][:1] == [True]
+    assert d["rule"] == saved.read_text()
+    check = run_ctl("policy", "check", str(saved))
+    if 'unknown key "workers"' in check.out + check.err or \
+            'unknown key "torch"' in check.out + check.err:
+        pytest.xfail("the policy schema has no [[job]] workers/torch keys yet (H-policy adds "
+                     "them)")
+    assert check.rc == 0, check.out + check.err
+
+
+def test_tune_without_daemon_skips_placement(small_train: Path, tmp_path: Path) -> None:
+    r = tune("--quick", "--settings", "placement,num_workers", "--", sys.executable,
+             str(small_train), socket=str(tmp_path / "none.sock"))
+    assert r.rc == 0, r.err
+    assert "placement: skipped (the daemon is not reachable" in r.err
+    assert tomllib.loads(r.out)["job"][0]["placement"] == "none"
+
+
+def test_tune_of_a_failing_command_says_why(tmp_path: Path) -> None:
+    r = tune("--quick", "--settings", "num_workers", "--", sys.executable, "-c",
+             "import sys; sys.exit('no dataset at /data/train')", socket=str(tmp_path / "x"))
+    assert r.rc == 1
+    assert "failed as it is (exit 1)" in r.err and "no dataset at /data/train" in r.err
