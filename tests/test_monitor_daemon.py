@@ -439,3 +439,48 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+LOSES_ITS_BINDING = """
+import os, sys, time
+cpus = sorted(os.sched_getaffinity(0))
+pid = os.fork()
+if pid == 0:  # a "DataLoader worker" whose mask something reset after the fork
+    os.sched_setaffinity(0, set(cpus))
+    time.sleep(120)
+    os._exit(0)
+print("ready", pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.root
+def test_advise_names_the_ways_a_binding_is_lost(daemon_factory: Any) -> None:
+    """Issue 11: OMP_NUM_THREADS larger than the CPUs given (pytorch#82219) and a worker
+    running outside its parent's CPUs (pytorch#28389, Intel OpenMP after fork)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    d: DaemonProc = daemon_factory().start()
+    p = subprocess.Popen([sys.executable, "-c", LOSES_ITS_BINDING], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "16"})
+    try:
+        assert p.stdout is not None
+        _, worker = p.stdout.readline().split()
+        time.sleep(0.2)  # the worker widened its mask back to every CPU
+        cpu = str(min(os.sched_getaffinity(0)))
+        # the parent alone is bound (as a bind after the fork leaves a worker's mask)
+        assert d.ctl("bind", str(p.pid), "--cpus", cpu).rc == 0
+
+        def ids() -> set[str]:
+            r = d.ctl("--json", "advise", str(p.pid))  # exit 1: findings, or not sampled yet
+            jobs = r.json().get("jobs") or []
+            return {f["id"] for j in jobs for f in j["findings"]}
+
+        got = wait_for(lambda: (i := ids()) >= {"omp-threads-oversubscribe",
+                                                "worker-affinity-lost"} and i, 15,
+                       "both binding findings")
+        assert got
+        assert int(worker) > 0
+    finally:
+        p.kill()
+        p.wait()

@@ -224,8 +224,6 @@ def test_step_reporter_reaches_the_daemon(daemon) -> None:
         time.sleep(0.03)
         rep.step()
     s = rep.close()
-    if s["daemon"] == "daemon has no 'report' command":
-        pytest.xfail("the daemon does not handle 'report' yet (the lead adds it)")
     assert s["daemon"] == "accepted", s
     assert s["reports_sent"] >= 1 and s["settings"] == {}
 
@@ -258,18 +256,11 @@ def test_rule_settings_reach_the_helpers(daemon_factory, tmp_path: Path) -> None
 
     pdir = tmp_path / "policies"
     write_policy(pdir, "00-settings.toml", RULE_SETTINGS)
-    d = daemon_factory(policy_dir=pdir)
-    try:
-        d.start()
-    except RuntimeError as err:
-        if 'unknown key "torch"' in str(err):
-            pytest.xfail("the policy schema has no [[job]] torch key yet (H-policy adds it)")
-        raise
+    d = daemon_factory(policy_dir=pdir).start()
     link = DaemonLink(str(d.socket))
     link.send(current_report())
     link.close()
-    if link.status == "daemon has no 'report' command":
-        pytest.xfail("the daemon does not handle 'report' yet (the lead adds it)")
+    assert link.status == "accepted", link.status
     out = subprocess.run([sys.executable, "-c", PROBE.format(repo=str(REPO)),
                           "tunerd-reporter-probe"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "TUNERD_SOCKET": str(d.socket)})

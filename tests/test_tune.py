@@ -77,10 +77,6 @@ def test_tune_json_and_saved_rule_pass_policy_check(daemon, small_train: Path,
     assert [s["kept"] for s in d["steps"]][:1] == [True]
     assert d["rule"] == saved.read_text()
     check = run_ctl("policy", "check", str(saved))
-    if 'unknown key "workers"' in check.out + check.err or \
-            'unknown key "torch"' in check.out + check.err:
-        pytest.xfail("the policy schema has no [[job]] workers/torch keys yet (H-policy adds "
-                     "them)")
     assert check.rc == 0, check.out + check.err
 
 

@@ -540,6 +540,28 @@ def check_nofile(env: Env) -> Check:
     return Check("nofile", "Open-file limit", PASS, ev)
 
 
+def check_training_env(env: Env) -> list[Check]:
+    """The ways a binding is silently lost inside a training script (tunerd.training_env),
+    for the environment tunerctl doctor runs in: the one jobs are started from."""
+    from tunerd.training_env import check_environment
+
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except OSError:
+        allowed = os.cpu_count() or 1
+    found = check_environment(env.environ, allowed, torch=True, intel_openmp=None)
+    if not found:
+        return [Check("binding-env", "OpenMP variables and the CPUs given", PASS,
+                      f"no OpenMP binding variable; thread counts fit the {allowed} CPU(s) "
+                      "this shell may use")]
+    out = []
+    for f in found:
+        evidence = ", ".join(f"{k}={v}" for k, v in f.evidence.items())
+        out.append(Check(f.id, f.title, WARN, f"{f.why} ({evidence})", f.fix,
+                         data={"docs": list(f.docs)}))
+    return out
+
+
 def check_numa_balancing(env: Env) -> Check:
     val = read_value(env.proc_root / "sys/kernel/numa_balancing")
     if val is None:
@@ -642,7 +664,8 @@ def check_nccl_mtu(env: Env) -> Check:
 
 CHECKS: list[Callable[[Env], Check | list[Check]]] = [
     check_driver, check_nvcc, check_libcudart, check_python, check_torch, check_acs, check_iommu,
-    check_data_fs, check_nofile, check_numa_balancing, check_governor, check_nccl_mtu,
+    check_data_fs, check_nofile, check_training_env, check_numa_balancing, check_governor,
+    check_nccl_mtu,
 ]
 
 

@@ -14,6 +14,37 @@ from tunerd.monitor.service import Monitor
 ADVISE_WINDOW = 300  # newest samples the rules look at (5 min at the default 1 s)
 
 
+MAPS_READ = 4 << 20  # /proc/PID/maps read for the libraries loaded (bounded)
+
+
+def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ways a bound training process loses its binding (tunerd.training_env), read
+    from its /proc files: environment, loaded OpenMP runtime, its workers' masks."""
+    import os
+
+    from tunerd.training_env import check_environment, check_workers, uses_intel_openmp
+    from tunerd.training_env import uses_torch as maps_torch
+
+    env = procfs.read_environ(pid)
+    try:
+        maps = procfs.read_text(f"/proc/{pid}/maps", MAPS_READ)
+        mask = frozenset(os.sched_getaffinity(pid))
+    except OSError:
+        return []
+    if env is None:
+        return []
+    intel = uses_intel_openmp(maps)
+    found = check_environment(env, len(mask), torch=maps_torch(maps), intel_openmp=intel)
+    workers: dict[int, frozenset[int]] = {}
+    for w in job.get("worker_pids") or []:
+        try:
+            workers[int(w)] = frozenset(os.sched_getaffinity(int(w)))
+        except OSError:
+            continue
+    found += check_workers(mask, workers, intel_openmp=intel)
+    return [f.to_dict() for f in found]
+
+
 class MonitorCommands:
     def __init__(self, monitor: Monitor,
                  settings_for: Callable[[int], dict[str, Any]] | None = None,
@@ -55,10 +86,10 @@ class MonitorCommands:
                 continue
             ring = m.history.job(p)
             cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
-            findings = run_rules(job, cols)
+            findings = [f.to_dict() for f in run_rules(job, cols)]
+            findings += binding_findings(p, job)
             out.append({"pid": p, "name": job.get("name"),
-                        "samples": len(cols.get("time", [])),
-                        "findings": [f.to_dict() for f in findings]})
+                        "samples": len(cols.get("time", [])), "findings": findings})
         return {"jobs": out, "interval": m.interval}
 
     async def report(self, req: Request) -> dict[str, Any]:

@@ -40,9 +40,7 @@ from tunerd.torch.loader import LoaderPlan, dataloader_kwargs, loader_plan
 from tunerd.torch.reporter import (
     StepReporter,
     report_memory,
-    stats_path,
     torch_memory_stats,
-    write_stats,
 )
 from tunerd.torch.settings import env_overrides
 
@@ -64,8 +62,6 @@ __all__ = [
     "make_worker_init_fn",
     "maybe_compile",
     "report_memory",
-    "stats_path",
     "torch_memory_stats",
     "worker_init_fn",
-    "write_stats",
 ]

@@ -95,15 +95,21 @@ def _env_int(name: str) -> int | None:
     return int(v) if v.strip().isdigit() else None
 
 
-def current_report(steps: int = 0, step_time_s: float = 0.0, samples_per_s: float = 0.0,
-                   workers: list[int] | None = None,
+def current_report(steps: int = 0, step_time_s: float | None = None,
+                   samples_per_s: float | None = None, workers: list[int] | None = None,
                    num_workers: int | None = None) -> dict[str, Any]:
-    """The ``report`` command's arguments for this process (see the wire spec)."""
+    """The ``report`` command's arguments for this process (see the wire spec).
+
+    Without step numbers (``report_memory``) step time and throughput are null: not
+    measured is not zero.
+    """
     cuda = uses_cuda()
     if workers is None:
         workers = dataloader_workers()
-    return {"pid": os.getpid(), "steps": int(steps), "step_time_s": float(step_time_s),
-            "samples_per_s": float(samples_per_s), "device": "cuda" if cuda else "cpu",
+    return {"pid": os.getpid(), "steps": int(steps),
+            "step_time_s": None if step_time_s is None else float(step_time_s),
+            "samples_per_s": None if samples_per_s is None else float(samples_per_s),
+            "device": "cuda" if cuda else "cpu",
             "memory": memory(cuda), "workers": workers,
             "num_workers": len(workers) if num_workers is None else int(num_workers),
             "rank": _env_int("RANK"), "local_rank": _env_int("LOCAL_RANK"),
@@ -144,8 +150,8 @@ class DaemonLink:
             if "unknown command 'report'" in err.message:
                 self.supported = False
                 self.status = "daemon has no 'report' command"
-                log.info("tunerd.torch: the daemon does not know the 'report' command; "
-                         "reporting memory through RUNTIME_DIR/jobs instead")
+                log.info("tunerd.torch: the daemon does not know the 'report' command "
+                         "(tunerd older than 0.2): no reports")
                 return None
             self._failed(f"refused: {err.message}")
             return None

@@ -8,22 +8,18 @@ DataLoader forks its workers is a hazard (and a DeprecationWarning on Python >=
 3.12), and the work is ~1 ms once a second; a daemon that does not answer within
 ``timeout`` is left alone for a while, so a step is never held for long.
 
-``report_memory()`` (the older interface) still works: it writes CUDA memory stats
-to ``RUNTIME_DIR/jobs/PID.json`` from a thread, where the daemon's job sampler reads
-them. ``StepReporter`` writes that file as well when the daemon does not know the
-``report`` command, so ``advise`` keeps its memory findings with an older daemon.
+``report_memory()`` (the older interface) still works: it sends the CUDA memory
+(or RSS) with the same ``report`` command from a thread. Nothing is written to
+files: the daemon reads reports from its socket only, where it checks who sends them.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
-import os
 import statistics
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 from tunerd.torch.link import DaemonLink, current_report, memory, uses_cuda
@@ -32,9 +28,7 @@ from tunerd.torch.settings import record, warn_once
 __all__ = [
     "StepReporter",
     "report_memory",
-    "stats_path",
     "torch_memory_stats",
-    "write_stats",
 ]
 
 MIN_INTERVAL_S = 0.1
@@ -112,8 +106,6 @@ class StepReporter:
         num_workers = getattr(self.loader, "num_workers", None)
         args = current_report(self.steps, step_time, rate, num_workers=num_workers)
         self.link.send(args)
-        if self.link.supported is False and args["device"] == "cuda":
-            _write_stats_quietly()
 
     def summary(self) -> dict[str, Any]:
         """What was measured so far (also without a daemon)."""
@@ -168,15 +160,7 @@ class StepReporter:
         self.close()
 
 
-# -- memory stats file (report_memory, and the fallback for an older daemon) ----------
-
-def stats_path(pid: int | None = None) -> Path:
-    explicit = os.environ.get("TUNERD_TORCH_STATS")
-    if explicit:
-        return Path(explicit)
-    runtime = Path(os.environ.get("TUNERD_RUNTIME_DIR", "/run/tunerd"))
-    return runtime / "jobs" / f"{pid or os.getpid()}.json"
-
+# -- report_memory: memory alone, from a thread ---------------------------------------
 
 def torch_memory_stats() -> list[dict[str, Any]]:
     import torch  # lazily: tunerd never needs torch itself
@@ -191,33 +175,16 @@ def torch_memory_stats() -> list[dict[str, Any]]:
             for i in range(torch.cuda.device_count())]
 
 
-def write_stats(devices: list[dict[str, Any]], path: Path | None = None) -> Path:
-    """Write one report atomically (temp file + rename); returns the path."""
-    p = path or stats_path()
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), "devices": devices}))
-    os.replace(tmp, p)
-    return p
-
-
-def _write_stats_quietly() -> None:
-    p = stats_path()
-    if not p.parent.is_dir():
-        return
-    try:
-        write_stats(torch_memory_stats(), p)
-    except Exception as err:
-        warn_once("stats-file", "tunerd.torch: cannot write %s: %r", p, err)
-
-
-def report_memory(interval: float = 10.0, path: Path | None = None) -> threading.Thread:
-    """Write torch CUDA memory stats every ``interval`` s from a daemon thread, for the
-    daemon's job sampler (``tunerctl advise``). Failures are logged once, never raised."""
+def report_memory(interval: float = 10.0, socket_path: str | None = None) -> threading.Thread:
+    """Send this process's memory (CUDA, or RSS on CPU) to the daemon every ``interval``
+    s from a daemon thread, for ``tunerctl advise``/``top``. Never raises; a daemon that
+    does not answer is left alone for a while (see DaemonLink)."""
+    link = DaemonLink(socket_path)
 
     def loop() -> None:
         while True:
             try:
-                write_stats(torch_memory_stats(), path)
+                link.send(current_report())
             except Exception as err:
                 warn_once("report_memory", "tunerd.torch: report_memory failed: %r", err)
             time.sleep(interval)
