@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -34,20 +35,19 @@ from _leases_common import REPO, Daemon, write_json
 from tunerd.bench.runner import interleave, run_once
 from tunerd.bench.stats import compare
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
-
-def rule_policy() -> str:
-    base = tomllib.loads((REPO / "policies" / "base.toml").read_text())
-    rule = next(j for j in base["job"] if j["name"] == "torch-training")
-    globs = ", ".join(json.dumps(g) for g in rule["match"]["cmdline"])
-    env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in rule["match"]["env"].items())
-    return ("[policy]\nname = \"ddp-bench\"\n\n[[job]]\n"
-            f"name = {json.dumps(rule['name'])}\nmatch.cmdline = [{globs}]\n"
-            f"match.env = {{ {env} }}\nplacement = {json.dumps(rule['placement'])}\n")
+def rule_policy(token: str) -> str:
+    """The bundled torch-training rule of policies/base.toml, whole (placement, workers,
+    nofile), narrowed to this benchmark's processes by a token in their environment: on
+    a shared machine it must never bind someone else's training job. (Only the rule:
+    base.toml's host settings are not this benchmark's to change.)"""
+    text = (REPO / "policies" / "base.toml").read_text()
+    job = text[text.index("[[job]]"):]
+    scoped = job.replace('match.env = { LOCAL_RANK = "*" }',
+                         f'match.env = {{ LOCAL_RANK = "*", TUNERD_BENCH_TOKEN = "{token}" }}')
+    if scoped == job:
+        raise SystemExit("policies/base.toml: the torch-training rule's match.env changed")
+    return '[policy]\nname = "ddp-bench"\n\n' + scoped
 
 
 class JobWatch(threading.Thread):
@@ -88,9 +88,10 @@ def main() -> int:
     scripts = {"bound": tmp / "ddp_train.py", "unbound": tmp / "ddp_unbound.py"}
     for p in scripts.values():
         p.write_text(src)
-    d = Daemon(rule_policy())
+    token = secrets.token_hex(6)
+    d = Daemon(rule_policy(token))
     port = 29400 + os.getpid() % 500
-    env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO)}
+    env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO), "TUNERD_BENCH_TOKEN": token}
     results: dict[str, list[float]] = {"unbound": [], "bound": []}
     walls: dict[str, list[float]] = {"unbound": [], "bound": []}
     cpus_seen: list[dict[int, str]] = []

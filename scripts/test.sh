@@ -46,7 +46,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,plot]'   # plot: bench --png (matplotlib)
 # torch is an optional extra: the daemon never imports it. The tests use a real one for
 # `tunerctl doctor`, the training-side helpers and `tunerctl bench`'s built-in workload.
 # 2.13.0 is the CPU build (a newer unpinned release would pull a multi-GB CUDA build).

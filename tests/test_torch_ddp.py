@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from tests.helpers import REPO, write_policy
 from tunerd.cpulist import parse_cpulist
@@ -25,17 +21,17 @@ pytestmark = pytest.mark.root
 EXAMPLE = REPO / "contrib" / "examples" / "ddp_train.py"
 
 
-def bundled_rule_policy() -> str:
-    """Only the [[job]] torch-training rule of policies/base.toml (base.toml also sets
-    vm.numa_balancing, a host setting this test must not change)."""
-    base = tomllib.loads((REPO / "policies" / "base.toml").read_text())
-    rule = next(j for j in base["job"] if j["name"] == "torch-training")
-    globs = ", ".join(json.dumps(g) for g in rule["match"]["cmdline"])
-    env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in rule["match"]["env"].items())
-    return ("[policy]\nname = \"ddp-test\"\n\n[[job]]\n"
-            f"name = {json.dumps(rule['name'])}\n"
-            f"match.cmdline = [{globs}]\nmatch.env = {{ {env} }}\n"
-            f"placement = {json.dumps(rule['placement'])}\n")
+def bundled_rule_policy(token: str) -> str:
+    """The [[job]] torch-training rule of policies/base.toml, whole, narrowed by a token
+    in the environment to this test's processes (a shared machine may run other
+    training jobs). base.toml also sets vm.numa_balancing, a host setting this test
+    must not change: only the rule is taken."""
+    text = (REPO / "policies" / "base.toml").read_text()
+    job = text[text.index("[[job]]"):]
+    scoped = job.replace('match.env = { LOCAL_RANK = "*" }',
+                         f'match.env = {{ LOCAL_RANK = "*", TUNERD_TEST_TOKEN = "{token}" }}')
+    assert scoped != job, "the bundled rule's match.env changed"
+    return '[policy]\nname = "ddp-test"\n\n' + scoped
 
 
 def cpus(pid: int) -> frozenset[int]:
@@ -58,14 +54,16 @@ def test_torchrun_ranks_and_workers_get_cpus(daemon_factory, tmp_path: Path) -> 
     the suite fast.)"""
     helpers = True
     pdir = tmp_path / "policies"
-    write_policy(pdir, "00-ddp.toml", bundled_rule_policy())
+    token = secrets.token_hex(6)
+    write_policy(pdir, "00-ddp.toml", bundled_rule_policy(token))
     d = daemon_factory(policy_dir=pdir).start()
     hold = tmp_path / "hold"
     hold.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(29500 + os.getpid() % 1000), str(EXAMPLE), "--steps", "3",
             "--warmup", "0", "--hold-dir", str(hold)] + (["--helpers"] if helpers else [])
-    env = {**os.environ, "TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO),
+           "TUNERD_TEST_TOKEN": token}
     job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, cwd=tmp_path)
     try:
