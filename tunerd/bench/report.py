@@ -102,12 +102,14 @@ def write_png(res: BenchResult, path: Path) -> None:
     for label, spec, marker, colour in (("A", res.config.arms[0], "o", "tab:blue"),
                                         ("B", res.config.arms[1], "s", "tab:orange")):
         ok = [r for r in res.runs if r.arm == label and r.ok and r.value is not None]
-        ax.plot([r.index + 1 for r in ok if not r.warmup], [r.value for r in ok if not r.warmup],
+        ax.plot([r.index + 1 for r in ok if not r.warmup],
+                [float(r.value or 0.0) for r in ok if not r.warmup],
                 marker=marker, linestyle="none", color=colour,
                 label=f"{label}: {spec.describe()}")
         warm = [r for r in ok if r.warmup]
         if warm:
-            ax.plot([r.index + 1 for r in warm], [r.value for r in warm], marker=marker,
+            ax.plot([r.index + 1 for r in warm], [float(r.value or 0.0) for r in warm],
+                    marker=marker,
                     linestyle="none", color=colour, alpha=0.3)
         median = cmp.median_a if label == "A" else cmp.median_b
         if median is not None:
