@@ -43,8 +43,10 @@ class Daemon:
     """tunerd with a policy (and optionally a topology snapshot), stopped on exit."""
 
     def __init__(self, policy: str, topology: Path | None = None,
-                 state_dir: Path | None = None) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-"))
+                 state_dir: Path | None = None, root: Path | None = None) -> None:
+        # root: where the runtime and state dirs go (e.g. /dev/shm for tmpfs)
+        self.tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-", dir=root))
+        self.tmp.chmod(0o755)
         self.state_dir = state_dir or self.tmp / "state"
         (self.tmp / "pol").mkdir()
         (self.tmp / "pol" / "00-bench.toml").write_text(policy)

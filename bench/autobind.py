@@ -8,9 +8,10 @@ snapshot of this machine plus two recorded GPUs local to its first and last
 CPU, so rank 0 -> first CPU, rank 1 -> last CPU, applied for real.
 
 Two series per run: starts back to back (the next one as soon as the last
-was seen bound and killed) and starts 50 ms apart. Runs twice: state.json on
-the default disk (every bind fsyncs it before
-changing the process) and on tmpfs, to show what the fsync costs. Baseline
+was seen bound and killed) and starts 50 ms apart. Runs twice: the daemon's
+runtime and state dirs on the VM's disk (every first bind writes the binding's
+originals to RUNTIME_DIR/state.json before changing the process; written, not
+fsync'd) and on tmpfs (/dev/shm), to show what the write costs. Baseline
 in the same run: the launcher pins the process itself right after the exec
 (the cost of the measurement).
 
@@ -76,15 +77,15 @@ def measure(exe: Path, n: int, expected: dict[int, str],
 
 
 def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
-            state_dir: Path | None) -> dict[str, Any]:
+            root: Path | None) -> dict[str, Any]:
     policy = ('[policy]\nname = "bench"\n\n[[job]]\nname = "bench"\n'
               f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n')
-    d = Daemon(policy, snap, state_dir=state_dir)
+    d = Daemon(policy, snap, root=root)
     try:
         measure(exe, 10, expected, False)  # warm-up (imports, caches)
         lat, missed = measure(exe, n, expected, False)
         spaced, spaced_missed = measure(exe, n, expected, False, SPACING)
-        st = d.status()["services"]["leases"]["autobind"]
+        st = d.status()["services"]["autobind"]
     finally:
         d.stop()
     return {"daemon_side_ms": st["latency_ms"],
@@ -110,8 +111,7 @@ def main() -> int:
     expected = {0: str(lo), 1: str(hi)}
     try:
         disk = one_run(exe, snap, expected, a.n, None)
-        shm = Path(tempfile.mkdtemp(prefix="tunerd-bench-state-", dir="/dev/shm"))
-        tmpfs = one_run(exe, snap, expected, a.n, shm)
+        tmpfs = one_run(exe, snap, expected, a.n, Path("/dev/shm"))
         base, base_missed = measure(exe, a.n, expected, True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +120,7 @@ def main() -> int:
     w = disk["watcher"]
     print(f"automatic binding, {a.n} process starts per run ({w['mode']}, kernel event "
           f"filter: {w.get('kernel_event_filter')}); exec->bound:")
-    for name, r in (("state.json on disk ", disk), ("state.json on tmpfs", tmpfs)):
+    for name, r in (("state on disk ", disk), ("state on tmpfs", tmpfs)):
         for series, key, miss in (("back-to-back", "exec_to_bound_ms", "never_bound"),
                                   (f"{SPACING * 1000:.0f} ms apart", "spaced_exec_to_bound_ms",
                                    "spaced_never_bound")):

@@ -76,11 +76,11 @@ def main() -> int:
     res: dict[str, Any] = {}
     d = Daemon(RULE_POLICY)
     try:
-        ev0 = d.status()["services"]["leases"]["autobind"]["watcher"]["events"]
+        ev0 = d.status()["services"]["autobind"]["watcher"]["events"]
         res["idle_watcher_on"] = phase(d, a.idle, None)
-        ev1 = d.status()["services"]["leases"]["autobind"]["watcher"]["events"]
+        ev1 = d.status()["services"]["autobind"]["watcher"]["events"]
         res["burst_watcher_on"] = phase(d, a.burst, a.rate)
-        st = d.status()["services"]["leases"]["autobind"]["watcher"]
+        st = d.status()["services"]["autobind"]["watcher"]
         res["burst_watcher_on"]["events_seen"] = st["events"] - ev1
         res["idle_watcher_on"]["events_seen"] = ev1 - ev0
         res["watcher"] = st

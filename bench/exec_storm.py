@@ -137,12 +137,12 @@ def storm(kind: str, n: int, gap_s: float, alive_s: float = 0.05) -> float:
 
 
 def watcher_events(d: Daemon) -> int:
-    w = d.status()["services"]["leases"]["autobind"]["watcher"]
+    w = d.status()["services"]["autobind"]["watcher"]
     return int(w["events"])
 
 
 def matched(d: Daemon) -> int:
-    return int(d.status()["services"]["leases"]["autobind"]["matched"])
+    return int(d.status()["services"]["autobind"]["matched"])
 
 
 def ping_ms(d: Daemon) -> float:
