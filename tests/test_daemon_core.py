@@ -177,11 +177,31 @@ def test_bad_config_is_a_usage_error(daemon_factory, tmp_path: Path) -> None:
 
 
 def test_state_survives_restart(daemon_factory) -> None:
+    """A lease and a binding outlive a daemon restart (runtime state), and are in the
+    runtime store, not the durable one (which holds host originals only)."""
+    import json
+    import subprocess
+
     d = daemon_factory()
     d.start()
-    d.stop()
-    d.start()
-    assert d.ctl("status").rc == 0
+    lease = d.ctl("--json", "alloc", "--ncpus", "1").json()["id"]
+    kid = subprocess.Popen(["sleep", "60"])
+    try:
+        assert d.ctl("bind", str(kid.pid), "--cpus", "0").rc == 0
+        d.stop()
+        runtime = json.loads((d.runtime_dir / "state.json").read_text())
+        assert lease in runtime["leases"]["leases"] and str(kid.pid) in runtime["bindings"]
+        durable = d.state_dir / "state.json"
+        assert not durable.exists() or "bindings" not in json.loads(durable.read_text())
+        d.start()
+        assert d.ctl("status").rc == 0
+        assert [x["id"] for x in d.ctl("--json", "leases").json()] == [lease]
+        jobs = d.ctl("--json", "jobs").json()["jobs"]
+        assert [(j["pid"], j["cpus"]) for j in jobs] == [(kid.pid, "0")]  # re-adopted
+        assert d.ctl("unbind", str(kid.pid)).rc == 0  # its originals came through too
+    finally:
+        kid.kill()
+        kid.wait()
 
 
 @pytest.mark.root
