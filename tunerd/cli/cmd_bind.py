@@ -7,6 +7,7 @@ imported when a list is parsed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -75,22 +76,37 @@ def unbind(pid: int) -> int:
     return 0
 
 
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
 def _human_jobs(r: dict[str, Any]) -> str:
     rows = [("PID", "NAME", "CPUS", "MEMS", "GPUS", "NOFILE", "THREADS", "ORIGIN", "LEASE")]
+    replay_only = False
     for j in r.get("jobs") or []:
+        origin = str(j.get("origin") or "")
+        if j.get("applied") is False:  # placed on a replayed topology, nothing applied
+            origin += "*"
+            replay_only = True
         rows.append((str(j["pid"]), str(j.get("name") or "")[:16], j.get("cpus") or "-",
                      j.get("mems") or "-", ",".join(map(str, j.get("gpus") or [])) or "-",
                      str(j.get("nofile") or "-"), str(j.get("threads") or "-"),
-                     str(j.get("origin") or ""), str(j.get("lease") or "-")))
-    if len(rows) == 1:
-        out = ["no bound processes"]
-    else:
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-               .rstrip() for row in rows]
-    leases = r.get("leases")
+                     origin, str(j.get("lease") or "-")))
+    out = ["no bound processes"] if len(rows) == 1 else _table(rows)
+    if replay_only:
+        out.append("* placed on the replayed topology only: nothing applied "
+                   "(`tunerctl --json jobs` has each explanation)")
+    leases = r.get("leases") or []
     if leases:
-        out.append(f"{plural(len(leases), 'lease')}: see `tunerctl jobs --json`")
+        lrows = [("LEASE", "USER", "GPUS", "CPUS", "PID", "TAG", "EXCLUSIVE")]
+        for x in leases:
+            lrows.append((str(x["id"]), str(x.get("user") or x.get("uid")),
+                          ",".join(map(str, x.get("gpus") or [])) or "-",
+                          str(x.get("cpus") or "-"), str(x.get("pid") or "-"),
+                          str(x.get("tag") or "-"), "yes" if x.get("exclusive") else "no"))
+        out += ["", *_table(lrows)]
     return "\n".join(out)
 
 
