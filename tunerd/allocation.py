@@ -134,14 +134,16 @@ def cvd_names(topo: Topology, env: Mapping[str, str]) -> dict[int, str]:
 
 
 def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
-                    proc_root: Path = Path("/proc"),
-                    sys_root: Path = Path("/sys")) -> Allocation:
+                    proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
+                    online: frozenset[int] | None = None) -> Allocation:
     """The allocation process ``pid`` lives in (its cgroup, mask and environment).
 
     A process that tunerd itself moved into a child cpuset counts from the
-    cpuset it was in before (the scheduler's).
+    cpuset it was in before (the scheduler's). ``online``: this machine's online CPUs
+    when the caller knows them (saves two reads on the bind path).
     """
     env = env or {}
+    host_online = online if online is not None else _host_online(sys_root)
     cpus: frozenset[int] | None = None
     cg = _scheduler_cpuset(pid, proc_root, sys_root)
     if cg is not None:
@@ -149,15 +151,15 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
             eff = cg.effective_cpus()
         except OSError:
             eff = frozenset()
-        online = topo.online_cpus() if not topo.replayed else _host_online(sys_root)
-        if eff and eff != online:
+        here = topo.online_cpus() if not topo.replayed else host_online
+        if eff and eff != here:
             cpus = eff
     current: frozenset[int] | None = None
     try:
         mask = frozenset(os.sched_getaffinity(pid))
     except OSError:
         mask = frozenset()
-    if mask and mask != (cpus if cpus is not None else _host_online(sys_root)):
+    if mask and mask != (cpus if cpus is not None else host_online):
         current = mask
     gpus = slurm_gpus(topo, env)
     cvd = env.get("CUDA_VISIBLE_DEVICES")

@@ -22,6 +22,7 @@ cgroup-v2.rst ("cpuset.mems").
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,16 @@ def v2_mount(sys_root: Path) -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)
+def _v1_mount(base: str) -> Path | None:
+    """Where the v1 cpuset hierarchy is mounted (looked up once: on every bind's path)."""
+    for name in _V1_DIRS:
+        mount = Path(base) / name
+        if (mount / "cpuset.cpus").exists():
+            return mount
+    return None
+
+
 def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
                 sys_root: Path = Path("/sys")) -> CpusetCgroup | None:
     """The cpuset cgroup of ``pid``, or None where no cpuset controller is mounted.
@@ -206,13 +217,12 @@ def find_cpuset(pid: int, proc_root: Path = Path("/proc"),
             unified = path
             continue
         if "cpuset" in controllers.split(","):
-            for name in _V1_DIRS:
-                mount = base / name
-                if (mount / "cpuset.cpus").exists():
-                    cg = CpusetCgroup(1, mount, path)
-                    # not in this mount's view (another cgroup namespace): unknown
-                    return cg if cg.dir.is_dir() else None
-            return None  # a v1 cpuset hierarchy the daemon cannot see
+            mount = _v1_mount(str(base))
+            if mount is None:
+                return None  # a v1 cpuset hierarchy the daemon cannot see
+            cg = CpusetCgroup(1, mount, path)
+            # not in this mount's view (another cgroup namespace): unknown
+            return cg if cg.dir.is_dir() else None
     if unified is not None:
         v2 = v2_mount(sys_root)
         if v2 is not None:

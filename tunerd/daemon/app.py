@@ -8,6 +8,7 @@ control server, the policy holder and the callbacks that take a new policy.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -132,6 +133,11 @@ class Daemon:
                 started.append(svc)
             await self._policy_changed(self.policy.policy)
             self._write_pidfile()
+            # Everything built so far (topology, indexes, policy) lives as long as the
+            # daemon: move it out of the cyclic GC's reach, so that a full collection
+            # walks only what changes (a pause on the loop delays exec events)
+            gc.collect()
+            gc.freeze()
             self.notifier.ready(self.summary())
             log.info("tunerd %s ready (pid %d)", __version__, os.getpid())
             watchdog = self._start_watchdog()

@@ -193,7 +193,7 @@ class AutoBinder:
     def _place(self, m: RuleMatch, group: str) -> Placement:
         rule = m.rule
         topo = self.placer.topo
-        alloc = read_allocation(m.pid, m.env, topo)
+        alloc = read_allocation(m.pid, m.env, topo, online=self.placer.host.cpus)
         enclosing = self.placer.enclosing_cpus(m.pid)
         if enclosing is not None:  # under a `tunerctl run` lease: stay inside it
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)

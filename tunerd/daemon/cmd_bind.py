@@ -112,7 +112,7 @@ class BindCommands:
             raise UsageError(
                 f"{NO_PLACEMENT} for GPU {','.join(map(str, unknown))}: not on this node "
                 f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
-        alloc = read_allocation(pid, env, topo)
+        alloc = read_allocation(pid, env, topo, online=self.placer.host.cpus)
         placed = self.placer.place(PlaceRequest(
             gpu_ids=tuple(gpus), exclusive=exclusive, allocation=alloc, ncpus=ncpus,
             ignore_busy_gpus=True, what=f"process {pid}"))

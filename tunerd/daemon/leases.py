@@ -165,7 +165,7 @@ class LeaseService:
 
     def _allocation(self, pid: int) -> Allocation:
         env = procfs.read_environ(pid, self.proc) or {}
-        return read_allocation(pid, env, self.placer.topo)
+        return read_allocation(pid, env, self.placer.topo, online=self.placer.host.cpus)
 
     def _request(self, peer: Peer, *, gpus: int, ncpus: int | None,
                  cpus: frozenset[int] | None, exclusive: bool, workers: int) -> PlaceRequest:
