@@ -107,7 +107,7 @@ def main() -> int:
               f"{r['daemon_cpu_s'] * 1000:.0f} ms = {r['daemon_core_pct']:.2f}% of a core; "
               f"generator {100 * r['generator_cpu_s'] / r['wall_s']:.0f}% of a core")
     print(f"  exec events the daemon handled during the burst: {on.get('events_seen')} "
-          f"(host-wide, incl. other users' execs) in {res['watcher']['wakeups']} wake-ups")
+          f"(host-wide, incl. other users' execs) with {res['watcher']['batches']} batch pauses")
     extra = on["daemon_core_pct"] - off["daemon_core_pct"]
     print(f"  watcher cost during the burst: {extra:+.2f}% of a core "
           f"({1e6 * max(on['daemon_cpu_s'] - off['daemon_cpu_s'], 0) / max(on['execs'], 1):.1f}"

@@ -157,13 +157,15 @@ def ping_ms(d: Daemon) -> float:
 def matcher_alone(kind: str, calls: int = 30) -> dict[str, float]:
     """CPU per match call in this process: the old way against RuleSet.match."""
     sys.path.insert(0, str(REPO))
+    from types import MappingProxyType
+
+    from tunerd.policy.typed import JobSpec
     from tunerd.watch.rules import RuleSet
 
     globs = ["*torchrun*", "*train*.py*"]
     any_re = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs))
-    rules = RuleSet.from_policy({"job": [{"name": "torch-training",
-                                          "match": {"cmdline": globs,
-                                                    "env": {"LOCAL_RANK": "*"}}}]})
+    rules = RuleSet.from_policy((JobSpec(name="torch-training", cmdline=tuple(globs),
+                                         env=MappingProxyType({"LOCAL_RANK": "*"})),))
 
     def old(pid: int) -> bool:
         # the daemon before: 4 KiB, then the whole of it again in 64 KiB reads; one

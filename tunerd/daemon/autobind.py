@@ -81,7 +81,7 @@ class AutoBinder:
         self.use_connector = use_connector
         self.proc = proc_root
         self.rules = RuleSet([])
-        self.watcher: ExecWatcher | None = None
+        self.watcher: ExecWatcher[tuple[RuleMatch, float]] | None = None
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.matched = 0
@@ -104,7 +104,7 @@ class AutoBinder:
         """Put a new rule set in force (start and every reload)."""
         self.rules = rules
         if self.rules and self.watcher is None:
-            self.watcher = ExecWatcher(self.on_exec, self.rescan,
+            self.watcher = ExecWatcher(self._matched, self.rescan, select=self.match,
                                        use_connector=self.use_connector)
             self.watcher.start()
         elif not self.rules and self.watcher is not None:
@@ -158,14 +158,30 @@ class AutoBinder:
                           for b in self.bound.values()]}
 
     # -- events ----------------------------------------------------------------
-    def on_exec(self, pid: int) -> None:
-        """Called for every exec on the host: keep the no-match path short."""
+    def match(self, pid: int) -> tuple[RuleMatch, float] | None:
+        """For every exec on the host, in the watcher's thread: keep the no-match path
+        short (a bounded read of the command line, compiled globs). A match carries the
+        time it was seen, from which exec-to-bound latency is counted."""
         m = self.rules.match(pid)
-        if m is None or pid in self._pending:
+        return None if m is None else (m, time.monotonic())
+
+    def _matched(self, found: tuple[RuleMatch, float]) -> None:
+        self.on_match(*found)
+
+    def on_exec(self, pid: int) -> None:
+        """A process to look at on the loop (a /proc rescan)."""
+        m = self.rules.match(pid)
+        if m is not None:
+            self.on_match(m)
+
+    def on_match(self, m: RuleMatch, seen: float | None = None) -> None:
+        """A process a rule matched: bind it (on the loop)."""
+        if m.pid in self._pending:
             return
         self.matched += 1
-        task = asyncio.ensure_future(self._bind(m, time.monotonic(), self._scanning))
-        self._pending[pid] = task
+        task = asyncio.ensure_future(self._bind(m, seen if seen is not None
+                                                else time.monotonic(), self._scanning))
+        self._pending[m.pid] = task
 
     def rescan(self) -> None:
         me = os.getpid()
