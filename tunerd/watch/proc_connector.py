@@ -395,16 +395,17 @@ class ExecWatcher(Generic[T]):
         select = self.select
         last = 0.0
         close_wakes = 0
+        draining = False  # after a batch pause: read what queued up without blocking
         while self._running:
             try:
-                n = recv_into(buf)
-            except BlockingIOError:  # the receive timeout: look at the stop flag
+                n = recv_into(buf, 0, socket.MSG_DONTWAIT if draining else 0)
+            except BlockingIOError:  # drained, or the receive timeout: see the stop flag
+                draining = False
                 continue
             except OSError as err:
                 if err.errno == errno.ENOBUFS:
                     self.overruns += 1
-                    log.warning("proc connector overrun: events were lost; rescanning "
-                                "/proc")
+                    log.warning("proc connector overrun: events were lost; rescanning /proc")
                     self._to_loop(self._rescan)
                     continue
                 if not self._running:
@@ -419,7 +420,6 @@ class ExecWatcher(Generic[T]):
                 continue
             tgid, = struct.unpack_from("i", buf, _OFF_TGID)
             self.events += 1
-            now = time.monotonic()
             try:
                 value = select(tgid)
             except Exception:  # one bad event must never stop the watcher
@@ -428,13 +428,17 @@ class ExecWatcher(Generic[T]):
             if value is not None:
                 self.selected += 1
                 self._to_loop(self._deliver, value)
+            if draining:
+                continue
             # a burst: let the kernel queue the next events, then take them in a row
+            now = time.monotonic()
             close_wakes = close_wakes + 1 if now - last < self.burst_gap else 0
             last = now
             if self.batch_window > 0 and close_wakes >= self.burst_wakeups:
                 close_wakes = 0
                 self.batches += 1
                 time.sleep(self.batch_window)
+                draining = True
 
     def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
