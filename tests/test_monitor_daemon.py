@@ -264,6 +264,10 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
         top = d.ctl("--json", "top").json()
         job = next(j for j in top["sample"]["jobs"] if j["pid"] == p.pid)
         assert job["torch"]["samples_per_s"] == 320.0 and job["torch"]["steps"] == 10
+        # ... and the metrics (one series per reported figure)
+        metrics = d.ctl("metrics").out
+        assert f'tunerd_job_samples_per_second{{job="python",pid="{p.pid}"}} 320.0' in metrics
+        assert f'tunerd_job_torch_reserved_bytes{{job="python",pid="{p.pid}"}}' in metrics
     finally:
         p.kill()
         p.wait()

@@ -101,20 +101,23 @@ def _jobs(sample: dict[str, Any]) -> RenderableType:
     t.add_column("PID", justify="right", no_wrap=True)
     t.add_column("Name", no_wrap=True, overflow="ellipsis", max_width=14)
     t.add_column("CPUs", no_wrap=True, overflow="ellipsis", max_width=11)
-    t.add_column("Mems", no_wrap=True, overflow="ellipsis", max_width=5)
     t.add_column("GPUs", no_wrap=True, overflow="ellipsis", max_width=7)
-    for col in ("CPU", "RSS", "Local"):
+    # CPU: the job with its DataLoader workers (W); samples/s from tunerd.torch's reporter
+    for col in ("CPU", "W", "RSS", "Local", "Smp/s"):
         t.add_column(col, justify="right", no_wrap=True)
     for j in jobs:
         if "error" in j:
             t.add_row(str(j.get("pid")), j.get("name") or "-", Text(j["error"], style="red"))
             continue
-        cpu = "-" if j.get("cpu_cores") is None else f"{j['cpu_cores'] * 100:.0f}%"
+        cores = j.get("tree_cpu_cores", j.get("cpu_cores"))
+        cpu = "-" if cores is None else f"{cores * 100:.0f}%"
         loc = j.get("locality_ratio")
+        rate = (j.get("torch") or {}).get("samples_per_s")
         t.add_row(str(j["pid"]), j.get("name") or "-", j.get("cpus") or "-",
-                  j.get("mems") or "-", ",".join(str(g) for g in j.get("gpus") or []) or "-",
-                  cpu, fmt_bytes(j.get("rss_bytes")),
-                  Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""))
+                  ",".join(str(g) for g in j.get("gpus") or []) or "-",
+                  cpu, str(j.get("workers") or 0), fmt_bytes(j.get("rss_bytes")),
+                  Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""),
+                  "-" if rate is None else f"{rate:.4g}")
     return t
 
 

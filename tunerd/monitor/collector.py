@@ -72,6 +72,16 @@ JOB_GAUGES = [
     ("open_fds", "tunerd_job_open_fds", "Open file descriptors"),
     ("nofile_soft", "tunerd_job_max_fds", "RLIMIT_NOFILE soft limit"),
     ("gpu_memory_bytes", "tunerd_job_gpu_memory_used_bytes", "GPU memory used (NVML)"),
+    ("workers", "tunerd_job_workers", "Child processes of the job (DataLoader workers)"),
+    ("tree_cpu_ratio", "tunerd_job_tree_cpu_saturation_ratio",
+     "CPU use of the job and its workers over the job's bound CPUs"),
+    ("samples_per_s", "tunerd_job_samples_per_second",
+     "Training throughput the job reports (tunerd.torch.StepReporter)"),
+    ("step_time_s", "tunerd_job_step_seconds", "Median step time the job reports"),
+    ("torch_allocated", "tunerd_job_torch_allocated_bytes",
+     "CUDA memory torch has allocated, as the job reports"),
+    ("torch_reserved", "tunerd_job_torch_reserved_bytes",
+     "CUDA memory torch's caching allocator holds, as the job reports"),
 ]
 JOB_COUNTERS = [
     ("cpu_seconds_total", "tunerd_job_cpu_seconds", "CPU time used (user + system)"),
@@ -125,6 +135,15 @@ class DaemonHealth(NamedTuple):
     host_failed: int | None  # settings whose last write failed (still not as the policy says)
     rule_bind_failures: int | None  # [[job]] rule matches that could not be bound, since start
     rule_matches: int | None  # processes [[job]] rules matched, since start
+
+
+def _reported(torch: Any) -> dict[str, Any]:
+    """What the job reported (the ``report`` command), under the gauge keys."""
+    if not isinstance(torch, dict):
+        return {}
+    mem = torch.get("memory") or {}
+    return {"samples_per_s": torch.get("samples_per_s"), "step_time_s": torch.get("step_time_s"),
+            "torch_allocated": mem.get("allocated"), "torch_reserved": mem.get("reserved")}
 
 
 class MonitorCollector(Collector):
@@ -310,7 +329,8 @@ class MonitorCollector(Collector):
         def lab(j: dict[str, Any]) -> list[str]:
             return [j.get("name") or "", str(j["pid"])]
 
-        yield from _emit(ok, JOB_GAUGES, ["job", "pid"], lab, GaugeMetricFamily)
+        flat = [{**j, **_reported(j.get("torch"))} for j in ok]
+        yield from _emit(flat, JOB_GAUGES, ["job", "pid"], lab, GaugeMetricFamily)
         yield from _emit(ok, JOB_COUNTERS, ["job", "pid"], lab, CounterMetricFamily)
         numa = GaugeMetricFamily("tunerd_job_numa_memory_bytes",
                                  "Resident memory of the job per NUMA node",
