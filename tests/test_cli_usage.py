@@ -131,7 +131,8 @@ def test_plurals_in_human_output() -> None:
     assert "(1 pages moved)" not in _human_bind({"pid": 7, "threads": 3, "mems": "0",
                                                  "pages_moved": 1})
     assert "no drift (1 setting checked)" in _human_verify({"drift": [], "checked": 1})
-    assert "1 lease:" in _human_jobs({"jobs": [], "leases": [{"id": "L1"}]})
+    leases = _human_jobs({"jobs": [], "leases": [{"id": "L1", "user": "alice"}]})
+    assert "LEASE" in leases and "L1" in leases and "alice" in leases
 
 
 def test_top_never_wraps_inside_a_command() -> None:

@@ -419,8 +419,8 @@ def test_the_guides_example_on_one_cpu_is_found_within_15s(daemon_factory: Any,
             assert d.ctl("bind", str(w), "--cpus", cpu).rc == 0
 
         def finding() -> Any:
-            res = d.ctl("--json", "advise", str(p.pid)).json()
-            ids = {f["id"]: f for j in res["jobs"] for f in j["findings"]}
+            res = d.ctl("--json", "advise", str(p.pid)).json()  # an error until sampled
+            ids = {f["id"]: f for j in res.get("jobs") or [] for f in j["findings"]}
             return ids.get("data-loading-cpu-starved") or ids.get("cpu-oversubscription")
 
         f = wait_for(finding, 15, "a data-loading or oversubscription finding", interval=0.5)

@@ -99,9 +99,9 @@ def _jobs(sample: dict[str, Any]) -> RenderableType:
         return Note("No bound jobs (`tunerctl bind PID` / `tunerctl run -- CMD`).", style="dim")
     t = _table("Jobs")
     t.add_column("PID", justify="right", no_wrap=True)
-    t.add_column("Name", no_wrap=True, overflow="ellipsis", max_width=14)
-    t.add_column("CPUs", no_wrap=True, overflow="ellipsis", max_width=11)
-    t.add_column("GPUs", no_wrap=True, overflow="ellipsis", max_width=7)
+    t.add_column("Name", no_wrap=True, overflow="ellipsis", max_width=10)
+    t.add_column("CPUs", no_wrap=True, overflow="ellipsis", max_width=9)
+    t.add_column("GPUs", no_wrap=True, overflow="ellipsis", max_width=5)
     # CPU: the job with its DataLoader workers (W); samples/s from tunerd.torch's reporter
     for col in ("CPU", "W", "RSS", "Local", "Smp/s"):
         t.add_column(col, justify="right", no_wrap=True)
