@@ -25,8 +25,8 @@ imports torch and never reads the host.
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from tunerd.advise import Finding
 
 __all__ = [
     "Finding",
@@ -46,23 +46,6 @@ NVIDIA_AFFINITY = ("https://github.com/NVIDIA/DeepLearningExamples (gpu_affinity
 _BINDING_PROC_BIND = {"true", "close", "spread", "master", "primary"}
 # KMP_AFFINITY types that bind (Intel OpenMP docs); "disabled" and "none" do not
 _NON_BINDING_KMP = {"disabled", "none"}
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem, in the same shape as ``tunerd.advise.Finding`` (id, severity, title,
-    evidence, why, fix, docs) so that doctor and advise can show it as is."""
-
-    id: str
-    severity: str  # "warning" | "info"
-    title: str
-    evidence: dict[str, Any]
-    why: str
-    fix: str
-    docs: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def uses_torch(maps: str) -> bool:
