@@ -6,18 +6,17 @@ same files, so a wrong field index cannot agree with itself.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.helpers import ready_child as child
 from tests.helpers import run_as
 from tunerd import procfs
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied
@@ -224,19 +223,6 @@ for _ in range(3):
 print("ready", flush=True)
 time.sleep(60)
 """
-
-
-@contextlib.contextmanager
-def child(code: str, args: list[str] | None = None,
-          env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    p = subprocess.Popen([sys.executable, "-c", code, *(args or [])], env=env,
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_every_getter_on_a_real_process_agrees_with_psutil() -> None:

@@ -11,13 +11,13 @@ import contextlib
 import fnmatch
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from types import MappingProxyType
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import ready_child
 from tunerd import procfs
 from tunerd.policy.typed import JobSpec
 from tunerd.watch.globs import Glob, GlobSet
@@ -56,15 +56,8 @@ def test_star_globs_do_not_backtrack() -> None:
 @contextlib.contextmanager
 def sleeper(args: list[str], env: dict[str, str] | None = None
             ) -> Iterator[subprocess.Popen[str]]:
-    p = subprocess.Popen([sys.executable, "-c", SLEEPER, *args],
-                         env={"PATH": "/usr/bin:/bin", **(env or {})},
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    with ready_child(SLEEPER, args, {"PATH": "/usr/bin:/bin", **(env or {})}) as p:
         yield p
-    finally:
-        p.kill()
-        p.wait()
 
 
 def read_chars() -> int:

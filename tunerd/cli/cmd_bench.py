@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -15,6 +16,27 @@ from tunerd.cli.context import get_ctx
 QUICK_RUNS = 4
 QUICK_STEPS = 20
 DEFAULT_STEPS = 48
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def workload_options(f: F) -> F:
+    """The options bench and tune share: the workload's interpreter, its length, the
+    per-run timeout, --json and the command itself."""
+    for option in reversed((
+        click.option("--python", "python", metavar="PATH", default=None,
+                     help="Interpreter of the built-in workload [default: tunerctl's own]."),
+        click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
+                     help=f"Batches of the built-in workload per run [default: {DEFAULT_STEPS}; "
+                          f"--quick: {QUICK_STEPS}]."),
+        click.option("--timeout", type=click.FloatRange(1, None), default=None,
+                     help="Seconds before one run counts as failed [default: 600; "
+                          "--quick: 120]."),
+        click.option("--json", "local_json", is_flag=True,
+                     help="JSON output (same as tunerctl --json)."),
+        click.argument("cmd", nargs=-1, type=click.UNPROCESSED),
+    )):
+        f = option(f)
+    return f
 
 
 def cpus_option(ncpus: int | None, cpus: str | None) -> tuple[int | None, str | None]:
@@ -147,16 +169,9 @@ class _Progress:
                    "off their CPUs).")
 @click.option("--noisy-procs", type=click.IntRange(1, 1024), default=None,
               help="Processes of the hog [default: the CPUs this process may use].")
-@click.option("--python", "python", metavar="PATH", default=None,
-              help="Interpreter of the built-in workload [default: tunerctl's own].")
-@click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
-              help="Batches of the built-in workload per run [default: 48; --quick: 20].")
-@click.option("--timeout", type=click.FloatRange(1, None), default=None,
-              help="Seconds before one run counts as failed [default: 600; --quick: 120].")
 @click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also plot the metric of every run per arm (needs the 'plot' extra).")
-@click.option("--json", "local_json", is_flag=True, help="JSON output (same as tunerctl --json).")
-@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
+@workload_options
 def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
           arm_b: str | None, gpus: int | None, ncpus: int | None, cpus: str | None,
           exclusive: bool, noisy: bool, noisy_procs: int | None, python: str | None,

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import click
 
-from tunerd.cli.cmd_bench import QUICK_RUNS, QUICK_STEPS, _Progress, cpus_option, workload_python
+from tunerd.cli.cmd_bench import (
+    DEFAULT_STEPS,
+    QUICK_RUNS,
+    QUICK_STEPS,
+    _Progress,
+    cpus_option,
+    workload_options,
+    workload_python,
+)
 from tunerd.cli.context import get_ctx
 
 
@@ -44,16 +52,9 @@ def _daemon_answers() -> bool:
               help="Placement trials: number of CPUs to lease.")
 @click.option("--cpus", metavar="LIST", default=None, help="Placement trials: these CPUs.")
 @click.option("--noisy", is_flag=True, help="A CPU hog runs during every comparison.")
-@click.option("--python", "python", metavar="PATH", default=None,
-              help="Without CMD: the built-in workload's interpreter.")
-@click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
-              help="Without CMD: batches of the built-in workload per run.")
-@click.option("--timeout", type=click.FloatRange(1, None), default=None,
-              help="Seconds before one run counts as failed [default: 600; --quick: 120].")
 @click.option("--save", "save", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the [[job]] rule to this file.")
-@click.option("--json", "local_json", is_flag=True, help="JSON output (same as tunerctl --json).")
-@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
+@workload_options
 def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
          rounds: int | None, gpus: int | None, ncpus: int | None, cpus: str | None,
          noisy: bool, python: str | None, steps: int | None, timeout: float | None,
@@ -104,7 +105,7 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
         else:
             interp = workload_python(python)
             command = builtin_command(interp.path)
-            steps = steps or (QUICK_STEPS if quick else 48)
+            steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
             workload, env = NAME, {**path_env, "TUNERD_BENCH_STEPS": str(steps)}
         start = ArmSpec("unbound")
         cfg = BenchConfig(command=command, workload=workload, arms=(start, start),
