@@ -93,6 +93,32 @@ def workload_python(python: str | None) -> Any:
     return interp
 
 
+def workload_command(cmd: tuple[str, ...], python: str | None) -> list[str]:
+    """CMD of bench and tune, without a leading "--"; --python only goes without one."""
+    command = list(cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and python:
+        raise click.UsageError("--python chooses the built-in workload's interpreter; with a "
+                               "command, name the interpreter in the command")
+    return command
+
+
+def resolve_workload(command: list[str], python: str | None, steps: int | None, quick: bool,
+                     path_env: dict[str, str]) -> tuple[list[str], Any, str, dict[str, str]]:
+    """(command, interpreter, workload name, environment): CMD as given, or the built-in
+    workload in --python's interpreter (which must have torch) with its step count."""
+    from tunerd.bench import builtin_command
+    from tunerd.bench.workload import NAME
+
+    if command:
+        return command, None, "command: " + " ".join(command), {}
+    interp = workload_python(python)
+    steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
+    return (builtin_command(interp.path), interp, NAME,
+            {**path_env, "TUNERD_BENCH_STEPS": str(steps)})
+
+
 class _Progress:
     """A rich progress bar on a terminal, one line per run otherwise (none with --json)."""
 
@@ -195,19 +221,13 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
       tunerctl bench --noisy --b placement=exclusive --ncpus 1
       tunerctl bench --runs 7 --gpus 1 -- python train.py --epochs 1
     """
-    from tunerd.bench import BenchConfig, builtin_command, run_bench, tunerd_on_path
+    from tunerd.bench import BenchConfig, run_bench, tunerd_on_path
     from tunerd.bench.arms import ArmSpec, PlacementRequest, parse_arm
     from tunerd.bench.report import format_human, format_json, plot_missing, write_png
-    from tunerd.bench.workload import NAME
 
     ctx = get_ctx()
     as_json = ctx.as_json or local_json
-    command = list(cmd)
-    if command and command[0] == "--":
-        command = command[1:]
-    if command and python:
-        raise click.UsageError("--python chooses the built-in workload's interpreter; with a "
-                               "command, name the interpreter in the command")
+    command = workload_command(cmd, python)
     a = parse_arm(arm_a, "--a") if arm_a is not None else ArmSpec("unbound")
     b = parse_arm(arm_b, "--b") if arm_b is not None else ArmSpec("tunerd")
     if exclusive:
@@ -221,17 +241,12 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
         raise Failed(why)
     runs = runs or (QUICK_RUNS if quick else 5)
     warmup = warmup if warmup is not None else (0 if quick else 1)
-    steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
     timeout = timeout or (120.0 if quick else 600.0)
     if any(s.placement != "unbound" for s in (a, b)):
         ctx.call("ping")  # no daemon: exit 3 now, not after the first arm
     with tunerd_on_path() as path_env:
-        if command:
-            interp, workload, env = None, "command: " + " ".join(command), {}
-        else:
-            interp = workload_python(python)
-            command = builtin_command(interp.path)
-            workload, env = NAME, {**path_env, "TUNERD_BENCH_STEPS": str(steps)}
+        command, interp, workload, env = resolve_workload(command, python, steps, quick,
+                                                          path_env)
         cfg = BenchConfig(command=command, workload=workload, arms=(a, b),
                           placement=PlacementRequest(gpus, ncpus, cpus), interpreter=interp,
                           runs=runs, warmup=warmup, timeout=timeout,

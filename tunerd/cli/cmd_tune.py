@@ -10,13 +10,12 @@ from pathlib import Path
 import click
 
 from tunerd.cli.cmd_bench import (
-    DEFAULT_STEPS,
     QUICK_RUNS,
-    QUICK_STEPS,
     _Progress,
     cpus_option,
+    resolve_workload,
+    workload_command,
     workload_options,
-    workload_python,
 )
 from tunerd.cli.context import get_ctx
 
@@ -73,19 +72,13 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
       tunerctl tune --quick -- python train.py --max-steps 200
       tunerctl tune --save /etc/tunerd/policies/50-tuned.toml -- torchrun ... train.py
     """
-    from tunerd.bench import BenchConfig, builtin_command, tunerd_on_path
+    from tunerd.bench import BenchConfig, tunerd_on_path
     from tunerd.bench.arms import ArmSpec, PlacementRequest
     from tunerd.bench.tune import DIMENSIONS, rule_snippet, search
-    from tunerd.bench.workload import NAME
 
     ctx = get_ctx()
     as_json = ctx.as_json or local_json
-    command = list(cmd)
-    if command and command[0] == "--":
-        command = command[1:]
-    if command and python:
-        raise click.UsageError("--python is for the built-in workload; with a command, name "
-                               "the interpreter in the command")
+    command = workload_command(cmd, python)
     if only is not None:
         dims = tuple(d.strip().replace("-", "_") for d in only.split(",") if d.strip())
         bad = [d for d in dims if d not in DIMENSIONS]
@@ -100,13 +93,8 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
     runs = runs or (QUICK_RUNS if quick else 5)
     warmup = warmup if warmup is not None else (0 if quick else 1)
     with tunerd_on_path() as path_env:
-        if command:
-            interp, workload, env = None, "command: " + " ".join(command), {}
-        else:
-            interp = workload_python(python)
-            command = builtin_command(interp.path)
-            steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
-            workload, env = NAME, {**path_env, "TUNERD_BENCH_STEPS": str(steps)}
+        command, interp, workload, env = resolve_workload(command, python, steps, quick,
+                                                          path_env)
         start = ArmSpec("unbound")
         cfg = BenchConfig(command=command, workload=workload, arms=(start, start),
                           placement=PlacementRequest(gpus, ncpus, cpus), interpreter=interp,
