@@ -167,24 +167,27 @@ Report = Callable[[str], None]
 
 
 def search(cfg: BenchConfig, *, dims: tuple[str, ...] = DIMENSIONS, daemon: bool = True,
-           cpus: int | None = None, rounds: int = 2, bench: Bench = run_bench,
-           report: Report | None = None, probe: Probe | None = None) -> TuneResult:
+           rounds: int = 2, bench: Bench = run_bench,
+           report: Report | None = None) -> TuneResult:
     """Vary one setting at a time from ``cfg.arms[0]``; keep what the interval says helps.
 
-    ``daemon``: a daemon answers (placement can be tried); ``cpus``: the CPUs the job
-    may use (bounds the num_workers walk at twice that; default: this process's).
+    ``daemon``: a daemon answers (placement can be tried). The num_workers walk stops
+    at twice the CPUs this process may use.
     """
     t0 = time.monotonic()
     say = report or (lambda _s: None)
-    probe = probe or probe_command(cfg)
+    probe = probe_command(cfg)
     start = cfg.arms[0]
     known = {"placement": start.placement, "num_workers": probe.num_workers,
              "pin_memory": probe.pin_memory, "amp": probe.amp, "compile": probe.compile}
     res = TuneResult(list(cfg.command), probe, start, start, known)
+    if probe.run.error is not None:  # failed as it is: no comparison can say anything
+        res.elapsed_s = time.monotonic() - t0
+        return res
     res.skipped = _skips(dims, probe, daemon)
     for k, why in res.skipped.items():
         say(f"{k}: skipped ({why})")
-    cap = 2 * (cpus or len(os.sched_getaffinity(0)))
+    cap = 2 * len(os.sched_getaffinity(0))
     current = start
 
     def attempt(dim: str, value: Any) -> bool:
@@ -243,8 +246,6 @@ def _candidates(dim: str, current: ArmSpec, known: dict[str, Any],
 
 def _skips(dims: tuple[str, ...], probe: Probe, daemon: bool) -> dict[str, str]:
     out: dict[str, str] = {}
-    if probe.run.error is not None:
-        return out
     if "placement" in dims and not daemon:
         out["placement"] = "the daemon is not reachable, so tunerctl run cannot place it"
     if probe.num_workers is None:

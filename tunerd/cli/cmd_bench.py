@@ -12,17 +12,34 @@ from typing import Any, TypeVar
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import CountType, CpusType, cpu_args
 
 QUICK_RUNS = 4
+DEFAULT_RUNS = 5
 QUICK_STEPS = 20
 DEFAULT_STEPS = 48
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def workload_options(f: F) -> F:
-    """The options bench and tune share: the workload's interpreter, its length, the
-    per-run timeout, --json and the command itself."""
+    """The options bench and tune share: runs per arm, placement sizes, the noisy
+    neighbour, the workload's interpreter and length, the per-run timeout and CMD."""
     for option in reversed((
+        click.option("--runs", type=click.IntRange(2, 1000), default=None,
+                     help=f"Measured runs per arm [default: {DEFAULT_RUNS}; "
+                          f"--quick: {QUICK_RUNS}]."),
+        click.option("--warmup", type=click.IntRange(0, 100), default=None,
+                     help="Runs per arm discarded first [default: 1; --quick: 0]."),
+        click.option("--gpus", type=CountType(minimum=0, maximum=1024), default=None,
+                     help="Placed runs (tunerd, exclusive): GPUs to lease."),
+        click.option("--ncpus", type=CountType(maximum=65536), default=None,
+                     help="Placed runs: number of CPUs to lease."),
+        click.option("--cpus", type=CpusType(), default=None,
+                     help="Placed runs: exactly these CPUs (the older --cpus N still means a "
+                          "count, with a warning)."),
+        click.option("--noisy", is_flag=True,
+                     help="Noisy neighbour: a CPU hog runs during every run (exclusive "
+                          "placements move it off their CPUs)."),
         click.option("--python", "python", metavar="PATH", default=None,
                      help="Interpreter of the built-in workload [default: tunerctl's own]."),
         click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
@@ -31,32 +48,18 @@ def workload_options(f: F) -> F:
         click.option("--timeout", type=click.FloatRange(1, None), default=None,
                      help="Seconds before one run counts as failed [default: 600; "
                           "--quick: 120]."),
-        click.option("--json", "local_json", is_flag=True,
-                     help="JSON output (same as tunerctl --json)."),
         click.argument("cmd", nargs=-1, type=click.UNPROCESSED),
     )):
         f = option(f)
     return f
 
 
-def cpus_option(ncpus: int | None, cpus: str | None) -> tuple[int | None, str | None]:
-    """--ncpus N / --cpus LIST, with the older --cpus N (a count) kept for one release."""
-    from tunerd.cpulist import CpuListError, parse_cpulist
-
-    if cpus is not None and cpus.strip().isdigit():
-        click.echo(f"tunerctl: warning: --cpus {cpus} as a CPU count is deprecated and will "
-                   f"be removed; use --ncpus {cpus} (--cpus takes a list such as 0-3)", err=True)
-        if ncpus is not None:
-            raise click.UsageError("give --ncpus N or the older --cpus N, not both")
-        return int(cpus), None
-    if cpus is not None:
-        try:
-            parse_cpulist(cpus)
-        except CpuListError as err:
-            raise click.BadParameter(str(err), param_hint="--cpus") from None
-        if ncpus is not None:
-            raise click.UsageError("give --ncpus N (a count) or --cpus LIST, not both")
-    return ncpus, cpus
+def run_plan(quick: bool, runs: int | None, warmup: int | None,
+             timeout: float | None) -> tuple[int, int, float]:
+    """(runs, warm-up runs, per-run timeout) per arm, from the options and --quick."""
+    return (runs or (QUICK_RUNS if quick else DEFAULT_RUNS),
+            warmup if warmup is not None else (0 if quick else 1),
+            timeout or (120.0 if quick else 600.0))
 
 
 def _torch_hint(exclude: str) -> str:
@@ -169,10 +172,6 @@ class _Progress:
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("--runs", type=click.IntRange(2, 1000), default=None,
-              help="Measured runs per arm [default: 5; --quick: 4].")
-@click.option("--warmup", type=click.IntRange(0, 100), default=None,
-              help="Runs per arm discarded first [default: 1; --quick: 0].")
 @click.option("--quick", is_flag=True,
               help="4 runs per arm (the fewest that can name a winner), no warm-up run, a "
                    "shorter built-in workload (<= 60 s on a 2-CPU machine).")
@@ -182,17 +181,7 @@ class _Progress:
 @click.option("--b", "arm_b", metavar="SPEC", default=None,
               help="Arm B, as --a; settings: num_workers, pin_memory, persistent_workers, "
                    "prefetch_factor, amp=off|bf16|fp16, compile [default: placement=tunerd].")
-@click.option("--gpus", type=click.IntRange(0, 1024), default=None,
-              help="tunerd arms: GPUs to lease.")
-@click.option("--ncpus", type=click.IntRange(1, 65536), default=None,
-              help="tunerd arms: number of CPUs to lease.")
-@click.option("--cpus", metavar="LIST", default=None,
-              help="tunerd arms: exactly these CPUs (the older --cpus N still means a count, "
-                   "with a warning).")
 @click.option("--exclusive", is_flag=True, help="Arm B placement=exclusive (older spelling).")
-@click.option("--noisy", is_flag=True,
-              help="Noisy neighbour: a CPU hog runs during both arms (exclusive arms move it "
-                   "off their CPUs).")
 @click.option("--noisy-procs", type=click.IntRange(1, 1024), default=None,
               help="Processes of the hog [default: the CPUs this process may use].")
 @click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -201,7 +190,7 @@ class _Progress:
 def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
           arm_b: str | None, gpus: int | None, ncpus: int | None, cpus: str | None,
           exclusive: bool, noisy: bool, noisy_procs: int | None, python: str | None,
-          steps: int | None, timeout: float | None, png: Path | None, local_json: bool,
+          steps: int | None, timeout: float | None, png: Path | None,
           cmd: tuple[str, ...]) -> int:
     """A/B-test a training command: arm A against arm B, interleaved, with a 95% interval.
 
@@ -226,7 +215,7 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
     from tunerd.bench.report import format_human, format_json, plot_missing, write_png
 
     ctx = get_ctx()
-    as_json = ctx.as_json or local_json
+    as_json = ctx.as_json
     command = workload_command(cmd, python)
     a = parse_arm(arm_a, "--a") if arm_a is not None else ArmSpec("unbound")
     b = parse_arm(arm_b, "--b") if arm_b is not None else ArmSpec("tunerd")
@@ -234,21 +223,19 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
         b = b.with_setting("placement", "exclusive")
     if a == b:
         raise click.UsageError(f"arms A and B are the same ({a.describe()}): nothing to compare")
-    ncpus, cpus = cpus_option(ncpus, cpus)
+    ncpus, cpulist = cpu_args(ncpus, cpus)
     if png is not None and (why := plot_missing()):
         from tunerd.errors import Failed
 
         raise Failed(why)
-    runs = runs or (QUICK_RUNS if quick else 5)
-    warmup = warmup if warmup is not None else (0 if quick else 1)
-    timeout = timeout or (120.0 if quick else 600.0)
+    runs, warmup, timeout = run_plan(quick, runs, warmup, timeout)
     if any(s.placement != "unbound" for s in (a, b)):
         ctx.call("ping")  # no daemon: exit 3 now, not after the first arm
     with tunerd_on_path() as path_env:
         command, interp, workload, env = resolve_workload(command, python, steps, quick,
                                                           path_env)
         cfg = BenchConfig(command=command, workload=workload, arms=(a, b),
-                          placement=PlacementRequest(gpus, ncpus, cpus), interpreter=interp,
+                          placement=PlacementRequest(gpus, ncpus, cpulist), interpreter=interp,
                           runs=runs, warmup=warmup, timeout=timeout,
                           noisy=(noisy_procs or len(os.sched_getaffinity(0))) if noisy else 0,
                           socket_path=ctx.socket_path, env=env)

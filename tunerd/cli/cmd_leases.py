@@ -15,23 +15,11 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import CPULIST, CountType
+from tunerd.cli.types import CountType, CpusType, cpu_args
 
 # set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
 _NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
 MPOL_BIND = 2
-
-class CpusType(click.ParamType):
-    """``--cpus LIST``; a plain integer is the old ``--cpus N`` count (one more release)."""
-
-    name = "LIST"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> str | int:
-        if isinstance(value, int) or str(value).strip().isdigit():
-            return int(value)
-        return CPULIST.convert(value, param, ctx)
-
 
 _COMMON = [
     click.option("--gpus", type=CountType(minimum=0), default=0, show_default=True,
@@ -61,20 +49,6 @@ def _common(fn: Any) -> Any:
     return fn
 
 
-def _cpu_args(ncpus: int | None, cpus: str | int | None) -> dict[str, Any]:
-    """The wire arguments ``ncpus`` (count) and ``cpus`` (cpulist), from either spelling."""
-    if isinstance(cpus, int):
-        click.echo(f"tunerctl: warning: --cpus {cpus} as a CPU count is deprecated and goes "
-                   f"away in the next release; use --ncpus {cpus} (--cpus takes a CPU list, "
-                   f"as in bind: CPU {cpus} alone is --cpus {cpus}-{cpus})", err=True)
-        if ncpus is not None:
-            raise click.UsageError("give --ncpus N or --cpus N, not both")
-        return {"ncpus": cpus, "cpus": None}
-    if ncpus is not None and cpus is not None:
-        raise click.UsageError("give --ncpus N (a count) or --cpus LIST (exact CPUs), not both")
-    return {"ncpus": ncpus, "cpus": cpus}
-
-
 def _env(result: dict[str, Any], uuids: bool) -> dict[str, str]:
     env = dict(result["env"])
     if uuids and env.get("TUNERD_GPU_UUIDS"):
@@ -97,7 +71,8 @@ def _notes(r: dict[str, Any]) -> None:
 
 def _request(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
              exclusive: bool, exclusive_scope: str | None, tag: str | None) -> dict[str, Any]:
-    args: dict[str, Any] = {"gpus": gpus, **_cpu_args(ncpus, cpus), "exclusive": exclusive,
+    count, cpulist = cpu_args(ncpus, cpus)
+    args: dict[str, Any] = {"gpus": gpus, "ncpus": count, "cpus": cpulist, "exclusive": exclusive,
                             "exclusive_scope": exclusive_scope, "tag": _default_tag(tag)}
     if workers is not None:
         args["workers"] = workers

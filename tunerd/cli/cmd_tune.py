@@ -10,14 +10,14 @@ from pathlib import Path
 import click
 
 from tunerd.cli.cmd_bench import (
-    QUICK_RUNS,
     _Progress,
-    cpus_option,
     resolve_workload,
+    run_plan,
     workload_command,
     workload_options,
 )
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import cpu_args
 
 
 def _daemon_answers() -> bool:
@@ -34,10 +34,6 @@ def _daemon_answers() -> bool:
 @click.option("--quick", is_flag=True,
               help="4 runs per arm (the fewest that can name a winner), no warm-up, one "
                    "round, no torch.compile trial.")
-@click.option("--runs", type=click.IntRange(2, 1000), default=None,
-              help="Measured runs per arm of every comparison [default: 5; --quick: 4].")
-@click.option("--warmup", type=click.IntRange(0, 100), default=None,
-              help="Warm-up runs per arm [default: 1; --quick: 0].")
 @click.option("--settings", "only", metavar="LIST", default=None,
               help="Settings to vary, comma-separated, in this order: placement, "
                    "num_workers, pin_memory, amp, compile [default: all; --quick: all but "
@@ -45,19 +41,13 @@ def _daemon_answers() -> bool:
 @click.option("--rounds", type=click.IntRange(1, 5), default=None,
               help="Passes over the settings; a pass that keeps nothing ends the search "
                    "[default: 2; --quick: 1].")
-@click.option("--gpus", type=click.IntRange(0, 1024), default=None,
-              help="Placement trials: GPUs to lease.")
-@click.option("--ncpus", type=click.IntRange(1, 65536), default=None,
-              help="Placement trials: number of CPUs to lease.")
-@click.option("--cpus", metavar="LIST", default=None, help="Placement trials: these CPUs.")
-@click.option("--noisy", is_flag=True, help="A CPU hog runs during every comparison.")
 @click.option("--save", "save", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the [[job]] rule to this file.")
 @workload_options
 def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
          rounds: int | None, gpus: int | None, ncpus: int | None, cpus: str | None,
          noisy: bool, python: str | None, steps: int | None, timeout: float | None,
-         save: Path | None, local_json: bool, cmd: tuple[str, ...]) -> int:
+         save: Path | None, cmd: tuple[str, ...]) -> int:
     """Find the settings that make CMD train faster, and print them as a [[job]] rule.
 
     Varies one setting at a time (placement, num_workers, pin_memory, amp, compile),
@@ -77,7 +67,7 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
     from tunerd.bench.tune import DIMENSIONS, rule_snippet, search
 
     ctx = get_ctx()
-    as_json = ctx.as_json or local_json
+    as_json = ctx.as_json
     command = workload_command(cmd, python)
     if only is not None:
         dims = tuple(d.strip().replace("-", "_") for d in only.split(",") if d.strip())
@@ -88,18 +78,16 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
                                      param_hint="--settings")
     else:
         dims = tuple(d for d in DIMENSIONS if not (quick and d == "compile"))
-    ncpus, cpus = cpus_option(ncpus, cpus)
+    ncpus, cpulist = cpu_args(ncpus, cpus)
     daemon = _daemon_answers() if "placement" in dims else False
-    runs = runs or (QUICK_RUNS if quick else 5)
-    warmup = warmup if warmup is not None else (0 if quick else 1)
+    runs, warmup, timeout = run_plan(quick, runs, warmup, timeout)
     with tunerd_on_path() as path_env:
         command, interp, workload, env = resolve_workload(command, python, steps, quick,
                                                           path_env)
         start = ArmSpec("unbound")
         cfg = BenchConfig(command=command, workload=workload, arms=(start, start),
-                          placement=PlacementRequest(gpus, ncpus, cpus), interpreter=interp,
-                          runs=runs, warmup=warmup,
-                          timeout=timeout or (120.0 if quick else 600.0),
+                          placement=PlacementRequest(gpus, ncpus, cpulist), interpreter=interp,
+                          runs=runs, warmup=warmup, timeout=timeout,
                           noisy=len(os.sched_getaffinity(0)) if noisy else 0,
                           socket_path=ctx.socket_path, env=env)
         say = None if as_json else (lambda s: click.echo(s, err=True))
