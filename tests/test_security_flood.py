@@ -227,3 +227,68 @@ def test_unit_raises_the_fd_limit() -> None:
     unit = (REPO / "systemd" / "tunerd.service").read_text()
     m = re.search(r"^LimitNOFILE=(\d+)$", unit, re.M)
     assert m and int(m.group(1)) >= 65536
+
+
+def _vm_rss(pid: int) -> int:
+    """Resident memory of ``pid`` in bytes, from /proc/PID/status."""
+    m = re.search(r"^VmRSS:\s+(\d+) kB$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    assert m, f"no VmRSS in /proc/{pid}/status"
+    return int(m.group(1)) * 1024
+
+
+def _send_without_reading(conn: Connection, path: str, total: int, seconds: float) -> None:
+    """As the test user: send pings for ``seconds`` (at most ``total`` bytes) and never
+    read a reply; report the bytes sent, then, once told, whether the daemon closed us."""
+    import select
+
+    line = b'{"cmd":"ping"}\n'
+    chunk = line * ((1 << 20) // len(line))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    s.settimeout(1.0)  # a daemon that stopped reading blocks our sends: then we stop too
+    sent = 0
+    deadline = time.monotonic() + seconds
+    while sent < total and time.monotonic() < deadline:
+        try:
+            sent += s.send(chunk[sent % len(chunk):])
+        except TimeoutError:
+            break
+    conn.send(sent)
+    wait = conn.recv()  # seconds to wait for the daemon to close the connection
+    p = select.poll()
+    p.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    deadline = time.monotonic() + wait
+    closed = False
+    while not closed and time.monotonic() < deadline:  # poll, never read: we stay stalled
+        closed = bool(p.poll(100))
+    conn.send(closed)
+    conn.recv()  # "stop"
+    s.close()
+
+
+def test_a_client_that_never_reads_replies_is_bounded_then_dropped(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    """Pipelined requests whose replies are never read: the daemon stops reading from
+    that client (its memory stays bounded), serves others, and drops it after the idle
+    timeout although requests are still queued."""
+    uid, gid = unpriv_user
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("client_timeout = 2.0\n")
+    d: DaemonProc = daemon_factory(args=["--config", str(cfg)]).start()
+    assert d.proc is not None
+    rss0 = _vm_rss(d.proc.pid)
+    with forked_as(uid, gid, _send_without_reading, str(d.socket), 50 << 20, 8.0) as conn:
+        sent = recv(conn, timeout=60)
+        grown = _vm_rss(d.proc.pid) - rss0
+        assert grown < 64 << 20, f"the daemon grew by {grown >> 20} MiB on {sent >> 20} MiB " \
+                                 "of requests whose replies were never read"
+        assert sent < 40 << 20, f"the daemon read {sent >> 20} MiB from a client that reads " \
+                                "no replies"
+        with Client(str(d.socket), timeout=10) as c:  # others are served meanwhile
+            assert c.call("ping")["pong"]
+        conn.send(15.0)
+        assert recv(conn, timeout=60) is True, "the stalled connection was never closed"
+    with Client(str(d.socket), timeout=10) as c:
+        assert c.call("ping")["pong"]
+    assert d.proc.poll() is None and "Traceback" not in d.log()

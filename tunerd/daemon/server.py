@@ -12,6 +12,9 @@ Robustness rules, because any local user can connect:
 * every connection has an idle timeout; a line over 1 MiB, a malformed message,
   NaN, too deep a nesting or a half-sent message gets an error reply (then the
   connection is closed where the stream can no longer be trusted);
+* a client that sends requests without reading the replies costs bounded memory:
+  its socket is not read while requests already read wait to be run, and it is
+  dropped once its replies have not moved for the idle timeout;
 * a reply is always one valid JSON line; a failing handler never takes the
   server down.
 
@@ -317,9 +320,9 @@ def error_line(err: TunerdError) -> bytes:
 class _Connection:
     """One client: reads lines, runs them one at a time, writes replies in order."""
 
-    __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_incomplete", "_lines",
-                 "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
-                 "closing_since", "last", "peer")
+    __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_halted", "_incomplete",
+                 "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
+                 "closing_since", "last", "peer", "wrote")
 
     def __init__(self, server: ControlServer, loop: asyncio.AbstractEventLoop,
                  sock: socket.socket, peer: Peer) -> None:
@@ -338,8 +341,10 @@ class _Connection:
         self._closing = False  # close once the queued replies are out
         self.closing_since = 0.0
         self.last = time.monotonic()  # the last complete request or reply
+        self.wrote = self.last  # the last time queued reply bytes went out
         self._writing = False
-        self._reading = True
+        self._reading = True  # the reader is registered
+        self._halted = False  # reading stopped for good (end of stream, or a failure)
         loop.add_reader(self._fd, self._on_readable)
 
     # -- reading ---------------------------------------------------------------
@@ -378,13 +383,34 @@ class _Connection:
         self._pump()
 
     def _stop_reading(self) -> None:
+        self._halted = True
+        self._pause_reading()
+
+    def _pause_reading(self) -> None:
         if self._reading:
             self._reading = False
             self._loop.remove_reader(self._fd)
 
+    def _flow(self) -> None:
+        """Read only while no request already read waits to be run.
+
+        Requests wait while one is in flight or while the client does not read
+        its replies (over OUT_HIGH): reading on would queue its lines without
+        bound. The kernel's socket buffer then fills and the client's sends block.
+        """
+        if self._lines:
+            self._pause_reading()
+        elif not self._reading and not self._halted and self._sock.fileno() >= 0:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
     # -- running requests ------------------------------------------------------
     def _pump(self) -> None:
         """Start the next request, or finish the connection when nothing is left."""
+        self._run_queued()
+        self._flow()
+
+    def _run_queued(self) -> None:
         if self._sock.fileno() < 0:
             return
         while self._task is None and len(self._out) < OUT_HIGH and not self._closing:
@@ -438,6 +464,14 @@ class _Connection:
         self._pump()
 
     def check_idle(self, now: float) -> None:
+        if self._out and now - self.wrote > self._server.idle_timeout:
+            # it sends requests but reads no replies: an error line would not be read
+            # either, and what it queued must not be held forever (no pid in the
+            # message: the log's repeat filter then limits one user's flood of these)
+            log.warning("a control client of uid %d read no reply for %g s: dropping it",
+                        self.peer.uid, self._server.idle_timeout)
+            self.abort()
+            return
         if self._closing:
             if not self.closing_since:
                 self.closing_since = now
@@ -466,6 +500,7 @@ class _Connection:
             if n == len(data):
                 return
             data = data[n:]
+            self.wrote = time.monotonic()  # the time the unsent bytes start waiting
         self._out += data
         if not self._writing:
             self._writing = True
@@ -480,6 +515,7 @@ class _Connection:
             self.abort()
             return
         del self._out[:n]
+        self.wrote = time.monotonic()
         if not self._out:
             self._writing = False
             self._loop.remove_writer(self._fd)
