@@ -87,9 +87,6 @@ class ErrorLog:
             self.resolve(*k)
         return len(keys)
 
-    def open_problems(self, level: str | None = None) -> list[Problem]:
-        return [p for p in self._open.values() if level is None or p.level == level]
-
     def to_json(self, recent: int = 10) -> dict[str, Any]:
         return {"open": [p.to_json() for p in list(self._open.values())[-recent:]],
                 "open_count": len(self._open),

@@ -104,8 +104,7 @@ def build(cfg: DaemonConfig) -> Daemon:
                 "host_drifted": float((host.last_verify or {}).get("drift", 0)),
                 "host_failed": float(len(host.failed)),
                 "rule_bind_failures": float(autobind.failed),
-                "rule_matches": float(autobind.matched),
-                "errors_open": float(len(errors.open_problems("error")))}
+                "rule_matches": float(autobind.matched)}
 
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
