@@ -250,6 +250,41 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
         launcher.wait()
 
 
+@pytest.mark.skipif(not HOST_CPUS & parse_cpulist("0-7"), reason="needs one of CPUs 0-7")
+def test_a_slurm_task_under_a_run_lease_keeps_its_granted_cpu_count(
+        tmp_path: Path, daemon_factory) -> None:
+    """Inside a `tunerctl run` lease, a Slurm task still counts the CPUs Slurm granted
+    it (its affinity mask), as it does outside a lease."""
+    import subprocess
+    import sys
+
+    exe = unique_sleeper(tmp_path, f"ab_slurm_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", _rule("torch", exe))
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
+    # the replayed lease holds CPUs 0-7; the task's mask is this host's CPUs (nothing
+    # is applied on a replay), so Slurm granted it len(HOST_CPUS & 0-7) of them
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "run",
+         "--cpus", "0-7", "--", "sh", "-c", f"SLURM_JOB_ID=7 LOCAL_RANK=0 {exe} 30"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        bound = wait_for(lambda: autobind_status(d)["bound"], 15, "the bound task",
+                         detail=d.log)
+        granted = len(HOST_CPUS & parse_cpulist("0-7"))
+        assert f"{granted} CPUs, as Slurm job 7 granted the task" in bound[0]["notes"], bound
+        assert len(parse_cpulist(bound[0]["cpus"])) == granted
+        assert parse_cpulist(bound[0]["cpus"]) <= parse_cpulist("0-7")
+    finally:
+        from tunerd.procfs import descendants
+
+        for pid in reversed(descendants(launcher.pid)):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+
+
 def test_a_rule_that_cannot_be_placed_reports_once(tmp_path: Path, daemon_factory) -> None:
     import signal as sig
 

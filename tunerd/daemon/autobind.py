@@ -17,6 +17,7 @@ does not even subscribe to exec events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import statistics
@@ -213,8 +214,8 @@ class AutoBinder:
         enclosing = self.placer.enclosing_cpus(m.pid)
         if enclosing is not None:  # under a `tunerctl run` lease: stay inside it
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
-            alloc = type(alloc)(cpus=cpus, current=alloc.current, gpus=alloc.gpus,
-                                ncpus=alloc.ncpus, scheduler=alloc.scheduler or "tunerctl run")
+            alloc = dataclasses.replace(alloc, cpus=cpus,
+                                        scheduler=alloc.scheduler or "tunerctl run")
         gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
         if rule.cpus is not None:
             return self.placer.place(PlaceRequest(
