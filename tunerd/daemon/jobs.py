@@ -26,7 +26,7 @@ from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.router import Peer
+from tunerd.daemon.router import Peer, require_owner
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.placement import Placement
 
@@ -172,13 +172,8 @@ class JobRegistry:
     # -- binding ---------------------------------------------------------------
     def authorize(self, pid: int, peer: Peer) -> None:
         """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner)."""
-        if peer.is_root:
-            return
-        uid, euid = self.binder.owner(pid)
-        if peer.uid not in (uid, euid):
-            raise PermissionDenied(
-                f"process {pid} belongs to uid {uid}; uid {peer.uid} may only act on its own "
-                "processes", pid=pid)
+        if not peer.is_root:
+            require_owner(peer, pid, *self.binder.owner(pid))
 
     async def bind(self, pid: int, *, peer: Peer, placement: Placement | None,
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
@@ -205,10 +200,7 @@ class JobRegistry:
                     placement: Placement | None, nofile: int | None, origin: str,
                     name: str | None, lease: str | None, partial: bool) -> dict[str, Any]:
         pid, key = target.pid, str(target.pid)
-        if not peer.is_root and peer.uid not in (target.uid, target.euid):
-            raise PermissionDenied(
-                f"process {pid} belongs to uid {target.uid}; uid {peer.uid} may only act on "
-                "its own processes", pid=pid)
+        require_owner(peer, pid, target.uid, target.euid)
         cpus = placement.cpus if placement is not None else None
         mems = placement.mems if placement is not None else None
         prev = self._records.get(key)
@@ -333,10 +325,7 @@ class JobRegistry:
             rec = self._records.get(key)
             target = self.binder.pin(pid)  # NoSuchProcess if it is gone
             try:
-                if not peer.is_root and peer.uid not in (target.uid, target.euid):
-                    raise PermissionDenied(
-                        f"process {pid} belongs to uid {target.uid}; uid {peer.uid} may only "
-                        "act on its own processes", pid=pid)
+                require_owner(peer, pid, target.uid, target.euid)
                 if rec is None or int(rec["start_time"]) != target.start_time:
                     raise Failed(f"process {pid} is not bound by tunerd", pid=pid)
                 summary = self.binder.restore(target, Originals.from_json(rec["originals"]))

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from tunerd.errors import PermissionDenied, UsageError
 
-__all__ = ["Handler", "Peer", "Request", "Router"]
+__all__ = ["Handler", "Peer", "Request", "Router", "require_owner"]
 
 T = TypeVar("T")
 _MISSING: Any = object()
@@ -33,6 +33,15 @@ class Peer:
         return self.uid == 0
 
 
+def require_owner(peer: Peer, pid: int, uid: int, euid: int) -> None:
+    """Non-root peers may act only on processes they own (real ``uid`` or effective
+    ``euid`` of process ``pid``); PermissionDenied otherwise."""
+    if not peer.is_root and peer.uid not in (uid, euid):
+        raise PermissionDenied(
+            f"process {pid} belongs to uid {uid}; uid {peer.uid} may only act on its own "
+            "processes", pid=pid)
+
+
 @dataclass
 class Request:
     cmd: str
@@ -44,13 +53,6 @@ class Request:
     def require_root(self, what: str) -> None:
         if not self.peer.is_root:
             raise PermissionDenied(f"{what} needs root (you are uid {self.peer.uid})")
-
-    def require_owner(self, pid: int, owner_uids: tuple[int, ...]) -> None:
-        """Non-root peers may act only on processes they own (real or effective uid)."""
-        if not self.peer.is_root and self.peer.uid not in owner_uids:
-            raise PermissionDenied(
-                f"process {pid} belongs to uid {owner_uids[0]}; uid {self.peer.uid} may only "
-                "act on its own processes", pid=pid)
 
     def arg(self, name: str, kind: type[T], default: Any = _MISSING) -> T:
         """Argument ``name`` of type ``kind``; a missing or mistyped one is a UsageError."""
