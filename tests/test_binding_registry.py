@@ -97,6 +97,38 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_pidwatch_calls_every_key_once_and_refuses_another_start_time() -> None:
+    async def scenario() -> None:
+        from tunerd.procfs import read_start_time
+
+        watch = PidWatch()
+        called: list[str] = []
+        done = asyncio.Event()
+
+        def cb(key: str) -> Any:
+            def fire(pid: int) -> None:
+                called.append(key)
+                done.set()
+            return fire
+
+        with thread_child(threads=1) as p:
+            start = read_start_time(p.pid)
+            assert start is not None
+            assert watch.watch(p.pid, start, "a", cb("a"))
+            assert watch.watch(p.pid, start, "b", cb("b"))  # the same process: no new fd
+            assert watch.watch(p.pid, None, "c", cb("c"))
+            assert not watch.watch(p.pid, start + 1, "d", cb("d"))  # another process
+            watch.unwatch(p.pid, "c")
+            p.kill()
+            await asyncio.wait_for(done.wait(), 10)
+            await asyncio.sleep(0.05)
+            assert sorted(called) == ["a", "b"]
+            p.wait()
+            assert not watch.watch(p.pid, start, "e", cb("e"))  # gone
+
+    asyncio.run(scenario())
+
+
 def test_bind_without_flags_places_near_the_gpu_it_uses(tmp_path: Path) -> None:
     snap, _lo, hi = snapshot_with_gpus_here(tmp_path / "snap.json")
 

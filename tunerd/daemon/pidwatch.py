@@ -25,6 +25,7 @@ class PidWatch:
     def __init__(self, proc: str = procfs.PROC) -> None:
         self.proc = proc
         self._fds: dict[int, int] = {}
+        self._starts: dict[int, int] = {}  # start time of the process each pidfd is
         self._callbacks: dict[int, dict[str, Callable[[int], None]]] = {}
 
     def alive(self, pid: int, start_time: int | None) -> bool:
@@ -39,13 +40,17 @@ class PidWatch:
                 fd = os.pidfd_open(pid)
             except OSError:
                 return False
-            if not self.alive(pid, start_time):
+            st = procfs.read_start_time(pid, self.proc)
+            if st is None or start_time not in (None, st):
                 os.close(fd)
                 return False
             self._fds[pid] = fd
+            self._starts[pid] = st
             asyncio.get_running_loop().add_reader(fd, self._fired, pid)
-        elif not self.alive(pid, start_time):
+        elif start_time not in (None, self._starts[pid]) and not self.alive(pid, start_time):
             return False
+        # (the pidfd open for this very process needs no new read of /proc: had it
+        # exited, _fired is on its way and calls this callback too)
         self._callbacks.setdefault(pid, {})[key] = callback
         return True
 
@@ -62,6 +67,7 @@ class PidWatch:
 
     def _close(self, pid: int) -> None:
         self._callbacks.pop(pid, None)
+        self._starts.pop(pid, None)
         fd = self._fds.pop(pid, None)
         if fd is not None:
             asyncio.get_running_loop().remove_reader(fd)
