@@ -76,6 +76,7 @@ def test_matching_process_is_bound_automatically(tmp_path: Path, daemon_factory)
         jobs = d.ctl("--json", "jobs").json()["jobs"]
         rec = [j for j in jobs if j["pid"] == ranked.pid]
         assert rec and rec[0]["origin"] == "rule" and rec[0]["name"] == "trainer"
+        assert rec[0]["cmdline"] == f"{exe} 30"
         # the one without LOCAL_RANK does not match the rule
         time.sleep(0.3)
         assert parse_cpulist(cpus_allowed(unranked.pid) or "") == HOST_CPUS

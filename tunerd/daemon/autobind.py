@@ -191,11 +191,11 @@ class AutoBinder:
                 self.on_exec(pid)
 
     # -- binding ---------------------------------------------------------------
-    def _group(self, m: RuleMatch) -> str:
+    def _group(self, m: RuleMatch, ppid: int) -> str:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
         if run_id:
             return f"{m.rule.name}/{run_id}"
-        return f"{m.rule.name}/ppid {procfs.read_ppid(m.pid, self.proc)}"
+        return f"{m.rule.name}/ppid {ppid}"
 
     def _workers(self, m: RuleMatch) -> int:
         """DataLoader workers per rank: the job's own setting first, then the rule's."""
@@ -233,8 +233,12 @@ class AutoBinder:
     async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
         pid = m.pid
         try:
-            start = procfs.read_start_time(pid, self.proc)
-            if start is None or self._failed.get(pid) == start:
+            try:  # one read of /proc/PID/stat: the start time, and the parent for _group
+                stat = procfs.Process(pid, self.proc).stat()
+            except TunerdError:
+                return  # gone (or unreadable) before we got to it
+            start = stat.start_time
+            if self._failed.get(pid) == start:
                 return
             prev = self.bound.get(pid)
             if prev is not None and prev.start_time == start and prev.rule == m.rule.name:
@@ -246,7 +250,7 @@ class AutoBinder:
                 log.debug("pid %d matches rule %s but is bound by %s; left alone", pid,
                           m.rule.name, job.get("origin"))
                 return
-            group = self._group(m)
+            group = self._group(m, stat.ppid)
             exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
                 from tunerd.cpulist import parse_cpulist
@@ -266,7 +270,8 @@ class AutoBinder:
                 log.info("rule %s: pid %d placed on the replayed topology (GPUs %s, CPUs %s); "
                          "%s", m.rule.name, pid, placed.gpus,
                          format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
-                self.jobs.note_unapplied(pid, start, placed, origin="rule", name=m.rule.name)
+                self.jobs.note_unapplied(pid, start, placed, origin="rule", name=m.rule.name,
+                                         cmdline=m.cmdline)
                 return
             t_bind = time.monotonic()
             # CPUs first: thread affinity is quick, while memory nodes need a cpuset
@@ -278,7 +283,7 @@ class AutoBinder:
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,
                                            explanation=placed.explanation),
                                        nofile=nofile, origin="rule", name=m.rule.name,
-                                       partial=True)
+                                       cmdline=m.cmdline, partial=True)
             rb.bound_at = time.monotonic()
             self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),

@@ -177,9 +177,11 @@ class JobRegistry:
 
     async def bind(self, pid: int, *, peer: Peer, placement: Placement | None,
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
-                   lease: str | None = None, partial: bool = False) -> dict[str, Any]:
+                   lease: str | None = None, cmdline: str | None = None,
+                   partial: bool = False) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
-        what this call did.
+        what this call did. ``cmdline``: its command line where the caller read it
+        already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
 
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
@@ -192,13 +194,14 @@ class JobRegistry:
             try:
                 return await self._bind(target, t0, peer=peer, placement=placement,
                                         nofile=nofile, origin=origin, name=name, lease=lease,
-                                        partial=partial)
+                                        cmdline=cmdline, partial=partial)
             finally:
                 target.close()
 
     async def _bind(self, target: Target, t0: float, *, peer: Peer,
                     placement: Placement | None, nofile: int | None, origin: str,
-                    name: str | None, lease: str | None, partial: bool) -> dict[str, Any]:
+                    name: str | None, lease: str | None, cmdline: str | None,
+                    partial: bool) -> dict[str, Any]:
         pid, key = target.pid, str(target.pid)
         require_owner(peer, pid, target.uid, target.euid)
         cpus = placement.cpus if placement is not None else None
@@ -231,7 +234,7 @@ class JobRegistry:
         record: dict[str, Any] = {
             "pid": pid, "start_time": target.start_time, "uid": target.uid,
             "name": name if name is not None else (prev or {}).get("name") or self._comm(pid),
-            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid),
+            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid, cmdline),
             "cpus": _fmt(plan.cpus), "mems": _fmt(plan.mems),
             "gpus": list(gpus) if gpus else list((prev or {}).get("gpus") or []),
             "nofile": nofile if nofile is not None else (prev or {}).get("nofile"),
@@ -306,13 +309,13 @@ class JobRegistry:
         return reply
 
     def note_unapplied(self, pid: int, start_time: int, placement: Placement, *,
-                       origin: str, name: str) -> None:
+                       origin: str, name: str, cmdline: str | None = None) -> None:
         """Remember a placement made on a replayed topology that was not applied here."""
         if self.is_bound(pid):
             return
         self._unapplied[pid] = _Unapplied(
-            pid, start_time, procfs.read_uid(pid, self.proc), name, self._cmdline(pid),
-            placement, origin, time.time())
+            pid, start_time, procfs.read_uid(pid, self.proc), name,
+            self._cmdline(pid, cmdline), placement, origin, time.time())
         self.pidwatch.watch(pid, start_time, "jobs-unapplied", self._unapplied_exited)
 
     def _unapplied_exited(self, pid: int) -> None:
@@ -390,9 +393,11 @@ class JobRegistry:
     def _comm(self, pid: int) -> str:
         return procfs.read_comm(pid, self.proc) or ""
 
-    def _cmdline(self, pid: int) -> str:
+    def _cmdline(self, pid: int, known: str | None = None) -> str:
         # shown by `tunerctl jobs`: the first 4 KiB is plenty, and keeps the state small
-        return (procfs.read_cmdline(pid, self.proc, limit=4096) or "").strip()
+        if known is None:
+            known = procfs.read_cmdline(pid, self.proc, limit=4096)
+        return (known or "").strip()
 
     def _save_quietly(self) -> None:
         try:
