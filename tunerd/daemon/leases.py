@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import Allocation, cvd_names, read_allocation
+from tunerd.allocation import cvd_names, read_allocation
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover, parse_scope
@@ -163,15 +163,16 @@ class LeaseService:
                 f"([leases] max_per_user = {limits.max_per_user}); release some first "
                 "(tunerctl leases, tunerctl release ID)")
 
-    def _allocation(self, pid: int) -> Allocation:
-        env = procfs.read_environ(pid, self.proc) or {}
-        return read_allocation(pid, env, self.placer.topo, online=self.placer.host.cpus)
+    def _environ(self, pid: int) -> dict[str, str]:
+        """The caller's environment (up to 1 MiB): read once per request, used for its
+        allocation and for naming its GPUs."""
+        return procfs.read_environ(pid, self.proc) or {}
 
-    def _request(self, peer: Peer, *, gpus: int, ncpus: int | None,
+    def _request(self, peer: Peer, env: dict[str, str], *, gpus: int, ncpus: int | None,
                  cpus: frozenset[int] | None, exclusive: bool, workers: int) -> PlaceRequest:
+        alloc = read_allocation(peer.pid, env, self.placer.topo, online=self.placer.host.cpus)
         return PlaceRequest(gpus=gpus, ncpus=ncpus, cpus=cpus, exclusive=exclusive,
-                            allocation=self._allocation(peer.pid), workers=workers,
-                            what="lease")
+                            allocation=alloc, workers=workers, what="lease")
 
     def _new_record(self, peer: Peer, placed: Placement, *, exclusive: bool,
                     scope: str | None, origin: str, pid: int | None = None,
@@ -193,9 +194,9 @@ class LeaseService:
             "notes": list(placed.notes),
         }
 
-    def _name_gpus(self, rec: dict[str, Any], pid: int) -> None:
+    def _name_gpus(self, rec: dict[str, Any], env: dict[str, str]) -> None:
         """CUDA_VISIBLE_DEVICES for the lease in the caller's own numbering."""
-        names = cvd_names(self.placer.topo, procfs.read_environ(pid, self.proc) or {})
+        names = cvd_names(self.placer.topo, env)
         if names and rec["gpus"] and all(g in names for g in rec["gpus"]):
             cvd = ",".join(names[g] for g in rec["gpus"])
             if cvd != ",".join(str(g) for g in rec["gpus"]):
@@ -217,11 +218,13 @@ class LeaseService:
                     scope: str | None = None, tag: str | None = None,
                     workers: int = 0) -> dict[str, Any]:
         self._check(peer, gpus, ncpus, exclusive, scope)
-        placed = self.placer.place(self._request(peer, gpus=gpus, ncpus=ncpus, cpus=cpus,
-                                                 exclusive=exclusive, workers=workers))
+        env = self._environ(peer.pid)
+        placed = self.placer.place(self._request(peer, env, gpus=gpus, ncpus=ncpus,
+                                                 cpus=cpus, exclusive=exclusive,
+                                                 workers=workers))
         rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="alloc",
                                tag=tag)
-        self._name_gpus(rec, peer.pid)
+        self._name_gpus(rec, env)
         self._commit(rec)
         try:
             await self._exclusive(rec, None, peer)
@@ -246,11 +249,13 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} (the caller) is gone", pid=pid)
         if uid != peer.uid and not peer.is_root:
             raise PermissionDenied(f"process {pid} is not yours", pid=pid)
-        placed = self.placer.place(self._request(peer, gpus=gpus, ncpus=ncpus, cpus=cpus,
-                                                 exclusive=exclusive, workers=workers))
+        env = self._environ(pid)
+        placed = self.placer.place(self._request(peer, env, gpus=gpus, ncpus=ncpus,
+                                                 cpus=cpus, exclusive=exclusive,
+                                                 workers=workers))
         rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="run",
                                pid=pid, cmd=cmd[:8], tag=tag)
-        self._name_gpus(rec, pid)
+        self._name_gpus(rec, env)
         lid = rec["id"]
         self._commit(rec)
         if not self.pidwatch.watch(pid, rec["start_time"], f"lease:{lid}",
