@@ -267,3 +267,21 @@ def test_sigterm_with_jobs_bound_and_metrics_on_ends_the_daemon_promptly(daemon_
         for k in kids:
             k.kill()
             k.wait()
+
+
+def test_pidfile_is_written_over_a_crash_leftover_and_leaves_no_temp_on_failure(
+        tmp_path: Path) -> None:
+    from tunerd.daemon.runtime import write_pidfile
+
+    pidfile = tmp_path / "tunerd.pid"
+    # what a daemon that crashed mid-write (with our pid: containers reuse low pids) left
+    (tmp_path / f".tunerd.pid.{os.getpid()}").write_text("123\n")
+    write_pidfile(pidfile)
+    assert pidfile.read_text() == f"{os.getpid()}\n"
+    assert pidfile.stat().st_mode & 0o777 == 0o644
+    blocked = tmp_path / "blocked"
+    (blocked / "tunerd.pid").mkdir(parents=True)  # cannot be replaced by a file
+    (blocked / "tunerd.pid" / "x").touch()
+    with pytest.raises(OSError):
+        write_pidfile(blocked / "tunerd.pid")
+    assert sorted(p.name for p in blocked.iterdir()) == ["tunerd.pid"]

@@ -21,6 +21,7 @@ from tunerd import __version__
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.policyholder import PolicyHolder
+from tunerd.daemon.runtime import remove_pidfile, write_pidfile
 from tunerd.daemon.server import ControlServer
 from tunerd.errors import PolicyError, TunerdError
 from tunerd.policy import Policy
@@ -170,8 +171,6 @@ class Daemon:
     def _write_pidfile(self) -> None:
         if self.pidfile is None:
             return
-        from tunerd.daemon.runtime import write_pidfile
-
         try:
             write_pidfile(self.pidfile)
         except OSError as err:
@@ -181,8 +180,6 @@ class Daemon:
     def _remove_pidfile(self) -> None:
         if self.pidfile is None:
             return
-        from tunerd.daemon.runtime import remove_pidfile
-
         remove_pidfile(self.pidfile)
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:

@@ -6,19 +6,18 @@ import contextlib
 import os
 from pathlib import Path
 
+from tunerd.safefs import write_atomic
+
 __all__ = ["read_pidfile", "remove_pidfile", "write_pidfile"]
 
 
 def write_pidfile(path: Path) -> None:
-    """RUNTIME_DIR/tunerd.pid: the pid and a newline, replaced atomically, never followed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
-    try:
-        os.write(fd, f"{os.getpid()}\n".encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """RUNTIME_DIR/tunerd.pid: the pid and a newline, replaced atomically, never followed.
+
+    FileWriteError (an OSError) when it cannot be written; no temp file is left.
+    The runtime dir is a tmpfs: no fsync.
+    """
+    write_atomic(path, f"{os.getpid()}\n".encode(), mode=0o644, sync=False)
 
 
 def read_pidfile(path: Path) -> int | None:
