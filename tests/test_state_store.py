@@ -75,7 +75,7 @@ class SplitState:
     def section(self, name: str, default: Any = None) -> Any:
         return self._store(name).section(name, default)
 
-    def save(self, sync_dir: bool = True) -> None:
+    def save(self) -> None:
         self.durable.save()
         self.runtime.save()
 
@@ -136,7 +136,7 @@ def test_a_bind_rewrites_only_the_runtime_file(tmp_path: Path) -> None:
     ino = durable.stat().st_ino
     for i in range(5):
         s.section("bindings")[str(i)] = {**BINDING, "pid": i}
-        s.save(sync_dir=False)
+        s.save()
     assert durable.stat().st_ino == ino  # not rewritten: nothing in it changed
     assert len(json.loads(run.read_text())["bindings"]) == 5
 

@@ -53,8 +53,7 @@ class Daemon:
     def __init__(self, *, server: ControlServer, services: list[Service],
                  policy: PolicyHolder, errors: ErrorLog, notifier: Notifier,
                  on_policy: list[tuple[str, PolicyListener]], dry_run: bool,
-                 replay: Path | None, pidfile: Path | None = None,
-                 before_stop: Callable[[], None] | None = None) -> None:
+                 replay: Path | None, pidfile: Path | None = None) -> None:
         self.server = server
         self.services = services
         self.policy = policy
@@ -64,7 +63,6 @@ class Daemon:
         self.dry_run = dry_run
         self.replay = replay
         self.pidfile = pidfile
-        self.before_stop = before_stop
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._reloading = asyncio.Lock()
@@ -160,11 +158,6 @@ class Daemon:
                                 STOP_TIMEOUT)
                 except Exception:
                     log.exception("service %s failed to stop", svc.name)
-            if self.before_stop is not None:
-                try:
-                    self.before_stop()
-                except Exception:
-                    log.exception("final save failed")
             self._remove_pidfile()
         return 0
 

@@ -47,12 +47,10 @@ def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
 
 class MonitorCommands:
     def __init__(self, monitor: Monitor,
-                 settings_for: Callable[[int], dict[str, Any]] | None = None,
-                 on_report: Callable[[int, list[int]], None] | None = None) -> None:
+                 settings_for: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.monitor = monitor
         # the `torch` settings of the [[job]] rule that bound a pid ({} when none)
         self.settings_for = settings_for or (lambda pid: {})
-        self.on_report = on_report
 
     def register(self, router: Router) -> None:
         router.add("metrics", self.metrics)
@@ -107,6 +105,4 @@ class MonitorCommands:
                 "report for its own processes", pid=pid)
         rep = parse_report(req.args, pid=pid, start_time=st.start_time, uid=uids[0])
         self.monitor.reports.put(rep)
-        if self.on_report is not None and rep.workers:
-            self.on_report(pid, list(rep.workers))
         return {"accepted": True, "settings": self.settings_for(pid)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ErrorLog", "Problem"]
@@ -33,7 +33,6 @@ class Problem:
     count: int = 1
     resolved_at: float | None = None
     level: str = "error"  # "error" | "warning"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"source": self.source, "message": self.message,
@@ -54,13 +53,12 @@ class ErrorLog:
         self.dropped = 0
 
     def record(self, source: str, message: str, key: str | int | None = None, *,
-               level: str = "error", log_it: bool = True) -> None:
+               level: str = "error") -> None:
         k = (source, None if key is None else str(key))
         now = time.time()
         self.total += 1
-        if log_it:
-            log.log(logging.WARNING if level == "warning" else logging.ERROR,
-                    "%s: %s", source, message)
+        log.log(logging.WARNING if level == "warning" else logging.ERROR,
+                "%s: %s", source, message)
         p = self._open.get(k)
         if p is not None:
             p.message, p.last, p.count, p.level = message, now, p.count + 1, level

@@ -172,9 +172,6 @@ class ExclusiveMover:
         log.info("exclusive %s: restored %d thread(s)", key, restored)
         return restored
 
-    def keys(self) -> list[str]:
-        return list(self.moved)
-
     def originals_of(self, pid: int) -> dict[int, frozenset[int]]:
         """Masks threads of ``pid`` had before an exclusive job moved them (tid -> mask).
 

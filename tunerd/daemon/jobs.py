@@ -78,9 +78,6 @@ class JobRegistry:
         self._locks: dict[int, asyncio.Lock] = {}
         self._save_handle: asyncio.TimerHandle | None = None
         self._unapplied: dict[int, _Unapplied] = {}
-        # records of processes that exited while the daemon was down (on_exit is not
-        # called for them: other services may not have started yet)
-        self.dropped_at_start: list[dict[str, Any]] = []
         self.binds_total = 0  # successful binds since start (tunerd_binds_total)
 
     # -- service -------------------------------------------------------------
@@ -99,7 +96,6 @@ class JobRegistry:
                 log.info("pid %d exited while tunerd was down; dropping its binding", pid)
                 del self._records[key]
                 self._forget(rec)
-                self.dropped_at_start.append(rec)
                 changed = True
                 continue
             log.info("re-adopted binding of pid %d (cpus %s)", pid, rec.get("cpus"))

@@ -62,9 +62,6 @@ class PidWatch:
         if not cbs:
             self._close(pid)
 
-    def watching(self, pid: int) -> bool:
-        return pid in self._fds
-
     def _close(self, pid: int) -> None:
         self._callbacks.pop(pid, None)
         self._starts.pop(pid, None)
@@ -81,7 +78,3 @@ class PidWatch:
                 cb(pid)
             except Exception:  # one failing callback must not starve the others
                 log.exception("exit handler for pid %d failed", pid)
-
-    def close(self) -> None:
-        for pid in list(self._fds):
-            self._close(pid)

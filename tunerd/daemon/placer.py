@@ -151,9 +151,6 @@ class Placer:
     def release(self, key: str) -> Reservation | None:
         return self._res.pop(key, None)
 
-    def reservation(self, key: str) -> Reservation | None:
-        return self._res.get(key)
-
     def busy_gpus(self) -> dict[int, str]:
         return {g: r.holder for r in self._res.values() for g in r.gpus}
 

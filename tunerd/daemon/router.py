@@ -9,7 +9,7 @@ the services.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tunerd.errors import PermissionDenied, UsageError
@@ -47,8 +47,6 @@ class Request:
     cmd: str
     args: dict[str, Any]
     peer: Peer
-    # set by handlers that keep the connection to learn when the client goes away
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def require_root(self, what: str) -> None:
         if not self.peer.is_root:
@@ -88,6 +86,3 @@ class Router:
 
     def get(self, name: str) -> Handler | None:
         return self._handlers.get(name)
-
-    def names(self) -> list[str]:
-        return sorted(self._handlers)

@@ -134,9 +134,6 @@ class ControlServer:
         self._per_uid: Counter[int] = Counter()
         self._sweeper: asyncio.TimerHandle | None = None
         self._resume: asyncio.TimerHandle | None = None
-        self.accepted_total = 0
-        self.refused_total = 0  # over the per-user limit
-        self.accept_errors_total = 0
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -165,12 +162,6 @@ class ControlServer:
         for conn in list(self._conns):
             conn.abort(cancel=True)
 
-    def status(self) -> dict[str, Any]:
-        return {"connections": len(self._conns), "accepted_total": self.accepted_total,
-                "refused_total": self.refused_total,
-                "accept_errors_total": self.accept_errors_total,
-                "max_connections_per_user": self.max_connections_per_user}
-
     # -- accepting -------------------------------------------------------------
     def _on_acceptable(self) -> None:
         assert self._sock is not None
@@ -182,7 +173,6 @@ class ControlServer:
             except ConnectionAbortedError:
                 continue
             except OSError as err:
-                self.accept_errors_total += 1
                 if err.errno in _OUT_OF_RESOURCES:
                     log.error("control socket %s: accept() failed: %s; pausing accepts for "
                               "%g s", self.path, err.strerror, ACCEPT_PAUSE)
@@ -212,7 +202,6 @@ class ControlServer:
             sock.close()
             return
         if peer.uid != 0 and self._per_uid[peer.uid] >= self.max_connections_per_user:
-            self.refused_total += 1
             log.warning("uid %d holds %d connections (max_connections_per_user): refusing "
                         "more", peer.uid, self._per_uid[peer.uid])
             err = Failed(f"too many connections: uid {peer.uid} already has "
@@ -222,7 +211,6 @@ class ControlServer:
                 sock.send(encode({"id": None, "ok": False, "error": error_to_wire(err)}))
             sock.close()
             return
-        self.accepted_total += 1
         self._per_uid[peer.uid] += 1
         conn = _Connection(self, self._loop, sock, peer)
         self._conns.add(conn)

@@ -38,8 +38,7 @@ from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.errors import Failed
 from tunerd.safefs import FileWriteError, read_regular, write_atomic
 
-__all__ = ["DurableStore", "RuntimeStore", "StateDamaged",
-           "write_atomic"]
+__all__ = ["DurableStore", "RuntimeStore", "StateDamaged"]
 
 log = logging.getLogger("tunerd.state")
 
@@ -252,10 +251,9 @@ class _JsonStore:
         return json.dumps(self.data, separators=(",", ":"), sort_keys=True,
                           allow_nan=False).encode()
 
-    def save(self, sync_dir: bool = True) -> None:
+    def save(self) -> None:
         """Write atomically; raises FileWriteError (a Failed and an OSError) naming the
-        file and errno, with no temp file left behind. ``sync_dir`` is accepted for
-        the callers of the single-file store; each store decides its own syncing."""
+        file and errno, with no temp file left behind (fsync'ed where ``sync``)."""
         write_atomic(self.path, self.payload(), sync=self.sync)
 
 
@@ -404,7 +402,7 @@ class DurableStore(_JsonStore):
         return json.dumps({**self.foreign, **self.data}, separators=(",", ":"),
                           sort_keys=True, allow_nan=False).encode()
 
-    def save(self, sync_dir: bool = True) -> None:
+    def save(self) -> None:
         """Write the file, then its backup copy, each durably; no-op when unchanged.
 
         Two copies of the same generation (not the previous one): if the newest

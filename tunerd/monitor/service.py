@@ -45,7 +45,7 @@ class ErrorSink(Protocol):
     total: int
 
     def record(self, source: str, message: str, key: str | int | None = None, *,
-               level: str = "error", log_it: bool = True) -> None: ...
+               level: str = "error") -> None: ...
 
 
 @dataclass(frozen=True)
