@@ -114,7 +114,6 @@ class AutoBinder:
         if self.rules:
             log.info("automatic binding: %d rule(s): %s", len(self.rules.rules),
                      ", ".join(r.name for r in self.rules.rules))
-            self.placer.warm_up()
             # processes that were already running match too: say so in the log
             self._scanning = True
             try:
