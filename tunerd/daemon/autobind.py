@@ -33,6 +33,7 @@ from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.leases import user_name
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
 from tunerd.daemon.router import Peer
@@ -135,7 +136,7 @@ class AutoBinder:
         summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
-            users = sorted({procfs_user(b.uid) for b in at_start})
+            users = sorted({user_name(b.uid) for b in at_start})
             summary += (f" ({len(at_start)} already running at start, of user(s) "
                         f"{', '.join(users)})")
         if self.failed:
@@ -294,7 +295,7 @@ class AutoBinder:
                                             placement=Placement(cpus=None, mems=placed.mems),
                                             origin="rule", name=m.rule.name, partial=True)
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
-            owner = procfs_user(m.uid)
+            owner = user_name(m.uid)
             log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
                      m.rule.name, pid, m.cmdline[:80], owner,
                      ", already running at start" if at_start else "",
@@ -389,14 +390,3 @@ class AutoBinder:
         for key in list(self.mover.moved):
             if key.startswith(f"rule:{pid}:"):
                 self.mover.restore(key)
-
-
-def procfs_user(uid: int | None) -> str:
-    import pwd
-
-    if uid is None:
-        return "?"
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)

@@ -22,6 +22,7 @@ dropped at start.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pwd
@@ -42,7 +43,7 @@ from tunerd.daemon.router import Peer
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 from tunerd.placement import Placement
 
-__all__ = ["LeaseLimits", "LeaseService", "lease_env"]
+__all__ = ["LeaseLimits", "LeaseService", "lease_env", "user_name"]
 
 log = logging.getLogger("tunerd.leases")
 
@@ -56,9 +57,17 @@ class LeaseLimits:
     alloc_ttl: float = 86400.0  # seconds; 0 = no limit
 
 
-def user_name(uid: int) -> str:
+@functools.lru_cache(maxsize=1024)
+def _pw_name(uid: int) -> str:
+    return pwd.getpwuid(uid).pw_name  # KeyError is not cached: a user added later is found
+
+
+def user_name(uid: int | None) -> str:
+    """The login name of ``uid`` for messages; the number if it has none, "?" for None."""
+    if uid is None:
+        return "?"
     try:
-        return pwd.getpwuid(uid).pw_name
+        return _pw_name(uid)
     except KeyError:
         return str(uid)
 
