@@ -146,3 +146,12 @@ def test_a_replayed_node_unlike_this_one_is_not_applicable() -> None:
     p = pl.place(PlaceRequest(gpu_ids=(7,), ignore_busy_gpus=True))
     assert p.applicable is False
     assert any("nothing was applied" in n for n in p.notes)
+
+
+def test_memory_on_every_node_of_this_machine_is_no_binding() -> None:
+    pl = placer("dgx-h100")  # this "machine" has nodes 0-7
+    assert pl.bindable_mems(None) is None
+    assert pl.bindable_mems(frozenset(range(8))) is None
+    assert pl.bindable_mems(frozenset(range(9))) is None
+    assert pl.bindable_mems(frozenset({1})) == frozenset({1})
+    assert pl.bindable_mems(frozenset()) == frozenset()  # kept as given: the callers decide

@@ -289,10 +289,10 @@ class AutoBinder:
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
                          **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
             notes = list(res.get("notes") or [])
-            if placed.mems and not self.placer.host.mems <= placed.mems:
-                # (memory on every node of the machine is no binding at all: skip the cpuset)
+            mems = self.placer.bindable_mems(placed.mems)
+            if mems:
                 res2 = await self.jobs.bind(pid, peer=self.peer,
-                                            placement=Placement(cpus=None, mems=placed.mems),
+                                            placement=Placement(cpus=None, mems=mems),
                                             origin="rule", name=m.rule.name, partial=True)
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
             owner = user_name(m.uid)

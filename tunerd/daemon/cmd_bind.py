@@ -121,11 +121,8 @@ class BindCommands:
                          f"{','.join(map(str, gpus))}; would bind CPUs "
                          f"{format_cpulist(placed.cpus or frozenset())})",
                          pid=pid, applied=False)
-        # memory on every node of the machine is no binding: no cpuset for that
-        mems = placed.mems
-        if mems is not None and self.placer.host.mems <= mems:
-            mems = None
-        return Placement(cpus=placed.cpus, mems=mems, gpus=placed.gpus,
+        return Placement(cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
+                         gpus=placed.gpus,
                          explanation=f"GPUs from {how}; {placed.explanation}",
                          notes=placed.notes)
 

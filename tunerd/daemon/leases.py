@@ -273,12 +273,10 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
             if placed.applicable:
-                # memory on every node of the machine is no binding: no cpuset for that
-                mems = (None if placed.mems is None or self.placer.host.mems <= placed.mems
-                        else placed.mems)
                 job = await self.jobs.bind(
                     pid, peer=peer, placement=Placement(
-                        cpus=placed.cpus, mems=mems, gpus=placed.gpus,
+                        cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
+                        gpus=placed.gpus,
                         explanation=placed.explanation),
                     nofile=self._default_nofile(), origin="run",
                     name=os.path.basename(cmd[0]) if cmd else None, lease=lid, partial=True)

@@ -180,6 +180,13 @@ class Placer:
             p = procfs.read_ppid(p, self.proc)
         return None
 
+    def bindable_mems(self, mems: frozenset[int] | None) -> frozenset[int] | None:
+        """``mems`` as something to bind: None where it binds nothing (None, or every
+        memory node this machine has), so that no cpuset is made for it."""
+        if mems is None or self.host.mems <= mems:
+            return None
+        return mems
+
     def housekeeping(self) -> frozenset[int]:
         """Housekeeping CPUs of the policy, grown to whole cores (SMT siblings too)."""
         hk = self._housekeeping()
