@@ -296,13 +296,14 @@ def test_a_rule_that_cannot_be_placed_reports_once(tmp_path: Path, daemon_factor
     try:
         st = wait_for(lambda: (s := autobind_status(d))["failed"] and s, 10,
                       "the rule's failure to be reported", detail=d.log)
-        assert st["failed"] == 1
+        assert st["failed"] == 1 and st["matched"] == 1
         assert f"rule too-big, pid {p.pid}: need 9 GPU(s)" in st["last_error"]
         errors = d.ctl("--json", "status").json()["errors"]
         assert any(e["source"] == "autobind" and "too-big" in e["message"] for e in errors)
         d.signal(sig.SIGHUP)  # reload -> rescan: the same process is not retried
         time.sleep(1.0)
-        assert autobind_status(d)["failed"] == 1
+        st = autobind_status(d)
+        assert st["failed"] == 1 and st["matched"] == 1, st  # nor counted as a new match
         assert cpus_allowed(p.pid) is not None
     finally:
         kill(p)

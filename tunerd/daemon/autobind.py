@@ -179,7 +179,6 @@ class AutoBinder:
         """A process a rule matched: bind it (on the loop)."""
         if m.pid in self._pending:
             return
-        self.matched += 1
         task = asyncio.ensure_future(self._bind(m, seen if seen is not None
                                                 else time.monotonic(), self._scanning))
         self._pending[m.pid] = task
@@ -236,8 +235,10 @@ class AutoBinder:
             try:  # one read of /proc/PID/stat: the start time, and the parent for _group
                 stat = procfs.Process(pid, self.proc).stat()
             except TunerdError:
+                self.matched += 1
                 return  # gone (or unreadable) before we got to it
             start = stat.start_time
+            # a process seen before (a rescan, or another exec of it) is no new match
             if self._failed.get(pid) == start:
                 return
             prev = self.bound.get(pid)
@@ -250,6 +251,7 @@ class AutoBinder:
                 log.debug("pid %d matches rule %s but is bound by %s; left alone", pid,
                           m.rule.name, job.get("origin"))
                 return
+            self.matched += 1
             group = self._group(m, stat.ppid)
             exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
