@@ -197,6 +197,10 @@ def test_children_and_descendants(tmp_path: Path) -> None:
     assert sorted(procfs.children_map(str(proc))[10]) == [11, 12]
     assert sorted(procfs.descendants(10, str(proc))) == [10, 11, 12, 13]
     assert sorted(procfs.descendants(10, str(proc), include_root=False)) == [11, 12, 13]
+    order = procfs.descendants(1, str(proc))
+    assert all(order.index(c) > order.index(p) for p, c in ((1, 10), (10, 12), (12, 13)))
+    kids = {10: [12], 12: [13]}  # a map the caller has: /proc is not swept again
+    assert procfs.descendants(10, str(tmp_path / "nowhere"), kids=kids) == [10, 12, 13]
 
 
 def test_small_file_helpers(tmp_path: Path) -> None:

@@ -657,9 +657,15 @@ def children_map(proc: str = PROC) -> dict[int, list[int]]:
     return out
 
 
-def descendants(root: int, proc: str = PROC, include_root: bool = True) -> list[int]:
-    """``root`` and every process below it, breadth first."""
-    kids = children_map(proc)
+def descendants(root: int, proc: str = PROC, include_root: bool = True,
+                kids: dict[int, list[int]] | None = None) -> list[int]:
+    """``root`` and every process below it, each listed after its parent (depth first).
+
+    ``kids``: a ``children_map`` the caller already has (it reads the stat of every
+    process on the host), for several trees from one sweep.
+    """
+    if kids is None:
+        kids = children_map(proc)
     out = [root] if include_root else []
     todo = [root]
     while todo:

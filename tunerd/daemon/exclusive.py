@@ -59,13 +59,15 @@ def parse_scope(scope: str) -> tuple[str, str]:
 
 
 def scope_pids(scope: str, proc: str = procfs.PROC,
-               cgroup_roots: tuple[str, ...] = CGROUP_ROOTS) -> list[int]:
+               cgroup_roots: tuple[str, ...] = CGROUP_ROOTS, *,
+               kids: dict[int, list[int]] | None = None) -> list[int]:
+    """The processes of ``scope``; ``kids``: a procfs.children_map to use for a pid tree."""
     kind, arg = parse_scope(scope)
     if kind == "pid":
         root = int(arg)
         if procfs.read_start_time(root, proc) is None:
             raise UsageError(f"exclusive scope {scope!r}: no process {root}")
-        return procfs.descendants(root, proc)
+        return procfs.descendants(root, proc, kids=kids)
     for base in cgroup_roots:
         procs = Path(base + arg.rstrip("/")) / "cgroup.procs"
         if procs.is_file():
@@ -94,8 +96,12 @@ class ExclusiveMover:
 
         Non-root requesters only move processes they own; others are skipped.
         """
-        pids = scope_pids(scope, self.proc)
-        keep = set(procfs.descendants(keep_root, self.proc)) if keep_root else set()
+        # one sweep of /proc (a stat read per process) serves both trees
+        kids = (procfs.children_map(self.proc)
+                if keep_root or parse_scope(scope)[0] == "pid" else None)
+        pids = scope_pids(scope, self.proc, kids=kids)
+        keep = (set(procfs.descendants(keep_root, self.proc, kids=kids)) if keep_root
+                else set())
         keep.add(os.getpid())
         if not cpus:
             return {"scope": scope, "moved": 0, "notes": []}
