@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd import nvml
-from tunerd.procfs import read_value
+from tunerd.procfs import read_text, read_value
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 NOFILE_MIN = 65536
@@ -472,10 +472,18 @@ def check_iommu(env: Env) -> Check:
                  "line so GPU and NIC DMA (GPUDirect RDMA, NCCL) skips translation.")
 
 
+def _read_whole(path: Path) -> str | None:
+    """All of a file that may be large (mountinfo on a host with many mounts), or None."""
+    try:
+        return read_text(path, None)
+    except OSError:
+        return None
+
+
 # -- storage -------------------------------------------------------------------
 def find_mount(env: Env, path: Path) -> tuple[str, str, str] | None:
     """(mount point, fs type, major:minor) of the mount holding ``path``."""
-    text = read_value(env.proc_root / "self/mountinfo")
+    text = _read_whole(env.proc_root / "self/mountinfo")
     if text is None:
         return None
     target = str(path.resolve())
@@ -610,7 +618,7 @@ def nccl_ifname(env: Env) -> tuple[str | None, str]:
     v = env.environ.get("NCCL_SOCKET_IFNAME")
     if v:
         return v, "env NCCL_SOCKET_IFNAME"
-    text = read_value(env.etc_root / "nccl.conf") or ""
+    text = _read_whole(env.etc_root / "nccl.conf") or ""
     for line in text.splitlines():
         k, _, val = line.partition("=")
         if k.strip() == "NCCL_SOCKET_IFNAME" and val.strip():
