@@ -105,7 +105,7 @@ class MonitorCommands:
             raise PermissionDenied(
                 f"process {pid} belongs to uid {uids[0]}; uid {req.peer.uid} may only "
                 "report for its own processes", pid=pid)
-        rep = parse_report(req.args, pid=pid, start_time=st.start_time, uid=uids[0])
+        rep = parse_report(req.args, pid=pid, start_time=st.start_time)
         self.monitor.reports.put(rep)
         if self.on_report is not None and rep.workers:
             self.on_report(pid, list(rep.workers))

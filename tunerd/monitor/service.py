@@ -28,7 +28,7 @@ from tunerd.monitor.history import History
 from tunerd.monitor.host import HostSampler
 from tunerd.monitor.jobs import JobSampler
 from tunerd.monitor.listen import parse_listen
-from tunerd.monitor.reports import ReportStore
+from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
@@ -189,7 +189,7 @@ class Monitor:
         return sample
 
     def collect(self, records: list[dict[str, Any]],
-                reports: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                reports: Mapping[int, Report] | None = None) -> dict[str, Any]:
         """One sample of everything (runs in the sampler thread)."""
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         failed: dict[str, str | None] = {}
