@@ -212,10 +212,6 @@ class Binder:
         """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
         return self._stat(pid).start_time
 
-    def is_kernel_thread(self, pid: int) -> bool:
-        """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
-        return bool(self._stat(pid).flags & PF_KTHREAD)
-
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
         return Process(pid, self._proc_s).uids()

@@ -192,7 +192,7 @@ class JobSampler:
                 # than one node to be remote from, and only every NUMA_EVERY slow cycles
                 cur.slow_count = prev.slow_count + 1 if prev is not None else 0
                 if cur.slow_count % NUMA_EVERY == 0:
-                    cur.numa = _optional(proc.numa_bytes)  # no CONFIG_NUMA, no permission
+                    cur.numa = _optional(proc.numa_bytes)  # None without permission
             else:  # one NUMA node: every page is local, nothing to read
                 cur.numa = None
             cur.runnable = _optional(proc.runnable_threads)
