@@ -81,6 +81,11 @@ def test_training_python_falls_back_to_job_python_in_the_config(tmp_path: Path) 
     found = doctor.find_training_python(None, {"PATH": str(tmp_path / "nothing")}, cfg,
                                         own_prefix=str(tmp_path / "own"))
     assert found.path == str(job) and found.how == f"job_python in {cfg}"
+    # a relative path, which the daemon's config check refuses, is not used either
+    cfg.write_text('job_python = "venv/bin/python3"\n')
+    rel = doctor.find_training_python(None, {"PATH": ""}, cfg, own_prefix="/nonexistent")
+    assert rel.path is None and (f"{cfg}: job_python must be an absolute path, got "
+                                 "'venv/bin/python3'") in rel.notes
     cfg.write_text("verify_interval = 5.0\n")
     none = doctor.find_training_python(None, {"PATH": ""}, cfg, own_prefix="/nonexistent")
     assert none.path is None and f"no job_python in {cfg}" in none.notes
