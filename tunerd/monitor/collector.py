@@ -24,9 +24,11 @@ class MonitorView(Protocol):
     samples_total: int
     sample_cpu_seconds_total: float
     sampler_status: dict[str, dict[str, Any]]
-    errors_total: int
     history: History
     daemon_facts: Callable[[], Mapping[str, float | None]]
+
+    @property
+    def errors_total(self) -> int: ...
 
     def binds_total(self) -> int: ...
 
