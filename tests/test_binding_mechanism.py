@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.binding_helpers import CPUSET_ROOT, snapshot, task_cpus, thread_child
-from tunerd.binding import Binder
+from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, snapshot, task_cpus, thread_child
+from tunerd.binding import Binder, Originals
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.errors import Failed, NoSuchProcess
 
@@ -46,6 +46,37 @@ def test_rollback_leaves_the_cgroup_as_it_was() -> None:
             b.apply(plan)
         assert not child_dir.exists()
         assert snapshot(p.pid) == before
+        t.close()
+
+
+@pytest.mark.skipif(not (CPUSET_ROOT / "cpuset.cpus").exists(), reason="needs cgroup v1")
+def test_a_memory_node_step_left_out_leaves_no_child_cpuset_in_the_originals() -> None:
+    """Partial bind whose child cpuset write fails right after its mkdir: the directory
+    is removed, the originals no longer name it, and a later plain re-bind and the
+    restore work from those originals."""
+    b = Binder()
+    with scratch_cpuset(format_cpulist(ONLINE)) as parent, \
+            thread_child(threads=8, cgroup=parent) as p:
+        base = snapshot(p.pid)["cpuset"]
+        t = b.pin(p.pid)
+        plan = b.prepare(t, cpus=ONE, mems=frozenset({0}), partial=True)
+        assert plan.cpuset is not None and plan.originals.cpuset_child is not None
+        child_dir = plan.cpuset.dir
+        plan.cpuset_cpus = frozenset({4000})  # no such CPU: the cpuset.cpus write fails
+        r = b.apply(plan)
+        assert r.cpus == ONE and r.mems is None
+        assert any(n.startswith("memory nodes 0 not set") for n in r.notes), r.notes
+        assert not child_dir.exists()  # the mkdir was undone too
+        assert snapshot(p.pid)["cpuset"] == base
+        assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
+        orig = plan.originals
+        assert orig.cpuset_child is None and orig.cpuset_base is None
+        # a plain re-bind from the saved originals does not look for the removed cpuset
+        again = b.prepare(t, cpus=ONE, previous=Originals.from_json(orig.to_json()))
+        assert again.cpuset is None
+        b.apply(again)
+        summary = b.restore(t, orig)
+        assert summary["notes"] == []  # no cpuset to move back from, no note about pages
         t.close()
 
 

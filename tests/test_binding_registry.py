@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.binding_helpers import snapshot, task_cpus, thread_child
+from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, snapshot, task_cpus, thread_child
 from tests.leases_helpers import snapshot_with_gpus_here
-from tunerd.binding import Binder
+from tunerd.binding import Binder, Plan, Target
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.errorlog import ErrorLog
@@ -41,7 +41,8 @@ ROOT = Peer(pid=1, uid=0, gid=0)
 class Parts:
     """The registry and what the composition root gives it (tunerd.daemon.wiring)."""
 
-    def __init__(self, tmp: Path, dry_run: bool = False, topology: Path | None = None) -> None:
+    def __init__(self, tmp: Path, dry_run: bool = False, topology: Path | None = None,
+                 binder: Binder | None = None) -> None:
         self.state = RuntimeStore(tmp / "state.json")
         self.state.load()
         self.errors = ErrorLog()
@@ -49,7 +50,7 @@ class Parts:
         section: dict[str, Any] = self.state.section("leases")
         section.setdefault("moved", {})
         self.mover = ExclusiveMover(section["moved"], self.state.save)
-        self.jobs = JobRegistry(Binder(), self.state.section("bindings"), self.state.save,
+        self.jobs = JobRegistry(binder or Binder(), self.state.section("bindings"), self.state.save,
                                 self.pidwatch, self.errors, dry_run=dry_run, mover=self.mover)
         topo = load_topology(topology)
         self.placer = Placer(topo, HostCapacity.read(), frozenset, dry_run=dry_run)
@@ -195,6 +196,44 @@ def test_partial_bind_keeps_the_cpus_when_the_fd_limit_cannot_be_set(tmp_path: P
             assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
             assert any("fd limit not set" in n and "CAP_SYS_RESOURCE" in n for n in r["notes"])
             assert resource.prlimit(p.pid, resource.RLIMIT_NOFILE)[1] == hard
+        await reg.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.skipif(not (CPUSET_ROOT / "cpuset.cpus").exists(), reason="needs cgroup v1")
+def test_a_memory_node_step_left_out_is_not_kept_in_the_saved_originals(
+        tmp_path: Path) -> None:
+    """A partial bind whose child cpuset cannot be made saves originals without it, so
+    a later plain re-bind and the unbind do not look for the removed cgroup."""
+
+    class FailingCpuset(Binder):
+        """Asks the kernel for a child cpuset on a CPU that does not exist (EINVAL)."""
+
+        def prepare(self, t: Target, **kw: Any) -> Plan:
+            plan = super().prepare(t, **kw)
+            if plan.cpuset is not None:
+                plan.cpuset_cpus = frozenset({4000})
+            return plan
+
+    async def scenario() -> None:
+        parts = Parts(tmp_path, binder=FailingCpuset())
+        reg = parts.jobs
+        await reg.start()
+        with scratch_cpuset(format_cpulist(ONLINE)) as parent, \
+                thread_child(threads=4, cgroup=parent) as p:
+            r = await reg.bind(p.pid, peer=ROOT,
+                               placement=Placement(cpus=ONE, mems=frozenset({0})),
+                               origin="rule", partial=True)
+            assert r["mems"] is None
+            assert any(n.startswith("memory nodes 0 not set") for n in r["notes"])
+            saved = parts.state.data["bindings"][str(p.pid)]["originals"]  # saved soon
+            assert saved["cpuset_child"] is None and saved["cpuset_base"] is None
+            assert [d for d in parent.iterdir() if d.is_dir()] == []
+            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None))
+            assert r["rebind"] is True and r["cpus"] == format_cpulist(ONE)
+            out = await reg.unbind(p.pid, peer=ROOT)
+            assert not any("pages moved by --mems" in n for n in out["notes"]), out
         await reg.stop()
 
     asyncio.run(scenario())

@@ -10,6 +10,7 @@ from tunerd.binding import Binder, Originals
 from tunerd.cpulist import parse_cpulist
 from tunerd.cpuset import CpusetCgroup, find_cpuset
 from tunerd.errors import NoSuchProcess, UsageError
+from tunerd.procfs import Process
 
 
 def write(root: Path, rel: str, text: str) -> Path:
@@ -140,9 +141,9 @@ def test_kernel_threads_are_recognised(roots: tuple[Path, Path]) -> None:
     write(proc, "2/stat", "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 "
                           "1 0 0 18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 0 "
                           "1 0 0 0 0 0\n")
+    assert not Process(4242, proc).is_kernel_thread()
+    assert Process(2, proc).is_kernel_thread()
     b = Binder(proc, sys)
-    assert not b.is_kernel_thread(4242)
-    assert b.is_kernel_thread(2)
     with pytest.raises(UsageError, match="pid 2 is a kernel thread"):
         b.pin(2)  # refused before any pidfd is opened
 

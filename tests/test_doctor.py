@@ -81,6 +81,11 @@ def test_training_python_falls_back_to_job_python_in_the_config(tmp_path: Path) 
     found = doctor.find_training_python(None, {"PATH": str(tmp_path / "nothing")}, cfg,
                                         own_prefix=str(tmp_path / "own"))
     assert found.path == str(job) and found.how == f"job_python in {cfg}"
+    # a relative path, which the daemon's config check refuses, is not used either
+    cfg.write_text('job_python = "venv/bin/python3"\n')
+    rel = doctor.find_training_python(None, {"PATH": ""}, cfg, own_prefix="/nonexistent")
+    assert rel.path is None and (f"{cfg}: job_python must be an absolute path, got "
+                                 "'venv/bin/python3'") in rel.notes
     cfg.write_text("verify_interval = 5.0\n")
     none = doctor.find_training_python(None, {"PATH": ""}, cfg, own_prefix="/nonexistent")
     assert none.path is None and f"no job_python in {cfg}" in none.notes
@@ -240,6 +245,28 @@ def test_data_dir_filesystem_and_device(tmp_path: Path) -> None:
     assert (fs.status, dev.status) == ("WARN", "WARN")
     [missing] = doctor.check_data_fs(Env(data_dir=tmp_path / "absent"))
     assert missing.status == "FAIL"
+
+
+def test_data_dir_mount_found_past_64_kib_of_mountinfo(tmp_path: Path) -> None:
+    """A host with thousands of mounts (containers, Kubernetes volumes): the mount that
+    holds the data directory may come after the first 64 KiB of mountinfo."""
+    proc, data = tmp_path / "proc", tmp_path / "data"
+    data.mkdir()
+    (proc / "self").mkdir(parents=True)
+    filler = "".join(f"{100 + i} 22 0:{50 + i} / /run/containers/storage/overlay/{i:05d}/"
+                     f"merged rw,relatime - overlay overlay rw,lowerdir=/l{i}\n"
+                     for i in range(1500))
+    text = (f"22 1 0:21 / / rw - overlay overlay rw\n{filler}"
+            f"30 22 259:1 / {tmp_path} rw,relatime - xfs /dev/nvme0n1p1 rw\n")
+    assert len(text) > 1 << 16
+    (proc / "self/mountinfo").write_text(text)
+    assert doctor.find_mount(Env(proc_root=proc), data) == (str(tmp_path), "xfs", "259:1")
+
+
+def test_nccl_conf_read_whole(tmp_path: Path) -> None:
+    (tmp_path / "nccl.conf").write_text("# padding\n" * 8000 + "NCCL_SOCKET_IFNAME=ens\n")
+    assert doctor.nccl_ifname(Env(etc_root=tmp_path, environ={})) == (
+        "ens", f"{tmp_path}/nccl.conf")
 
 
 def test_acs_register_decoding() -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ import pytest
 from tests.helpers import FIXTURES, ready_child
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
+from tunerd.errors import UsageError
 from tunerd.monitor.gpu import GpuSampler
 from tunerd.monitor.history import JOB_FIELDS, MAX_JOB_RINGS, History
 from tunerd.monitor.host import HostSampler, parse_psi
 from tunerd.monitor.jobs import JobSampler, torch_from_report
+from tunerd.monitor.reports import MAX_WORKERS, parse_report
 from tunerd.monitor.ring import Ring
 from tunerd.procfs import Process, parse_numa_maps, parse_stat
 
@@ -207,10 +210,10 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     gpu = {"gpus": [{"gpu": 0, "utilization_ratio": 0.25}],
            "processes": [{"gpu": 0, "pid": pid, "used_memory_bytes": 1e9}]}
     js = JobSampler()
-    report = {"pid": pid, "steps": 10, "step_time_s": 0.25, "samples_per_s": 128.0,
-              "device": "cuda", "memory": {"allocated": 4, "reserved": 9, "max_allocated": 6},
-              "workers": [], "num_workers": 0, "rank": 0, "local_rank": 0,
-              "local_world_size": 1, "time": time.time() - 2, "start_time": start}
+    args = {"pid": pid, "steps": 10, "step_time_s": 0.25, "samples_per_s": 128.0,
+            "device": "cuda", "memory": {"allocated": 4, "reserved": 9, "max_allocated": 6},
+            "workers": [], "num_workers": 0, "rank": 0, "local_rank": 0, "local_world_size": 1}
+    report = replace(parse_report(args, pid=pid, start_time=start), time=time.time() - 2)
     host = {"cpus": [{"cpu": 0, "busy_ratio": 0.75}, {"cpu": 1, "busy_ratio": 0.1}]}
     js.sample([rec], gpu, host)
     [s] = js.sample([rec], gpu, host, reports={pid: report})
@@ -230,7 +233,7 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     assert s["torch"]["step_time_s"] == 0.25 and s["torch"]["age_seconds"] >= 2
     assert s["uid"] == os.getuid() and s["start_time"] == start
     # no report, or one sent by an earlier process with this pid: no torch numbers
-    [s] = js.sample([rec], gpu, host, reports={pid: {**report, "start_time": start - 1}})
+    [s] = js.sample([rec], gpu, host, reports={pid: replace(report, start_time=start - 1)})
     assert s["torch"] is None
     assert s["voluntary_ctxt_switches_total"] >= 0
     # a PID reused by another process is not the job any more; an exited one is dropped
@@ -274,17 +277,32 @@ def test_gpu_sampler_on_replayed_telemetry(nvml_backend: None) -> None:
         {"gpu": 1, "pid": 4244, "used_memory_bytes": None}]
 
 
-def test_a_report_is_never_trusted_to_be_well_formed() -> None:
-    """A report comes from the job's user: wrong types and unknown keys are dropped."""
-    t = torch_from_report({"steps": "10", "step_time_s": float("nan"), "samples_per_s": True,
-                           "device": "tpu", "memory": {"allocated": 1.5, "rss": 7, "x": 1},
-                           "workers": [3, "4", None, 5] + [6] * 5000, "rank": 2,
-                           "evil": "x" * 100}, now=100.0)
-    assert t["steps"] is None and t["step_time_s"] is None and t["samples_per_s"] is None
-    assert t["device"] is None and t["memory"] == {"rss": 7} and t["rank"] == 2
-    assert t["workers"][:3] == [3, 5, 6] and len(t["workers"]) <= 1024
-    assert "evil" not in t and t["devices"] == [] and t["age_seconds"] is None
-    assert torch_from_report({"memory": "x", "workers": {}})["memory"] == {}
+@pytest.mark.parametrize("args, why", [
+    ({"steps": "10"}, "'steps' must be a number"),
+    ({"step_time_s": float("nan")}, "'step_time_s' out of range"),
+    ({"samples_per_s": True}, "'samples_per_s' must be a number"),
+    ({"device": "tpu"}, "'device' must be 'cuda' or 'cpu'"),
+    ({"memory": {"allocated": 1.5, "rss": 7}}, "'allocated' must be an integer"),
+    ({"memory": "x"}, "'memory' must be an object"),
+    ({"workers": [3, "4", None, 5]}, "'workers' must be a list of process ids"),
+    ({"workers": [6] * (MAX_WORKERS + 1)}, "'workers' must be a list of process ids"),
+    ({"workers": "3"}, "'workers' must be a list of process ids"),
+    ({"rank": -1}, "'rank' out of range"),
+])
+def test_a_report_is_never_trusted_to_be_well_formed(args: dict, why: str) -> None:
+    """A report comes from the job's user: wrong types and ranges are refused where it
+    arrives (the only check: the sampler uses the Report as it is)."""
+    with pytest.raises(UsageError, match=f"report: {why}"):
+        parse_report(args, pid=1, start_time=5)
+
+
+def test_a_reports_unknown_keys_are_left_out() -> None:
+    r = parse_report({"memory": {"rss": 7, "x": 1}, "rank": 2, "evil": "x" * 100,
+                      "workers": [3, 5]}, pid=1, start_time=5)
+    t = torch_from_report(r, now=r.time + 3)
+    assert t["memory"] == {"rss": 7} and t["rank"] == 2 and t["workers"] == [3, 5]
+    assert "evil" not in t and t["devices"] == [] and t["age_seconds"] == pytest.approx(3)
+    assert torch_from_report(parse_report({}, pid=1, start_time=5))["memory"] == {}
 
 
 def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -> None:
@@ -295,8 +313,9 @@ def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -
     pid = child.pid
     start = Process(pid).start_time()
     rec = {"pid": pid, "start_time": start, "name": "child", "cpus": "0", "gpus": [0]}
-    report = {"pid": pid, "device": "cuda", "local_rank": 0, "start_time": start,
-              "memory": {"reserved": 60 << 30, "allocated": 20 << 30, "max_allocated": 30 << 30}}
+    report = parse_report({"device": "cuda", "local_rank": 0, "memory": {
+        "reserved": 60 << 30, "allocated": 20 << 30, "max_allocated": 30 << 30}},
+        pid=pid, start_time=start)
     js, h = JobSampler(), History(history_seconds=10, sample_interval=1)
     for t in range(3):
         h.add({"time": float(t), "jobs": js.sample([rec], {}, reports={pid: report})})

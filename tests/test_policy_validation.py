@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import write_policy
 from tunerd.policy import NodeFacts, PolicyError, load_policy_dir
-from tunerd.policy.loader import MAX_FILE_BYTES, NotRegularFile, read_regular
+from tunerd.policy.loader import MAX_FILE_BYTES, NotRegularFile, read_policy_bytes
 
 HEAD = '[policy]\nname = "bad"\n\n'
 
@@ -310,13 +310,13 @@ def test_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
     assert p.sources == [str(link), str(rel)]
 
 
-def test_read_regular_is_bounded(tmp_path: Path) -> None:
+def test_read_policy_bytes_is_bounded(tmp_path: Path) -> None:
     f = tmp_path / "f"
     f.write_bytes(b"a" * 200_000)
-    assert read_regular(f, 70_000) == b"a" * 70_000
-    assert read_regular(f, 1 << 20) == b"a" * 200_000
+    assert read_policy_bytes(f, 70_000) == b"a" * 70_000
+    assert read_policy_bytes(f, 1 << 20) == b"a" * 200_000
     with pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)"):
-        read_regular(_fifo(tmp_path, "p"), 10)
+        read_policy_bytes(_fifo(tmp_path, "p"), 10)
 
 
 def test_valid_values_are_normalized(tmp_path: Path) -> None:

@@ -51,11 +51,6 @@ def _vals(cols: Columns, name: str) -> list[float]:
     return [v for v in cols.get(name, []) if v is not None and not math.isnan(v)]
 
 
-def _col(cols: Columns, name: str) -> list[float]:
-    """A column with NaN for missing values, so two columns stay aligned."""
-    return [math.nan if v is None else v for v in cols.get(name, [])]
-
-
 def _median(vals: Sequence[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
@@ -229,12 +224,9 @@ def workers_crowded(job: dict[str, Any], cols: Columns) -> Finding | None:
 
 
 def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
-    # the job's runnable threads, or with its workers' where that is more
-    own, tree = _col(cols, "runnable_threads"), _col(cols, "tree_runnable")
-    size = max(len(own), len(tree))
-    own, tree = own + [math.nan] * (size - len(own)), tree + [math.nan] * (size - len(tree))
-    run = [max(x for x in (a, b) if not math.isnan(x))
-           for a, b in zip(own, tree, strict=True) if not (math.isnan(a) and math.isnan(b))]
+    # runnable threads of the job with its workers' (the sampler sets tree_runnable on
+    # every sample, never below runnable_threads); the job's own without that column
+    run = _vals(cols, "tree_runnable") or _vals(cols, "runnable_threads")
     ncpus = _vals(cols, "ncpus")
     if not run or not ncpus:
         return None

@@ -212,10 +212,6 @@ class Binder:
         """Field 22 of /proc/PID/stat: start time in clock ticks after boot."""
         return self._stat(pid).start_time
 
-    def is_kernel_thread(self, pid: int) -> bool:
-        """PF_KTHREAD in field 9 (flags): kernel threads are not jobs to bind."""
-        return bool(self._stat(pid).flags & PF_KTHREAD)
-
     def owner(self, pid: int) -> tuple[int, int]:
         """(real uid, effective uid) from /proc/PID/status."""
         return Process(pid, self._proc_s).uids()
@@ -516,6 +512,13 @@ class Binder:
             what = err.message if isinstance(err, TunerdError) else str(err)
             plan.notes.append(f"memory nodes {format_cpulist(plan.mems or frozenset())} not "
                               f"set (cpuset {plan.cpuset.path if plan.cpuset else '?'}): {what}")
+            orig = plan.originals
+            if orig.cpuset_child is not None and not orig.cpuset_child.dir.exists():
+                # the undo removed the child cpuset: the originals must not name it, or a
+                # later re-bind would update, and restore would leave, a cgroup that is gone
+                orig.cpuset_base, orig.cpuset_child = None, None
+                if plan.first and plan.cpus is None:
+                    orig.affinity_set = False  # set only for the cpuset, which is left out
             plan.cpuset, plan.mems = None, None
             return None
         undo.extend(mine)
@@ -538,12 +541,12 @@ class Binder:
             child.set(plan.cpuset_cpus, mems)
             undo.append(lambda: child.set(old_cpus, old_mems))
         else:
-            child.create(plan.cpuset_cpus, mems)
-
             def remove_child() -> None:
                 child.remove()
 
+            # registered before the mkdir: a failing write after it leaves no empty child
             undo.append(remove_child)
+            child.create(plan.cpuset_cpus, mems)
         if current is None or current.path != child.path:
             self.check(t)
             try:

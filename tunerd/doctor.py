@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from tunerd import nvml
-from tunerd.procfs import read_value
+from tunerd.procfs import read_text, read_value
+from tunerd.text import plural
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 NOFILE_MIN = 65536
@@ -31,6 +32,8 @@ TORCH_TIMEOUT = 60.0
 GOOD_FS = ("xfs", "ext4")
 NVIDIA_VENDOR = "0x10de"
 
+# the daemon's config file (tunerd.daemon.config.DEFAULT_CONFIG; doctor runs in tunerctl,
+# which may not import tunerd.daemon: tests/test_layering.py)
 DEFAULT_CONFIG = Path("/etc/tunerd/tunerd.toml")
 
 # Printed as JSON by the probe subprocess; every value guarded, never raises.
@@ -120,6 +123,8 @@ def _configured_python(config: Path) -> tuple[str | None, str]:
         return None, f"no job_python in {config}"
     if not isinstance(value, str) or not value:
         return None, f"{config}: job_python must be a path, got {value!r}"
+    if not os.path.isabs(value):  # as the daemon's config check: never relative to the cwd
+        return None, f"{config}: job_python must be an absolute path, got {value!r}"
     return value, ""
 
 
@@ -218,11 +223,6 @@ def check_python(env: Env) -> Check:
 
 
 
-def _n(n: int, word: str) -> str:
-    """``_n(1, "GPU")`` -> "1 GPU", ``_n(2, "GPU")`` -> "2 GPUs"."""
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -250,12 +250,13 @@ def check_driver(env: Env) -> Check:
                          default=None)
         n = nvml.call("nvmlDeviceGetCount", default=0)
         return Check("nvidia-driver", "NVIDIA driver and NVML", PASS,
-                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, {_n(n, 'GPU')}",
+                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, "
+                     f"{plural(n, 'GPU')}",
                      data={"driver": drv, "nvml": lib, "cuda_driver": fmt_cuda(cuda), "gpus": n})
     devs = nvidia_pci_devices(env)
     if devs:
         return Check("nvidia-driver", "NVIDIA driver and NVML", FAIL,
-                     f"{_n(len(devs), 'NVIDIA PCI device')} ({', '.join(devs[:4])}) but "
+                     f"{plural(len(devs), 'NVIDIA PCI device')} ({', '.join(devs[:4])}) but "
                      f"{nvml.reason()}",
                      "Install/load the NVIDIA driver matching your CUDA (nvidia-smi must work).")
     return Check("nvidia-driver", "NVIDIA driver and NVML", SKIP,
@@ -330,7 +331,8 @@ def check_torch(env: Env) -> list[Check]:
     gpu_node = nvml.available()
     if t.get("cuda_available"):
         out.append(Check("torch-cuda", "torch.cuda is available", PASS,
-                         f"{_n(t['device_count'], 'device')}: {', '.join(t.get('devices') or [])}"))
+                         f"{plural(t['device_count'], 'device')}: "
+                         f"{', '.join(t.get('devices') or [])}"))
     elif gpu_node:
         out.append(Check("torch-cuda", "torch.cuda is available", FAIL,
                          f"NVML sees GPUs but torch.cuda.is_available() is False "
@@ -443,13 +445,13 @@ def check_acs(env: Env) -> Check:
             enabled.append(f"{bdf} ({how})")
     if enabled:
         return Check("pcie-acs", title, WARN,
-                     f"ACS enabled on {_n(len(enabled), 'bridge')}: {', '.join(enabled[:6])}",
+                     f"ACS enabled on {plural(len(enabled), 'bridge')}: {', '.join(enabled[:6])}",
                      "ACS redirects GPU peer-to-peer traffic through the root complex (slow "
                      "NCCL P2P, hangs). On bare metal: setpci -s BDF ECAP_ACS+6.w=0000 at "
                      "boot (not with VMs that need IOMMU isolation).",
                      data={"enabled": enabled})
     return Check("pcie-acs", title, PASS,
-                 f"ACS source validation off on {_n(len(bridges) - unreadable, 'bridge')}; "
+                 f"ACS source validation off on {plural(len(bridges) - unreadable, 'bridge')}; "
                  f"{unreadable} without ACS capability or unreadable")
 
 
@@ -465,17 +467,26 @@ def check_iommu(env: Env) -> Check:
         return Check("iommu", title, PASS, "no IOMMU active (DMA is not translated)")
     if "iommu=pt" in args or "iommu.passthrough=1" in args:
         return Check("iommu", title, PASS,
-                     f"{_n(len(units), 'IOMMU unit')}, passthrough (iommu=pt)")
+                     f"{plural(len(units), 'IOMMU unit')}, passthrough (iommu=pt)")
     return Check("iommu", title, WARN,
-                 f"{_n(len(units), 'IOMMU unit')} translating DMA; kernel cmdline has no iommu=pt",
+                 f"{plural(len(units), 'IOMMU unit')} translating DMA; kernel cmdline has no "
+                 "iommu=pt",
                  "Add iommu=pt (with intel_iommu=on / amd_iommu=on) to the kernel command "
                  "line so GPU and NIC DMA (GPUDirect RDMA, NCCL) skips translation.")
+
+
+def _read_whole(path: Path) -> str | None:
+    """All of a file that may be large (mountinfo on a host with many mounts), or None."""
+    try:
+        return read_text(path, None)
+    except OSError:
+        return None
 
 
 # -- storage -------------------------------------------------------------------
 def find_mount(env: Env, path: Path) -> tuple[str, str, str] | None:
     """(mount point, fs type, major:minor) of the mount holding ``path``."""
-    text = read_value(env.proc_root / "self/mountinfo")
+    text = _read_whole(env.proc_root / "self/mountinfo")
     if text is None:
         return None
     target = str(path.resolve())
@@ -597,7 +608,7 @@ def check_governor(env: Env) -> Check:
     if not govs:
         return Check("cpu-governor", "CPU frequency governor", SKIP,
                      "no cpufreq on this node (VM or firmware-controlled)")
-    ev = ", ".join(f"{g} on {_n(n, 'CPU')}" for g, n in sorted(govs.items()))
+    ev = ", ".join(f"{g} on {plural(n, 'CPU')}" for g, n in sorted(govs.items()))
     if set(govs) == {"performance"}:
         return Check("cpu-governor", "CPU frequency governor", PASS, ev)
     return Check("cpu-governor", "CPU frequency governor", WARN, ev,
@@ -610,7 +621,7 @@ def nccl_ifname(env: Env) -> tuple[str | None, str]:
     v = env.environ.get("NCCL_SOCKET_IFNAME")
     if v:
         return v, "env NCCL_SOCKET_IFNAME"
-    text = read_value(env.etc_root / "nccl.conf") or ""
+    text = _read_whole(env.etc_root / "nccl.conf") or ""
     for line in text.splitlines():
         k, _, val = line.partition("=")
         if k.strip() == "NCCL_SOCKET_IFNAME" and val.strip():

@@ -161,9 +161,7 @@ class Stat(NamedTuple):
     stime: int  # (15) clock ticks
     num_threads: int  # (20)
     start_time: int  # (22) clock ticks after boot: with the pid, a unique identity
-    vsize: int  # (23) bytes
     rss_pages: int  # (24)
-    processor: int  # (39) CPU it last ran on
     env_start: int  # (50) 0 without ptrace access to the process (or before Linux 3.5)
     env_end: int  # (51)
 
@@ -178,8 +176,7 @@ def parse_stat(raw: bytes | str) -> Stat:
     f = raw[close + 2:].split()
     # f[0] is field 3, so field N is f[N - 3]
     return Stat(comm, f[0].decode(), int(f[1]), int(f[6]), int(f[11]), int(f[12]),
-                int(f[17]), int(f[19]), int(f[20]), int(f[21]),
-                int(f[36]) if len(f) > 36 else -1,
+                int(f[17]), int(f[19]), int(f[21]),
                 int(f[47]) if len(f) > 48 else 0, int(f[48]) if len(f) > 48 else 0)
 
 
@@ -570,13 +567,16 @@ class Process:
         """NUMA node -> pages (of any size) of this process, from /proc/PID/numa_maps.
 
         The kernel walks the page tables of the whole process to build numa_maps:
-        costly for a large process; empty for a kernel without CONFIG_NUMA."""
+        costly for a large process. A kernel without CONFIG_NUMA has no numa_maps,
+        which reads as NoSuchProcess like a process that is gone: call it only where
+        /sys/devices/system/node lists nodes."""
         raw = read_bytes(f"{self._base}/numa_maps", None)
         return parse_numa_maps(raw.decode(), as_bytes=False)
 
     @_boundary
     def numa_bytes(self) -> dict[int, int]:
-        """NUMA node -> resident bytes of this process (huge pages at their size)."""
+        """NUMA node -> resident bytes of this process (huge pages at their size); see
+        :meth:`numa_pages` for the cost and a kernel without CONFIG_NUMA."""
         return parse_numa_maps(read_bytes(f"{self._base}/numa_maps", None).decode())
 
     @_boundary

@@ -67,7 +67,8 @@ def trusted_uids() -> frozenset[int]:
     return frozenset({0, os.geteuid()})
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What ``mode`` (st_mode) is, for messages: "a FIFO", "a directory", ..."""
     for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
                        (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
@@ -173,7 +174,7 @@ def _walk(path: Path, what: str, create_mode: int | None,
                     parts[:0] = tparts
                 continue
             if not stat.S_ISDIR(st.st_mode):
-                raise Failed(f"{what} {shown}: {_kind(st.st_mode)}, not a directory",
+                raise Failed(f"{what} {shown}: {file_kind(st.st_mode)}, not a directory",
                              path=shown)
             fd = os.open(name, os.O_RDONLY | _DIR_FLAGS, dir_fd=dfd)
             fst = os.fstat(fd)
@@ -233,7 +234,7 @@ def open_regular(path: Path | str, flags: int = os.O_RDONLY) -> int:
                          errno=err.errno) from err
         if err.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no writer, a directory
             try:
-                kind = _kind(os.lstat(path).st_mode)
+                kind = file_kind(os.lstat(path).st_mode)
             except OSError:
                 kind = err.strerror or "not a regular file"
             raise Failed(f"{path}: {kind}, not a regular file", path=str(path),
@@ -247,7 +248,7 @@ def open_regular(path: Path | str, flags: int = os.O_RDONLY) -> int:
         raise
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise Failed(f"{path}: {_kind(st.st_mode)}, not a regular file", path=str(path))
+        raise Failed(f"{path}: {file_kind(st.st_mode)}, not a regular file", path=str(path))
     return fd
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from tunerd.text import plural as plural  # re-exported: the commands import it from here
+
 
 class CountType(click.ParamType):
     """An integer in [minimum, maximum]; ``what`` names it in errors (click already
@@ -119,8 +121,3 @@ def cpu_args(ncpus: int | None, cpus: str | int | None) -> tuple[int | None, str
     if ncpus is not None and cpus is not None:
         raise click.UsageError("give --ncpus N (a count) or --cpus LIST (exact CPUs), not both")
     return ncpus, cpus
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """``plural(1, "thread")`` -> "1 thread"; ``plural(2, "thread")`` -> "2 threads"."""
-    return f"{n} {word if n == 1 else (many or word + 's')}"

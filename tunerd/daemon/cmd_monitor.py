@@ -103,6 +103,6 @@ class MonitorCommands:
             raise PermissionDenied(
                 f"process {pid} belongs to uid {uids[0]}; uid {req.peer.uid} may only "
                 "report for its own processes", pid=pid)
-        rep = parse_report(req.args, pid=pid, start_time=st.start_time, uid=uids[0])
+        rep = parse_report(req.args, pid=pid, start_time=st.start_time)
         self.monitor.reports.put(rep)
         return {"accepted": True, "settings": self.settings_for(pid)}

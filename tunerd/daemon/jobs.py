@@ -244,6 +244,7 @@ class JobRegistry:
                           else _before_moves(plan.originals, moved).to_json()),
         }
         n_threads_saved = len(plan.originals.threads)
+        child_saved = plan.originals.cpuset_child
         self._records[key] = record
         t_save = time.perf_counter()
         if not originals_on_disk:
@@ -285,7 +286,9 @@ class JobRegistry:
             record["nofile"] = (prev or {}).get("nofile")
         record["notes"] = list(result.notes)
         originals = _before_moves(plan.originals, moved)
-        if len(plan.originals.threads) != n_threads_saved:  # threads born meanwhile
+        # threads born meanwhile, or a memory-node step left out (its child cpuset gone)
+        if (len(plan.originals.threads) != n_threads_saved
+                or plan.originals.cpuset_child != child_saved):
             record["originals"] = originals.to_json()
         self._originals[pid] = originals
         if moved and self.mover is not None:

@@ -8,7 +8,7 @@ cycle and never mutates, so no lock is needed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -24,9 +24,11 @@ class MonitorView(Protocol):
     samples_total: int
     sample_cpu_seconds_total: float
     sampler_status: dict[str, dict[str, Any]]
-    errors_total: int
     history: History
     daemon_facts: Callable[[], Mapping[str, float | None]]
+
+    @property
+    def errors_total(self) -> int: ...
 
     def binds_total(self) -> int: ...
 
@@ -123,18 +125,23 @@ def _emit(items: list[dict[str, Any]], table: list[tuple[str, str, str]], labels
         yield fam
 
 
-class DaemonHealth(NamedTuple):
-    """What the fleet alerts need from the daemon beyond the monitor's own sample.
-
-    None: that service does not run in this daemon (its series are left out).
-    """
-
-    policy_rejected: bool | None  # the last reload was refused; the old policy is in force
-    host_enforcing: bool | None  # False after `tunerctl revert`, until apply or reload
-    host_drifted: int | None  # settings found drifted by the last verify (before re-apply)
-    host_failed: int | None  # settings whose last write failed (still not as the policy says)
-    rule_bind_failures: int | None  # [[job]] rule matches that could not be bound, since start
-    rule_matches: int | None  # processes [[job]] rules matched, since start
+# (daemon_facts key, metric name, help, kind): what the fleet alerts need from the daemon
+# beyond the monitor's own sample; a key absent or None means that service does not run
+# in this daemon, and its series is left out
+HEALTH = [
+    ("policy_rejected", "tunerd_policy_rejected", "1 while the last policy reload was "
+     "rejected (the previous policy stays in force)", GaugeMetricFamily),
+    ("host_enforcing", "tunerd_host_enforcing", "1 while drift correction and hotplug are "
+     "on (0 after tunerctl revert, until apply or reload)", GaugeMetricFamily),
+    ("host_drifted", "tunerd_host_settings_drifted", "Host settings the last verify found "
+     "drifted from the policy (before re-applying them)", GaugeMetricFamily),
+    ("host_failed", "tunerd_host_settings_failed", "Host settings whose last write failed",
+     GaugeMetricFamily),
+    ("rule_bind_failures", "tunerd_rule_bind_failures",
+     "[[job]] rule matches that could not be bound", CounterMetricFamily),
+    ("rule_matches", "tunerd_rule_matches", "Processes matched by a [[job]] rule",
+     CounterMetricFamily),
+]
 
 
 def _reported(torch: Any) -> dict[str, Any]:
@@ -154,52 +161,22 @@ class MonitorCollector(Collector):
         m = self.monitor
         s = m.latest or {}
         yield from self._self_metrics(m, s)
-        yield from self._health(self.daemon_health())
+        yield from self._health()
         yield from self._gpu(s.get("gpu") or {})
         yield from self._host(s.get("host") or {})
         yield from self._jobs(s.get("jobs") or [])
 
-    def daemon_health(self) -> DaemonHealth:
+    def _health(self) -> Iterator[Metric]:
         """The one place the collector reads daemon state outside the monitor's sample.
 
-        Runs in prometheus_client's HTTP thread: it only reads a few attributes that the
-        loop replaces whole (a bool, an int, a dict's length), never iterates shared state.
+        Runs in prometheus_client's HTTP thread: ``daemon_facts`` only reads a few
+        attributes that the loop replaces whole, never iterates shared state.
         """
-        f = self.monitor.daemon_facts()
-
-        def num(key: str) -> int | None:
-            v = f.get(key)
-            return None if v is None else int(v)
-
-        rejected, enforcing = num("policy_rejected"), num("host_enforcing")
-        return DaemonHealth(
-            policy_rejected=None if rejected is None else bool(rejected),
-            host_enforcing=None if enforcing is None else bool(enforcing),
-            host_drifted=num("host_drifted"), host_failed=num("host_failed"),
-            rule_bind_failures=num("rule_bind_failures"), rule_matches=num("rule_matches"))
-
-    def _health(self, h: DaemonHealth) -> Iterator[Metric]:
-        gauges = [
-            ("tunerd_policy_rejected", "1 while the last policy reload was rejected (the "
-             "previous policy stays in force)", h.policy_rejected),
-            ("tunerd_host_enforcing", "1 while drift correction and hotplug are on (0 after "
-             "tunerctl revert, until apply or reload)", h.host_enforcing),
-            ("tunerd_host_settings_drifted", "Host settings the last verify found drifted "
-             "from the policy (before re-applying them)", h.host_drifted),
-            ("tunerd_host_settings_failed", "Host settings whose last write failed",
-             h.host_failed),
-        ]
-        for name, doc, value in gauges:
+        facts = self.monitor.daemon_facts()
+        for key, name, doc, kind in HEALTH:
+            value = facts.get(key)
             if value is not None:
-                yield GaugeMetricFamily(name, doc, value=float(value))
-        if h.rule_bind_failures is not None:
-            yield CounterMetricFamily("tunerd_rule_bind_failures",
-                                      "[[job]] rule matches that could not be bound",
-                                      value=h.rule_bind_failures)
-        if h.rule_matches is not None:
-            yield CounterMetricFamily("tunerd_rule_matches",
-                                      "Processes matched by a [[job]] rule",
-                                      value=h.rule_matches)
+                yield kind(name, doc, value=float(value))
 
     def _self_metrics(self, m: MonitorView, s: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("tunerd_up", "1 while tunerd serves", value=1)

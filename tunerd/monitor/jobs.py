@@ -29,56 +29,24 @@ from typing import Any
 
 from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.errors import NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.monitor.reports import Report
 from tunerd.procfs import CLK_TCK, PAGE_SIZE, PROC, Process
 
 __all__ = ["JobSampler", "torch_from_report"]
 
-_MAX_WORKERS = 1024  # DataLoader workers per rank (the policy allows 0..1024)
+def torch_from_report(report: Report, now: float | None = None) -> dict[str, Any]:
+    """The ``torch`` part of a job sample from the latest ``report`` of its process.
 
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        return None
-    return float(v)
-
-
-def torch_from_report(report: Mapping[str, Any], now: float | None = None) -> dict[str, Any]:
-    """The ``torch`` part of a job sample from one ``report`` request's args.
-
-    Only known keys of the right type are kept (a report comes from the job's
-    user, so nothing in it is trusted to be well-formed). ``devices`` repeats the
-    CUDA memory in the per-device shape that the history and ``advise`` read.
+    The report was validated when it arrived (:func:`tunerd.monitor.reports.parse_report`).
+    ``devices`` repeats the CUDA memory in the per-device shape that the history and
+    ``advise`` read.
     """
-    mem_in = report.get("memory")
-    memory = {k: v for k, v in (mem_in.items() if isinstance(mem_in, Mapping) else ())
-              if k in ("allocated", "reserved", "max_allocated", "rss")
-              and _int(v) is not None}
-    workers_in = report.get("workers")
-    workers = ([w for w in workers_in[:_MAX_WORKERS] if _int(w) is not None]
-               if isinstance(workers_in, list) else [])
-    device = report.get("device") if report.get("device") in ("cuda", "cpu") else None
-    sent = _num(report.get("time"))
-    out: dict[str, Any] = {
-        "steps": _int(report.get("steps")),
-        "step_time_s": _num(report.get("step_time_s")),
-        "samples_per_s": _num(report.get("samples_per_s")),
-        "device": device,
-        "memory": memory,
-        "workers": workers,
-        "num_workers": _int(report.get("num_workers")),
-        "rank": _int(report.get("rank")),
-        "local_rank": _int(report.get("local_rank")),
-        "local_world_size": _int(report.get("local_world_size")),
-        "time": sent,
-        "age_seconds": (max(0.0, (now or time.time()) - sent) if sent is not None else None),
-        "devices": [],
-    }
-    if device == "cuda" and "reserved" in memory and "allocated" in memory:
-        out["devices"] = [{"device": out["local_rank"],
+    out = report.to_json()
+    out["age_seconds"] = max(0.0, (now or time.time()) - report.time)
+    out["devices"] = []
+    memory = out["memory"]
+    if report.device == "cuda" and "reserved" in memory and "allocated" in memory:
+        out["devices"] = [{"device": report.local_rank,
                            "reserved_bytes": memory["reserved"],
                            "allocated_bytes": memory["allocated"],
                            "max_allocated_bytes": memory.get("max_allocated")}]
@@ -102,7 +70,7 @@ def _parse_cached(text: str) -> frozenset[int]:
         return frozenset()
 
 
-MAX_WORKERS = 256  # child processes of one job sampled per cycle
+MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoader workers)
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 
 
@@ -134,18 +102,15 @@ class JobSampler:
 
     def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
                host: dict[str, Any] | None = None,
-               reports: Mapping[int, Mapping[str, Any]] | None = None
-               ) -> list[dict[str, Any]]:
+               reports: Mapping[int, Report] | None = None) -> list[dict[str, Any]]:
         """One sample per bound job record; a job that is gone is left out.
 
         ``gpu`` and ``host`` are this cycle's samples: GPU memory per pid, utilization
         of the job's GPUs and the busy share of the job's CPUs come from them.
-        ``reports``: pid -> the args of the latest ``report`` request that process
-        sent (steps, step_time_s, memory, workers, ...), optionally with ``time``
-        (when it was received, wall clock) and ``start_time`` (stat ticks of the
-        process that sent it: a report of an earlier process with the same pid is
-        ignored). Each job's ``torch`` field is built from its report
-        (:func:`torch_from_report`), or None without one.
+        ``reports``: pid -> the latest ``report`` that process sent (one of an
+        earlier process with the same pid, by its start time, is ignored). Each
+        job's ``torch`` field is built from its report (:func:`torch_from_report`),
+        or None without one.
         """
         self._cycle += 1
         gpu_mem: dict[int, float] = {}
@@ -177,13 +142,12 @@ class JobSampler:
         return out
 
     @staticmethod
-    def _torch(s: dict[str, Any], reports: Mapping[int, Mapping[str, Any]] | None,
+    def _torch(s: dict[str, Any], reports: Mapping[int, Report] | None,
                now: float) -> dict[str, Any] | None:
         rep = reports.get(s["pid"]) if reports else None
-        if not isinstance(rep, Mapping):
+        if rep is None:
             return None
-        st = rep.get("start_time")
-        if isinstance(st, int) and st != s["start_time"]:
+        if rep.start_time is not None and rep.start_time != s["start_time"]:
             return None  # sent by an earlier process with this pid
         return torch_from_report(rep, now)
 
@@ -228,7 +192,7 @@ class JobSampler:
                 # than one node to be remote from, and only every NUMA_EVERY slow cycles
                 cur.slow_count = prev.slow_count + 1 if prev is not None else 0
                 if cur.slow_count % NUMA_EVERY == 0:
-                    cur.numa = _optional(proc.numa_bytes)  # no CONFIG_NUMA, no permission
+                    cur.numa = _optional(proc.numa_bytes)  # None without permission
             else:  # one NUMA node: every page is local, nothing to read
                 cur.numa = None
             cur.runnable = _optional(proc.runnable_threads)
@@ -293,7 +257,7 @@ class JobSampler:
                  prev_t: float | None) -> dict[str, Any]:
         """The job's child processes (two levels: a worker may fork its own helpers).
 
-        One stat read per child per cycle; at most MAX_WORKERS of them.
+        One stat read per child per cycle; at most MAX_CHILDREN of them.
         """
         ticks: dict[int, tuple[int, int]] = {}
         runnable = rss = 0
@@ -303,9 +267,9 @@ class JobSampler:
         except TunerdError:
             todo = []
         level = 0
-        while todo and level < 2 and len(ticks) < MAX_WORKERS:
+        while todo and level < 2 and len(ticks) < MAX_CHILDREN:
             nxt: list[int] = []
-            for pid in todo[:MAX_WORKERS - len(ticks)]:
+            for pid in todo[:MAX_CHILDREN - len(ticks)]:
                 child = Process(pid, self.proc)
                 try:
                     cst = child.stat()

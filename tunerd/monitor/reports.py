@@ -1,11 +1,14 @@
 """What training processes report about themselves (``tunerd.torch.StepReporter``).
 
 A report arrives over the control socket (command ``report``; the daemon checks
-that the peer owns the process) and is kept here per process until the process
-exits or stops reporting. Each sampling cycle attaches the latest report to the
-job's sample: step time, samples/s, CUDA memory (or RSS on CPU), DataLoader
-workers. Nothing is read from files a user could write: a report is a bounded
-JSON message, validated here.
+that the peer owns the process) and is kept here per process until that process
+sends no report for ``STALE_AFTER`` seconds (so also that long after it exits;
+the start time in each report keeps an earlier process's report off a reused
+pid). Each sampling cycle attaches the latest report to the job's sample: step
+time, samples/s, CUDA memory (or RSS on CPU), DataLoader workers. Nothing is
+read from files a user could write: a report is a bounded JSON message,
+validated here and only here (:func:`parse_report`); a :class:`Report` is never
+changed after that, only replaced by the next one.
 """
 
 from __future__ import annotations
@@ -24,12 +27,11 @@ MAX_WORKERS = 1024
 MAX_PROCESSES = 4096  # reports kept at most (one per process)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Report:
     pid: int
-    start_time: int | None
-    uid: int
-    time: float
+    start_time: int | None  # stat ticks of the process that sent it
+    time: float  # when it was received (wall clock)
     steps: int | None = None
     step_time_s: float | None = None
     samples_per_s: float | None = None
@@ -42,11 +44,12 @@ class Report:
     local_world_size: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"time": self.time, "steps": self.steps, "step_time_s": self.step_time_s,
+        return {"steps": self.steps, "step_time_s": self.step_time_s,
                 "samples_per_s": self.samples_per_s, "device": self.device,
-                "memory": self.memory, "workers": list(self.workers),
+                "memory": dict(self.memory or {}), "workers": list(self.workers),
                 "num_workers": self.num_workers, "rank": self.rank,
-                "local_rank": self.local_rank, "local_world_size": self.local_world_size}
+                "local_rank": self.local_rank, "local_world_size": self.local_world_size,
+                "time": self.time}
 
 
 def _num(args: dict[str, Any], key: str, kind: type, lo: float = 0.0,
@@ -65,8 +68,7 @@ def _num(args: dict[str, Any], key: str, kind: type, lo: float = 0.0,
     return float(v)
 
 
-def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None,
-                 uid: int) -> Report:
+def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None) -> Report:
     """Validate the ``report`` command's arguments (names, types, ranges)."""
     mem = args.get("memory")
     memory: dict[str, int] | None = None
@@ -84,7 +86,7 @@ def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None,
     if not isinstance(workers_raw, list) or len(workers_raw) > MAX_WORKERS or not all(
             isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in workers_raw):
         raise UsageError("report: 'workers' must be a list of process ids")
-    return Report(pid=pid, start_time=start_time, uid=uid, time=time.time(),
+    return Report(pid=pid, start_time=start_time, time=time.time(),
                   steps=_num(args, "steps", int), step_time_s=_num(args, "step_time_s", float),
                   samples_per_s=_num(args, "samples_per_s", float), device=device,
                   memory=memory, workers=tuple(workers_raw),
@@ -106,19 +108,13 @@ class ReportStore:
                 del self._by_pid[oldest.pid]
         self._by_pid[report.pid] = report
 
-    def get(self, pid: int) -> Report | None:
-        return self._by_pid.get(pid)
-
-    def drop(self, pid: int) -> None:
-        self._by_pid.pop(pid, None)
-
     def expire(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
         for pid in [p for p, r in self._by_pid.items() if now - r.time > STALE_AFTER]:
             del self._by_pid[pid]
 
-    def snapshot(self) -> dict[int, dict[str, Any]]:
-        """pid -> the latest report (with its sender's start time), for one sampling cycle."""
+    def snapshot(self) -> dict[int, Report]:
+        """pid -> the latest report, for one sampling cycle (reports are replaced, never
+        changed, so the sampler's thread may read them while new ones arrive)."""
         self.expire()
-        return {pid: {**r.to_json(), "start_time": r.start_time}
-                for pid, r in self._by_pid.items()}
+        return dict(self._by_pid)

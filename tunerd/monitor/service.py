@@ -28,7 +28,7 @@ from tunerd.monitor.history import History
 from tunerd.monitor.host import HostSampler
 from tunerd.monitor.jobs import JobSampler
 from tunerd.monitor.listen import parse_listen
-from tunerd.monitor.reports import ReportStore
+from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
@@ -78,10 +78,8 @@ class Monitor:
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
         self.sample_cpu_seconds_total = 0.0
-        self.errors_total = 0
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
-        self._last_error_time = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunerd-sampler")
         self._task: asyncio.Task[None] | None = None
         self._http: Any = None
@@ -89,6 +87,11 @@ class Monitor:
         self.metrics_error: str | None = None
         self.metrics_port: int | None = None
         self.metrics_address: str | None = None
+
+    @property
+    def errors_total(self) -> int:
+        """Errors the daemon recorded since start (read by the metrics thread: one int)."""
+        return self.errors.total
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
@@ -185,11 +188,10 @@ class Monitor:
                 s["errors"] += 1
                 s["last_error"] = st
         self.history.add(sample)
-        self.errors_total = self.errors.total
         return sample
 
     def collect(self, records: list[dict[str, Any]],
-                reports: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                reports: Mapping[int, Report] | None = None) -> dict[str, Any]:
         """One sample of everything (runs in the sampler thread)."""
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         failed: dict[str, str | None] = {}

@@ -25,6 +25,7 @@ from tunerd.policy.model import NodeFacts, Policy, PolicyError
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
+from tunerd.safefs import file_kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,8 +40,8 @@ __all__ = [
     "check_set",
     "load_set",
     "policy_files_in",
+    "read_policy_bytes",
     "read_policy_file",
-    "read_regular",
     "resolve",
 ]
 
@@ -80,16 +81,7 @@ class NotRegularFile(Exception):
     """A policy path that is a FIFO, device, socket or directory (or a symlink to one)."""
 
 
-_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"))
-
-
-def _file_type(mode: int) -> str:
-    return next((name for test, name in _FILE_TYPES if test(mode)), "an unknown file type")
-
-
-def read_regular(path: Path, limit: int) -> bytes:
+def read_policy_bytes(path: Path, limit: int) -> bytes:
     """At most ``limit`` bytes of ``path``, which must be a regular file (or a symlink to one).
 
     Anything else is refused before it is opened for reading: opening a FIFO blocks
@@ -104,7 +96,7 @@ def read_regular(path: Path, limit: int) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = _file_type(st.st_mode)
+            kind = file_kind(st.st_mode)
             if os.path.islink(path):
                 kind = f"a symlink to {kind}"
             raise NotRegularFile(f"not a regular file ({kind}); a policy must be a regular "
@@ -137,7 +129,7 @@ def _open_checked(path: Path) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise NotRegularFile(f"not a regular file ({_file_type(mode)})")
+        raise NotRegularFile(f"not a regular file ({file_kind(mode)})")
     return fd
 
 
@@ -173,7 +165,7 @@ def read_policy_file(path: Path, text: str | None = None) -> FileReport:
     report = FileReport(path=path, name=None)
     if text is None:
         try:
-            raw = read_regular(path, MAX_FILE_BYTES + 1)
+            raw = read_policy_bytes(path, MAX_FILE_BYTES + 1)
         except NotRegularFile as err:
             report.add(Problem("", str(err)))
             return report

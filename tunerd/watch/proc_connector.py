@@ -40,7 +40,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from tunerd.procfs import parse_status, read_text
+from tunerd.errors import TunerdError
+from tunerd.procfs import PROC, Process, read_text
 
 __all__ = [
     "PROC_EVENT_EXEC",
@@ -117,7 +118,7 @@ def kernel_has_event_filter(release: str | None = None) -> bool:
     return (major, minor) >= (6, 6)
 
 
-def listen_refusal(proc_self: str = "/proc/self") -> str | None:
+def listen_refusal() -> str | None:
     """Why the kernel would ignore our LISTEN, or None if it will accept it.
 
     LISTEN needs CAP_NET_ADMIN in the initial user namespace and a caller in the
@@ -125,17 +126,21 @@ def listen_refusal(proc_self: str = "/proc/self") -> str | None:
     kernel refuses without an error we could see (its ack is filtered or never
     sent), so check up front instead of waiting for events that never come.
     """
+    me = Process(os.getpid())
     try:
-        fields = parse_status(read_text(f"{proc_self}/status"))
-        uid_map = read_text(f"{proc_self}/uid_map").split()
+        with me.oneshot():  # one status read for both
+            cap_eff = me.cap_effective()
+            nspid = me.status().get("NSpid", "")
+        uid_map = read_text(f"{PROC}/{me.pid}/uid_map").split()
+    except TunerdError as err:
+        return f"cannot read {PROC}/{me.pid}: {err.message}"
     except OSError as err:
-        return f"cannot read {proc_self}: {err.strerror}"
-    cap_eff = int(fields.get("CapEff", "0") or "0", 16)
+        return f"cannot read {err.filename}: {err.strerror}"
     if not cap_eff & (1 << CAP_NET_ADMIN):
         return "CAP_NET_ADMIN is needed to listen to process events"
     if uid_map[:3] != ["0", "0", "4294967295"]:
         return "not in the initial user namespace (container?): the kernel ignores LISTEN"
-    if len(fields.get("NSpid", "").split()) > 1:
+    if len(nspid.split()) > 1:
         return "not in the initial PID namespace (container?): the kernel ignores LISTEN"
     return None
 
