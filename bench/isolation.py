@@ -9,8 +9,7 @@ after one warm-up round:
   both run on the same CPU), nothing else started;
 - unbound + hog: a 2-process CPU hog (``--hog-procs``) runs, the job is not bound;
 - tunerd + hog: the same hog, the job started with
-  ``tunerctl run --ncpus 1 --exclusive --exclusive-scope pid:HOG`` (``--cpus 1`` with a
-  tunerctl whose run takes only a count; one CPU either way, and the
+  ``tunerctl run --ncpus 1 --exclusive --exclusive-scope pid:HOG`` (one CPU, and the
   hog's processes moved off it for the lease's lifetime).
 
 The hog runs only during the runs of the two hog configurations. Reported: median
@@ -32,7 +31,6 @@ from typing import Any
 from _leases_common import Daemon, write_json
 
 from tunerd.bench import builtin_command, tunerd_on_path
-from tunerd.bench.arms import run_takes_ncpus
 from tunerd.bench.runner import CpuHog, run_once
 from tunerd.bench.stats import compare
 
@@ -66,7 +64,6 @@ def main() -> int:
     cmd = builtin_command(sys.executable)
     values: dict[str, list[float]] = {c: [] for c in CONFIGS}
     problems: list[str] = []
-    count = "--ncpus" if run_takes_ncpus() else "--cpus"  # one CPU, either spelling
     lease_cpu = the_lease_cpu(d)
     try:
         with tunerd_on_path() as path_env:
@@ -85,7 +82,7 @@ def main() -> int:
                         else:
                             assert hog is not None
                             argv = [sys.executable, "-m", "tunerd.cli.main", "--socket",
-                                    str(d.socket), "run", count, "1", "--exclusive",
+                                    str(d.socket), "run", "--ncpus", "1", "--exclusive",
                                     "--exclusive-scope", f"pid:{hog.pid}", "--", *cmd]
                         r = run_once(argv, env, 600, config, rnd, warm)
                     finally:
