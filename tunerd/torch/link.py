@@ -188,9 +188,9 @@ def daemon_settings(refresh: bool = False, timeout: float = 0.5) -> dict[str, An
         return dict(_daemon_cache)
     link = DaemonLink(timeout=timeout)
     try:
-        reply = link.send(current_report(steps=0))
+        link.send(current_report(steps=0))  # validates the reply's table into .settings
     finally:
         link.close()
-    settings = valid_settings(reply.get("settings") if reply else None)
+    settings = dict(link.settings)  # {} when the report failed
     _daemon_cache = settings
     return dict(settings)
