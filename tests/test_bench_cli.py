@@ -99,6 +99,28 @@ def test_no_torch_in_the_chosen_python_is_an_error_never_a_substitute(tmp_path: 
     assert r.rc == 2 and "--python" in r.err
 
 
+def test_no_torch_error_names_the_training_python_that_has_it(tmp_path: Path) -> None:
+    """The hint is doctor's training Python (python3 on PATH, not tunerd's venv) when it
+    has torch, even though both venvs' pythons link to the same base interpreter."""
+    import sysconfig
+
+    bare, train = tmp_path / "bare", tmp_path / "train"
+    for venv in (bare, train):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                       timeout=120)
+    # the training venv sees this venv's packages (torch) through a .pth file
+    site = subprocess.run([str(train / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "torch-from-test.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    cand = str(train / "bin" / "python3")
+    r = run_ctl("--socket", "/nonexistent/tunerd.sock", "bench", "--quick", "--a", "amp=off",
+                "--b", "amp=bf16", "--python", str(bare / "bin" / "python"), timeout=180,
+                env={"PATH": f"{train / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+    assert r.rc == 1, r.out + r.err
+    assert f"({cand}, python3 on PATH, has torch: --python {cand})" in r.err, r.err
+
+
 def _group_members(pgid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):

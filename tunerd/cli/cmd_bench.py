@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,20 +62,24 @@ def run_plan(quick: bool, runs: int | None, warmup: int | None,
 
 
 def _torch_hint(exclude: str) -> str:
-    """A Python on this machine that has torch, for the error message ("" if none)."""
+    """The training Python doctor would check, if it is not ``exclude`` and has torch, for
+    the error message ("" if none): python3 on PATH outside tunerd's own venv, else the
+    daemon config's job_python."""
     from tunerd.bench.arms import probe
+    from tunerd.doctor import find_training_python
     from tunerd.errors import TunerdError
 
-    seen = {os.path.realpath(exclude)}
-    for cand in (shutil.which("python3"), shutil.which("python"), ".venv/bin/python"):
-        if not cand or not os.path.exists(cand) or os.path.realpath(cand) in seen:
-            continue
-        seen.add(os.path.realpath(cand))
-        try:
-            if probe(cand, timeout=10).torch:
-                return f" ({cand} has torch: --python {cand})"
-        except TunerdError:
-            continue
+    found = find_training_python(None, os.environ)
+    cand = found.path
+    # compared unresolved: venvs' pythons are links to one base interpreter, and the one
+    # with torch must not be taken for the bare one that failed
+    if cand is None or os.path.abspath(cand) == os.path.abspath(exclude):
+        return ""
+    try:
+        if probe(cand, timeout=10).torch:
+            return f" ({cand}, {found.how}, has torch: --python {cand})"
+    except TunerdError:
+        pass
     return ""
 
 
