@@ -196,6 +196,30 @@ def test_same_arms_and_bad_specs_are_usage_errors() -> None:
     assert r.rc == 2 and "--cpus" in r.err
 
 
+def test_steps_with_a_command_is_a_usage_error() -> None:
+    r = bench("--steps", "10", "--", "true")
+    assert r.rc == 2 and "--steps" in r.err and "built-in workload" in r.err, r.err
+
+
+def test_no_run_measured_names_no_metric() -> None:
+    cmd = py("import sys; sys.exit('no data')")
+    r = bench("--runs", "2", "--warmup", "0", "--b", "num_workers=3", "--", *cmd)
+    assert r.rc == 1, r.out + r.err
+    assert "metric:   none, no run measured anything;" in r.out
+    assert "samples_per_second" not in r.out and "wall_seconds" not in r.out
+    r = bench("--json", "--runs", "2", "--warmup", "0", "--b", "num_workers=3", "--", *cmd)
+    assert r.rc == 1 and json.loads(r.out)["comparison"]["metric"] is None
+
+
+def test_builtin_workload_reports_no_rate_when_nothing_was_timed() -> None:
+    p = subprocess.run([sys.executable, "-m", "tunerd.bench.workload"], capture_output=True,
+                       text=True, timeout=180, cwd=REPO,
+                       env={**os.environ, "TUNERD_BENCH_STEPS": "1", "TUNERD_NUM_WORKERS": "0"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "TUNERD_METRIC" not in p.stdout and "TUNERD_WORKLOAD" in p.stdout
+    assert "nothing was timed (1 batch(es), 0 warm-up)" in p.stderr
+
+
 def test_old_cpus_count_still_works_with_a_warning(daemon) -> None:
     r = bench("--json", "--cpus", "1", "--runs", "2", "--warmup", "0", "--",
               *py("print('TUNERD_METRIC x 1 higher')"), socket=str(daemon.socket))

@@ -97,11 +97,12 @@ def tunerd_on_path() -> Iterator[dict[str, str]]:
         yield {"PYTHONPATH": tmp + (os.pathsep + old if old else "")}
 
 
-def _choose_metric(runs: list[RunResult]) -> tuple[str, bool]:
-    """The first measured run's metric; later runs that measured another are failures."""
+def _choose_metric(runs: list[RunResult]) -> tuple[str | None, bool]:
+    """The first measured run's metric (None: no run measured anything); later runs that
+    measured another are failures."""
     first = next((r for r in runs if r.ok and not r.warmup), None)
     if first is None:
-        return "samples_per_second", True
+        return None, True
     assert first.metric is not None
     for r in runs:
         if r.ok and r.metric != first.metric:

@@ -99,14 +99,19 @@ def workload_python(python: str | None) -> Any:
     return interp
 
 
-def workload_command(cmd: tuple[str, ...], python: str | None) -> list[str]:
-    """CMD of bench and tune, without a leading "--"; --python only goes without one."""
+def workload_command(cmd: tuple[str, ...], python: str | None,
+                     steps: int | None) -> list[str]:
+    """CMD of bench and tune, without a leading "--"; --python and --steps, which are the
+    built-in workload's, only go without one."""
     command = list(cmd)
     if command and command[0] == "--":
         command = command[1:]
     if command and python:
         raise click.UsageError("--python chooses the built-in workload's interpreter; with a "
                                "command, name the interpreter in the command")
+    if command and steps is not None:
+        raise click.UsageError("--steps sets the built-in workload's batches; with a command, "
+                               "pass its own option for its length")
     return command
 
 
@@ -219,7 +224,7 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
 
     ctx = get_ctx()
     as_json = ctx.as_json
-    command = workload_command(cmd, python)
+    command = workload_command(cmd, python, steps)
     a = parse_arm(arm_a, "--a") if arm_a is not None else ArmSpec("unbound")
     b = parse_arm(arm_b, "--b") if arm_b is not None else ArmSpec("tunerd")
     if exclusive:
