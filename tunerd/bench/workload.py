@@ -66,7 +66,7 @@ def main() -> int:
     info = {"name": NAME, "torch": torch.__version__, "device": device.type,
             "num_workers": kw.get("num_workers", 0), "pin_memory": kw.get("pin_memory", False),
             "persistent_workers": kw.get("persistent_workers", False), "amp": amp.mode,
-            "compile": model is not None and hasattr(model, "_orig_mod"), "steps": steps,
+            "compile": hasattr(model, "_orig_mod"), "steps": steps,
             "warmup_steps": warmup, "batch_size": BATCH, "accumulation_steps": ACCUMULATION,
             "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
     print("TUNERD_WORKLOAD " + json.dumps(info), flush=True)
