@@ -99,6 +99,11 @@ def main() -> int:
                 problems.append(f"{arm} run {i}: {r.error}: {r.stderr_tail[-500:]}")
                 print(f"{arm}{tag}: failed, {r.error}", file=sys.stderr)
                 continue
+            if r.metric != "samples_per_second":  # e.g. its wall time: not a rate
+                problems.append(f"{arm} run {i}: printed no samples_per_second (measured "
+                                f"{r.metric}); --steps must exceed the example's warm-up (5)")
+                print(f"{arm}{tag}: no rate measured", file=sys.stderr)
+                continue
             if (arm == "bound") != bool(seen):
                 problems.append(f"{arm} run {i}: rule-bound processes seen: {seen}")
             if arm == "bound" and seen:
