@@ -30,23 +30,13 @@ import json
 import multiprocessing as mp
 import os
 import selectors
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
+from _leases_common import Daemon, cpu_seconds, pct
 
 
 class _Conn:
@@ -137,11 +127,6 @@ def _worker(path: str, cmd: str, n: int, start: float, stop: float, reconnect: b
     out.put((lat, errors[:20], nerr))
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(path: str, daemon_pid: int | None, cmd: str, clients: int, procs: int,
             warmup: float, seconds: float, reconnect: bool) -> dict[str, Any]:
     ctx = mp.get_context("fork")
@@ -185,36 +170,6 @@ def measure(path: str, daemon_pid: int | None, cmd: str, clients: int, procs: in
     return res
 
 
-def start_daemon(tmp: Path, metrics: bool) -> subprocess.Popen[bytes]:
-    pol = tmp / "policies"
-    pol.mkdir()
-    (pol / "00.toml").write_text('[policy]\nname = "bench"\n')
-    argv = [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(pol),
-            "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
-            "--metrics-listen", "127.0.0.1:0" if metrics else "off", "--log-level", "warning"]
-    log = open(tmp / "tunerd.log", "wb")  # noqa: SIM115 - owned by the process
-    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    log.close()
-    sock = tmp / "run" / "tunerd.sock"
-    deadline = time.monotonic() + 30
-    from tunerd.client import Client
-
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"tunerd exited with {p.returncode}:\n"
-                             + (tmp / "tunerd.log").read_text())
-        if sock.exists():
-            try:
-                with Client(str(sock), timeout=5) as c:
-                    c.call("ping")
-                return p
-            except Exception:
-                pass
-        time.sleep(0.05)
-    p.kill()
-    raise SystemExit("tunerd did not start in 30 s")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=200)
@@ -230,30 +185,22 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args()
 
-    tmp: Path | None = None
-    daemon: subprocess.Popen[bytes] | None = None
-    if args.socket:
-        path, pid = args.socket, args.pid
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix="tunerd-control-load-"))
-        daemon = start_daemon(tmp, args.metrics)
-        path, pid = str(tmp / "run" / "tunerd.sock"), daemon.pid
+    daemon: Daemon | None = None
     results = []
     try:
+        if args.socket:
+            path, pid = args.socket, args.pid
+        else:
+            daemon = Daemon('[policy]\nname = "bench"\n',
+                            metrics="127.0.0.1:0" if args.metrics else "off")
+            path, pid = str(daemon.socket), daemon.pid
         for cmd in ("ping", "status"):
             r = measure(path, pid, cmd, args.clients, args.procs, args.warmup, args.seconds,
                         args.reconnect)
             results.append(r)
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(20)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            daemon.stop()
     mode = "new connection per request" if args.reconnect else "one connection per client"
     print(f"{args.clients} clients in {args.procs} processes, closed loop, {mode}; "
           f"{args.seconds:g} s measured after {args.warmup:g} s warm-up; "

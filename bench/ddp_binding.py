@@ -30,24 +30,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from _leases_common import REPO, Daemon, write_json
+from _leases_common import REPO, Daemon, bundled_torch_rule, write_json
 
 from tunerd.bench.runner import interleave, run_once
 from tunerd.bench.stats import compare
-
-
-def rule_policy(token: str) -> str:
-    """The bundled torch-training rule of policies/base.toml, whole (placement, workers,
-    nofile), narrowed to this benchmark's processes by a token in their environment: on
-    a shared machine it must never bind someone else's training job. (Only the rule:
-    base.toml's host settings are not this benchmark's to change.)"""
-    text = (REPO / "policies" / "base.toml").read_text()
-    job = text[text.index("[[job]]"):]
-    scoped = job.replace('match.env = { LOCAL_RANK = "*" }',
-                         f'match.env = {{ LOCAL_RANK = "*", TUNERD_BENCH_TOKEN = "{token}" }}')
-    if scoped == job:
-        raise SystemExit("policies/base.toml: the torch-training rule's match.env changed")
-    return '[policy]\nname = "ddp-bench"\n\n' + scoped
 
 
 class JobWatch(threading.Thread):
@@ -89,14 +75,16 @@ def main() -> int:
     for p in scripts.values():
         p.write_text(src)
     token = secrets.token_hex(6)
-    d = Daemon(rule_policy(token))
     port = 29400 + os.getpid() % 500
-    env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO), "TUNERD_BENCH_TOKEN": token}
     results: dict[str, list[float]] = {"unbound": [], "bound": []}
     walls: dict[str, list[float]] = {"unbound": [], "bound": []}
     cpus_seen: list[dict[int, str]] = []
     problems: list[str] = []
+    d: Daemon | None = None
     try:
+        d = Daemon(bundled_torch_rule(token, "ddp-bench"))
+        env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO),
+               "TUNERD_BENCH_TOKEN": token}
         for i, (label, warm) in enumerate(interleave(args.runs, 1)):
             arm = "unbound" if label == "A" else "bound"
             argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -111,6 +99,11 @@ def main() -> int:
                 problems.append(f"{arm} run {i}: {r.error}: {r.stderr_tail[-500:]}")
                 print(f"{arm}{tag}: failed, {r.error}", file=sys.stderr)
                 continue
+            if r.metric != "samples_per_second":  # e.g. its wall time: not a rate
+                problems.append(f"{arm} run {i}: printed no samples_per_second (measured "
+                                f"{r.metric}); --steps must exceed the example's warm-up (5)")
+                print(f"{arm}{tag}: no rate measured", file=sys.stderr)
+                continue
             if (arm == "bound") != bool(seen):
                 problems.append(f"{arm} run {i}: rule-bound processes seen: {seen}")
             if arm == "bound" and seen:
@@ -122,7 +115,8 @@ def main() -> int:
                 results[arm].append(r.value)
                 walls[arm].append(r.wall_s)
     finally:
-        d.stop()
+        if d is not None:
+            d.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     c = compare(results["unbound"], results["bound"], "samples_per_second", True,
                 "unbound", "auto-bound")

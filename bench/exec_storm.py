@@ -52,55 +52,11 @@ import time
 from collections import deque
 from typing import Any
 
-from _leases_common import REPO, Daemon, write_json
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - 3.10
-    import tomli as tomllib
+from _leases_common import REPO, Daemon, bundled_torch_rule, task_ns, write_json
 
 ARG = "x" * 65_535  # 16 arguments of 64 KiB (one argument may be at most 128 KiB)
 SIZE = 1 << 20
 KINDS = ("short", "unrelated", "cmdline-match")
-
-
-def bundled_torch_rule(token: str) -> str:
-    """The [[job]] rule of policies/base.toml, alone (none of its host settings),
-    narrowed to processes that carry ``TUNERD_BENCH_TOKEN=token``."""
-    data = tomllib.loads((REPO / "policies" / "base.toml").read_text())
-    [rule] = [r for r in data["job"] if r["name"] == "torch-training"]
-    rule["match"]["env"] = {**rule["match"]["env"], "TUNERD_BENCH_TOKEN": token}
-
-    def val(v: Any) -> str:
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
-        return str(v)
-
-    lines = ['[policy]\nname = "bench"\n\n[[job]]']
-    for k, v in rule.items():
-        if k == "match":
-            lines += [f"match.{mk} = {val(mv)}" for mk, mv in v.items()]
-        else:
-            lines.append(f"{k} = {val(v)}")
-    return "\n".join(lines) + "\n"
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` (schedstat: ns on CPU, ns waiting, slices)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended: its time is lost from the sum, for both daemons
-    return total
 
 
 def storm_argv(kind: str) -> list[str]:
@@ -213,18 +169,22 @@ def main() -> int:
         return 2
     res: dict[str, Any] = {"command_line_bytes": len(" ".join(storm_argv("unrelated"))),
                            "execs_per_round": a.execs, "rounds": a.rounds, "kinds": {}}
-    rules = Daemon(bundled_torch_rule(secrets.token_hex(16)))
-    base = Daemon('[policy]\nname = "bench"\n')
+    started: list[Daemon] = []
     try:
+        # inside try: a daemon started before one that fails to start is stopped too
+        rules = Daemon(bundled_torch_rule(secrets.token_hex(16)))
+        started.append(rules)
+        base = Daemon('[policy]\nname = "bench"\n')
+        started.append(base)
         for kind in KINDS:
             rows = []
             for _ in range(a.rounds):
                 ev0 = watcher_events(rules)
-                c_rules, c_base = cpu_ns(rules.proc.pid), cpu_ns(base.proc.pid)
+                c_rules, c_base = task_ns(rules.proc.pid), task_ns(base.proc.pid)
                 wall = storm(kind, a.execs, a.gap)
                 time.sleep(0.2)  # let the daemon drain its queue
-                d_rules = cpu_ns(rules.proc.pid) - c_rules
-                d_base = cpu_ns(base.proc.pid) - c_base
+                d_rules = task_ns(rules.proc.pid) - c_rules
+                d_base = task_ns(base.proc.pid) - c_base
                 events = watcher_events(rules) - ev0
                 rows.append({"wall_s": wall, "events": events,
                              "rules_ms_per_exec": d_rules / 1e6 / a.execs,
@@ -239,8 +199,8 @@ def main() -> int:
             res["kinds"][kind] = {"rounds": rows, "median": med}
         res["bound_by_rules"] = matched(rules)
     finally:
-        rules.stop()
-        base.stop()
+        for d in started:
+            d.stop()
 
     rate = a.execs / statistics.median(r["wall_s"] for k in res["kinds"].values()
                                        for r in k["rounds"])

@@ -9,8 +9,7 @@ after one warm-up round:
   both run on the same CPU), nothing else started;
 - unbound + hog: a 2-process CPU hog (``--hog-procs``) runs, the job is not bound;
 - tunerd + hog: the same hog, the job started with
-  ``tunerctl run --ncpus 1 --exclusive --exclusive-scope pid:HOG`` (``--cpus 1`` with a
-  tunerctl whose run takes only a count; one CPU either way, and the
+  ``tunerctl run --ncpus 1 --exclusive --exclusive-scope pid:HOG`` (one CPU, and the
   hog's processes moved off it for the lease's lifetime).
 
 The hog runs only during the runs of the two hog configurations. Reported: median
@@ -27,12 +26,12 @@ import json
 import os
 import statistics
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 from _leases_common import Daemon, write_json
 
 from tunerd.bench import builtin_command, tunerd_on_path
-from tunerd.bench.arms import run_takes_ncpus
 from tunerd.bench.runner import CpuHog, run_once
 from tunerd.bench.stats import compare
 
@@ -44,7 +43,7 @@ def the_lease_cpu(d: Daemon) -> str:
     from tunerd.client import Client
 
     with Client(str(d.socket)) as c:
-        lease = c.call("alloc", gpus=0, cpus=1, exclusive=True)  # legacy count: both daemons
+        lease = c.call("alloc", gpus=0, ncpus=1, exclusive=True)
         c.call("release", lease=lease["id"])
     return str(lease["cpus"])
 
@@ -62,47 +61,39 @@ def main() -> int:
     if len(cpus) < 2:
         print("needs at least 2 CPUs", file=sys.stderr)
         return 2
-    d = Daemon('[policy]\nname = "isolation"\n')
     cmd = builtin_command(sys.executable)
     values: dict[str, list[float]] = {c: [] for c in CONFIGS}
     problems: list[str] = []
-    count = "--ncpus" if run_takes_ncpus() else "--cpus"  # one CPU, either spelling
-    lease_cpu = the_lease_cpu(d)
-    try:
-        with tunerd_on_path() as path_env:
-            env = {**path_env, "TUNERD_BENCH_STEPS": str(args.steps),
-                   "TUNERD_NUM_WORKERS": str(args.workers), "TUNERD_SOCKET": str(d.socket)}
-            for rnd in range(1 + args.runs):
-                for k in range(len(CONFIGS)):
-                    config = CONFIGS[(rnd + k) % len(CONFIGS)]
-                    warm = rnd == 0
-                    hog = CpuHog(args.hog_procs).start() if "hog" in config else None
-                    try:
-                        if config == "alone":
-                            argv = ["taskset", "-c", lease_cpu, *cmd]
-                        elif config == "unbound + hog":
-                            argv = list(cmd)
-                        else:
-                            assert hog is not None
-                            argv = [sys.executable, "-m", "tunerd.cli.main", "--socket",
-                                    str(d.socket), "run", count, "1", "--exclusive",
-                                    "--exclusive-scope", f"pid:{hog.pid}", "--", *cmd]
-                        r = run_once(argv, env, 600, config, rnd, warm)
-                    finally:
-                        if hog is not None:
-                            hog.stop()
-                    used = (r.workload or {}).get("cpus")
-                    tag = " (warm-up)" if warm else ""
-                    if not r.ok:
-                        problems.append(f"{config}: {r.error}: {r.stderr_tail[-400:]}")
-                        print(f"{config}{tag}: failed, {r.error}", file=sys.stderr)
-                        continue
-                    print(f"{config}{tag}: {r.value:.1f} samples/s on CPUs {used}",
-                          file=sys.stderr)
-                    if not warm and r.value is not None:
-                        values[config].append(r.value)
-    finally:
-        d.stop()
+    with Daemon('[policy]\nname = "isolation"\n') as d, tunerd_on_path() as path_env:
+        lease_cpu = the_lease_cpu(d)
+        env = {**path_env, "TUNERD_BENCH_STEPS": str(args.steps),
+               "TUNERD_NUM_WORKERS": str(args.workers), "TUNERD_SOCKET": str(d.socket)}
+        for rnd in range(1 + args.runs):
+            for k in range(len(CONFIGS)):
+                config = CONFIGS[(rnd + k) % len(CONFIGS)]
+                warm = rnd == 0
+                hog_cm = CpuHog(args.hog_procs) if "hog" in config else nullcontext()
+                with hog_cm as hog:  # the hog runs only during this run
+                    if config == "alone":
+                        argv = ["taskset", "-c", lease_cpu, *cmd]
+                    elif config == "unbound + hog":
+                        argv = list(cmd)
+                    else:
+                        assert hog is not None
+                        argv = [sys.executable, "-m", "tunerd.cli.main", "--socket",
+                                str(d.socket), "run", "--ncpus", "1", "--exclusive",
+                                "--exclusive-scope", f"pid:{hog.pid}", "--", *cmd]
+                    r = run_once(argv, env, 600, config, rnd, warm)
+                used = (r.workload or {}).get("cpus")
+                tag = " (warm-up)" if warm else ""
+                if not r.ok:
+                    problems.append(f"{config}: {r.error}: {r.stderr_tail[-400:]}")
+                    print(f"{config}{tag}: failed, {r.error}", file=sys.stderr)
+                    continue
+                print(f"{config}{tag}: {r.value:.1f} samples/s on CPUs {used}",
+                      file=sys.stderr)
+                if not warm and r.value is not None:
+                    values[config].append(r.value)
     out: dict[str, Any] = {"workload": "tunerd.bench.workload", "steps": args.steps,
                            "workers": args.workers, "hog_procs": args.hog_procs,
                            "cpus_on_machine": len(cpus), "samples_per_s": values,

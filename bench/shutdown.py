@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """SIGTERM to exit: tunerd with 10 bound jobs and the metrics endpoint on (issue 12: <= 0.5 s).
 
-Each round starts a real daemon with metrics on a free loopback port, binds 10
-sleeping processes, waits for a few sampling cycles and a /metrics scrape, sends
-SIGTERM and times until the process has exited (waitpid), from outside. Baseline in
+Each round starts a real daemon with metrics on a free loopback port (127.0.0.1:0; the
+port it got is read from its status), binds 10 sleeping processes, waits for a few
+sampling cycles and a /metrics scrape, sends SIGTERM and times until the process has
+exited (waitpid), from outside. Baseline in
 the same run: an idle asyncio loop that stops on SIGTERM (the interpreter's own
 teardown, the floor any Python daemon pays).
 
@@ -15,66 +16,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from _leases_common import Daemon
+
 PY = sys.executable
 IDLE = ("import asyncio, signal\nasync def main():\n    stop = asyncio.Event()\n"
         "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)\n"
         "    print('ready', flush=True)\n    await stop.wait()\nasyncio.run(main())\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ctl(sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "tunerd.cli.main", "--socket", str(sock), *args],
-                          cwd=REPO, capture_output=True, text=True)
-
-
-def one_round(tmp: Path, jobs: int) -> float:
-    (tmp / "pol").mkdir(parents=True)
-    (tmp / "pol" / "00.toml").write_text('[policy]\nname = "bench"\n')
-    sock = tmp / "run" / "tunerd.sock"
-    port = free_port()
-    d = subprocess.Popen([PY, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "pol"),
-                          "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
-                          "--metrics-listen", f"127.0.0.1:{port}", "--log-level", "warning"],
-                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kids = [subprocess.Popen(["sleep", "600"]) for _ in range(jobs)]
+def one_round(jobs: int) -> float:
+    kids: list[subprocess.Popen[bytes]] = []
+    d: Daemon | None = None
     try:
-        for _ in range(400):
-            if ctl(sock, "status").returncode in (0, 1):
-                break
-            time.sleep(0.05)
+        d = Daemon('[policy]\nname = "bench"\n', metrics="127.0.0.1:0")
+        kids = [subprocess.Popen(["sleep", "600"]) for _ in range(jobs)]
         cpus = sorted(os.sched_getaffinity(0))
         for i, k in enumerate(kids):
-            r = ctl(sock, "bind", str(k.pid), "--cpus", str(cpus[i % len(cpus)]))
-            if r.returncode != 0:
-                raise SystemExit(f"bind failed: {r.stderr}")
+            d.bind(k.pid, str(cpus[i % len(cpus)]))
         time.sleep(2.5)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        with urllib.request.urlopen(d.metrics_url(), timeout=5) as resp:
             resp.read()
         t0 = time.monotonic()
-        d.send_signal(signal.SIGTERM)
-        d.wait(30)
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(30)
         return time.monotonic() - t0
     finally:
-        if d.poll() is None:
-            d.kill()
-            d.wait()
+        if d is not None:
+            d.stop()  # SIGKILL if it did not exit; removes its dirs
         for k in kids:
             k.kill()
             k.wait()
@@ -100,16 +76,11 @@ def main() -> int:
         raise SystemExit("run as root")
     tunerd: list[float] = []
     base: list[float] = []
-    root = Path(tempfile.mkdtemp(prefix="tunerd-bench-stop-"))
-    root.chmod(0o755)
-    try:
-        for i in range(a.rounds):
-            tunerd.append(one_round(root / str(i), a.jobs))
-            base.append(baseline())
-            print(f"round {i + 1}: tunerd {tunerd[-1] * 1000:.0f} ms, idle asyncio loop "
-                  f"{base[-1] * 1000:.0f} ms", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for i in range(a.rounds):
+        tunerd.append(one_round(a.jobs))
+        base.append(baseline())
+        print(f"round {i + 1}: tunerd {tunerd[-1] * 1000:.0f} ms, idle asyncio loop "
+              f"{base[-1] * 1000:.0f} ms", flush=True)
     med_t, med_b = statistics.median(tunerd), statistics.median(base)
     print(f"\nSIGTERM -> exited, {a.rounds} rounds, {a.jobs} jobs bound, metrics on:")
     print(f"  tunerd: median {med_t * 1000:.0f} ms, max {max(tunerd) * 1000:.0f} ms "

@@ -99,6 +99,28 @@ def test_no_torch_in_the_chosen_python_is_an_error_never_a_substitute(tmp_path: 
     assert r.rc == 2 and "--python" in r.err
 
 
+def test_no_torch_error_names_the_training_python_that_has_it(tmp_path: Path) -> None:
+    """The hint is doctor's training Python (python3 on PATH, not tunerd's venv) when it
+    has torch, even though both venvs' pythons link to the same base interpreter."""
+    import sysconfig
+
+    bare, train = tmp_path / "bare", tmp_path / "train"
+    for venv in (bare, train):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                       timeout=120)
+    # the training venv sees this venv's packages (torch) through a .pth file
+    site = subprocess.run([str(train / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "torch-from-test.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    cand = str(train / "bin" / "python3")
+    r = run_ctl("--socket", "/nonexistent/tunerd.sock", "bench", "--quick", "--a", "amp=off",
+                "--b", "amp=bf16", "--python", str(bare / "bin" / "python"), timeout=180,
+                env={"PATH": f"{train / 'bin'}{os.pathsep}{os.environ['PATH']}"})
+    assert r.rc == 1, r.out + r.err
+    assert f"({cand}, python3 on PATH, has torch: --python {cand})" in r.err, r.err
+
+
 def _group_members(pgid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):
@@ -172,6 +194,30 @@ def test_same_arms_and_bad_specs_are_usage_errors() -> None:
     assert r.rc == 2 and "amp must be one of" in r.err
     r = bench("--cpus", "0-x", "--", "true")
     assert r.rc == 2 and "--cpus" in r.err
+
+
+def test_steps_with_a_command_is_a_usage_error() -> None:
+    r = bench("--steps", "10", "--", "true")
+    assert r.rc == 2 and "--steps" in r.err and "built-in workload" in r.err, r.err
+
+
+def test_no_run_measured_names_no_metric() -> None:
+    cmd = py("import sys; sys.exit('no data')")
+    r = bench("--runs", "2", "--warmup", "0", "--b", "num_workers=3", "--", *cmd)
+    assert r.rc == 1, r.out + r.err
+    assert "metric:   none, no run measured anything;" in r.out
+    assert "samples_per_second" not in r.out and "wall_seconds" not in r.out
+    r = bench("--json", "--runs", "2", "--warmup", "0", "--b", "num_workers=3", "--", *cmd)
+    assert r.rc == 1 and json.loads(r.out)["comparison"]["metric"] is None
+
+
+def test_builtin_workload_reports_no_rate_when_nothing_was_timed() -> None:
+    p = subprocess.run([sys.executable, "-m", "tunerd.bench.workload"], capture_output=True,
+                       text=True, timeout=180, cwd=REPO,
+                       env={**os.environ, "TUNERD_BENCH_STEPS": "1", "TUNERD_NUM_WORKERS": "0"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "TUNERD_METRIC" not in p.stdout and "TUNERD_WORKLOAD" in p.stdout
+    assert "nothing was timed (1 batch(es), 0 warm-up)" in p.stderr
 
 
 def test_old_cpus_count_still_works_with_a_warning(daemon) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def test_a_failed_run_keeps_its_exit_code_and_stderr() -> None:
     assert res.error is not None and "command not found" in res.error
     res = run_once([sys.executable, "-c", "import time; time.sleep(10)"], {}, 0.5)
     assert res.error == "timed out after 0.5 s"
+
+
+def test_a_run_killed_by_a_signal_names_it_even_a_real_time_one() -> None:
+    res = run_once([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"], {}, 30)
+    assert not res.ok and res.rc == -9 and res.error == "killed by SIGKILL"
+    # real-time signals have no name in signal.Signals: the report must still come back
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 1)"
+    res = run_once([sys.executable, "-c", code], {}, 30)
+    rt = int(signal.SIGRTMIN) + 1
+    assert not res.ok and res.rc == -rt and res.error == f"killed by signal {rt}"
 
 
 def test_clear_difference_is_called_and_noise_is_not() -> None:

@@ -218,6 +218,47 @@ def test_report_arguments_follow_the_wire_spec(monkeypatch) -> None:
     assert (r["rank"], r["local_rank"], r["local_world_size"]) == (None, 1, 2)
 
 
+FORKING_PARENT = """
+import os, subprocess, sys, time
+kids = []
+for _ in range(2):  # forked like torch's workers: the same command line
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    kids.append(pid)
+# another command line that names itself as torch names its workers
+named = subprocess.Popen([sys.executable, "-c", "import time; "
+                          "open('/proc/self/comm', 'w').write('pt_data_worker'); "
+                          "time.sleep(60)"])
+# and a helper that is neither
+other = subprocess.Popen(["sleep", "60"])
+print(kids, named.pid, other.pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_dataloader_workers_are_read_from_proc() -> None:
+    from tunerd.torch import dataloader_workers
+
+    p = subprocess.Popen([sys.executable, "-c", FORKING_PARENT], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        kids_text, named, other = p.stdout.readline().rsplit(maxsplit=2)
+        forked = json.loads(kids_text)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{named}/comm").read_text().strip() != "pt_data_worker":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert dataloader_workers(p.pid) == sorted([*forked, int(named)])
+        assert int(other) not in dataloader_workers(p.pid)
+        assert dataloader_workers(2 ** 22 + 1) == []  # no such process: nothing, no error
+    finally:
+        os.killpg(p.pid, 9)  # the session we started, by its id
+        p.wait()
+
+
 def test_step_reporter_reaches_the_daemon(daemon) -> None:
     rep = StepReporter(batch_size=16, interval=0.1, socket_path=str(daemon.socket))
     for _ in range(6):

@@ -93,3 +93,8 @@ def test_tune_of_a_failing_command_says_why(tmp_path: Path) -> None:
              "import sys; sys.exit('no dataset at /data/train')", socket=str(tmp_path / "x"))
     assert r.rc == 1
     assert "failed as it is (exit 1)" in r.err and "no dataset at /data/train" in r.err
+
+
+def test_steps_with_a_command_is_a_usage_error(tmp_path: Path) -> None:
+    r = tune("--steps", "10", "--", sys.executable, "-c", "pass", socket=str(tmp_path / "x"))
+    assert r.rc == 2 and "--steps" in r.err and "built-in workload" in r.err, r.err

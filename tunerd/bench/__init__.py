@@ -61,7 +61,8 @@ class BenchResult:
         return [r for r in self.runs if r.error is not None]
 
     def exit_code(self) -> int:
-        """0: every run measured; 1: a run failed or there is no verdict."""
+        """0: every run measured and B/A has a value, with or without a verdict (too few
+        runs for an interval still give 0); 1: a run failed or there is no ratio."""
         return 1 if self.failed() or self.comparison.ratio is None else 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,11 +98,12 @@ def tunerd_on_path() -> Iterator[dict[str, str]]:
         yield {"PYTHONPATH": tmp + (os.pathsep + old if old else "")}
 
 
-def _choose_metric(runs: list[RunResult]) -> tuple[str, bool]:
-    """The first measured run's metric; later runs that measured another are failures."""
+def _choose_metric(runs: list[RunResult]) -> tuple[str | None, bool]:
+    """The first measured run's metric (None: no run measured anything); later runs that
+    measured another are failures."""
     first = next((r for r in runs if r.ok and not r.warmup), None)
     if first is None:
-        return "samples_per_second", True
+        return None, True
     assert first.metric is not None
     for r in runs:
         if r.ok and r.metric != first.metric:
@@ -135,9 +137,9 @@ def _settings_notes(cfg: BenchConfig, runs: list[RunResult]) -> list[str]:
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
     """Run both arms interleaved and compare them."""
     t0 = time.monotonic()
-    hog = CpuHog(cfg.noisy).start() if cfg.noisy else None
     runs: list[RunResult] = []
-    try:
+    # the hog runs during every run and is ended whatever happens
+    with CpuHog(cfg.noisy) if cfg.noisy else contextlib.nullcontext() as hog:
         hog_pid = hog.pid if hog else None
         prefix = {label: tunerctl_prefix(spec, cfg.placement, cfg.socket_path, hog_pid)
                   for label, spec in zip(("A", "B"), cfg.arms, strict=True)}
@@ -155,9 +157,6 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             runs.append(r)
             if progress:
                 progress(i + 1, len(schedule), r, "")
-    finally:
-        if hog:
-            hog.stop()
     metric, higher = _choose_metric(runs)
     values = {label: [r.value for r in runs if r.arm == label and not r.warmup and r.ok
                       and r.value is not None] for label in ("A", "B")}

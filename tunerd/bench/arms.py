@@ -107,13 +107,6 @@ class PlacementRequest:
         return " ".join(parts) or "the daemon's default share"
 
 
-def run_takes_ncpus() -> bool:
-    """Whether this tunerctl's ``run`` has --ncpus (and so --cpus is a list)."""
-    from tunerd.cli.cmd_leases import run
-
-    return any("--ncpus" in p.opts for p in run.params)
-
-
 def tunerctl_prefix(spec: ArmSpec, req: PlacementRequest, socket_path: str | None,
                     hog_pid: int | None) -> list[str]:
     """The ``tunerctl run ... --`` words an arm's command is prefixed with ([] if none)."""
@@ -125,13 +118,9 @@ def tunerctl_prefix(spec: ArmSpec, req: PlacementRequest, socket_path: str | Non
     argv.append("run")
     if req.gpus is not None:
         argv += ["--gpus", str(req.gpus)]
-    new_style = run_takes_ncpus()
     if req.ncpus is not None:
-        argv += ["--ncpus" if new_style else "--cpus", str(req.ncpus)]
+        argv += ["--ncpus", str(req.ncpus)]
     if req.cpus is not None:
-        if not new_style:
-            raise UsageError("--cpus LIST needs a tunerctl whose run takes --cpus LIST; "
-                             "this one takes only a count (use --ncpus N)")
         argv += ["--cpus", req.cpus]
     if spec.placement == "exclusive":
         argv.append("--exclusive")

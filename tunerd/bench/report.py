@@ -34,8 +34,10 @@ def format_human(res: BenchResult) -> str:
         lines.append(f"placement: tunerctl run with {c.placement.describe()}")
     if c.noisy:
         lines.append(f"noisy:    {c.noisy}-process CPU hog (pid {res.hog_pid}) during both arms")
-    lines.append(f"metric:   {cmp.metric} ({better} is better); {c.runs} run(s) per arm "
-                 f"after {c.warmup} warm-up, interleaved A B B A")
+    what = f"{cmp.metric} ({better} is better)" if cmp.metric is not None else \
+        "none, no run measured anything"
+    lines.append(f"metric:   {what}; {c.runs} run(s) per arm after {c.warmup} warm-up, "
+                 "interleaved A B B A")
     rows = [("arm", "settings", "median", "min", "max", "runs", "failed")]
     for label, spec in zip(("A", "B"), c.arms, strict=True):
         vals = [r.value for r in res.measured(label) if r.ok and r.value is not None]
@@ -119,7 +121,8 @@ def write_png(res: BenchResult, path: Path) -> None:
             ax.axvline(r.index + 1, color=colour, linestyle=":", linewidth=1)
     ax.set_xlabel("run, in the order run (faded: warm-up; dotted line: failed run)")
     better = "higher" if cmp.higher_is_better else "lower"
-    ax.set_ylabel(f"{cmp.metric} ({better} is better)")
+    ax.set_ylabel(f"{cmp.metric} ({better} is better)" if cmp.metric is not None
+                  else "no run measured anything")
     ax.set_title(cmp.verdict if len(cmp.verdict) < 90 else cmp.verdict[:87] + "...",
                  fontsize=9)
     ax.legend(fontsize=8, loc="best")

@@ -83,6 +83,14 @@ def _read_helpers(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _signal_name(signum: int) -> str:
+    """SIGKILL, ...; real-time signals (SIGRTMIN+n) have no member in signal.Signals."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def run_once(argv: list[str], env: dict[str, str], timeout: float, arm: str = "A",
              index: int = 0, warmup: bool = False) -> RunResult:
     """Run ``argv`` with ``env`` added to this environment; never raises."""
@@ -120,7 +128,7 @@ def run_once(argv: list[str], env: dict[str, str], timeout: float, arm: str = "A
             pass
     if p.returncode != 0:
         res.error = f"exit {p.returncode}" if p.returncode > 0 else \
-            f"killed by {signal.Signals(-p.returncode).name}"
+            f"killed by {_signal_name(-p.returncode)}"
         return res
     metrics = METRIC_RE.findall(p.stdout)
     reporters = {h["pid"]: h for h in res.helpers

@@ -32,7 +32,7 @@ EXACT_MAX_PAIRS = 400  # more pairs (over 20 runs per arm): normal approximation
 
 @dataclass(frozen=True)
 class Comparison:
-    metric: str
+    metric: str | None  # None: no run measured anything
     higher_is_better: bool
     median_a: float | None
     median_b: float | None
@@ -102,7 +102,7 @@ def ratio_interval(a: Sequence[float], b: Sequence[float],
     return ratios[c], ratios[len(ratios) - 1 - c]
 
 
-def compare(a: Sequence[float], b: Sequence[float], metric: str, higher: bool,
+def compare(a: Sequence[float], b: Sequence[float], metric: str | None, higher: bool,
             name_a: str = "A", name_b: str = "B") -> Comparison:
     """Compare arm B to arm A on ``metric`` (``higher``: higher values are better)."""
     ma = statistics.median(a) if a else None

@@ -12,7 +12,8 @@ environment overrides (``TUNERD_NUM_WORKERS``, ``TUNERD_PIN_MEMORY``,
 It prints ``TUNERD_WORKLOAD {json}`` (what it ran with) and
 ``TUNERD_METRIC samples_per_second <value> higher``, measured over the batches after
 the first ``TUNERD_BENCH_WARMUP`` (4; they include worker start-up and, with compile,
-the compilation). ``TUNERD_BENCH_STEPS`` sets the number of batches.
+the compilation). ``TUNERD_BENCH_STEPS`` sets the number of batches. When no batch
+was timed (a single batch) it prints no metric and exits 1.
 The data stays on the CPU and batches move to the GPU in the loop: CUDA tensors
 cannot be handed out by worker processes, which the guide's listing would try.
 """
@@ -65,7 +66,7 @@ def main() -> int:
     info = {"name": NAME, "torch": torch.__version__, "device": device.type,
             "num_workers": kw.get("num_workers", 0), "pin_memory": kw.get("pin_memory", False),
             "persistent_workers": kw.get("persistent_workers", False), "amp": amp.mode,
-            "compile": model is not None and hasattr(model, "_orig_mod"), "steps": steps,
+            "compile": hasattr(model, "_orig_mod"), "steps": steps,
             "warmup_steps": warmup, "batch_size": BATCH, "accumulation_steps": ACCUMULATION,
             "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
     print("TUNERD_WORKLOAD " + json.dumps(info), flush=True)
@@ -95,10 +96,16 @@ def main() -> int:
     elapsed = time.perf_counter() - t_start if warmup else None
     summary = reporter.close()
     measured = steps - warmup
-    rate = measured * BATCH / elapsed if elapsed else summary.get("samples_per_s") or 0.0
+    # without warm-up batches the reporter's rate: it times the batches after its first
+    rate = measured * BATCH / elapsed if elapsed else summary.get("samples_per_s")
     mem = summary.get("memory") or {}
     print("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()),
           file=sys.stderr)
+    if not rate:
+        # a rate of 0 would read as a measurement: say that nothing was timed
+        print(f"tunerd.bench.workload: nothing was timed ({steps} batch(es), {warmup} "
+              "warm-up): set TUNERD_BENCH_STEPS to 2 or more", file=sys.stderr)
+        return 1
     print(f"TUNERD_METRIC samples_per_second {rate:.3f} higher", flush=True)
     return 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,20 +62,24 @@ def run_plan(quick: bool, runs: int | None, warmup: int | None,
 
 
 def _torch_hint(exclude: str) -> str:
-    """A Python on this machine that has torch, for the error message ("" if none)."""
+    """The training Python doctor would check, if it is not ``exclude`` and has torch, for
+    the error message ("" if none): python3 on PATH outside tunerd's own venv, else the
+    daemon config's job_python."""
     from tunerd.bench.arms import probe
+    from tunerd.doctor import find_training_python
     from tunerd.errors import TunerdError
 
-    seen = {os.path.realpath(exclude)}
-    for cand in (shutil.which("python3"), shutil.which("python"), ".venv/bin/python"):
-        if not cand or not os.path.exists(cand) or os.path.realpath(cand) in seen:
-            continue
-        seen.add(os.path.realpath(cand))
-        try:
-            if probe(cand, timeout=10).torch:
-                return f" ({cand} has torch: --python {cand})"
-        except TunerdError:
-            continue
+    found = find_training_python(None, os.environ)
+    cand = found.path
+    # compared unresolved: venvs' pythons are links to one base interpreter, and the one
+    # with torch must not be taken for the bare one that failed
+    if cand is None or os.path.abspath(cand) == os.path.abspath(exclude):
+        return ""
+    try:
+        if probe(cand, timeout=10).torch:
+            return f" ({cand}, {found.how}, has torch: --python {cand})"
+    except TunerdError:
+        pass
     return ""
 
 
@@ -96,14 +99,19 @@ def workload_python(python: str | None) -> Any:
     return interp
 
 
-def workload_command(cmd: tuple[str, ...], python: str | None) -> list[str]:
-    """CMD of bench and tune, without a leading "--"; --python only goes without one."""
+def workload_command(cmd: tuple[str, ...], python: str | None,
+                     steps: int | None) -> list[str]:
+    """CMD of bench and tune, without a leading "--"; --python and --steps, which are the
+    built-in workload's, only go without one."""
     command = list(cmd)
     if command and command[0] == "--":
         command = command[1:]
     if command and python:
         raise click.UsageError("--python chooses the built-in workload's interpreter; with a "
                                "command, name the interpreter in the command")
+    if command and steps is not None:
+        raise click.UsageError("--steps sets the built-in workload's batches; with a command, "
+                               "pass its own option for its length")
     return command
 
 
@@ -216,7 +224,7 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
 
     ctx = get_ctx()
     as_json = ctx.as_json
-    command = workload_command(cmd, python)
+    command = workload_command(cmd, python, steps)
     a = parse_arm(arm_a, "--a") if arm_a is not None else ArmSpec("unbound")
     b = parse_arm(arm_b, "--b") if arm_b is not None else ArmSpec("tunerd")
     if exclusive:

@@ -68,7 +68,7 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
 
     ctx = get_ctx()
     as_json = ctx.as_json
-    command = workload_command(cmd, python)
+    command = workload_command(cmd, python, steps)
     if only is not None:
         dims = tuple(d.strip().replace("-", "_") for d in only.split(",") if d.strip())
         bad = [d for d in dims if d not in DIMENSIONS]

@@ -15,12 +15,14 @@ from tunerd.policy.schema import (
     Bool,
     Enum,
     Int,
+    Spec,
     Str,
     StrList,
     Table,
     TableArray,
 )
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER
+from tunerd.torch import settings as torch_settings
 
 __all__ = ["ARRAY_KEYS", "FILE_SCHEMA", "SECTION_DEFAULTS", "json_schema"]
 
@@ -136,8 +138,6 @@ GPU = Table({
     "power_limit_w": Int(1, 5000),
 })
 
-AMP_MODES = ("off", "bf16", "fp16")
-
 _ENV_NAME = Str(r"[A-Za-z_][A-Za-z0-9_]*", what="an environment variable name", max_len=256)
 
 JOB_MATCH = Table({
@@ -147,19 +147,30 @@ JOB_MATCH = Table({
     "user": StrList(Str(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?", what="a user name", max_len=64)),
 }, description="every key given must match the process")
 
-# DataLoader settings of the processes a rule bound (tunerd.torch applies them); the
-# ranges are what torch.utils.data.DataLoader accepts and what makes sense on a node
-TORCH = Table({
-    "num_workers": Int(0, 1024, description="DataLoader num_workers"),
-    "pin_memory": Bool(description="DataLoader pin_memory"),
-    "persistent_workers": Bool(description="DataLoader persistent_workers "
-                                           "(needs num_workers > 0)"),
-    "prefetch_factor": Int(1, 64, description="DataLoader prefetch_factor "
-                                              "(needs num_workers > 0)"),
-    "amp": Enum(AMP_MODES, description="automatic mixed precision"),
-    "compile": Bool(description="torch.compile the model"),
-}, description="training-side settings tunerd.torch applies in the processes this rule "
-               "bound; every key optional")
+# training-side settings of the processes a rule bound (tunerd.torch applies them); their
+# keys, ranges and AMP modes are tunerd.torch's, so the policy and the helpers agree
+_TORCH_DOC = {
+    "num_workers": "DataLoader num_workers",
+    "pin_memory": "DataLoader pin_memory",
+    "persistent_workers": "DataLoader persistent_workers (needs num_workers > 0)",
+    "prefetch_factor": "DataLoader prefetch_factor (needs num_workers > 0)",
+    "amp": "automatic mixed precision",
+    "compile": "torch.compile the model",
+}
+
+
+def _torch_setting(key: str) -> Spec:
+    if key == "amp":
+        return Enum(torch_settings.AMP_MODES, description=_TORCH_DOC[key])
+    if key in torch_settings.BOOLS:
+        return Bool(description=_TORCH_DOC[key])
+    lo, hi = torch_settings.INT_RANGES[key]
+    return Int(lo, hi, description=_TORCH_DOC[key])
+
+
+TORCH = Table({key: _torch_setting(key) for key in torch_settings.ENV},
+              description="training-side settings tunerd.torch applies in the processes this "
+                          "rule bound; every key optional")
 
 PLACEMENTS = ("gpu-local", "node", "socket", "exclusive", "core-complex", "none")
 

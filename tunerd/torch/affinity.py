@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tunerd.errors import TunerdError
+from tunerd.procfs import Process
 from tunerd.torch.settings import log, record, warn_once
 from tunerd.training_env import Finding, check_environment, uses_intel_openmp
 
@@ -50,32 +52,28 @@ class Allocation:
         return len(self.cpus) / max(1, self.ranks_sharing)
 
 
-def _status_field(pid: int, name: str) -> str | None:
+def _status(pid: int) -> dict[str, str] | None:
+    """/proc/PID/status, or None if the process is gone or unreadable."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for raw in f:
-                line = raw.decode("utf-8", "replace")
-                if line.startswith(name + ":"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
+        return Process(pid).status()
+    except TunerdError:
         return None
-    return None
 
 
-def cpus_of(pid: int) -> frozenset[int] | None:
-    """The CPUs process ``pid`` may run on (its main thread), or None if unreadable."""
+def _cpus_in(status: dict[str, str] | None) -> frozenset[int] | None:
+    """The Cpus_allowed_list of a status, or None if missing or unreadable."""
     from tunerd.cpulist import CpuListError, parse_cpulist
 
-    text = _status_field(pid, "Cpus_allowed_list")
+    text = status.get("Cpus_allowed_list") if status else None
     try:
         return parse_cpulist(text) if text else None
     except CpuListError:
         return None
 
 
-def _ppid_of(pid: int) -> int | None:
-    text = _status_field(pid, "PPid")
-    return int(text) if text and text.isdigit() else None
+def cpus_of(pid: int) -> frozenset[int] | None:
+    """The CPUs process ``pid`` may run on (its main thread), or None if unreadable."""
+    return _cpus_in(_status(pid))
 
 
 def _env_int(env: Any, name: str) -> int | None:
@@ -278,9 +276,10 @@ def worker_init_fn(worker_id: int) -> None:
 
         info = get_worker_info()
         n = info.num_workers if info is not None else 1
-        parent = os.getppid()
-        cpus = cpus_of(parent) or os.sched_getaffinity(0)
-        grand = _ppid_of(parent)
+        parent = _status(os.getppid())  # read once: its CPUs and its own parent
+        cpus = _cpus_in(parent) or os.sched_getaffinity(0)
+        ppid = parent.get("PPid", "") if parent else ""
+        grand = int(ppid) if ppid.isdigit() else None
         launcher = cpus_of(grand) if grand else None
         alloc = allocation(cpus, launcher_cpus=launcher or cpus)
         pinner = WorkerPinner(alloc.cpus, n, alloc.slot, alloc.ranks_sharing)

@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError, UsageError
+from tunerd.procfs import Process, read_cmdline, read_comm
 from tunerd.torch.settings import log, valid_settings, warn_once
 
 __all__ = ["DaemonLink", "current_report", "daemon_settings", "dataloader_workers"]
@@ -55,39 +57,21 @@ def memory(cuda: bool) -> dict[str, int]:
     return {"rss": _rss_bytes()}
 
 
-def _read(path: str) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
-
-
 def dataloader_workers(pid: int | None = None) -> list[int]:
     """PIDs of the DataLoader worker processes of ``pid`` (default: this process).
 
     Its children named ``pt_data_worker`` (torch names workers so) or, for torch
     versions that do not, forked children running the same command line.
     """
-    pid = pid or os.getpid()
-    base = f"/proc/{pid}"
+    proc = Process(pid or os.getpid())
     try:
-        own_cmdline = _read(f"{base}/cmdline")
-        tids = os.listdir(f"{base}/task")
-    except OSError:
+        own_cmdline = proc.cmdline_text()
+        children = proc.children()
+    except TunerdError:
         return []
-    children: set[int] = set()
-    for tid in tids:
-        try:
-            children.update(int(c) for c in _read(f"{base}/task/{tid}/children").split())
-        except (OSError, ValueError):
-            continue
-    out = []
-    for c in sorted(children):
-        try:
-            if (_read(f"/proc/{c}/comm").strip() == WORKER_COMM
-                    or _read(f"/proc/{c}/cmdline") == own_cmdline):
-                out.append(c)
-        except OSError:
-            continue
-    return out
+    # a child that exits meanwhile reads as None and is left out
+    return [c for c in sorted(set(children))
+            if read_comm(c) == WORKER_COMM or read_cmdline(c) == own_cmdline]
 
 
 def _env_int(name: str) -> int | None:
@@ -139,7 +123,6 @@ class DaemonLink:
         if self.supported is False or time.monotonic() < self._quiet_until:
             return None
         from tunerd.client import Client
-        from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError, UsageError
 
         try:
             if self._client is None:
@@ -205,9 +188,9 @@ def daemon_settings(refresh: bool = False, timeout: float = 0.5) -> dict[str, An
         return dict(_daemon_cache)
     link = DaemonLink(timeout=timeout)
     try:
-        reply = link.send(current_report(steps=0))
+        link.send(current_report(steps=0))  # validates the reply's table into .settings
     finally:
         link.close()
-    settings = valid_settings(reply.get("settings") if reply else None)
+    settings = dict(link.settings)  # {} when the report failed
     _daemon_cache = settings
     return dict(settings)

@@ -28,6 +28,7 @@ from typing import Any
 from tunerd.torch.affinity import Allocation, allocation, check_process, make_worker_init_fn
 from tunerd.torch.link import daemon_settings
 from tunerd.torch.settings import (
+    ENV,
     env_overrides,
     log,
     record,
@@ -104,7 +105,7 @@ def loader_plan(*, cuda: bool | None = None, alloc: Allocation | None = None,
             for k in keys:
                 if k in layer:
                     values[k] = layer[k]
-                    sources[k] = (f"env {_env_var(k)}" if origin == "environment"
+                    sources[k] = (f"env {ENV[k]}" if origin == "environment"
                                   else origin)
 
     apply(("num_workers", "pin_memory"))
@@ -122,12 +123,6 @@ def loader_plan(*, cuda: bool | None = None, alloc: Allocation | None = None,
         values["persistent_workers"], values["prefetch_factor"] = False, None
     return LoaderPlan(workers, bool(values["pin_memory"]), bool(values["persistent_workers"]),
                       values["prefetch_factor"], cuda, alloc, sources)
-
-
-def _env_var(key: str) -> str:
-    from tunerd.torch.settings import ENV
-
-    return ENV[key]
 
 
 _explained = False

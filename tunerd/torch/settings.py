@@ -25,7 +25,9 @@ from typing import Any
 
 __all__ = [
     "AMP_MODES",
+    "BOOLS",
     "ENV",
+    "INT_RANGES",
     "env_overrides",
     "parse_setting",
     "record",
@@ -47,9 +49,12 @@ ENV = {
     "compile": "TUNERD_COMPILE",
 }
 BENCH_OUT = "TUNERD_BENCH_OUT"  # set by tunerctl bench: a file for JSON lines
-# the [[job]] torch table's keys and ranges (the policy schema enforces the same)
-_INT_RANGES = {"num_workers": (0, 1024), "prefetch_factor": (1, 64)}
-_BOOLS = {"pin_memory", "persistent_workers", "compile"}
+# the values of the [[job]] torch table's keys, declared once: parse_setting checks the
+# environment and the daemon's reply against them, and tunerd.policy.sections builds the
+# policy schema's torch table from them. The ranges are what DataLoader accepts and what
+# makes sense on a node.
+INT_RANGES = {"num_workers": (0, 1024), "prefetch_factor": (1, 64)}
+BOOLS = ("pin_memory", "persistent_workers", "compile")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -74,7 +79,7 @@ def parse_setting(key: str, raw: Any, origin: str) -> Any:
         if v not in AMP_MODES:
             raise ValueError(f"{origin}: amp must be one of {', '.join(AMP_MODES)}, got {raw!r}")
         return v
-    if key in _BOOLS:
+    if key in BOOLS:
         if isinstance(raw, bool):
             return raw
         v = str(raw).strip().lower()
@@ -83,7 +88,7 @@ def parse_setting(key: str, raw: Any, origin: str) -> Any:
         if v in _FALSE:
             return False
         raise ValueError(f"{origin}: {key} must be a boolean (1/0, true/false), got {raw!r}")
-    lo, hi = _INT_RANGES[key]
+    lo, hi = INT_RANGES[key]
     if isinstance(raw, bool):
         raise ValueError(f"{origin}: {key} must be an integer in {lo}..{hi}, got {raw!r}")
     try:
