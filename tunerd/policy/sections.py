@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunerd import torchkeys
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.policy.schema import (
     AnyOf,
@@ -22,7 +23,6 @@ from tunerd.policy.schema import (
     TableArray,
 )
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER
-from tunerd.torch import settings as torch_settings
 
 __all__ = ["ARRAY_KEYS", "FILE_SCHEMA", "SECTION_DEFAULTS", "json_schema"]
 
@@ -161,14 +161,14 @@ _TORCH_DOC = {
 
 def _torch_setting(key: str) -> Spec:
     if key == "amp":
-        return Enum(torch_settings.AMP_MODES, description=_TORCH_DOC[key])
-    if key in torch_settings.BOOLS:
+        return Enum(torchkeys.AMP_MODES, description=_TORCH_DOC[key])
+    if key in torchkeys.BOOLS:
         return Bool(description=_TORCH_DOC[key])
-    lo, hi = torch_settings.INT_RANGES[key]
+    lo, hi = torchkeys.INT_RANGES[key]
     return Int(lo, hi, description=_TORCH_DOC[key])
 
 
-TORCH = Table({key: _torch_setting(key) for key in torch_settings.ENV},
+TORCH = Table({key: _torch_setting(key) for key in torchkeys.ENV},
               description="training-side settings tunerd.torch applies in the processes this "
                           "rule bound; every key optional")
 

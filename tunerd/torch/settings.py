@@ -23,6 +23,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from tunerd.torchkeys import AMP_MODES, BOOLS, ENV, INT_RANGES
+
 __all__ = [
     "AMP_MODES",
     "BOOLS",
@@ -37,24 +39,7 @@ __all__ = [
 
 log = logging.getLogger("tunerd.torch")
 
-AMP_MODES = ("off", "bf16", "fp16")
-
-# setting -> environment variable that overrides it
-ENV = {
-    "num_workers": "TUNERD_NUM_WORKERS",
-    "pin_memory": "TUNERD_PIN_MEMORY",
-    "persistent_workers": "TUNERD_PERSISTENT_WORKERS",
-    "prefetch_factor": "TUNERD_PREFETCH_FACTOR",
-    "amp": "TUNERD_AMP",
-    "compile": "TUNERD_COMPILE",
-}
 BENCH_OUT = "TUNERD_BENCH_OUT"  # set by tunerctl bench: a file for JSON lines
-# the values of the [[job]] torch table's keys, declared once: parse_setting checks the
-# environment and the daemon's reply against them, and tunerd.policy.sections builds the
-# policy schema's torch table from them. The ranges are what DataLoader accepts and what
-# makes sense on a node.
-INT_RANGES = {"num_workers": (0, 1024), "prefetch_factor": (1, 64)}
-BOOLS = ("pin_memory", "persistent_workers", "compile")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
