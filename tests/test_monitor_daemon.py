@@ -281,9 +281,11 @@ def test_no_file_a_user_can_plant_freezes_the_sampler(daemon_factory: Any,
     now come with the `report` command: the runtime dir has no directory a user may
     write, and the sampler keeps sampling a bound job."""
     d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
-    writable = [str(q) for q in [d.runtime_dir, *d.runtime_dir.rglob("*")]
-                if q.is_dir() and q.stat().st_mode & 0o022]
-    assert writable == [], f"directories other users may write in the runtime dir: {writable}"
+    # the daemon reads files only from these two trees (and /proc, /sys, the policy
+    # dir and config root passes it): no directory in them may be a user's to write
+    writable = [str(q) for top in (d.runtime_dir, d.state_dir) for q in [top, *top.rglob("*")]
+                if q.is_dir() and (q.stat().st_mode & 0o022 or q.stat().st_uid != 0)]
+    assert writable == [], f"directories other users may write: {writable}"
     with ready_child("import time\nprint('ready', flush=True)\ntime.sleep(120)") as p:
         assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
 

@@ -2,13 +2,14 @@
 
 Each test replays an attack with the real test user: lease fair use ([leases]
 user_exclusive, max_per_user, alloc_ttl), release of another user's tag, an
-exclusive lease plus a bind that stripped a CPU for good, the monitor's FIFO freeze.
+exclusive lease plus a bind that stripped a CPU for good. (The monitor's FIFO freeze,
+found 5, is covered by tests/test_monitor_daemon.py: the daemon opens no file in a
+directory a user may write, so there is nowhere left to plant one.)
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -37,10 +38,6 @@ def try_call(sock: str, cmd: str, args: dict[str, Any]) -> tuple[bool, str]:
     except TunerdError as err:
         return False, f"{type(err).__name__}: {err.message}"
     return True, ""
-
-
-def user_sleeper(uid: int, gid: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "300"], user=uid, group=gid, extra_groups=[])
 
 
 def test_user_cannot_take_every_cpu_exclusively(daemon: DaemonProc,
@@ -109,39 +106,3 @@ def test_exclusive_lease_plus_bind_restores_the_cpus(daemon: DaemonProc) -> None
         s.kill()
         s.wait()
 
-
-def _plant_fifos(run: str, pids: list[int]) -> int:
-    """As the user: a FIFO wherever the daemon might read a job's file."""
-    made = 0
-    for d in (run, os.path.join(run, "jobs")):
-        for pid in pids:
-            try:
-                os.mkfifo(os.path.join(d, f"{pid}.json"))
-                made += 1
-            except OSError:
-                pass  # not writable for this user: fine, that is the fix
-    return made
-
-
-def test_sigterm_ends_the_daemon_within_1s_despite_user_fifos(
-        daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
-    uid, gid = unpriv_user
-    job = user_sleeper(uid, gid)
-    try:
-        run_as(uid, gid, call, str(daemon.socket), "bind", {"pid": job.pid, "cpus": "0"})
-        run_as(uid, gid, _plant_fifos, str(daemon.runtime_dir), [job.pid])
-        time.sleep(3)  # a few monitor cycles
-        assert daemon.proc is not None
-        t0 = time.monotonic()
-        daemon.proc.send_signal(signal.SIGTERM)
-        try:
-            daemon.proc.wait(10)
-        finally:
-            took = time.monotonic() - t0
-        assert took < 1.0, f"SIGTERM took {took:.1f} s"
-    finally:
-        job.kill()
-        job.wait()
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
