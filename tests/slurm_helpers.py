@@ -30,14 +30,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import FIXTURES, REPO, DaemonProc, write_policy
+from tests.helpers import FIXTURES, REPO, DaemonProc, wait_for, write_policy
 
 TOPOLOGY = FIXTURES / "topologies" / "this-machine-2gpus.json"
 CONTRIB = REPO / "contrib" / "slurm"
@@ -57,20 +57,6 @@ REQUIRED = {"munged": "munge", "munge": "munge", "slurmctld": "slurm-wlm",
 
 class SlurmError(AssertionError):
     """Slurm did not do what a test needed within its time bound (fails the test)."""
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str,
-               every: float = 0.1, detail: Callable[[], str] | None = None) -> Any:
-    """``cond()``'s first truthy value; SlurmError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            extra = f"\n{detail()}" if detail else ""
-            raise SlurmError(f"{what}: not within {timeout:g} s{extra}")
-        time.sleep(every)
 
 
 def free_port() -> int:
@@ -125,9 +111,9 @@ class SyslogSink:
             return list(self.seen)
 
     def wait_for(self, needle: str, timeout: float = 10.0) -> str:
-        return str(wait_until(lambda: next((m for m in self.messages() if needle in m), None),
-                              timeout, f"a syslog message with {needle!r}",
-                              detail=lambda: "\n".join(self.messages()[-10:])))
+        return str(wait_for(lambda: next((m for m in self.messages() if needle in m), None),
+                            timeout, f"a syslog message with {needle!r}", interval=0.1,
+                            detail=lambda: "\n".join(self.messages()[-10:])))
 
     def close(self) -> None:
         self._stop.set()
@@ -273,14 +259,14 @@ ConstrainRAMSpace=no
                               f"--pid-file={self.root / 'munge' / 'munged.pid'}",
                               f"--log-file={self.root / 'log' / 'munged.log'}",
                               f"--seed-file={self.root / 'munge' / 'munged.seed'}"])
-        wait_until(self.munge_socket.exists, 20, "munged's socket", detail=self.logs)
+        wait_for(self.munge_socket.exists, 20, "munged's socket", interval=0.1, detail=self.logs)
         self.spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        wait_until(lambda: self.cmd("scontrol", "ping", timeout=10).returncode == 0
-                   and "UP" in self.cmd("scontrol", "ping", timeout=10).stdout,
-                   60, "slurmctld answering `scontrol ping`", every=0.3, detail=self.logs)
+        wait_for(lambda: self.cmd("scontrol", "ping", timeout=10).returncode == 0
+                 and "UP" in self.cmd("scontrol", "ping", timeout=10).stdout,
+                 60, "slurmctld answering `scontrol ping`", interval=0.3, detail=self.logs)
         self.spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.nodename])
-        wait_until(lambda: self.node_state() == "IDLE", 90, f"node {self.nodename} idle",
-                   every=0.3, detail=lambda: f"state {self.node_state()}\n{self.logs()}")
+        wait_for(lambda: self.node_state() == "IDLE", 90, f"node {self.nodename} idle",
+                 interval=0.3, detail=lambda: f"state {self.node_state()}\n{self.logs()}")
 
     def spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - the child owns it
@@ -302,10 +288,14 @@ ConstrainRAMSpace=no
         """Cancel every job, stop slurmd, slurmctld and munged by PID, remove our cgroups."""
         problems: list[str] = []
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired, SlurmError):
+            # a failed wait (AssertionError, SlurmError) must not skip the rest of the
+            # clean-up: it is noted, and the daemons are stopped below anyway
+            try:
                 for jobid in self.jobs():
                     self.cmd("scancel", str(jobid), timeout=10)
-                wait_until(lambda: not self.jobs(), 30, "all test jobs gone", every=0.3)
+                wait_for(lambda: not self.jobs(), 30, "all test jobs gone", interval=0.3)
+            except (subprocess.TimeoutExpired, AssertionError) as err:
+                problems.append(f"jobs not cancelled: {err}")
         for name in ("slurmd", "slurmctld", "munged"):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
@@ -331,9 +321,13 @@ ConstrainRAMSpace=no
             dirs = sorted((d for d in cg.rglob("*") if d.is_dir()),
                           key=lambda d: -len(d.parts))
             for d in [*dirs, cg]:
-                with contextlib.suppress(OSError):
-                    wait_until(lambda d=d: not _procs_in(d), 5, f"{d} empty")
+                try:
+                    wait_for(lambda d=d: not _procs_in(d), 5, f"{d} empty", interval=0.1)
                     d.rmdir()
+                except FileNotFoundError:
+                    pass
+                except (OSError, AssertionError) as err:
+                    problems.append(f"could not remove {d}: {err}")
         if self.syslog is not None:
             self.syslog.close()
         if problems:
@@ -373,9 +367,9 @@ ConstrainRAMSpace=no
         return m.group(1) if m else None
 
     def wait_job_running(self, job: Job, timeout: float = 30.0) -> None:
-        wait_until(lambda: self.job_field(job.jobid, "JobState") == "RUNNING", timeout,
-                   f"job {job.jobid} running", every=0.2,
-                   detail=lambda: f"{self.job_field(job.jobid, 'JobState')}\n{self.logs()}")
+        wait_for(lambda: self.job_field(job.jobid, "JobState") == "RUNNING", timeout,
+                 f"job {job.jobid} running", interval=0.2,
+                 detail=lambda: f"{self.job_field(job.jobid, 'JobState')}\n{self.logs()}")
 
     def wait_output(self, job: Job, needle: str, timeout: float = 30.0) -> str:
         def found() -> str | None:
@@ -385,13 +379,13 @@ ConstrainRAMSpace=no
                 return None
             return text if needle in text else None
 
-        return str(wait_until(found, timeout, f"{needle!r} in job {job.jobid}'s output",
-                              every=0.1, detail=lambda: tail(job.output) + "\n" + self.logs()))
+        return str(wait_for(found, timeout, f"{needle!r} in job {job.jobid}'s output",
+                            interval=0.1, detail=lambda: tail(job.output) + "\n" + self.logs()))
 
     def cancel(self, job: Job, timeout: float = 30.0) -> None:
         self.cmd("scancel", str(job.jobid), timeout=10)
-        wait_until(lambda: job.jobid not in self.jobs(), timeout, f"job {job.jobid} gone",
-                   every=0.2)
+        wait_for(lambda: job.jobid not in self.jobs(), timeout, f"job {job.jobid} gone",
+                 interval=0.2)
 
     def node_state(self) -> str | None:
         r = self.cmd("scontrol", "-o", "show", "node", self.nodename, timeout=10)
@@ -500,8 +494,10 @@ def slurm() -> Iterator[SlurmCluster]:
             cluster.start()
             yield cluster
         finally:
-            cluster.stop()
-            shutil.rmtree(root, ignore_errors=True)
+            try:
+                cluster.stop()
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 SLURM_POLICY = """\
