@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -459,24 +460,49 @@ def require_slurm() -> None:
                          f"hierarchy at {CGROUP_ROOT / 'cpuset'}; this host has none")
 
 
+def open_lock_file(path: Path) -> int:
+    """Open (creating it 0600) the lock file ``path`` in a world-writable dir, as root.
+
+    Another local user could have made ``path`` first: a symlink (root would then
+    create or append to a file of their choosing), a FIFO (open would block) or a
+    file of their own (they could hold the lock for ever). Only a regular file owned
+    by root is taken; anything else is a SlurmError naming it.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise SlurmError(f"cannot open the lock file {path}: {err.strerror} (remove it if "
+                         "it is not a regular file owned by root)") from err
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0:
+        os.close(fd)
+        raise SlurmError(f"the lock file {path} is not a regular file owned by root "
+                         f"(mode {st.st_mode:o}, uid {st.st_uid}): remove it")
+    return fd
+
+
 @contextlib.contextmanager
-def host_lock() -> Iterator[None]:
+def host_lock(path: Path = LOCK_PATH, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     """One real Slurm per host at a time (bounded wait)."""
-    with open(LOCK_PATH, "a") as f:
-        deadline = time.monotonic() + LOCK_WAIT_S
+    fd = open_lock_file(path)
+    try:
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SlurmError(f"another test session held {LOCK_PATH} for "
-                                     f"{LOCK_WAIT_S:g} s") from None
+                    raise SlurmError(f"another test session held {path} for "
+                                     f"{wait_s:g} s") from None
                 time.sleep(0.5)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(scope="module")
