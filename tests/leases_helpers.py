@@ -79,6 +79,23 @@ def rule_policy(directory: Path, body: str) -> Path:
     return directory
 
 
+def scope_bundled_rule(directory: Path, var: str, token: str,
+                       rule: str = "torch-training") -> Path:
+    """A policy file, read after the others (zz-), that narrows the bundled [[job]]
+    ``rule`` to processes with ``var=token`` in their environment: rules of one name
+    merge and match.env tables merge key by key, so the rule keeps the rest of its
+    match. The machine is shared: the rule must not bind anyone else's training job."""
+    return write_policy(directory, "zz-test-scope.toml", f"""\
+# only narrows the bundled rule {rule!r} to this test's processes
+[policy]
+name = "test-scope"
+
+[[job]]
+name = "{rule}"
+match.env = {{ {var} = "{token}" }}
+""")
+
+
 def leases_of(d: DaemonProc) -> list[dict[str, Any]]:
     r = d.ctl("--json", "leases")
     assert r.rc == 0, r.err

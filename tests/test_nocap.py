@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, wait_for, write_policy
-from tests.leases_helpers import cpus_allowed, kill, unique_sleeper
+from tests.helpers import REPO, DaemonProc, wait_for
+from tests.leases_helpers import cpus_allowed, kill, scope_bundled_rule, unique_sleeper
 from tests.slurm_helpers import TOPOLOGY
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
@@ -61,15 +61,7 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
     token = secrets.token_hex(6)
     pdir = tmp_path / "policies"
     shutil.copytree(REPO / "policies", pdir)
-    write_policy(pdir, "zz-test-scope.toml", f"""\
-# only narrows the bundled rule: match.env tables merge key by key
-[policy]
-name = "test-scope"
-
-[[job]]
-name = "torch-training"
-match.env = {{ TUNERD_NOCAP_TEST = "{token}" }}
-""")
+    scope_bundled_rule(pdir, "TUNERD_NOCAP_TEST", token)
     tree = tmp_path / "tree"
     (tree / "proc/sys/kernel").mkdir(parents=True)
     (tree / "proc/sys/kernel/numa_balancing").write_text("1\n")
