@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import FIXTURES, REPO, DaemonProc, wait_for, write_policy
+from tests.monitor_helpers import free_port
 
 TOPOLOGY = FIXTURES / "topologies" / "this-machine-2gpus.json"
 CONTRIB = REPO / "contrib" / "slurm"
@@ -58,13 +59,6 @@ REQUIRED = {"munged": "munge", "munge": "munge", "slurmctld": "slurm-wlm",
 
 class SlurmError(AssertionError):
     """Slurm did not do what a test needed within its time bound (fails the test)."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def tail(path: Path, lines: int = 40) -> str:
