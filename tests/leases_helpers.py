@@ -136,10 +136,10 @@ def snapshot_with_gpus_here(path: Path) -> tuple[Path, int, int]:
     j = load_topology().to_json()
     cpus = sorted(c["id"] for c in j["cpus"])
     lo, hi = cpus[0], cpus[-1]
-    node = next(c["numa_node"] for c in j["cpus"] if c["id"] == lo)
+    node = {c["id"]: c["numa_node"] for c in j["cpus"]}  # each GPU on its CPU's node
     tmpl = json.loads(DGX_H100.read_text())["gpus"][0]
     j["gpus"] = [{**tmpl, "index": i, "uuid": f"GPU-test-{i}",
-                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node,
+                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node[c],
                   "local_cpus": str(c)} for i, c in enumerate((lo, hi))]
     j["links"] = [{"a": 0, "b": 1, "kind": "NVLINK", "nvlinks": 18, "pcie": "NODE"}]
     j["hostname"] = "this-machine-with-2-gpus"

@@ -11,9 +11,10 @@ backed by character devices made with mknod in the temporary directory
 of the test, so teardown stops them by PID; every wait is bounded, so a hung
 Slurm fails the test instead of hanging the suite.
 
-``slurm_tunerd`` (module-scoped) is a real tunerd replaying
-tests/fixtures/topologies/this-machine-2gpus.json: this machine's CPUs plus two
-GPUs, the same two the Slurm node has as gres.
+``start_tunerd`` / ``running_tunerd`` start a real tunerd replaying this machine's
+topology, recorded when the daemon starts, plus two GPUs (the same two the Slurm
+node has as gres), one local to the first CPU and one to the last
+(tests/leases_helpers.snapshot_with_gpus_here): every CPU it places on exists here.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import FIXTURES, REPO, DaemonProc, wait_for, write_policy
+from tests.helpers import REPO, DaemonProc, wait_for, write_policy
+from tests.leases_helpers import snapshot_with_gpus_here
 from tests.monitor_helpers import free_port
 
-TOPOLOGY = FIXTURES / "topologies" / "this-machine-2gpus.json"
 CONTRIB = REPO / "contrib" / "slurm"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Slurm's cgroup v1 plugin puts everything under <controller>/slurm, or
@@ -528,12 +529,13 @@ name = "slurm-test"
 
 def start_tunerd(base: Path, policy: str = SLURM_POLICY,
                  args: list[str] | None = None) -> DaemonProc:
-    """A real tunerd replaying TOPOLOGY, its dirs under ``base``."""
+    """A real tunerd replaying this machine plus two GPUs, its dirs under ``base``."""
     base.mkdir(parents=True, exist_ok=True)
     pdir = base / "policies"
     write_policy(pdir, "00-test.toml", policy)
+    topology, _, _ = snapshot_with_gpus_here(base / "topology.json")
     d = DaemonProc(tmp=base, policy_dir=pdir,
-                   extra_args=["--topology", str(TOPOLOGY), *(args or [])])
+                   extra_args=["--topology", str(topology), *(args or [])])
     return d.start()
 
 
