@@ -35,11 +35,28 @@ command -v capsh >/dev/null 2>&1 || need_pkgs="$need_pkgs libcap2-bin"
 if [ -n "$need_pkgs" ]; then
     echo "installing:$need_pkgs"
     apt-get update -qq
-    # policy-rc.d: never start packaged services (prometheus) during the install
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d
+    # the log goes to a new file of our own (mktemp: O_EXCL, 0600), never to a fixed
+    # name in /tmp where another user could have put a symlink first
+    apt_log=$(mktemp "${TMPDIR:-/tmp}/tunerd-apt.XXXXXX")
+    made_rcd=
+    cleanup() {
+        if [ -n "$made_rcd" ]; then rm -f /usr/sbin/policy-rc.d; fi
+        rm -f "$apt_log"
+    }
+    trap cleanup EXIT
+    trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 143' TERM  # run the EXIT trap
+    # policy-rc.d: never start packaged services (prometheus) during the install. An
+    # existing one is the admin's: it is used as it is and left in place.
+    if [ ! -e /usr/sbin/policy-rc.d ] && [ ! -L /usr/sbin/policy-rc.d ]; then
+        # noclobber: created only if still absent; marked ours only once written
+        (set -C; printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d) && made_rcd=1
+        if [ -n "$made_rcd" ]; then chmod +x /usr/sbin/policy-rc.d; fi
+    fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need_pkgs \
-        >/tmp/tunerd-apt.log 2>&1 || { cat /tmp/tunerd-apt.log; rm -f /usr/sbin/policy-rc.d; exit 1; }
-    rm -f /usr/sbin/policy-rc.d
+        >"$apt_log" 2>&1 || { cat "$apt_log"; exit 1; }
+    cleanup
+    made_rcd=
+    trap - EXIT HUP INT TERM
 fi
 
 if [ ! -x .venv/bin/python ]; then

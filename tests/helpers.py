@@ -187,11 +187,12 @@ def run_as(uid: int, gid: int, fn: Any, *args: Any, timeout: float = 60.0) -> An
 
 @contextlib.contextmanager
 def ready_child(code: str, args: list[str] | None = None,
-                env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+                env: dict[str, str] | None = None,
+                stderr: int | None = None) -> Iterator[subprocess.Popen[str]]:
     """A Python child running ``code`` with ``args`` and ``env``, which prints "ready"
-    once set up; killed after."""
+    once set up; killed after. ``stderr`` as for Popen (e.g. DEVNULL for a chatty one)."""
     p = subprocess.Popen([sys.executable, "-c", code, *(args or [])], env=env,
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline() == "ready\n"
         yield p

@@ -79,6 +79,23 @@ def rule_policy(directory: Path, body: str) -> Path:
     return directory
 
 
+def scope_bundled_rule(directory: Path, var: str, token: str,
+                       rule: str = "torch-training") -> Path:
+    """A policy file, read after the others (zz-), that narrows the bundled [[job]]
+    ``rule`` to processes with ``var=token`` in their environment: rules of one name
+    merge and match.env tables merge key by key, so the rule keeps the rest of its
+    match. The machine is shared: the rule must not bind anyone else's training job."""
+    return write_policy(directory, "zz-test-scope.toml", f"""\
+# only narrows the bundled rule {rule!r} to this test's processes
+[policy]
+name = "test-scope"
+
+[[job]]
+name = "{rule}"
+match.env = {{ {var} = "{token}" }}
+""")
+
+
 def leases_of(d: DaemonProc) -> list[dict[str, Any]]:
     r = d.ctl("--json", "leases")
     assert r.rc == 0, r.err
@@ -119,10 +136,10 @@ def snapshot_with_gpus_here(path: Path) -> tuple[Path, int, int]:
     j = load_topology().to_json()
     cpus = sorted(c["id"] for c in j["cpus"])
     lo, hi = cpus[0], cpus[-1]
-    node = next(c["numa_node"] for c in j["cpus"] if c["id"] == lo)
+    node = {c["id"]: c["numa_node"] for c in j["cpus"]}  # each GPU on its CPU's node
     tmpl = json.loads(DGX_H100.read_text())["gpus"][0]
     j["gpus"] = [{**tmpl, "index": i, "uuid": f"GPU-test-{i}",
-                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node,
+                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node[c],
                   "local_cpus": str(c)} for i, c in enumerate((lo, hi))]
     j["links"] = [{"a": 0, "b": 1, "kind": "NVLINK", "nvlinks": 18, "pcie": "NODE"}]
     j["hostname"] = "this-machine-with-2-gpus"

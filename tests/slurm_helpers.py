@@ -11,9 +11,10 @@ backed by character devices made with mknod in the temporary directory
 of the test, so teardown stops them by PID; every wait is bounded, so a hung
 Slurm fails the test instead of hanging the suite.
 
-``slurm_tunerd`` (module-scoped) is a real tunerd replaying
-tests/fixtures/topologies/this-machine-2gpus.json: this machine's CPUs plus two
-GPUs, the same two the Slurm node has as gres.
+``start_tunerd`` / ``running_tunerd`` start a real tunerd replaying this machine's
+topology, recorded when the daemon starts, plus two GPUs (the same two the Slurm
+node has as gres), one local to the first CPU and one to the last
+(tests/leases_helpers.snapshot_with_gpus_here): every CPU it places on exists here.
 """
 
 from __future__ import annotations
@@ -25,21 +26,23 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import FIXTURES, REPO, DaemonProc, write_policy
+from tests.helpers import REPO, DaemonProc, wait_for, write_policy
+from tests.leases_helpers import snapshot_with_gpus_here
+from tests.monitor_helpers import free_port
 
-TOPOLOGY = FIXTURES / "topologies" / "this-machine-2gpus.json"
 CONTRIB = REPO / "contrib" / "slurm"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Slurm's cgroup v1 plugin puts everything under <controller>/slurm, or
@@ -57,27 +60,6 @@ REQUIRED = {"munged": "munge", "munge": "munge", "slurmctld": "slurm-wlm",
 
 class SlurmError(AssertionError):
     """Slurm did not do what a test needed within its time bound (fails the test)."""
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str,
-               every: float = 0.1, detail: Callable[[], str] | None = None) -> Any:
-    """``cond()``'s first truthy value; SlurmError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            extra = f"\n{detail()}" if detail else ""
-            raise SlurmError(f"{what}: not within {timeout:g} s{extra}")
-        time.sleep(every)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -125,9 +107,9 @@ class SyslogSink:
             return list(self.seen)
 
     def wait_for(self, needle: str, timeout: float = 10.0) -> str:
-        return str(wait_until(lambda: next((m for m in self.messages() if needle in m), None),
-                              timeout, f"a syslog message with {needle!r}",
-                              detail=lambda: "\n".join(self.messages()[-10:])))
+        return str(wait_for(lambda: next((m for m in self.messages() if needle in m), None),
+                            timeout, f"a syslog message with {needle!r}", interval=0.1,
+                            detail=lambda: "\n".join(self.messages()[-10:])))
 
     def close(self) -> None:
         self._stop.set()
@@ -273,14 +255,14 @@ ConstrainRAMSpace=no
                               f"--pid-file={self.root / 'munge' / 'munged.pid'}",
                               f"--log-file={self.root / 'log' / 'munged.log'}",
                               f"--seed-file={self.root / 'munge' / 'munged.seed'}"])
-        wait_until(self.munge_socket.exists, 20, "munged's socket", detail=self.logs)
+        wait_for(self.munge_socket.exists, 20, "munged's socket", interval=0.1, detail=self.logs)
         self.spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        wait_until(lambda: self.cmd("scontrol", "ping", timeout=10).returncode == 0
-                   and "UP" in self.cmd("scontrol", "ping", timeout=10).stdout,
-                   60, "slurmctld answering `scontrol ping`", every=0.3, detail=self.logs)
+        wait_for(lambda: self.cmd("scontrol", "ping", timeout=10).returncode == 0
+                 and "UP" in self.cmd("scontrol", "ping", timeout=10).stdout,
+                 60, "slurmctld answering `scontrol ping`", interval=0.3, detail=self.logs)
         self.spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.nodename])
-        wait_until(lambda: self.node_state() == "IDLE", 90, f"node {self.nodename} idle",
-                   every=0.3, detail=lambda: f"state {self.node_state()}\n{self.logs()}")
+        wait_for(lambda: self.node_state() == "IDLE", 90, f"node {self.nodename} idle",
+                 interval=0.3, detail=lambda: f"state {self.node_state()}\n{self.logs()}")
 
     def spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - the child owns it
@@ -302,10 +284,14 @@ ConstrainRAMSpace=no
         """Cancel every job, stop slurmd, slurmctld and munged by PID, remove our cgroups."""
         problems: list[str] = []
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired, SlurmError):
+            # a failed wait (AssertionError, SlurmError) must not skip the rest of the
+            # clean-up: it is noted, and the daemons are stopped below anyway
+            try:
                 for jobid in self.jobs():
                     self.cmd("scancel", str(jobid), timeout=10)
-                wait_until(lambda: not self.jobs(), 30, "all test jobs gone", every=0.3)
+                wait_for(lambda: not self.jobs(), 30, "all test jobs gone", interval=0.3)
+            except (subprocess.TimeoutExpired, AssertionError) as err:
+                problems.append(f"jobs not cancelled: {err}")
         for name in ("slurmd", "slurmctld", "munged"):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
@@ -331,9 +317,13 @@ ConstrainRAMSpace=no
             dirs = sorted((d for d in cg.rglob("*") if d.is_dir()),
                           key=lambda d: -len(d.parts))
             for d in [*dirs, cg]:
-                with contextlib.suppress(OSError):
-                    wait_until(lambda d=d: not _procs_in(d), 5, f"{d} empty")
+                try:
+                    wait_for(lambda d=d: not _procs_in(d), 5, f"{d} empty", interval=0.1)
                     d.rmdir()
+                except FileNotFoundError:
+                    pass
+                except (OSError, AssertionError) as err:
+                    problems.append(f"could not remove {d}: {err}")
         if self.syslog is not None:
             self.syslog.close()
         if problems:
@@ -373,9 +363,9 @@ ConstrainRAMSpace=no
         return m.group(1) if m else None
 
     def wait_job_running(self, job: Job, timeout: float = 30.0) -> None:
-        wait_until(lambda: self.job_field(job.jobid, "JobState") == "RUNNING", timeout,
-                   f"job {job.jobid} running", every=0.2,
-                   detail=lambda: f"{self.job_field(job.jobid, 'JobState')}\n{self.logs()}")
+        wait_for(lambda: self.job_field(job.jobid, "JobState") == "RUNNING", timeout,
+                 f"job {job.jobid} running", interval=0.2,
+                 detail=lambda: f"{self.job_field(job.jobid, 'JobState')}\n{self.logs()}")
 
     def wait_output(self, job: Job, needle: str, timeout: float = 30.0) -> str:
         def found() -> str | None:
@@ -385,13 +375,13 @@ ConstrainRAMSpace=no
                 return None
             return text if needle in text else None
 
-        return str(wait_until(found, timeout, f"{needle!r} in job {job.jobid}'s output",
-                              every=0.1, detail=lambda: tail(job.output) + "\n" + self.logs()))
+        return str(wait_for(found, timeout, f"{needle!r} in job {job.jobid}'s output",
+                            interval=0.1, detail=lambda: tail(job.output) + "\n" + self.logs()))
 
     def cancel(self, job: Job, timeout: float = 30.0) -> None:
         self.cmd("scancel", str(job.jobid), timeout=10)
-        wait_until(lambda: job.jobid not in self.jobs(), timeout, f"job {job.jobid} gone",
-                   every=0.2)
+        wait_for(lambda: job.jobid not in self.jobs(), timeout, f"job {job.jobid} gone",
+                 interval=0.2)
 
     def node_state(self) -> str | None:
         r = self.cmd("scontrol", "-o", "show", "node", self.nodename, timeout=10)
@@ -465,24 +455,49 @@ def require_slurm() -> None:
                          f"hierarchy at {CGROUP_ROOT / 'cpuset'}; this host has none")
 
 
+def open_lock_file(path: Path) -> int:
+    """Open (creating it 0600) the lock file ``path`` in a world-writable dir, as root.
+
+    Another local user could have made ``path`` first: a symlink (root would then
+    create or append to a file of their choosing), a FIFO (open would block) or a
+    file of their own (they could hold the lock for ever). Only a regular file owned
+    by root is taken; anything else is a SlurmError naming it.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise SlurmError(f"cannot open the lock file {path}: {err.strerror} (remove it if "
+                         "it is not a regular file owned by root)") from err
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0:
+        os.close(fd)
+        raise SlurmError(f"the lock file {path} is not a regular file owned by root "
+                         f"(mode {st.st_mode:o}, uid {st.st_uid}): remove it")
+    return fd
+
+
 @contextlib.contextmanager
-def host_lock() -> Iterator[None]:
+def host_lock(path: Path = LOCK_PATH, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
     """One real Slurm per host at a time (bounded wait)."""
-    with open(LOCK_PATH, "a") as f:
-        deadline = time.monotonic() + LOCK_WAIT_S
+    fd = open_lock_file(path)
+    try:
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SlurmError(f"another test session held {LOCK_PATH} for "
-                                     f"{LOCK_WAIT_S:g} s") from None
+                    raise SlurmError(f"another test session held {path} for "
+                                     f"{wait_s:g} s") from None
                 time.sleep(0.5)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(scope="module")
@@ -500,8 +515,10 @@ def slurm() -> Iterator[SlurmCluster]:
             cluster.start()
             yield cluster
         finally:
-            cluster.stop()
-            shutil.rmtree(root, ignore_errors=True)
+            try:
+                cluster.stop()
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 SLURM_POLICY = """\
@@ -512,12 +529,13 @@ name = "slurm-test"
 
 def start_tunerd(base: Path, policy: str = SLURM_POLICY,
                  args: list[str] | None = None) -> DaemonProc:
-    """A real tunerd replaying TOPOLOGY, its dirs under ``base``."""
+    """A real tunerd replaying this machine plus two GPUs, its dirs under ``base``."""
     base.mkdir(parents=True, exist_ok=True)
     pdir = base / "policies"
     write_policy(pdir, "00-test.toml", policy)
+    topology, _, _ = snapshot_with_gpus_here(base / "topology.json")
     d = DaemonProc(tmp=base, policy_dir=pdir,
-                   extra_args=["--topology", str(TOPOLOGY), *(args or [])])
+                   extra_args=["--topology", str(topology), *(args or [])])
     return d.start()
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers import DaemonProc, ready_child, wait_for
 from tests.monitor_helpers import free_port
+from tunerd.procfs import Process
 
 PROMTOOL = "/usr/bin/promtool"
 PROMETHEUS = "/usr/bin/prometheus"
@@ -245,11 +246,7 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
     from tests.helpers import REPO
 
     d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
-    p = subprocess.Popen([sys.executable, "-c",
-                          REPORTER.format(repo=str(REPO), sock=str(d.socket))],
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    with ready_child(REPORTER.format(repo=str(REPO), sock=str(d.socket))) as p:
         assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
 
         def frag() -> Any:
@@ -268,9 +265,6 @@ def test_torch_stats_reported_by_a_job_reach_advise(daemon_factory: Any,
         metrics = d.ctl("metrics").out
         assert f'tunerd_job_samples_per_second{{job="python",pid="{p.pid}"}} 320.0' in metrics
         assert f'tunerd_job_torch_reserved_bytes{{job="python",pid="{p.pid}"}}' in metrics
-    finally:
-        p.kill()
-        p.wait()
 
 
 @pytest.mark.root
@@ -281,9 +275,11 @@ def test_no_file_a_user_can_plant_freezes_the_sampler(daemon_factory: Any,
     now come with the `report` command: the runtime dir has no directory a user may
     write, and the sampler keeps sampling a bound job."""
     d: DaemonProc = daemon_factory(args=fast_config(tmp_path)).start()
-    writable = [str(q) for q in [d.runtime_dir, *d.runtime_dir.rglob("*")]
-                if q.is_dir() and q.stat().st_mode & 0o022]
-    assert writable == [], f"directories other users may write in the runtime dir: {writable}"
+    # the daemon reads files only from these two trees (and /proc, /sys, the policy
+    # dir and config root passes it): no directory in them may be a user's to write
+    writable = [str(q) for top in (d.runtime_dir, d.state_dir) for q in [top, *top.rglob("*")]
+                if q.is_dir() and (q.stat().st_mode & 0o022 or q.stat().st_uid != 0)]
+    assert writable == [], f"directories other users may write: {writable}"
     with ready_child("import time\nprint('ready', flush=True)\ntime.sleep(120)") as p:
         assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
 
@@ -405,17 +401,14 @@ def test_the_guides_example_on_one_cpu_is_found_within_15s(daemon_factory: Any,
     the job's own CPU share (57%) hid its workers. advise now counts them."""
     pytest.importorskip("torch")
     d: DaemonProc = daemon_factory().start()  # the default 1 s sampling
-    p = subprocess.Popen([sys.executable, "-c", GUIDE_EXAMPLE], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    with ready_child(GUIDE_EXAMPLE, stderr=subprocess.DEVNULL) as p:
         cpu = str(min(os.sched_getaffinity(0)))
         t0 = time.monotonic()
         r = d.ctl("bind", str(p.pid), "--cpus", cpu)
         assert r.rc == 0, r.err
         # the workers were forked before the bind: they keep their masks, so bind them too
-        wait_for(lambda: len(_children(p.pid)) >= 4, 30, "4 DataLoader workers")
-        for w in _children(p.pid):
+        wait_for(lambda: len(Process(p.pid).children()) >= 4, 30, "4 DataLoader workers")
+        for w in Process(p.pid).children():
             assert d.ctl("bind", str(w), "--cpus", cpu).rc == 0
 
         def finding() -> Any:
@@ -429,20 +422,6 @@ def test_the_guides_example_on_one_cpu_is_found_within_15s(daemon_factory: Any,
                    if j["pid"] == p.pid)
         assert top["workers"] >= 4, top
         assert f["evidence"].get("workers", 4) >= 4
-    finally:
-        p.kill()
-        p.wait()
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return out
 
 
 LOSES_ITS_BINDING = """

@@ -25,9 +25,14 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, wait_for, write_policy
-from tests.leases_helpers import cpus_allowed, kill, unique_sleeper
-from tests.slurm_helpers import TOPOLOGY
+from tests.helpers import REPO, DaemonProc, wait_for
+from tests.leases_helpers import (
+    cpus_allowed,
+    kill,
+    scope_bundled_rule,
+    snapshot_with_gpus_here,
+    unique_sleeper,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
@@ -47,6 +52,8 @@ def cap_eff(pid: int) -> int:
 class NoCapDaemon(DaemonProc):
     """The real daemon, exec'd by capsh with CAP_SYS_RESOURCE out of its bounding set."""
 
+    gpu0_cpu: int = 0  # the CPU local to GPU 0 in the replayed topology
+
     def argv(self) -> list[str]:
         # capsh runs bash with what follows "--"; bash execs the daemon (same PID)
         return ["capsh", "--drop=cap_sys_resource", "--", "-c", 'exec "$0" "$@"',
@@ -61,15 +68,7 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
     token = secrets.token_hex(6)
     pdir = tmp_path / "policies"
     shutil.copytree(REPO / "policies", pdir)
-    write_policy(pdir, "zz-test-scope.toml", f"""\
-# only narrows the bundled rule: match.env tables merge key by key
-[policy]
-name = "test-scope"
-
-[[job]]
-name = "torch-training"
-match.env = {{ TUNERD_NOCAP_TEST = "{token}" }}
-""")
+    scope_bundled_rule(pdir, "TUNERD_NOCAP_TEST", token)
     tree = tmp_path / "tree"
     (tree / "proc/sys/kernel").mkdir(parents=True)
     (tree / "proc/sys/kernel/numa_balancing").write_text("1\n")
@@ -80,8 +79,10 @@ match.env = {{ TUNERD_NOCAP_TEST = "{token}" }}
                    f'etc_root = "{tree}/etc"\n')
     base = tmp_path / "d"
     base.mkdir()
-    d = NoCapDaemon(tmp=base, policy_dir=pdir,
-                    extra_args=["--config", str(cfg), "--topology", str(TOPOLOGY)])
+    # this machine plus two GPUs, so that what the rule places on really exists here
+    topology, gpu0_cpu, _ = snapshot_with_gpus_here(tmp_path / "topology.json")
+    d = NoCapDaemon(tmp=base, policy_dir=pdir, gpu0_cpu=gpu0_cpu,
+                    extra_args=["--config", str(cfg), "--topology", str(topology)])
     try:
         d.start()
         assert d.proc is not None
@@ -139,8 +140,8 @@ def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
         job = wait_for(lambda: job_of(d, rank.pid), 15, "the rank bound by the rule",
                        detail=lambda: str(d.ctl("--json", "status").json().get("errors")))
         status = d.ctl("--json", "status").json()
-        # GPU 0's share of this machine's CPUs, really applied
-        assert cpus_allowed(rank.pid) == job["cpus"] == "0"
+        # GPU 0's CPU, really applied
+        assert cpus_allowed(rank.pid) == job["cpus"] == str(d.gpu0_cpu)
         # the fd limit could not be raised: said, with the capability's name
         assert "CAP_SYS_RESOURCE" in " ".join(job.get("notes") or []), job
         assert "CAP_SYS_RESOURCE" in str(status), status
@@ -171,6 +172,6 @@ def test_run_keeps_its_cpus_and_notes_the_missing_capability(
          "--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status; ulimit -Hn"],
         capture_output=True, text=True, timeout=60, cwd=REPO, preexec_fn=low_nofile)
     assert r.returncode == 0, r.stderr
-    assert "Cpus_allowed_list:\t0\n" in r.stdout, r.stdout  # GPU 0's CPU, applied
+    assert f"Cpus_allowed_list:\t{d.gpu0_cpu}\n" in r.stdout, r.stdout  # GPU 0's CPU, applied
     assert f"\n{LOW_NOFILE[1]}\n" in r.stdout + "\n"  # the hard limit stayed, as it must
     assert "CAP_SYS_RESOURCE" in r.stderr, r.stderr  # ... and the reply says why

@@ -134,13 +134,9 @@ def test_a_real_prometheus_fires_tunerd_down_for_a_stopped_node(daemon_factory: 
     if prometheus is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
     import json
-    import socket
     import urllib.request
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+    from tests.monitor_helpers import free_port
 
     d: DaemonProc = daemon_factory(args=["--metrics-listen", "127.0.0.1:0"]).start()
     port = d.ctl("--json", "status").json()["services"]["monitor"]["metrics_port"]

@@ -2,13 +2,14 @@
 
 Each test replays an attack with the real test user: lease fair use ([leases]
 user_exclusive, max_per_user, alloc_ttl), release of another user's tag, an
-exclusive lease plus a bind that stripped a CPU for good, the monitor's FIFO freeze.
+exclusive lease plus a bind that stripped a CPU for good. (The monitor's FIFO freeze,
+found 5, is covered by tests/test_monitor_daemon.py: the daemon opens no file in a
+directory a user may write, so there is nowhere left to plant one.)
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -39,18 +40,16 @@ def try_call(sock: str, cmd: str, args: dict[str, Any]) -> tuple[bool, str]:
     return True, ""
 
 
-def user_sleeper(uid: int, gid: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "300"], user=uid, group=gid, extra_groups=[])
-
-
 def test_user_cannot_take_every_cpu_exclusively(daemon: DaemonProc,
                                                 unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user
-    ok, _ = run_as(uid, gid, try_call, str(daemon.socket), "alloc",
-                   {"cpus": len(ONLINE), "exclusive": True})
-    root_ok, why = try_call(str(daemon.socket), "alloc", {"cpus": 1})
+    ok, user_why = run_as(uid, gid, try_call, str(daemon.socket), "alloc",
+                          {"ncpus": len(ONLINE), "exclusive": True})
+    root_ok, why = try_call(str(daemon.socket), "alloc", {"ncpus": 1})
     assert root_ok, f"root's alloc failed after a user's exclusive lease: {why}"
     assert not ok, "a non-root user took an exclusive lease the policy does not allow"
+    # refused for the policy's reason, not for a malformed request
+    assert user_why.startswith("PermissionDenied: ") and "user_exclusive" in user_why, user_why
 
 
 def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
@@ -61,7 +60,7 @@ def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int,
         with Client(sock, timeout=30) as c:
             for _ in range(80):
                 try:
-                    c.call("alloc", cpus=1)
+                    c.call("alloc", ncpus=1)
                 except TunerdError as err:
                     return made, err.message
                 made += 1
@@ -74,7 +73,7 @@ def test_user_lease_count_is_limited(daemon: DaemonProc, unpriv_user: tuple[int,
 def test_release_of_another_users_tag_is_an_error(daemon: DaemonProc,
                                                   unpriv_user: tuple[int, int]) -> None:
     uid, gid = unpriv_user
-    call(str(daemon.socket), "alloc", {"cpus": 1, "tag": "roots-job"})
+    call(str(daemon.socket), "alloc", {"ncpus": 1, "tag": "roots-job"})
     ok, why = run_as(uid, gid, try_call, str(daemon.socket), "release", {"tag": "roots-job"})
     assert len(call(str(daemon.socket), "leases", {})) == 1
     assert not ok and "roots-job" in why
@@ -84,7 +83,7 @@ def test_unheld_alloc_lease_expires(daemon_factory, tmp_path: Path) -> None:
     pol = tmp_path / "pol"
     write_policy(pol, "00.toml", '[policy]\nname = "t"\n[leases]\nalloc_ttl = 2\n')
     d: DaemonProc = daemon_factory(policy_dir=pol).start()
-    lease = call(str(d.socket), "alloc", {"cpus": 1})
+    lease = call(str(d.socket), "alloc", {"ncpus": 1})
     assert "expires" in d.ctl("leases").out
     time.sleep(4)
     assert lease["id"] not in [x["id"] for x in call(str(d.socket), "leases", {})]
@@ -96,8 +95,8 @@ def test_exclusive_lease_plus_bind_restores_the_cpus(daemon: DaemonProc) -> None
     try:
         before = os.sched_getaffinity(s.pid)
         sock = str(daemon.socket)
-        lease = call(sock, "alloc", {"cpus": 1, "exclusive": True,
-                                     "exclusive_scope": f"pid:{s.pid}"})
+        lease = call(sock, "alloc", {"ncpus": 1, "exclusive": True,
+                                      "exclusive_scope": f"pid:{s.pid}"})
         assert os.sched_getaffinity(s.pid) != before  # moved off the lease's CPU
         call(sock, "bind", {"pid": s.pid, "cpus": format_cpulist(before)})
         call(sock, "release", {"lease": lease["id"]})
@@ -107,39 +106,3 @@ def test_exclusive_lease_plus_bind_restores_the_cpus(daemon: DaemonProc) -> None
         s.kill()
         s.wait()
 
-
-def _plant_fifos(run: str, pids: list[int]) -> int:
-    """As the user: a FIFO wherever the daemon might read a job's file."""
-    made = 0
-    for d in (run, os.path.join(run, "jobs")):
-        for pid in pids:
-            try:
-                os.mkfifo(os.path.join(d, f"{pid}.json"))
-                made += 1
-            except OSError:
-                pass  # not writable for this user: fine, that is the fix
-    return made
-
-
-def test_sigterm_ends_the_daemon_within_1s_despite_user_fifos(
-        daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
-    uid, gid = unpriv_user
-    job = user_sleeper(uid, gid)
-    try:
-        run_as(uid, gid, call, str(daemon.socket), "bind", {"pid": job.pid, "cpus": "0"})
-        run_as(uid, gid, _plant_fifos, str(daemon.runtime_dir), [job.pid])
-        time.sleep(3)  # a few monitor cycles
-        assert daemon.proc is not None
-        t0 = time.monotonic()
-        daemon.proc.send_signal(signal.SIGTERM)
-        try:
-            daemon.proc.wait(10)
-        finally:
-            took = time.monotonic() - t0
-        assert took < 1.0, f"SIGTERM took {took:.1f} s"
-    finally:
-        job.kill()
-        job.wait()
-        if daemon.proc is not None and daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()

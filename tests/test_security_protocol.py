@@ -78,11 +78,12 @@ def test_deep_nesting_nan_and_odd_ids_from_any_user(daemon: DaemonProc,
 
 def test_long_cgroup_scope_is_a_usage_error(daemon: DaemonProc) -> None:
     scope = "cgroup:/" + "a" * 300
-    r = daemon.ctl("alloc", "--cpus", "1", "--exclusive", "--exclusive-scope", scope)
+    r = daemon.ctl("alloc", "--ncpus", "1", "--exclusive", "--exclusive-scope", scope)
     assert r.rc == 2, r
     assert "longer than 255 bytes" in r.err and "internal error" not in r.err
-    with Client(str(daemon.socket), timeout=10) as c, pytest.raises(UsageError):
-        c.call("alloc", cpus=1, exclusive=True, exclusive_scope="cgroup:/a/" + "b" * 5000)
+    with Client(str(daemon.socket), timeout=10) as c, \
+            pytest.raises(UsageError, match="longer than 255 bytes"):
+        c.call("alloc", ncpus=1, exclusive=True, exclusive_scope="cgroup:/a/" + "b" * 5000)
     assert "Traceback" not in daemon.log()
 
 

@@ -2,10 +2,9 @@
 
 slurmctld, slurmd and munged are started by tests/slurm_helpers.py with
 task/affinity + task/cgroup, proctrack/cgroup, two mknod'd GPU gres, and the
-contrib/slurm scripts as TaskProlog and Epilog. The tunerd beside it replays
-tests/fixtures/topologies/this-machine-2gpus.json: this machine's real CPUs and two
-GPUs, whose per-GPU share of the CPUs is one CPU each (GPU 0: CPU 0, GPU 1: CPU 1
-on the 2-CPU development VM).
+contrib/slurm scripts as TaskProlog and Epilog. The tunerd beside it replays this
+machine's real topology, recorded at start, plus two GPUs: GPU 0 local to the first
+CPU, GPU 1 to the last (tests/leases_helpers.snapshot_with_gpus_here).
 
 Items 1-3 check that placement starts from the caller's allocation: the step's
 cpuset, the job's GPUs, the CPU count Slurm granted the task.

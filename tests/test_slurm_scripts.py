@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc
+from tests.helpers import REPO, CliResult, DaemonProc, run_ctl
 from tests.leases_helpers import (
     DGX_H100,
     cpus_allowed,
@@ -32,7 +32,6 @@ from tests.slurm_helpers import (
     SyslogSink,
     hung_socket,
     install_scripts,
-    tunerctl_command,
     write_script_conf,
 )
 
@@ -320,24 +319,23 @@ def test_guard_stops_a_tunerctl_that_hangs_itself(tmp_path: Path, scripts: Path)
 
 # -- tunerctl --timeout ---------------------------------------------------------------
 
-def ctl(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str],
-                                                                 float]:
+def ctl(*args: str, env: dict[str, str] | None = None) -> tuple[CliResult, float]:
+    """tests.helpers.run_ctl, and how long it took (start-up included)."""
     t0 = time.monotonic()
-    r = subprocess.run([*tunerctl_command().split(), *args], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, **(env or {})})
+    r = run_ctl(*args, env=env)
     return r, time.monotonic() - t0
 
 
 def test_timeout_bounds_the_reply(tmp_path: Path) -> None:
     with hung_socket(tmp_path / "hung.sock") as sock:
         r, took = ctl("--socket", str(sock), "--timeout", "0.5", "status")
-        assert r.returncode == 3, r.stderr
-        assert f"tunerd at {sock} did not answer 'status' within 0.5 s" in r.stderr
-        assert "--timeout" in r.stderr and took < 10
+        assert r.rc == 3, r.err
+        assert f"tunerd at {sock} did not answer 'status' within 0.5 s" in r.err
+        assert "--timeout" in r.err and took < 10
         r, _ = ctl("--socket", str(sock), "--json", "bind", "1", "--cpus", "0",
                    env={"TUNERCTL_TIMEOUT": "0.3"})
-        assert r.returncode == 3
-        err = json.loads(r.stdout)["error"]
+        assert r.rc == 3
+        err = json.loads(r.out)["error"]
         assert err["code"] == "unreachable" and "within 0.3 s" in err["message"]
 
 
@@ -361,7 +359,7 @@ def test_a_full_backlog_fails_at_once(tmp_path: Path) -> None:
                 break
             fillers.append(c)
         r, took = ctl("--socket", str(path), "--timeout", "1", "status")
-        assert r.returncode == 3 and f"tunerd at {path} is too busy" in r.stderr, r.stderr
+        assert r.rc == 3 and f"tunerd at {path} is too busy" in r.err, r.err
         assert took < 2.5
     finally:
         for c in fillers:
@@ -372,12 +370,12 @@ def test_a_full_backlog_fails_at_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", ["0", "-1", "soon"])
 def test_timeout_must_be_a_positive_number(value: str) -> None:
     r, _ = ctl("--timeout", value, "status")
-    assert r.returncode == 2 and "--timeout" in r.stderr
+    assert r.rc == 2 and "--timeout" in r.err
     r, _ = ctl("status", env={"TUNERCTL_TIMEOUT": value})
-    assert r.returncode == 2 and "--timeout" in r.stderr
+    assert r.rc == 2 and "--timeout" in r.err
 
 
 def test_timeout_with_a_working_daemon(daemon: DaemonProc) -> None:
     r, _ = ctl("--socket", str(daemon.socket), "--timeout", "5", "--json", "status")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout and "pid" in r.stdout
+    assert r.rc == 0, r.err
+    assert r.out and "pid" in r.out

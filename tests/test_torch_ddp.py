@@ -14,37 +14,28 @@ from pathlib import Path
 
 import pytest
 
+from tests.binding_helpers import task_cpus
 from tests.helpers import REPO, write_policy
+from tests.leases_helpers import cpus_allowed, scope_bundled_rule
 from tunerd.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 EXAMPLE = REPO / "contrib" / "examples" / "ddp_train.py"
 
 
-def bundled_rule_policy(token: str) -> str:
+def bundled_rule_policy(pdir: Path, token: str) -> None:
     """The [[job]] torch-training rule of policies/base.toml, whole, narrowed by a token
     in the environment to this test's processes (a shared machine may run other
     training jobs). base.toml also sets vm.numa_balancing, a host setting this test
-    must not change: only the rule is taken."""
+    must not change: only the rule (the file's last section) is taken."""
     text = (REPO / "policies" / "base.toml").read_text()
-    job = text[text.index("[[job]]"):]
-    scoped = job.replace('match.env = { LOCAL_RANK = "*" }',
-                         f'match.env = {{ LOCAL_RANK = "*", TUNERD_TEST_TOKEN = "{token}" }}')
-    assert scoped != job, "the bundled rule's match.env changed"
-    return '[policy]\nname = "ddp-test"\n\n' + scoped
-
-
-def cpus(pid: int) -> frozenset[int]:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return parse_cpulist(text.split("Cpus_allowed_list:")[1].split()[0])
+    write_policy(pdir, "00-ddp.toml",
+                 '[policy]\nname = "ddp-test"\n\n' + text[text.index("[[job]]"):])
+    scope_bundled_rule(pdir, "TUNERD_TEST_TOKEN", token)
 
 
 def all_threads_cpus(pid: int) -> set[frozenset[int]]:
-    out = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        out.add(parse_cpulist(text.split("Cpus_allowed_list:")[1].split()[0]))
-    return out
+    return {parse_cpulist(c) for c in task_cpus(pid).values()}
 
 
 def test_torchrun_ranks_and_workers_get_cpus(daemon_factory, tmp_path: Path) -> None:
@@ -55,8 +46,11 @@ def test_torchrun_ranks_and_workers_get_cpus(daemon_factory, tmp_path: Path) -> 
     helpers = True
     pdir = tmp_path / "policies"
     token = secrets.token_hex(6)
-    write_policy(pdir, "00-ddp.toml", bundled_rule_policy(token))
+    bundled_rule_policy(pdir, token)
     d = daemon_factory(policy_dir=pdir).start()
+    rule = next(j for j in d.ctl("--json", "policy", "show").json()["job"]
+                if j["name"] == "torch-training")
+    assert rule["match"]["env"] == {"LOCAL_RANK": "*", "TUNERD_TEST_TOKEN": token}, rule
     hold = tmp_path / "hold"
     hold.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -90,7 +84,7 @@ def test_torchrun_ranks_and_workers_get_cpus(daemon_factory, tmp_path: Path) -> 
                 # tunerd.torch pinned it to one CPU of the rank's set
                 assert all(len(c) == 1 for c in worker_cpus), worker_cpus
         if helpers and len(os.sched_getaffinity(0)) >= 2 and all(
-                cpus(r["pid"]) == cpus(ranks[0]["pid"]) for r in ranks):
+                cpus_allowed(r["pid"]) == cpus_allowed(ranks[0]["pid"]) for r in ranks):
             # ranks sharing one set: their workers take different CPUs (by local rank)
             w = [next(iter(all_threads_cpus(r["workers"][0]))) for r in ranks]
             assert w[0] != w[1], w

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.binding_helpers import task_cpus
 from tests.helpers import REPO
 from tunerd.torch import (
     Allocation,
@@ -139,14 +140,6 @@ sys.stdin.readline()  # the test reads /proc while the workers live
 """
 
 
-def _threads_cpus(pid: int) -> set[str]:
-    out = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        out.add(text.split("Cpus_allowed_list:")[1].split()[0])
-    return out
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 @pytest.mark.parametrize("mode", ["kwargs", "plain"])
 def test_each_worker_is_pinned_to_its_own_cpu(mode: str) -> None:
@@ -157,10 +150,10 @@ def test_each_worker_is_pinned_to_its_own_cpu(mode: str) -> None:
         assert p.stdout is not None and p.stdin is not None
         seen = dict(json.loads(p.stdout.readline().replace("(", "[").replace(")", "]")))
         assert len(seen) == 2, seen
-        parent_cpus = _threads_cpus(p.pid)
+        parent_cpus = set(task_cpus(p.pid).values())
         # workers from the end of the rank's set: worker 0 on the last CPU, 1 on the one before
         cpus = sorted(os.sched_getaffinity(0))
-        got = {pid: _threads_cpus(pid) for pid in seen}
+        got = {pid: set(task_cpus(pid).values()) for pid in seen}
         assert sorted(next(iter(c)) for c in got.values()) == sorted(
             str(c) for c in cpus[-2:]), got
         assert all(len(c) == 1 for c in got.values()), got  # every thread of each worker
