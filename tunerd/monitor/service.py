@@ -112,10 +112,10 @@ class Monitor:
         self._task = asyncio.ensure_future(self._run())
 
     def _start_http(self, host: str, port: int) -> None:
-        from prometheus_client import start_http_server
+        from tunerd.monitor.http import serve_metrics
 
         try:
-            self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http, _thread = serve_metrics(host, port, self.registry)
         except OSError as err:
             # monitoring is not worth refusing to tune the node for: report and go on
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
