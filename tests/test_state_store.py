@@ -494,7 +494,7 @@ def test_full_disk_gives_truthful_errors_and_no_tracebacks(tiny_state: DaemonPro
         r = d.ctl("--json", "bind", str(p.pid), "--cpus", "0")
         assert r.rc == 1, r
         assert "No space left on device (errno 28)" in r.err and "internal error" not in r.err
-        r = d.ctl("--json", "alloc", "--cpus", "1")
+        r = d.ctl("--json", "alloc", "--ncpus", "1")
         assert "internal error" not in r.err and "OSError" not in r.err, r
     os.unlink(tiny_fs / "filler")
     assert leftovers(tiny_fs / "run") == leftovers(tiny_fs / "state") == []
@@ -509,7 +509,7 @@ def _leases(d: DaemonProc) -> list[dict[str, Any]]:
 def test_full_disk_alloc_is_all_or_nothing(tiny_state: DaemonProc, tiny_fs: Path) -> None:
     d = tiny_state
     fill(tiny_fs)
-    r = d.ctl("--json", "alloc", "--cpus", "1")
+    r = d.ctl("--json", "alloc", "--ncpus", "1")
     os.unlink(tiny_fs / "filler")
     if r.rc == 0:
         assert [x["id"] for x in _leases(d)] == [r.json()["id"]]
@@ -523,7 +523,7 @@ def test_full_disk_release_and_unbind_replies_are_truthful(tiny_state: DaemonPro
     d = tiny_state
     from tests.helpers import ready_child
 
-    lease = d.ctl("--json", "alloc", "--cpus", "1").json()["id"]
+    lease = d.ctl("--json", "alloc", "--ncpus", "1").json()["id"]
     with ready_child("import time\nprint('ready', flush=True)\ntime.sleep(60)\n") as p:
         assert d.ctl("bind", str(p.pid), "--cpus", "0").rc == 0
         fill(tiny_fs)
