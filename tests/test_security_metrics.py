@@ -152,19 +152,19 @@ def test_the_user_behind_a_local_connection_is_found(
     try:
         with forked_as(*unpriv_user, _connect_and_hold, client_family,
                        (client_host, port)) as conn:
-            peer, _ = srv.accept()
+            peer, seen = srv.accept()
             name = recv(conn, 10)
-            seen = peer.getpeername()
             assert seen[1] == name[1]
-            assert socket_owner(seen, port) == unpriv_user[0]
+            assert socket_owner(seen, peer.getsockname()) == unpriv_user[0]
             conn.send("done")
+            here = peer.getsockname()
             peer.close()
         # a root-owned socket is found as root, and a port nobody uses as nobody
         with socket.create_connection((client_host, port)) as mine:
             peer, seen = srv.accept()
-            assert socket_owner(seen, port) == 0
-            peer.close()
             assert mine.getsockname()[1] == seen[1]
-        assert socket_owner((client_host, 1), port) is None
+            assert socket_owner(seen, peer.getsockname()) == 0
+            peer.close()
+        assert socket_owner((seen[0], 1), here) is None
     finally:
         srv.close()

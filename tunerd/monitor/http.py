@@ -6,8 +6,8 @@ the thousand (one half-sent request line each). This server keeps its use bounde
 
 - a request has ``REQUEST_TIMEOUT`` seconds to arrive and be answered;
 - at most ``PER_CLIENT`` connections at a time per client: per local user (the uid
-  that owns the connecting socket, read from /proc/net/tcp{,6} as identd does) for a
-  connection from this host, per address otherwise; root is not limited;
+  that owns the connecting socket, asked of the kernel's sock_diag as ``ss`` does) for
+  a connection from this host, per address otherwise; root is not limited;
 - at most ``MAX_HANDLERS`` at a time in all; a connection over a limit is closed at
   once (Prometheus then reports the scrape failed, and the daemon carries on);
 - a listen backlog of 128, not socketserver's 5, so a burst of honest connects is not
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import struct
 import sys
 import threading
 from collections import Counter
@@ -34,39 +35,44 @@ PER_CLIENT = 4
 MAX_HANDLERS = 32
 
 
-def _proc_net_hex(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    """``addr`` as /proc/net/tcp{,6} print it: 32-bit words in host byte order, hex."""
-    raw = addr.packed
-    return "".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}"
-                   for i in range(0, len(raw), 4))
+_SOCK_DIAG_BY_FAMILY = 20
+_NETLINK_SOCK_DIAG = 4
+_NLMSG_ERROR = 2
+_NOCOOKIE = 0xFFFFFFFF
 
 
-def socket_owner(client: tuple[Any, ...], server_port: int,
-                 proc_net: str = "/proc/net") -> int | None:
-    """The uid owning the local socket that connected from ``client`` to ``server_port``,
-    or None when there is none here (a connection from another host)."""
-    addr = ipaddress.ip_address(str(client[0]).split("%", 1)[0])
-    port = f":{int(client[1]):04X}"
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    # an IPv4 client is in tcp, or in tcp6 as ::ffff:a.b.c.d when its socket is IPv6
-    where = [("tcp6", _proc_net_hex(addr))] if addr.version == 6 else [
-        ("tcp", _proc_net_hex(addr)),
-        ("tcp6", _proc_net_hex(ipaddress.IPv6Address(f"::ffff:{addr}")))]
-    server = f":{server_port:04X}"
-    for name, hexaddr in where:
-        want = hexaddr + port
-        try:
-            with open(f"{proc_net}/{name}", encoding="ascii", errors="replace") as f:
-                next(f, None)  # header
-                for line in f:
-                    fields = line.split()
-                    # sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
-                    if len(fields) > 7 and fields[1] == want and fields[2].endswith(server):
-                        return int(fields[7])
-        except OSError:
-            continue
-    return None
+def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None:
+    """The uid owning the socket on this host that connected from ``client`` to
+    ``server`` (the accepted socket's own address), or None when there is none here
+    (a connection from another host).
+
+    One exact sock_diag lookup (what ``ss`` uses), about 20 us whatever the number of
+    sockets; reading /proc/net/tcp instead walks the kernel's whole connection hash
+    table, several milliseconds per read even on an idle host.
+    """
+    local = ipaddress.ip_address(str(client[0]).split("%", 1)[0])
+    remote = ipaddress.ip_address(str(server[0]).split("%", 1)[0])
+    family = socket.AF_INET if local.version == 4 else socket.AF_INET6
+    # inet_diag_req_v2: family, protocol, extensions, pad, states; then inet_diag_sockid
+    # (ports and addresses in network order, interface, cookie "none") of the socket
+    # whose local end is the client
+    req = (struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
+           + struct.pack("!HH16s16s", int(client[1]), int(server[1]),
+                         local.packed.ljust(16, b"\0"), remote.packed.ljust(16, b"\0"))
+           + struct.pack("=III", 0, _NOCOOKIE, _NOCOOKIE))
+    msg = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, 1, 1, 0) + req
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            nl.sendto(msg, (0, 0))
+            reply = nl.recv(4096)
+    except OSError as err:
+        log.debug("metrics: sock_diag lookup of %s failed: %s", client, err)
+        return None
+    if len(reply) < 16 + 72 or struct.unpack_from("=H", reply, 4)[0] == _NLMSG_ERROR:
+        return None  # ENOENT: no such socket here
+    # inet_diag_msg: family, state, timer, retrans, sockid (48), expires, rqueue, wqueue, uid
+    return int(struct.unpack_from("=I", reply, 16 + 64)[0])
 
 
 class _Handler(WSGIRequestHandler):
@@ -94,12 +100,12 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self._keys: dict[int, Hashable] = {}  # id(request) -> its client key
         self.refused_total = 0
 
-    def _client_key(self, client: tuple[Any, ...]) -> Hashable:
-        uid = socket_owner(client, self.server_address[1])
-        return ("addr", str(client[0])) if uid is None else ("uid", uid)
-
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        key = self._client_key(client_address)
+        try:
+            uid = socket_owner(client_address, request.getsockname())
+        except OSError:  # the client has gone already
+            return False
+        key: Hashable = ("addr", str(client_address[0])) if uid is None else ("uid", uid)
         with self._lock:
             total = sum(self._open.values())
             if key != ("uid", 0) and (self._open[key] >= self.per_client
