@@ -7,12 +7,15 @@ real processes in them, a real daemon; inotify on the tree counts every write.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.binding_helpers import task_cpus, thread_child
+from tests.helpers import wait_for
 from tests.kubepods_helpers import TreeWatch, kubepods_tree
 from tunerd.cpuset import CpusetCgroup, KubeletOwned, kubelet_owned
 
@@ -71,3 +74,97 @@ def test_bind_with_mems_in_a_kubepods_cpuset_writes_nothing_there(daemon: Any) -
             assert watch.events() == []
         finally:
             watch.close()
+
+
+def _masks(pid: int) -> set[str]:
+    return set(task_cpus(pid).values())
+
+
+def _record_cpus(daemon: Any, pid: int) -> str | None:
+    for j in daemon.ctl("--json", "jobs").json()["jobs"]:
+        if j["pid"] == pid:
+            return str(j["cpus"])
+    return None
+
+
+def _old_kernel_reset(pid: int, cpus: set[int]) -> None:
+    """What RHEL 8/9 and Ubuntu 20.04/22.04 kernels do on a cpuset grow: every task's
+    mask becomes the whole cpuset. Set before the grow (the kernel clamps it to the
+    current set and keeps it as the task's request, which the grow then gives back),
+    so that the grow's write is the last thing the watcher sees, as on those kernels."""
+    for tid in task_cpus(pid):
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass
+
+
+def test_rebind_within_1s_after_kubelet_rewrites_the_cpuset(daemon: Any) -> None:
+    """A script acting as the kubelet shrinks the container's cpuset below the binding,
+    grows it back (kernel >= 6.2 behaviour: the task's own request comes back; and the
+    older behaviour: the whole cpuset), and moves it; the mask is right again each time
+    within 1 s (p99), and tunerd writes nothing in the kubepods tree."""
+    with kubepods_tree(cpus="0-1") as tree, thread_child(threads=4, cgroup=tree.ctr) as p:
+        r = daemon.ctl("bind", str(p.pid), "--cpus", "1")
+        assert r.rc == 0, r.out + r.err
+        watch = TreeWatch(tree)
+        events: list[str] = []
+        writes = 0
+        lat: list[float] = []
+
+        def kubelet(cpus: str, grow: bool) -> float:
+            nonlocal writes
+            events.extend(watch.events())  # drained per step: inotify merges repeats
+            tree.set_cpus(cpus, grow=grow)
+            writes += 3
+            return time.monotonic()
+
+        def settled(t0: float, pred: Any, what: str) -> None:
+            wait_for(pred, 2.0, what, interval=0.002, detail=daemon.log)
+            lat.append(time.monotonic() - t0)
+
+        def watched() -> bool:
+            st = daemon.ctl("--json", "status").json()["services"]["cpusetwatch"]
+            return tree.cgroup_path() in st["cgroups"]
+
+        try:
+            wait_for(watched, 5.0, "the watcher to follow the bound process")
+            for i in range(8):
+                # shrink below the binding: the kernel leaves it the whole smaller set,
+                # and tunerd places it anew inside it
+                kubelet("0", grow=False)
+                wait_for(lambda: _record_cpus(daemon, p.pid) == "0", 2.0,
+                         "re-placed inside cpuset 0", detail=daemon.log)
+                assert _masks(p.pid) == {"0"}
+                # grow back: the CPUs it was bound to, on either kernel behaviour
+                if i % 2:
+                    _old_kernel_reset(p.pid, {0, 1})
+                t0 = kubelet("0-1", grow=True)
+                settled(t0, lambda: _masks(p.pid) == {"1"}, "mask back to CPU 1")
+            # move: the container's CPU changes from 1 to 0 (parents widened first,
+            # narrowed last: a v1 cpuset may not be wider than its parent)
+            kubelet("1", grow=False)
+            events.extend(watch.events())
+            for d in tree.levels[1:3]:
+                (d / "cpuset.cpus").write_text("0-1")
+            (tree.ctr / "cpuset.cpus").write_text("0")
+            for d in reversed(tree.levels[1:3]):
+                (d / "cpuset.cpus").write_text("0")
+            writes += 5
+            wait_for(lambda: _record_cpus(daemon, p.pid) == "0", 2.0, "moved to CPU 0")
+            t0 = kubelet("0-1", grow=True)
+            settled(t0, lambda: _masks(p.pid) == {"1"}, "mask back to CPU 1 after the move")
+            events.extend(watch.events())
+        finally:
+            watch.close()
+        lat.sort()
+        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        print(f"re-bind after a cpuset change: median {lat[len(lat) // 2] * 1000:.0f} ms, "
+              f"p99 {p99 * 1000:.0f} ms over {len(lat)} changes")
+        assert p99 <= 1.0
+        # every write in the tree is the kubelet script's; tunerd made none
+        assert all(e.endswith("cpuset.cpus: [<flags.MODIFY: 2>]") for e in events), events
+        assert len(events) == writes, events
+        assert not [d for d in tree.ctr.iterdir() if d.is_dir()]
+        st = daemon.ctl("--json", "status").json()["services"]["cpusetwatch"]
+        assert st["rebinds_total"] >= len(lat) and st["inotify"] is True

@@ -16,6 +16,7 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from tunerd.binding import Binder
@@ -28,6 +29,7 @@ from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
 from tunerd.daemon.cmd_topology import TopologyCommands
 from tunerd.daemon.config import DaemonConfig
+from tunerd.daemon.cpusetwatch import CpusetWatch
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.host import HostSettings
@@ -37,10 +39,11 @@ from tunerd.daemon.notify import Notifier
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
-from tunerd.daemon.router import Router
+from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.monitor.service import Monitor, MonitorSettings
+from tunerd.placement import Placement
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import load_topology
@@ -114,7 +117,13 @@ def build(cfg: DaemonConfig) -> Daemon:
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
 
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
+    async def rebind_inside(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
+        """The kubelet changed pid's cpuset: its binding again, inside the new set."""
+        return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
+                               placement=Placement.given(cpus, None), origin="cli")
+
+    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside)
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets]
     router = Router()
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
