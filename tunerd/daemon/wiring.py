@@ -39,6 +39,7 @@ from tunerd.daemon.notify import Notifier
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
+from tunerd.daemon.policywatch import PolicyWatch
 from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
@@ -123,7 +124,10 @@ def build(cfg: DaemonConfig) -> Daemon:
                                placement=Placement.given(cpus, None), origin="cli")
 
     cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside)
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets]
+    # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
+    policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
+                               policywatch]
     router = Router()
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
