@@ -52,7 +52,7 @@ def kubepods_tree(cpus: str = "0-1", mems: str = "0") -> Iterator[KubepodsTree]:
     if root.exists():
         pytest.skip(f"{root} exists (a real kubelet, or a test run that left it)")
     pod = root / "burstable" / f"pod{uuid.uuid4()}"
-    ctr = pod / uuid.uuid4().hex
+    ctr = pod / (uuid.uuid4().hex + uuid.uuid4().hex)  # a 64-hex container id
     made: list[Path] = []
     try:
         for d in (root, root / "burstable", pod, ctr):

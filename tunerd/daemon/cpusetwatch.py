@@ -61,8 +61,10 @@ class CpusetWatch:
     name = "cpusetwatch"
 
     def __init__(self, jobs: Jobs, rebind: Rebind, *, proc_root: Path = Path("/proc"),
-                 sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL) -> None:
+                 sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
+                 on_change: Callable[[], None] | None = None) -> None:
         self._jobs = jobs
+        self._on_change = on_change  # the kubelet changed a cpuset (PodResources: List again)
         self._rebind = rebind
         self.proc = proc_root
         self.sys = sys_root
@@ -150,6 +152,8 @@ class CpusetWatch:
             log.info("cpuset %s changed: %s -> %s", w.cgroup.path,
                      format_cpulist(w.effective), format_cpulist(eff))
             w.effective = eff
+            if self._on_change is not None:
+                self._on_change()
             for key in sorted(w.pids):
                 await self._reapply(key, eff, t0)
 

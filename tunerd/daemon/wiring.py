@@ -19,6 +19,7 @@ import logging
 import os
 from typing import Any
 
+from tunerd.allocation import add_gpu_source
 from tunerd.binding import Binder
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.autobind import AutoBinder
@@ -45,9 +46,10 @@ from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.placement import Placement
+from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
-from tunerd.topology import load_topology
+from tunerd.topology import Topology, load_topology
 from tunerd.tuners import build_tuners
 
 __all__ = ["build"]
@@ -123,7 +125,16 @@ def build(cfg: DaemonConfig) -> Daemon:
         return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
                                placement=Placement.given(cpus, None), origin="cli")
 
-    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside)
+    # Kubernetes: the GPUs each pod got, as one more allocation source (like Slurm's)
+    pods = PodResourcesSource(cfg.pod_resources_socket)
+
+    def pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
+        a = pods.lookup(pid, topo)
+        return None if a is None else (a.gpus, f"Kubernetes pod {a.namespace}/{a.pod}")
+
+    add_gpu_source(pod_gpus)
+    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside,
+                          on_change=pods.invalidate)
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
