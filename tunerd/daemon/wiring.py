@@ -25,6 +25,7 @@ from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.autobind import AutoBinder
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.cmd_core import CoreCommands
+from tunerd.daemon.cmd_env import EnvCommands, NcclConfFile
 from tunerd.daemon.cmd_host import HostCommands
 from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
@@ -140,11 +141,13 @@ def build(cfg: DaemonConfig) -> Daemon:
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
                                policywatch]
     router = Router()
+    nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
-                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],
+                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
+                               ("nccl-file", nccl_file.policy_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
                     pidfile=cfg.runtime_dir / "tunerd.pid")
 
@@ -162,5 +165,6 @@ def build(cfg: DaemonConfig) -> Daemon:
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     TopologyCommands(topology).register(router)
+    EnvCommands(policy, nccl_file).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
