@@ -157,3 +157,5 @@ def test_fake_kubelets_list_decides_the_gpu_a_pod_rank_is_placed_near(
         assert "LOCAL_RANK: 6;" in err["message"], err
         assert "would bind CPUs 56-69,168-181" in err["message"], err
     assert kubelet.calls["List"] == 1
+    st = d.ctl("--json", "status").json()["services"]["podresources"]
+    assert st["lists_total"] == 1 and st["pods"] == 4 and st["last_error"] is None

@@ -139,7 +139,7 @@ def build(cfg: DaemonConfig) -> Daemon:
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch]
+                               policywatch, pods]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
