@@ -32,6 +32,7 @@ from tunerd.allocation import read_allocation, slurm_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import user_name
 from tunerd.daemon.pidwatch import PidWatch
@@ -73,8 +74,10 @@ class AutoBinder:
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
                  mover: ExclusiveMover, errors: ErrorLog, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
+                 gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
+        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = jobs
         self.pidwatch = pidwatch
         self.mover = mover
@@ -252,6 +255,10 @@ class AutoBinder:
                           m.rule.name, job.get("origin"))
                 return
             self.matched += 1
+            refused = rule_reach_refused(m.rule, m.uid)  # the one gate (tunerd.daemon.gate)
+            if refused is not None:
+                log.debug("pid %d: %s; not bound", pid, refused)
+                return
             group = self._group(m, stat.ppid)
             exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
@@ -280,6 +287,7 @@ class AutoBinder:
             # cgroup (and page migration) -- the process should not run on the
             # wrong CPUs while that is set up
             nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+            nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
             res = await self.jobs.bind(pid, peer=self.peer,
                                        placement=Placement(
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,

@@ -30,6 +30,7 @@ from tunerd.daemon.cmd_topology import TopologyCommands
 from tunerd.daemon.config import DaemonConfig
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.gate import ReservationGate
 from tunerd.daemon.host import HostSettings
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
@@ -84,10 +85,12 @@ def build(cfg: DaemonConfig) -> Daemon:
                        dry_run=cfg.dry_run, mover=mover)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
+    gate = ReservationGate(policy.lease_limits, policy.default_nofile)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
-                          limits=policy.lease_limits, default_nofile=policy.default_nofile)
+                          limits=policy.lease_limits, default_nofile=policy.default_nofile,
+                          gate=gate)
     autobind = AutoBinder(placer, jobs, pidwatch, mover, errors,
-                          default_nofile=policy.default_nofile,
+                          default_nofile=policy.default_nofile, gate=gate,
                           use_connector=cfg.watch_execs)
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
