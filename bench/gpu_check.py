@@ -174,16 +174,38 @@ print(json.dumps(out))
 """
 
 
-def smi_query(fields: list[str]) -> list[dict[str, str]]:
+def _smi_rows(fields: list[str]) -> list[dict[str, str]] | None:
     r = sh(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
            30)
     if r.returncode != 0:
-        raise Failed(f"nvidia-smi --query-gpu: rc {r.returncode}: {tail(r.stderr or r.stdout)}")
-    rows = []
-    for line in r.stdout.strip().splitlines():
-        vals = [v.strip() for v in line.split(",")]
-        rows.append(dict(zip(fields, vals, strict=False)))
-    return rows
+        return None
+    return [dict(zip(fields, [v.strip() for v in line.split(",")], strict=False))
+            for line in r.stdout.strip().splitlines()]
+
+
+# older nvidia-smi spellings of a field, tried when the newer one is refused
+SMI_ALIASES = {"clocks_event_reasons.active": "clocks_throttle_reasons.active"}
+
+
+def smi_query(fields: list[str]) -> list[dict[str, str]]:
+    """``nvidia-smi --query-gpu`` rows; a field this nvidia-smi does not know (it refuses
+    the whole query then) is asked alone, under its older name, or left out."""
+    rows = _smi_rows(fields)
+    if rows is not None:
+        return rows
+    merged: list[dict[str, str]] = []
+    for f in fields:
+        got = _smi_rows([f])
+        if got is None and f in SMI_ALIASES:
+            got = [{f: row[SMI_ALIASES[f]]} for row in _smi_rows([SMI_ALIASES[f]]) or []]
+        for i, row in enumerate(got or []):
+            if i >= len(merged):
+                merged.append({})
+            merged[i].update(row)
+    if not merged:
+        r = sh(["nvidia-smi", "-L"], 30)
+        raise Failed(f"nvidia-smi --query-gpu: no field answered: {tail(r.stderr or r.stdout)}")
+    return merged
 
 
 def step_env(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:

@@ -44,16 +44,21 @@ fi
 [ -d "$WHEELS" ] || { echo "gpu-check: no $WHEELS/ here: run scripts/gpu-check.sh --prepare" \
     "where there is network, and carry $WHEELS along" >&2; exit 2; }
 t0=$(date +%s)
+pip="$VENV/bin/python -m pip"
 if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
+    if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
+        # no ensurepip in this python: a venv without pip, filled by python3's own pip
+        rm -rf "$VENV"
+        "$PYTHON" -m venv --without-pip "$VENV"
+    fi
 fi
+"$VENV/bin/python" -m pip --version >/dev/null 2>&1 || pip="$PYTHON -m pip --python $VENV/bin/python"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-"$PYTHON" -c 'import site, sys; print("\n".join(p for p in site.getsitepackages()))' \
+"$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
     > "$site/zz-gpu-check-image-site.pth"
-"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --find-links "$WHEELS" \
-    "$WHEELS"/*.whl
-"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation \
-    --find-links "$WHEELS" .
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+$pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl
+$pip install -q --no-index --no-deps --no-build-isolation .
 echo "gpu-check: installed tunerd into $VENV in $(( $(date +%s) - t0 )) s" \
     "(torch from $("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))' \
     2>/dev/null || echo 'nowhere: no torch in python3')"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,11 +14,13 @@ import pynvml
 import pytest
 
 from tests.helpers import REPO
-from tests.monitor_helpers import TelemetryReplay, nvml_error
+from tests.monitor_helpers import TELEMETRY, TelemetryReplay, nvml_error
 from tests.topology_helpers import fixture
 from tunerd import nvml
+from tunerd.errors import UsageError
 from tunerd.nvml import NA
 from tunerd.topology.gpu import PCIE_LEVELS
+from tunerd.topology.nvml_recording import RecordedNvml
 from tunerd.topology.nvml_replay import ReplayNvml
 
 NVML_NAME = re.compile(r"\bnvml[A-Z][A-Za-z0-9_]*")
@@ -55,6 +58,7 @@ def _real_backend() -> nvml.Backend:
 
 BACKENDS = {
     "topology-replay-dgx-h100": lambda: ReplayNvml(fixture("dgx-h100.json")),
+    "topology+telemetry-recording": lambda: RecordedNvml(fixture("dgx-h100.json"), TELEMETRY),
     "topology-replay-gh200": lambda: ReplayNvml(fixture("gh200.json")),
     "telemetry-replay-h100x2": lambda: nvml.NvmlBackend(TelemetryReplay()),
     "real-nvml": _real_backend,
@@ -165,6 +169,22 @@ def test_replayed_telemetry_reads_in_units_through_the_real_adapter() -> None:
     assert g1.compute_processes() == [nvml.GpuProcess(4243, 39728447488),
                                       nvml.GpuProcess(4244, NA)]
     assert nvml.NvmlBackend(rec).cuda_driver_version == 12040
+
+
+def test_a_snapshot_with_a_recording_answers_both(tmp_path: Path) -> None:
+    """Locality from the snapshot, readings from the recording (GPU i: record i mod n)."""
+    b = RecordedNvml(fixture("dgx-h100.json"), TELEMETRY)
+    devs = b.devices()
+    assert len(devs) == 8 and b.driver_version == "550.54.15"
+    assert b.cuda_driver_version == 12040
+    assert [d.temperature_c for d in devs[:3]] == [67, 88, 67]
+    assert devs[1].clocks_event_reasons == 0x24 and devs[0].power_usage_mw == 612345
+    assert devs[0].memory_clock_mhz is NA  # the h100x2 recording has no memory clock
+    assert devs[0].cpu_affinity(224) == fixture("dgx-h100.json").gpus[0].local_cpus
+    bad = tmp_path / "x.json"
+    bad.write_text('{"gpus": []}')
+    with pytest.raises(UsageError, match=r"x\.json: not an NVML recording"):
+        RecordedNvml(fixture("dgx-h100.json"), bad)
 
 
 # -- 3. versioned fallbacks and error codes ------------------------------------------

@@ -5,6 +5,12 @@
 interface as the real library (``tunerd.nvml.Backend`` / ``Device``) and answers only
 what a snapshot records (identity, memory size, locality, NVLink, MIG, PCIe levels);
 every other reading is ``NA``, exactly as on a driver that does not support it.
+
+Given a telemetry recording too (tests/fixtures/nvml/*.json, as
+tests/fixtures/nvml/record_telemetry.py writes them), it also answers the driver and
+CUDA versions and, where the recording has them, each GPU's utilization, power,
+temperature, clocks, throttle reasons and PCIe link (GPU i of the snapshot reads GPU
+i mod n of the recording).
 """
 
 from __future__ import annotations
@@ -29,6 +35,61 @@ class ReplayDevice(nvml.Device):
         self.replay = replay
         self.gpu = gpu
         self.mig = mig
+
+    def _tel(self, key: str) -> Any:
+        """A recorded reading of this GPU (None: not recorded, or a MIG slice)."""
+        rec = self.replay.telemetry_gpus
+        if self.mig is not None or not rec:
+            return None
+        return rec[self.gpu.index % len(rec)].get(key)
+
+    def _tel_int(self, key: str) -> NaOr[int]:
+        v = self._tel(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else NA
+
+    @property
+    def utilization(self) -> nvml.Utilization:
+        u = self._tel("utilization")
+        if not isinstance(u, dict):
+            return nvml.Utilization(NA, NA)
+        g, m = u.get("gpu"), u.get("memory")
+        return nvml.Utilization(g if isinstance(g, int) else NA, m if isinstance(m, int) else NA)
+
+    @property
+    def power_usage_mw(self) -> NaOr[int]:
+        return self._tel_int("power_mw")
+
+    @property
+    def enforced_power_limit_mw(self) -> NaOr[int]:
+        return self._tel_int("power_limit_mw")
+
+    @property
+    def temperature_c(self) -> NaOr[int]:
+        return self._tel_int("temperature")
+
+    @property
+    def sm_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("sm_clock_mhz")
+
+    @property
+    def memory_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("mem_clock_mhz")
+
+    @property
+    def graphics_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("graphics_clock_mhz")
+
+    @property
+    def clocks_event_reasons(self) -> NaOr[int]:
+        return self._tel_int("clocks_event_reasons")
+
+    @property
+    def pcie_link_gen(self) -> NaOr[int]:
+        return self._tel_int("pcie_link_gen")
+
+    @property
+    def pcie_link_width(self) -> NaOr[int]:
+        return self._tel_int("pcie_link_width")
 
     def _mig_rec(self) -> dict[str, Any]:
         return dict(self.gpu.mig_devices[self.mig]) if self.mig is not None else {}
@@ -110,12 +171,17 @@ class ReplayDevice(nvml.Device):
 
 
 class ReplayNvml(nvml.Backend):
-    """The GPUs of a topology snapshot. ``device_class`` lets a test answer more."""
+    """The GPUs of a topology snapshot (and a telemetry recording's readings, when given).
+    ``device_class`` lets a test answer more."""
 
     device_class: type[ReplayDevice] = ReplayDevice
 
-    def __init__(self, topo: Topology) -> None:
+    def __init__(self, topo: Topology, telemetry: dict[str, Any] | None = None) -> None:
         self.topo = topo
+        self.telemetry = telemetry or {}
+        gpus_rec = self.telemetry.get("gpus")
+        self.telemetry_gpus: list[dict[str, Any]] = [
+            g for g in gpus_rec if isinstance(g, dict)] if isinstance(gpus_rec, list) else []
         gpus = list(topo.gpus)
         # per GPU the remote end of each NVLink: ("switch", fake bus) or ("gpu", bus id)
         self.nvlink_ends: dict[int, list[tuple[str, str]]] = {}
@@ -136,3 +202,18 @@ class ReplayNvml(nvml.Backend):
 
     def devices(self) -> list[nvml.Device]:
         return list(self._devices)
+
+    @property
+    def driver_version(self) -> NaOr[str]:
+        v = self.telemetry.get("driver_version")
+        return str(v) if v else NA
+
+    @property
+    def nvml_version(self) -> NaOr[str]:
+        v = self.telemetry.get("nvml_version")
+        return str(v) if v else NA
+
+    @property
+    def cuda_driver_version(self) -> NaOr[int]:
+        v = self.telemetry.get("cuda_driver_version")
+        return v if isinstance(v, int) and not isinstance(v, bool) else NA
