@@ -207,6 +207,15 @@ class _Lib(SimpleNamespace):
         # the message is not what tells errors apart: a lying one changes nothing
         raise type(nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT))("Insufficient Permissions")
 
+    nvmlMemory_v2 = 0x02000028
+
+    def nvmlDeviceGetMemoryInfo(self, h: Any, version: int | None = None) -> Any:
+        if version and h == "old-driver":  # no nvmlDeviceGetMemoryInfo_v2 symbol
+            raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        reserved = 0 if version else 512 << 20  # v1 counts the driver's reserved memory
+        return SimpleNamespace(total=8 << 30, used=(1 << 30) + reserved,
+                               free=(7 << 30) - reserved)
+
     def nvmlEventSetCreate(self) -> str:
         return "es"
 
@@ -218,6 +227,8 @@ def test_versioned_fallback_and_errors_by_code() -> None:
     b = nvml.NvmlBackend(_Lib())
     d = nvml.NvmlDevice(b, "h0", 0)
     assert d.compute_processes() == [nvml.GpuProcess(7, 5)]  # _v3 not found -> _v2
+    assert d.memory_info.used == 1 << 30  # the v2 struct: as nvidia-smi's memory.used
+    assert nvml.NvmlDevice(b, "old-driver", 1).memory_info.used == (1 << 30) + (512 << 20)
     assert b.attempt(("nvmlDeviceGetPowerUsage",), "h0") == (NA, nvml.ERROR_GPU_IS_LOST)
     assert d.power_usage_mw is NA and d.temperature_c is NA  # missing function: NA too
     assert b.attempt(("nvmlNoSuchFunction",)) == (NA, nvml.ERROR_FUNCTION_NOT_FOUND)

@@ -193,7 +193,9 @@ class Device:
     # -- memory -----------------------------------------------------------------------
     @property
     def memory_info(self) -> MemoryInfo:
-        """Total, used and free device memory in bytes (``memory.total,used,free``, MiB)."""
+        """Total, used and free device memory in bytes (``memory.total,used,free``, MiB;
+        ``used`` without the driver's reserved memory, ``memory.reserved``, where the
+        driver has the v2 query)."""
         return MemoryInfo(NA, NA, NA)
 
     @property
@@ -560,7 +562,14 @@ class NvmlDevice(Device):
 
     @property
     def memory_info(self) -> MemoryInfo:
-        m = self._q("nvmlDeviceGetMemoryInfo")
+        # the v2 struct first: its ``used`` leaves out the driver's reserved memory, as
+        # nvidia-smi's memory.used does (v1's counts it: ~0.5 GiB more on an H100)
+        m: Any = NA
+        v2 = getattr(self.backend.lib, "nvmlMemory_v2", None)
+        if isinstance(v2, int):
+            m = self._q("nvmlDeviceGetMemoryInfo", args=(v2,))
+        if m is NA:
+            m = self._q("nvmlDeviceGetMemoryInfo")
         if m is NA:
             return MemoryInfo(NA, NA, NA)
         return MemoryInfo(_int(getattr(m, "total", None)), _int(getattr(m, "used", None)),
