@@ -2,7 +2,7 @@
 
 Where the sampling runs, and why: a cycle is a few dozen reads of small procfs
 files (well under a millisecond of CPU) plus NVML calls, but
-``nvmlDeviceGetPcieThroughput`` sleeps ~20 ms per GPU inside the driver and
+NVML's PCIe throughput query sleeps ~20 ms per GPU inside the driver and
 numa_maps of a large process walks its page tables. So each cycle runs in ONE
 dedicated executor thread — the loop is never blocked and the samplers' own
 state (previous counters) is only ever touched by that thread. The job list is
