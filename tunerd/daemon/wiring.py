@@ -16,6 +16,7 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from tunerd.binding import Binder
@@ -40,11 +41,13 @@ from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import load_topology
 from tunerd.tuners import build_tuners
+from tunerd.tuners.nccl import NcclTuner
 
 __all__ = ["build"]
 
@@ -72,6 +75,8 @@ def build(cfg: DaemonConfig) -> Daemon:
     save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
+    if cfg.debug_nvml_replay is not None:
+        _replay_nvml(cfg.debug_nvml_replay, topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
@@ -106,10 +111,22 @@ def build(cfg: DaemonConfig) -> Daemon:
                 "rule_bind_failures": float(autobind.failed),
                 "rule_matches": float(autobind.matched)}
 
+    nccl_tuner = NcclTuner(cfg.etc_root)
+
+    def nccl_conf() -> tuple[dict[str, str], str | None]:
+        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (sampler thread)."""
+        conf = nccl_tuner.load()
+        return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
+
+    fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root,
+                       python=str(cfg.job_python) if cfg.job_python is not None else None)
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
-                      jobs, errors, daemon_facts=daemon_facts)
+                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet)
+
+    async def fleet_changed(new: Policy) -> None:
+        fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
 
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
@@ -120,7 +137,8 @@ def build(cfg: DaemonConfig) -> Daemon:
                            max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
-                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],
+                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
+                               ("fleet", fleet_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
                     pidfile=cfg.runtime_dir / "tunerd.pid")
 
@@ -140,3 +158,29 @@ def build(cfg: DaemonConfig) -> Daemon:
     TopologyCommands(topology).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
+
+
+def _replay_nvml(recording: Path, topology: Any) -> None:
+    """NVML answered from the snapshot's GPUs plus a recording's driver and CUDA versions
+    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
+    import json
+
+    from tunerd import nvml
+    from tunerd.errors import UsageError
+    from tunerd.topology.nvml_replay import ReplayNvml
+
+    try:
+        rec = json.loads(recording.read_text())
+        driver, cuda = str(rec["driver_version"]), int(rec["cuda_driver_version"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{recording}: not an NVML recording (driver_version, "
+                         f"cuda_driver_version): {err}") from err
+
+    class Recorded(ReplayNvml):
+        def nvmlSystemGetDriverVersion(self) -> str:
+            return driver
+
+        def nvmlSystemGetCudaDriverVersion(self) -> int:
+            return cuda
+
+    nvml.set_backend(Recorded(topology))
