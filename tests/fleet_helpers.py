@@ -33,16 +33,17 @@ METRICS_PORT = 9464
 
 QUERY_SCRIPT = r"""
 import json, sys, urllib.parse, urllib.request
+PORT = int(sys.argv[1])
 out = []
 for q in json.load(sys.stdin):
     data = urllib.parse.urlencode({"query": q}).encode()
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d/api/v1/query", data, timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/api/v1/query", data, timeout=10) as r:
             out.append(json.load(r))
     except urllib.error.HTTPError as e:
         out.append(json.load(e))
 print(json.dumps(out))
-""" % PROM_PORT
+"""
 
 
 @dataclass
@@ -77,7 +78,8 @@ class Fleet:
 
     def query(self, *exprs: str) -> list[dict[str, Any]]:
         """Prometheus' answer (status, data) to each instant query."""
-        r = self.in_monitor(sys.executable, "-c", QUERY_SCRIPT, input=json.dumps(exprs))
+        r = self.in_monitor(sys.executable, "-c", QUERY_SCRIPT, str(PROM_PORT),
+                            input=json.dumps(exprs))
         assert r.rc == 0, r
         answers: list[dict[str, Any]] = json.loads(r.out)
         return answers
@@ -115,8 +117,8 @@ def _policy(ib_hca: str) -> str:
 
 def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
     """``specs``: per node nic, mtu, ib_hca, nvml, group (and python, the job_python
-    whose torch is probed: /usr/bin/python3, without torch, by default). Starts everything; waits until
-    Prometheus has scraped every node's tunerd_node_info."""
+    whose torch is probed: /usr/bin/python3, without torch, by default). Starts
+    everything; waits until Prometheus has scraped every node's tunerd_node_info."""
     tmp = Path(tempfile.mkdtemp(prefix="tunerd-fleet-"))
     tmp.chmod(0o755)
     fleet = Fleet(mon_ns=f"{prefix}-mon", tmp=tmp)

@@ -94,11 +94,18 @@ def test_fleet_check_names_exactly_the_injected_differences(fleet: Fleet) -> Non
 
 def test_a_consistent_fleet_passes_though_nic_names_differ(fleet: Fleet) -> None:
     # n0 (fab0) and n1 (ens1f0): same MTU, subnet, settings, versions, policy
-    rc, found, out = findings(fleet, "--class-label", "group")
-    assert {f["class"] for f in found} == {"odd"}, out  # a 2-node tie: each named
+    rc, found, out = findings(fleet, "--match", 'group="ok"')
+    assert (rc, found) == (0, []), out
     ok = fleet.tunerctl("fleet", "check", "--prometheus", "http://127.0.0.1:9090",
-                        "--class-label", "group")
-    assert "10.77.0.10" not in ok.out and "10.77.0.11" not in ok.out, ok.out
+                        "--match", 'group="ok"')
+    assert (ok.rc, ok.out) == (0, "2 node(s) in 1 class(es): consistent\n"), ok
+    # grouped by a target label instead: the odd pair is a 2-node tie, each node named
+    _rc, found, out = findings(fleet, "--class-label", "group")
+    assert {f["class"] for f in found} == {"odd"}, out
+    assert {f["majority"] for f in found} == {None}, out
+    bad = fleet.tunerctl("fleet", "check", "--prometheus", "http://127.0.0.1:9090",
+                         "--match", "group}")
+    assert bad.rc == 2 and "--match: not a list of PromQL label matchers" in bad.err, bad
 
 
 def test_unreachable_prometheus_exits_3(fleet: Fleet) -> None:
@@ -122,7 +129,7 @@ def test_the_slow_node_of_a_two_node_job_is_named(fleet: Fleet) -> None:
             _report(fleet, 0 if i < 2 else 1, p.pid, i, 0.50 if i < 2 else 0.65)
 
         def straggler() -> list[dict[str, Any]]:
-            rc, found, _ = findings(fleet, "--window", "5s")
+            _rc, found, _ = findings(fleet, "--window", "5s")
             return [f for f in found if f["key"] == "straggler"]
 
         got = wait_for(straggler, 30, "the straggler finding", interval=1.0)

@@ -18,6 +18,9 @@ def fleet() -> None:
               "(env TUNERD_PROMETHEUS).")
 @click.option("--class-label", default="class", show_default=True, metavar="L",
               help="Label of tunerd_node_info that groups comparable nodes.")
+@click.option("--match", default="", metavar="MATCHERS",
+              help='Only nodes whose series match these PromQL label matchers, '
+              'e.g. cluster="a",rack=~"r1.*".')
 @click.option("--window", default="5m", show_default=True, metavar="DURATION",
               help="Straggler window (a PromQL duration).")
 @click.option("--straggler-threshold", "threshold", default=0.10, show_default=True,
@@ -25,7 +28,8 @@ def fleet() -> None:
               help="A node's step time above the job median by more than this share.")
 @click.option("--timeout", default=10.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds per query.")
-def check(url: str, class_label: str, window: str, threshold: float, timeout: float) -> int:
+def check(url: str, class_label: str, match: str, window: str, threshold: float,
+          timeout: float) -> int:
     """Every node against its class majority: NCCL-interface MTU and subnet, NCCL
     settings, driver/CUDA/NCCL versions, policy hash; and stragglers of multi-node jobs.
 
@@ -35,6 +39,7 @@ def check(url: str, class_label: str, window: str, threshold: float, timeout: fl
     from tunerd.cli.fleet import Prometheus, check_fleet, format_findings
 
     ctx = get_ctx()
-    result = check_fleet(Prometheus(url, timeout), class_label, window, threshold)
+    result = check_fleet(Prometheus(url, timeout), class_label, window, threshold,
+                         match)
     ctx.emit(result, format_findings)
     return 1 if result["findings"] else 0

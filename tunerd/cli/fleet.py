@@ -14,6 +14,7 @@ cause where tunerd exports one. HTTP with the standard library only (fast start)
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import urllib.error
 import urllib.parse
@@ -115,13 +116,28 @@ def _compare(classes: dict[str, list[str]], key: str, value_of: dict[str, str]
     return out
 
 
+def _selector(match: str) -> str:
+    """``--match 'cluster="a",rack=~"r1.*"'`` -> ``,cluster="a",rack=~"r1.*"`` (appended
+    inside every selector's braces); "" for the whole fleet."""
+    match = match.strip().strip(",")
+    if not match:
+        return ""
+    if any(c in match for c in "{}") or not re.fullmatch(
+            r'\s*[A-Za-z_]\w*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
+            r'(,\s*[A-Za-z_]\w*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*)*', match):
+        raise UsageError(f"--match: not a list of PromQL label matchers: {match!r} "
+                         "(e.g. cluster=\"a\",rack=~\"r1.*\")")
+    return "," + match
+
+
 def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m",
-                threshold: float = 0.10) -> dict[str, Any]:
+                threshold: float = 0.10, match: str = "") -> dict[str, Any]:
     """Every inconsistency and straggler of the fleet Prometheus sees (see module doc)."""
     if not class_label.isidentifier():
         raise UsageError(f"--class-label: not a Prometheus label name: {class_label!r}")
+    sel = _selector(match)
     by = f"instance, {class_label}" if class_label != "instance" else "instance"
-    info = prom.query(f"max by ({by}, driver, cuda, nccl) (tunerd_node_info)")
+    info = prom.query(f"max by ({by}, driver, cuda, nccl) (tunerd_node_info{{{sel[1:]}}})")
     node_class: dict[str, str] = {}
     versions: dict[str, dict[str, str]] = {k: {} for _, k in VERSION_KEYS}
     for s in info:
@@ -136,8 +152,8 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
 
     findings: list[Finding] = []
     policy = {s["metric"].get("instance", ""): s["metric"].get("hash", "")
-              for s in prom.query("max by (instance, hash) (tunerd_policy_info)")}
-    nics = prom.query('max by (instance, subnet) (tunerd_nic_mtu{nccl="1"})')
+              for s in prom.query(f"max by (instance, hash) (tunerd_policy_info{{{sel[1:]}}})")}
+    nics = prom.query(f'max by (instance, subnet) (tunerd_nic_mtu{{nccl="1"{sel}}})')
     mtus: dict[str, set[str]] = defaultdict(set)
     subnets: dict[str, set[str]] = defaultdict(set)
     for s in nics:
@@ -145,7 +161,8 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
         mtus[inst].add(str(int(float(s["value"][1]))))
         subnets[inst].add(s["metric"].get("subnet") or NONE)
     settings: dict[str, dict[str, str]] = defaultdict(dict)  # key -> instance -> value
-    for s in prom.query("max by (instance, key, value) (tunerd_nccl_setting_info)"):
+    for s in prom.query(f"max by (instance, key, value) "
+                        f"(tunerd_nccl_setting_info{{{sel[1:]}}})"):
         m = s["metric"]
         settings[m.get("key", "")][m.get("instance", "")] = m.get("value", "")
 
@@ -159,7 +176,7 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
     for _, key in VERSION_KEYS:
         findings += _compare(classes, key, versions[key])
     findings += _compare(classes, "policy_hash", policy)
-    stragglers = find_stragglers(prom, node_class, window, threshold)
+    stragglers = find_stragglers(prom, node_class, window, threshold, sel)
     return {"nodes": len(node_class), "classes": {k: len(v) for k, v in sorted(classes.items())},
             "findings": [f.to_dict() for f in findings + stragglers],
             "queries": prom.queries, "window": window, "threshold": threshold}
@@ -174,11 +191,11 @@ def _job(labels: dict[str, str]) -> str:
 
 
 def find_stragglers(prom: Prometheus, node_class: dict[str, str], window: str,
-                    threshold: float) -> list[Finding]:
+                    threshold: float, sel: str = "") -> list[Finding]:
     if not window or not window[0].isdigit():
         raise UsageError(f"--window: not a Prometheus duration: {window!r}")
     series = prom.query(f"avg by (instance, job, exported_job, rank) "
-                        f"(avg_over_time(tunerd_rank_step_seconds[{window}]))")
+                        f"(avg_over_time(tunerd_rank_step_seconds{{{sel[1:]}}}[{window}]))")
     per_job: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for s in series:
         m = s["metric"]
