@@ -161,8 +161,12 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
         targets = "".join(
             f"      - targets: ['{n.instance}']\n        labels: {{group: '{s['group']}'}}\n"
             for n, s in zip(fleet.nodes, specs, strict=True))
+        # the shipped fleet rules, with their 5m windows shortened to fit a test
+        rules = (REPO / "contrib/prometheus/tunerd-fleet.yml").read_text()
+        (tmp / "tunerd-fleet.yml").write_text(rules.replace("[5m]", "[5s]"))
         (tmp / "prometheus.yml").write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files: [{tmp / 'tunerd-fleet.yml'}]\n"
             "scrape_configs:\n  - job_name: tunerd\n    static_configs:\n" + targets)
         log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - owned by the process
         prom = shutil.which("prometheus")

@@ -92,6 +92,24 @@ def test_fleet_check_names_exactly_the_injected_differences(fleet: Fleet) -> Non
             "3 of 4 nodes)") in human.out, human.out
 
 
+def _alerts(fleet: Fleet, name: str) -> set[tuple[str, ...]]:
+    """Pending or firing alerts of the shipped rules (their `for:` is minutes: pending)."""
+    return {(a["metric"]["instance"], a["metric"].get("key") or a["metric"]["exported_job"],
+             a["metric"].get("value", "")) for a in fleet.series(f'ALERTS{{alertname="{name}"}}')}
+
+
+def test_the_shipped_rules_alert_on_the_same_nodes(fleet: Fleet) -> None:
+    n2, n3 = fleet.nodes[2].instance, fleet.nodes[3].instance
+    hashes = {s["metric"]["instance"]: s["metric"]["hash"]
+              for s in fleet.series("tunerd_policy_info")}
+    want = {(n2, "nccl_mtu", "1500"), (n2, "driver_version", "535.161.08"),
+            (n2, "cuda_version", "12.2"), (n3, "nccl:NCCL_IB_HCA", "mlx5_0"),
+            (n3, "policy_hash", hashes[n3])}
+    wait_for(lambda: _alerts(fleet, "TunerdNodeDiffersFromItsClass") == want, 20,
+             "the rules' alerts for exactly the injected differences", interval=0.5,
+             detail=lambda: repr(_alerts(fleet, "TunerdNodeDiffersFromItsClass")))
+
+
 def test_a_consistent_fleet_passes_though_nic_names_differ(fleet: Fleet) -> None:
     # n0 (fab0) and n1 (ens1f0): same MTU, subnet, settings, versions, policy
     rc, found, out = findings(fleet, "--match", 'group="ok"')
@@ -133,6 +151,9 @@ def test_the_slow_node_of_a_two_node_job_is_named(fleet: Fleet) -> None:
             return [f for f in found if f["key"] == "straggler"]
 
         got = wait_for(straggler, 30, "the straggler finding", interval=1.0)
+        wait_for(lambda: _alerts(fleet, "TunerdStraggler") == {
+            (fleet.nodes[1].instance, "llm-7b", "")}, 20, "the TunerdStraggler alert",
+            interval=0.5)
         assert [(f["instance"], f["job"]) for f in got] == [(fleet.nodes[1].instance, "llm-7b")]
         assert 1.1 < got[0]["ratio"] < 1.3
         assert any("rank 2,3 unbound" in c for c in got[0]["causes"]), got
