@@ -13,16 +13,19 @@ MTU and subnet), the straggler of a two-node job, and every dashboard query retu
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fleet_helpers import NVML_535, NVML_550, Fleet, start_fleet
-from tests.helpers import wait_for
+from tests.helpers import REPO, wait_for
 from tests.leases_helpers import kill, spawn
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
@@ -47,8 +50,6 @@ def fleet() -> Iterator[Fleet]:
 
 
 def findings(f: Fleet, *args: str) -> tuple[int, list[dict[str, Any]], str]:
-    import json
-
     r = f.tunerctl("--json", "fleet", "check", "--prometheus", "http://127.0.0.1:9090", *args)
     assert r.rc in (0, 1), r
     return r.rc, json.loads(r.out)["findings"], r.out
@@ -131,12 +132,13 @@ def test_unreachable_prometheus_exits_3(fleet: Fleet) -> None:
     assert r.rc == 3 and "cannot reach Prometheus at http://127.0.0.1:1" in r.err, r
 
 
-def _report(fleet: Fleet, node: int, pid: int, rank: int, step: float) -> None:
+def _report(fleet: Fleet, node: int, pid: int, rank: int, step: float,
+            job: str = "llm-7b") -> None:
     from tunerd.client import Client
 
     c = Client(str(fleet.nodes[node].daemon.socket), timeout=10)
     c.call("report", pid=pid, steps=100, step_time_s=step, samples_per_s=64 / step,
-           rank=rank, local_rank=rank % 2, local_world_size=2, job="llm-7b")
+           rank=rank, local_rank=rank % 2, local_world_size=2, job=job)
 
 
 def test_the_slow_node_of_a_two_node_job_is_named(fleet: Fleet) -> None:
@@ -177,3 +179,55 @@ def test_promtool_checks_the_exposition(fleet: Fleet) -> None:
     # promtool lints names, units and help too: nothing to say about any series
     assert (p.returncode, p.stdout, p.stderr) == (0, "", ""), p.stdout + p.stderr
     assert "tunerd_node_info{" in r.out and "tunerd_nic_mtu{" in r.out
+
+
+DASHBOARD = REPO / "deploy" / "grafana" / "tunerd.json"
+
+
+def _dashboard_queries() -> dict[str, str]:
+    """Every panel's query (and every query variable's selector), variables filled in
+    as Grafana does with "All" selected."""
+    dash = json.loads(DASHBOARD.read_text())
+    names = {v["name"] for v in dash["templating"]["list"]}
+    assert {"node", "class", "job"} <= names
+    out: dict[str, str] = {}
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            out[f"{p['title']} ({t['refId']})"] = t["expr"]
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]["query"])
+            assert m, v
+            out[f"variable {v['name']}"] = m.group(1)
+    return {k: e.replace("$class", ".*").replace("$node", ".*").replace("$job", ".*")
+            .replace("$scrape_job", "tunerd") for k, e in out.items()}
+
+
+def test_every_dashboard_query_parses_and_returns_data(fleet: Fleet, tmp_path: Path) -> None:
+    queries = _dashboard_queries()
+    assert len(queries) >= 20
+    # promtool parses each: as recording rules of a rules file
+    rules = tmp_path / "dashboard-rules.yml"
+    rules.write_text("groups:\n  - name: dashboard\n    rules:\n" + "".join(
+        f"      - record: dashboard:q{i}\n        expr: {json.dumps(e)}\n"
+        for i, e in enumerate(queries.values())))
+    p = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # a two-node job whose ranks report, so that the per-job panels have data
+    procs = [spawn(["sleep", "120"]) for _ in range(2)]
+    try:
+        for i, pr in enumerate(procs):
+            _report(fleet, i, pr.pid, i, 0.5 + 0.2 * i, job="dash")
+
+        def empty() -> list[str]:
+            answers = fleet.query(*queries.values())
+            bad = [k for k, a in zip(queries, answers, strict=True)
+                   if a["status"] != "success" or not a["data"]["result"]]
+            return bad
+
+        wait_for(lambda: not empty(), 30, "every dashboard query to return data",
+                 interval=1.0, detail=lambda: repr(empty()))
+    finally:
+        for pr in procs:
+            kill(pr)

@@ -160,27 +160,11 @@ def build(cfg: DaemonConfig) -> Daemon:
     return daemon
 
 
+
 def _replay_nvml(recording: Path, topology: Any) -> None:
-    """NVML answered from the snapshot's GPUs plus a recording's driver and CUDA versions
+    """NVML answered from the snapshot plus a recording's driver and telemetry
     (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
-    import json
-
     from tunerd import nvml
-    from tunerd.errors import UsageError
-    from tunerd.topology.nvml_replay import ReplayNvml
+    from tunerd.topology.nvml_recording import RecordedNvml
 
-    try:
-        rec = json.loads(recording.read_text())
-        driver, cuda = str(rec["driver_version"]), int(rec["cuda_driver_version"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"{recording}: not an NVML recording (driver_version, "
-                         f"cuda_driver_version): {err}") from err
-
-    class Recorded(ReplayNvml):
-        def nvmlSystemGetDriverVersion(self) -> str:
-            return driver
-
-        def nvmlSystemGetCudaDriverVersion(self) -> int:
-            return cuda
-
-    nvml.set_backend(Recorded(topology))
+    nvml.set_backend(RecordedNvml(topology, recording))
