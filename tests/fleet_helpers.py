@@ -117,7 +117,8 @@ def _policy(ib_hca: str) -> str:
 
 def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
     """``specs``: per node nic, mtu, ib_hca, nvml, group (and python, the job_python
-    whose torch is probed: /usr/bin/python3, without torch, by default). Starts
+    whose torch is probed: /usr/bin/python3, without torch, by default; pcie_x8: a
+    sysfs tree where the replayed GPU 0's link runs at x8 of x16). Starts
     everything; waits until Prometheus has scraped every node's tunerd_node_info."""
     tmp = Path(tempfile.mkdtemp(prefix="tunerd-fleet-"))
     tmp.chmod(0o755)
@@ -145,7 +146,17 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
             sh(*node, "link", "set", nic, "mtu", str(spec["mtu"]))
             sh(*node, "addr", "add", f"{addr}/24", "dev", nic)
             sh(*node, "link", "set", nic, "up")
-            d = make_daemon(tmp / f"n{i}", _policy(spec["ib_hca"]), ns=ns,
+            extra: dict[str, Any] = {}
+            if spec.get("pcie_x8"):  # GPU 0's link trained to 8 of its 16 lanes
+                sys_root = tmp / f"n{i}-sys"
+                dev = sys_root / "bus/pci/devices/0000:01:00.0"
+                dev.mkdir(parents=True)
+                for name, value in (("current_link_width", "8"), ("max_link_width", "16"),
+                                    ("current_link_speed", "16.0 GT/s PCIe"),
+                                    ("max_link_speed", "16.0 GT/s PCIe")):
+                    (dev / name).write_text(value + "\n")
+                extra["sys_root"] = sys_root
+            d = make_daemon(tmp / f"n{i}", _policy(spec["ib_hca"]), ns=ns, **extra,
                             sample_interval=0.5, job_python=Path(spec.get("python",
                                                                          "/usr/bin/python3")),
                             debug_nvml_replay=spec["nvml"])

@@ -6,7 +6,7 @@ consistent part of the fleet (whose NCCL interfaces have different names with th
 MTU and subnet), the straggler of a two-node job, and every dashboard query returns data.
 
     n0  fab0    MTU 9000  driver 550  NCCL_IB_HCA=mlx5     group ok
-    n1  ens1f0  MTU 9000  driver 550  NCCL_IB_HCA=mlx5     group ok
+    n1  ens1f0  MTU 9000  driver 550  NCCL_IB_HCA=mlx5     group ok (GPU 0 at PCIe x8)
     n2  fab0    MTU 1500  driver 535  NCCL_IB_HCA=mlx5     (MTU, driver: injected)
     n3  ens1f0  MTU 9000  driver 550  NCCL_IB_HCA=mlx5_0   (NCCL setting -> policy hash)
 """
@@ -34,7 +34,8 @@ SPECS = [
     # n0 probes the test venv's (CPU) torch; the others a Python without torch (quick)
     {"nic": "fab0", "mtu": 9000, "ib_hca": "mlx5", "nvml": NVML_550, "group": "ok",
      "python": sys.executable},
-    {"nic": "ens1f0", "mtu": 9000, "ib_hca": "mlx5", "nvml": NVML_550, "group": "ok"},
+    {"nic": "ens1f0", "mtu": 9000, "ib_hca": "mlx5", "nvml": NVML_550, "group": "ok",
+     "pcie_x8": True},
     {"nic": "fab0", "mtu": 1500, "ib_hca": "mlx5", "nvml": NVML_535, "group": "odd"},
     {"nic": "ens1f0", "mtu": 9000, "ib_hca": "mlx5_0", "nvml": NVML_550, "group": "odd"},
 ]
@@ -158,7 +159,9 @@ def test_the_slow_node_of_a_two_node_job_is_named(fleet: Fleet) -> None:
             interval=0.5)
         assert [(f["instance"], f["job"]) for f in got] == [(fleet.nodes[1].instance, "llm-7b")]
         assert 1.1 < got[0]["ratio"] < 1.3
-        assert any("rank 2,3 unbound" in c for c in got[0]["causes"]), got
+        # (the recorded GPU 1 is throttled, and this shared machine's PSI may be high too)
+        assert {"rank 2,3 unbound", "GPU 0 PCIe link at x8 of x16",
+                "GPU 1 throttled (sw_thermal)"} <= set(got[0]["causes"]), got
         # the rank series end with their processes
         for p in procs:
             kill(p)

@@ -19,7 +19,8 @@ from tunerd.topology.nvml_replay import ReplayNvml
 
 FLEET_FAMILIES = ("tunerd_node_info", "tunerd_policy_info", "tunerd_nic_mtu",
                   "tunerd_nccl_setting_info", "tunerd_rank_step_seconds",
-                  "tunerd_rank_samples_per_second", "tunerd_rank_bound")
+                  "tunerd_rank_samples_per_second", "tunerd_rank_bound",
+                  "tunerd_gpu_pcie_link_degraded")
 
 
 def _series(text: str, names: tuple[str, ...]) -> int:
@@ -94,3 +95,18 @@ def test_floods_are_capped(tmp_path: Path) -> None:
     assert _series(text, ("tunerd_rank_step_seconds",)) == MAX_RANKS
     assert _series(text, ("tunerd_nccl_setting_info",)) == MAX_NCCL_KEYS
     assert _series(text, FLEET_FAMILIES) < 200
+
+
+def test_pcie_link_width_against_its_maximum(tmp_path: Path) -> None:
+    from tunerd.monitor.facts import read_pcie_links
+
+    for bdf, width in (("0000:18:00.0", "16"), ("0000:2a:00.0", "4")):
+        d = tmp_path / "bus/pci/devices" / bdf
+        d.mkdir(parents=True)
+        for name, value in (("current_link_width", width), ("max_link_width", "16"),
+                            ("current_link_speed", "2.5 GT/s PCIe"),  # idle: ASPM
+                            ("max_link_speed", "32.0 GT/s PCIe")):
+            (d / name).write_text(value + "\n")
+    links = read_pcie_links([(0, "0000:18:00.0"), (1, "0000:2a:00.0"), (2, "0000:99:00.0")],
+                            tmp_path)
+    assert [(p.gpu, p.width, p.max_width) for p in links] == [(0, 16, 16), (1, 4, 16)]

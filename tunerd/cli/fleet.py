@@ -244,6 +244,12 @@ def _likely_causes(prom: Prometheus, stragglers: list[Finding]) -> None:
         m = s["metric"]
         causes[m.get("instance", "")].append(
             f"GPU {m.get('gpu', '?')} throttled ({m.get('reason', '?')})")
+    for s in prom.query("max by (instance, gpu, width, max_width) "
+                        "(tunerd_gpu_pcie_link_degraded) == 1"):
+        m = s["metric"]
+        causes[m.get("instance", "")].append(
+            f"GPU {m.get('gpu', '?')} PCIe link at x{m.get('width', '?')} of "
+            f"x{m.get('max_width', '?')}")
     for f in stragglers:
         ranks = unbound.get((f.instance, f.job or ""), [])
         if ranks:

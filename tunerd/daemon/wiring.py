@@ -118,7 +118,8 @@ def build(cfg: DaemonConfig) -> Daemon:
         conf = nccl_tuner.load()
         return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
 
-    fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root,
+    fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root, sys_root=cfg.sys_root,
+                       gpu_pci=[(g.index, g.pci_bus_id) for g in topology.gpus],
                        python=str(cfg.job_python) if cfg.job_python is not None else None)
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,

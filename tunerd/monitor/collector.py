@@ -171,7 +171,7 @@ class MonitorCollector(Collector):
 
     def _fleet(self, f: FleetFacts, ranks: list[dict[str, Any]]) -> Iterator[Metric]:
         """What ``tunerctl fleet check`` compares between nodes (docs/fleet.md); every
-        family bounded: 1 + 1 + MAX_NICS + MAX_NCCL_KEYS + 3 x MAX_RANKS series."""
+        family bounded: 1 + 1 + MAX_NICS + MAX_NCCL_KEYS + 3 x MAX_RANKS + GPUs series."""
         v = f.versions
         info = GaugeMetricFamily(
             "tunerd_node_info", "1, with the node's class (matched policy names/GPU model) "
@@ -215,6 +215,15 @@ class MonitorCollector(Collector):
         yield step
         yield tput
         yield bound
+        # a link trained to fewer lanes than it has (a reseat or riser fault) halves
+        # host<->GPU bandwidth for good; the speed alone drops when the GPU idles (ASPM)
+        link = GaugeMetricFamily("tunerd_gpu_pcie_link_degraded", "1 when the GPU's PCIe "
+                                 "link runs with fewer lanes than its maximum",
+                                 labels=["gpu", "width", "max_width"])
+        for p in f.pcie:
+            link.add_metric([str(p.gpu), str(p.width), str(p.max_width)],
+                            1.0 if p.width < p.max_width else 0.0)
+        yield link
 
     def _health(self) -> Iterator[Metric]:
         """The one place the collector reads daemon state outside the monitor's sample.

@@ -8,7 +8,8 @@ Two kinds, read at two cadences:
   it bundles) are probed the way ``tunerctl doctor`` does, in an isolated subprocess
   (``python -I`` from cwd ``/``, minimal environment, a timeout): the daemon never
   imports torch. Driver and CUDA come from NVML, else from the driver's version file.
-- Live facts — each NIC's MTU and IPv4 subnet, the managed ``/etc/nccl.conf`` keys —
+- Live facts — each NIC's MTU and IPv4 subnet, the managed ``/etc/nccl.conf`` keys,
+  each GPU's PCIe link width against its maximum —
   change when tunerd applies a policy, so they are re-read in the sampler thread every
   LIVE_EVERY seconds and at once after a policy change (``getifaddrs``, sysfs and one
   small file: ~0.5-1 ms on a loaded 2-core machine, too much for every 1 s cycle).
@@ -35,8 +36,9 @@ from typing import Any
 
 from tunerd import __version__, nvml
 
-__all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "Versions",
-           "match_ifnames", "node_class", "policy_hash", "probe_torch_isolated", "read_nics"]
+__all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "PcieLink",
+           "Versions", "match_ifnames", "node_class", "policy_hash", "probe_torch_isolated",
+           "read_nics", "read_pcie_links"]
 
 log = logging.getLogger("tunerd.monitor")
 
@@ -195,6 +197,33 @@ def probe_versions(python: str | None, proc_root: Path = Path("/proc"),
                     kernel=_label(os.uname().release))
 
 
+@dataclass(frozen=True)
+class PcieLink:
+    gpu: int
+    width: int
+    max_width: int
+    speed: str  # "16.0 GT/s PCIe"
+    max_speed: str
+
+
+def read_pcie_links(gpus: Sequence[tuple[int, str]], sys_root: Path) -> list[PcieLink]:
+    """Each GPU's PCIe link width and speed against its maximum (sysfs; the equivalent of
+    ``nvidia-smi -q -d PCIE``'s Link Width/Generation). GPUs absent here (a replayed
+    topology) are left out."""
+    out = []
+    for index, bdf in gpus:
+        d = sys_root / "bus/pci/devices" / bdf
+        try:
+            width, max_width = (int((d / f).read_text()) for f in (
+                "current_link_width", "max_link_width"))
+            speed, max_speed = ((d / f).read_text().strip() for f in (
+                "current_link_speed", "max_link_speed"))
+        except (OSError, ValueError):
+            continue
+        out.append(PcieLink(index, width, max_width, speed, max_speed))
+    return out
+
+
 @dataclass
 class FleetFacts:
     """What the collector exports for the fleet; fields are replaced whole, never mutated.
@@ -211,6 +240,9 @@ class FleetFacts:
     versions: Versions | None = None  # None until the first probe finished
     nics: list[NicFact] = field(default_factory=list)
     nccl_settings: dict[str, str] = field(default_factory=dict)
+    gpu_pci: list[tuple[int, str]] = field(default_factory=list)  # (index, sysfs bus id)
+    sys_root: Path = Path("/sys")
+    pcie: list[PcieLink] = field(default_factory=list)
     _next_live: float = 0.0
     _probing: threading.Lock = field(default_factory=threading.Lock)
 
@@ -249,3 +281,4 @@ class FleetFacts:
         except Exception as err:
             log.debug("cannot read NICs: %r", err)
             self.nics = []
+        self.pcie = read_pcie_links(self.gpu_pci, self.sys_root)
