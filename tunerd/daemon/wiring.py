@@ -16,6 +16,7 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from tunerd.binding import Binder
@@ -41,11 +42,13 @@ from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import load_topology
 from tunerd.tuners import build_tuners
+from tunerd.tuners.nccl import NcclTuner
 
 __all__ = ["build"]
 
@@ -73,6 +76,8 @@ def build(cfg: DaemonConfig) -> Daemon:
     save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
+    if cfg.debug_nvml_replay is not None:
+        _replay_nvml(cfg.debug_nvml_replay, topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
@@ -109,10 +114,23 @@ def build(cfg: DaemonConfig) -> Daemon:
                 "rule_bind_failures": float(autobind.failed),
                 "rule_matches": float(autobind.matched)}
 
+    nccl_tuner = NcclTuner(cfg.etc_root)
+
+    def nccl_conf() -> tuple[dict[str, str], str | None]:
+        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (sampler thread)."""
+        conf = nccl_tuner.load()
+        return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
+
+    fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root, sys_root=cfg.sys_root,
+                       gpu_pci=[(g.index, g.pci_bus_id) for g in topology.gpus],
+                       python=str(cfg.job_python) if cfg.job_python is not None else None)
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
-                      jobs, errors, daemon_facts=daemon_facts)
+                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet)
+
+    async def fleet_changed(new: Policy) -> None:
+        fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
 
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
@@ -123,7 +141,8 @@ def build(cfg: DaemonConfig) -> Daemon:
                            max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
-                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],
+                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
+                               ("fleet", fleet_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
                     pidfile=cfg.runtime_dir / "tunerd.pid")
 
@@ -143,3 +162,13 @@ def build(cfg: DaemonConfig) -> Daemon:
     TopologyCommands(topology).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
+
+
+
+def _replay_nvml(recording: Path, topology: Any) -> None:
+    """NVML answered from the snapshot plus a recording's driver and telemetry
+    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
+    from tunerd import nvml
+    from tunerd.topology.nvml_recording import RecordedNvml
+
+    nvml.set_backend(RecordedNvml(topology, recording))
