@@ -202,6 +202,46 @@ def child() -> Iterator[subprocess.Popen[str]]:
         yield p
 
 
+def test_job_sampler_reads_a_bounded_number_of_jobs_per_cycle() -> None:
+    """Issue 15: the sampler's cost must not grow with the bound processes. With more
+    jobs than its budget it reads a new job at once, then the others in turn; the
+    rest keep their last sample."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
+    try:
+        recs = [{"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "s",
+                 "cpus": "0"} for p in procs]
+        js = JobSampler(jobs_per_cycle=2)
+        reads: list[int] = []
+        one = js._one
+
+        def counted(rec: dict[str, object], *args: object) -> object:
+            reads.append(int(rec["pid"]))  # type: ignore[call-overload]
+            return one(rec, *args)  # type: ignore[arg-type]
+
+        js._one = counted  # type: ignore[method-assign]
+        out = js.sample(recs, {})
+        assert len(reads) == 5  # all new: each is read at once
+        seen = []
+        for _ in range(3):
+            reads.clear()
+            out = js.sample(recs, {})
+            seen.append(set(reads))
+            assert len(reads) == 2
+        # then two a cycle, in turn
+        assert len(set().union(*seen)) == 5
+        assert [s["pid"] for s in out] == [p.pid for p in procs]
+        newcomer = subprocess.Popen(["sleep", "60"])
+        procs.append(newcomer)
+        reads.clear()
+        js.sample([*recs, {"pid": newcomer.pid, "name": "n", "cpus": "0",
+                           "start_time": Process(newcomer.pid).start_time()}], {})
+        assert newcomer.pid in reads  # a new job is read at once
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     pid = child.pid
     start = Process(pid).start_time()
