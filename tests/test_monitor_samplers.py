@@ -55,6 +55,10 @@ def make_tree(root: Path, psi: bool = True) -> tuple[Path, Path]:
     (proc / "stat").write_text(STAT_1)
     (proc / "diskstats").write_text(DISK_1)
     (proc / "net/dev").write_text(NET)
+    (proc / "meminfo").write_text("MemTotal:  3145728 kB\nMemFree:  1048576 kB\n"
+                                  "MemAvailable:  2097152 kB\nBuffers:  0 kB\n"
+                                  "Cached:  524288 kB\nSReclaimable:  0 kB\n"
+                                  "Shmem:  0 kB\nActive:  0 kB\nInactive:  0 kB\n")
     if psi:
         (proc / "pressure").mkdir()
         (proc / "pressure/io").write_text(PSI_IO)
@@ -106,6 +110,9 @@ def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
     assert d["read_bytes_total"] == 4000 * 512 and d["written_bytes_total"] == 1200 * 512
     assert d["io_time_seconds_total"] == 0.8
     assert 0 < d["busy_ratio"] <= 1.0
+    # host-wide memory from psutil.virtual_memory() on the same tree
+    assert s["memory"]["total_bytes"] == 3 << 30
+    assert s["memory"]["available_bytes"] == 2 << 30
     nic = {n["interface"]: n for n in s["nics"]}["ens1f0"]
     assert nic["receive_bytes_total"] == 68801557
     assert nic["receive_errors_total"] == 2 and nic["transmit_drop_total"] == 4
