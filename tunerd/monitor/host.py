@@ -90,6 +90,8 @@ class HostSampler:
         self.sys = Path(sys_root)
         self.node_cpus = self._read_node_cpus()
         self._prev_t: float | None = None
+        self._online: list[int] = []  # ids of psutil's per-CPU rows (see _cpu_ids)
+        self._diskstats = str(self.proc / "diskstats")
         self._prev_stat: dict[int, tuple[int, int, int]] = {}
         self._prev_disk: dict[str, tuple[int, int, int, int, int]] = {}
         self._prev_net: dict[str, tuple[int, ...]] = {}
@@ -126,12 +128,15 @@ class HostSampler:
     # -- parts ---------------------------------------------------------------
     def _cpu_ids(self, n: int) -> list[int]:
         """The ids of psutil's per-CPU rows (they are in /proc/stat's order, online CPUs
-        only): the online list where it has as many, else 0..n-1."""
-        try:
-            online = sorted(parse_cpulist(read_text(self.sys / "devices/system/cpu/online")))
-        except (OSError, CpuListError):
-            online = []
-        return online if len(online) == n else list(range(n))
+        only): the online list where it has as many, else 0..n-1. Read again only when
+        the number of rows changes (a CPU went on- or offline)."""
+        if len(self._online) != n:
+            try:
+                online = sorted(parse_cpulist(read_text(self.sys / "devices/system/cpu/online")))
+            except (OSError, CpuListError):
+                online = []
+            self._online = online if len(online) == n else list(range(n))
+        return self._online
 
     def _proc_stat(self) -> dict[int, tuple[int, int, int]]:
         """cpu id -> (total, idle, iowait) clock ticks, from psutil.cpu_times(percpu=True)."""
@@ -199,9 +204,8 @@ class HostSampler:
             out["unavailable"]["pressure"] = "; ".join(errors)
 
     def _disks(self, out: dict[str, Any], dt: float | None) -> None:
-        path = self.proc / "diskstats"
-        if not path.exists():  # psutil would read the real /sys/block instead
-            raise FileNotFoundError(2, "No such file or directory", str(path))
+        if not os.path.exists(self._diskstats):  # psutil would read the real /sys/block
+            raise FileNotFoundError(2, "No such file or directory", self._diskstats)
         with _psutil_root(self.proc):
             counters = psutil.disk_io_counters(perdisk=True, nowrap=False) or {}
         # (reads, bytes read, writes, bytes written, io ms), as parse_diskstats has them
