@@ -293,7 +293,8 @@ class AutoBinder:
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,
                                            explanation=placed.explanation),
                                        nofile=nofile, origin="rule", name=m.rule.name,
-                                       cmdline=m.cmdline, partial=True)
+                                       cmdline=m.cmdline, partial=True,
+                                       persist_after=True)  # bind first, persist after
             rb.bound_at = time.monotonic()
             self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),

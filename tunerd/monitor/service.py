@@ -206,7 +206,8 @@ class Monitor:
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
         try:
-            return [dict(r) for r in self.bound.jobs(live=False) if r.get("applied", True)]
+            # jobs() builds new dicts: no copy needed
+            return [r for r in self.bound.jobs(live=False) if r.get("applied", True)]
         except Exception as err:
             log.warning("cannot list bound jobs: %r", err)
             return []
