@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
@@ -218,7 +218,7 @@ class AutoBinder:
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
             alloc = dataclasses.replace(alloc, cpus=cpus,
                                         scheduler=alloc.scheduler or "tunerctl run")
-        gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
+        gpu_ids = gpus_from_env(topo, m.env, allowed=scheduler_gpus(m.pid, topo, m.env))
         if rule.cpus is not None:
             return self.placer.place(PlaceRequest(
                 cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,

@@ -16,19 +16,23 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from tunerd.allocation import add_gpu_source
 from tunerd.binding import Binder
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.autobind import AutoBinder
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.cmd_core import CoreCommands
+from tunerd.daemon.cmd_env import EnvCommands, NcclConfFile
 from tunerd.daemon.cmd_host import HostCommands
 from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
 from tunerd.daemon.cmd_topology import TopologyCommands
 from tunerd.daemon.config import DaemonConfig
+from tunerd.daemon.cpusetwatch import CpusetWatch
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import ReservationGate
@@ -39,14 +43,17 @@ from tunerd.daemon.notify import Notifier
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
-from tunerd.daemon.router import Router
+from tunerd.daemon.policywatch import PolicyWatch
+from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
+from tunerd.placement import Placement
+from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
-from tunerd.topology import load_topology
+from tunerd.topology import Topology, load_topology
 from tunerd.tuners import build_tuners
 from tunerd.tuners.nccl import NcclTuner
 
@@ -135,14 +142,34 @@ def build(cfg: DaemonConfig) -> Daemon:
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
 
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
+    async def rebind_inside(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
+        """The kubelet changed pid's cpuset: its binding again, inside the new set."""
+        return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
+                               placement=Placement.given(cpus, None), origin="cli")
+
+    # Kubernetes: the GPUs each pod got, as one more allocation source (like Slurm's)
+    pods = PodResourcesSource(cfg.pod_resources_socket)
+
+    def pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
+        a = pods.lookup(pid, topo)
+        return None if a is None else (a.gpus, f"Kubernetes pod {a.namespace}/{a.pod}")
+
+    add_gpu_source(pod_gpus)
+    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside,
+                          on_change=pods.invalidate)
+    # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
+    policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
+                               policywatch]
     router = Router()
+    nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
                     on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
-                               ("fleet", fleet_changed)],
+                               ("fleet", fleet_changed),
+                               ("nccl-file", nccl_file.policy_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
                     pidfile=cfg.runtime_dir / "tunerd.pid")
 
@@ -160,9 +187,9 @@ def build(cfg: DaemonConfig) -> Daemon:
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     TopologyCommands(topology).register(router)
+    EnvCommands(policy, nccl_file).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
-
 
 
 def _replay_nvml(recording: Path, topology: Any) -> None:
