@@ -189,6 +189,12 @@ class AutoBinder:
             if pid != me and pid not in self.bound:
                 self.on_exec(pid)
 
+    def preview(self, m: RuleMatch) -> Placement:
+        """Where ``m`` would be bound, computed as a bind would, changing nothing
+        (``tunerctl plan --policy-dir``). Raises what placing raises."""
+        ppid = procfs.Process(m.pid, self.proc).stat().ppid
+        return self._place(m, self._group(m, ppid))
+
     # -- binding ---------------------------------------------------------------
     def _group(self, m: RuleMatch, ppid: int) -> str:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")

@@ -37,6 +37,7 @@ from tunerd.daemon.notify import Notifier
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
+from tunerd.daemon.preview import PolicyPreview
 from tunerd.daemon.router import Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
@@ -133,7 +134,10 @@ def build(cfg: DaemonConfig) -> Daemon:
                 return rule.torch.to_dict()
         return {}
 
-    CoreCommands(daemon.status, daemon.reload, policy).register(router)
+    preview = PolicyPreview(policy, host, autobind)
+    preview.register(router)
+    CoreCommands(daemon.status, daemon.reload, policy,
+                 refuse_rebind=preview.refuse_rebind).register(router)
     BindCommands(jobs, placer, leases).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
