@@ -134,6 +134,8 @@ def test_nonexistent_pid(daemon: DaemonProc) -> None:
     pid = _free_pid()
     r = daemon.ctl("bind", str(pid), "--cpus", ONE)
     assert r.rc == 1 and f"no process with pid {pid}" in r.err
+    r = daemon.ctl("bind", str(pid), "--gpus", "0")  # near GPUs: read its environment first
+    assert r.rc == 1 and f"no process with pid {pid}" in r.err, r.err
     r = daemon.ctl("unbind", str(pid))
     assert r.rc == 1 and str(pid) in r.err
 
