@@ -126,7 +126,14 @@ class HostSettings:
             result["reverted"] = reverted
             self.last_apply = {"time": time.time(), "reason": reason,
                                "changed": len(result["changed"]), "errors": len(result["errors"])}
+            self._reverify()
             return result
+
+    def _reverify(self) -> None:
+        """Read the settings back after writing them, so that ``status`` tells the state
+        now, not the drift the last periodic verify saw before the apply."""
+        drift = [c for c in self.plan_all() if c.needed and not self._once_done(c.key)]
+        self.last_verify = {"time": time.time(), "drift": len(drift)}
 
     async def _apply_changes(self, changes: list[Change], reason: str,
                              retry_failed: bool = True) -> dict[str, Any]:
@@ -308,7 +315,10 @@ class HostSettings:
                 if self.failed.get(c.key, "\0") != c.desired:
                     log.warning("drift: %s is %s, policy wants %s; re-applying", c.key,
                                 c.current, c.desired)
-            return await self._apply_changes(drift, "drift", retry_failed=False)
+            result = await self._apply_changes(drift, "drift", retry_failed=False)
+            if result["changed"]:
+                self._reverify()
+            return result
 
     async def _verify_loop(self) -> None:
         while True:
