@@ -31,6 +31,7 @@ from tunerd.daemon.config import DaemonConfig
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.host import HostSettings
+from tunerd.daemon.hotplug import TopologyWatch
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
@@ -45,6 +46,7 @@ from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import load_topology
+from tunerd.topology.model import Topology
 from tunerd.tuners import build_tuners
 
 __all__ = ["build"]
@@ -115,7 +117,15 @@ def build(cfg: DaemonConfig) -> Daemon:
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
 
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
+    topology_cmds = TopologyCommands(topology)
+
+    def topology_changed(new: Topology) -> None:
+        """CPUs or memory hot-plugged: place on the node as it is now."""
+        placer.topo, placer.host = new, HostCapacity.read()
+        topology_cmds.topology = new
+
+    hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, hotplug]
     router = Router()
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
@@ -141,6 +151,6 @@ def build(cfg: DaemonConfig) -> Daemon:
     BindCommands(jobs, placer, leases).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
-    TopologyCommands(topology).register(router)
+    topology_cmds.register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
