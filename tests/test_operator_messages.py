@@ -30,3 +30,12 @@ def test_uninstall_as_non_root_says_it_removes(unpriv_user: tuple[int, int]) -> 
     assert r.returncode == 4, r
     assert "uninstall.sh: must run as root (it removes what install.sh put in" in r.stderr
     assert "installs into" not in r.stderr
+
+
+def test_a_cut_command_line_ends_in_an_ellipsis() -> None:
+    from tunerd.daemon.autobind import _cut
+
+    assert _cut("python train.py") == "python train.py"
+    long = "torchrun --nproc-per-node 8 " + "x" * 100
+    assert len(_cut(long)) == 80 and _cut(long).endswith("\u2026")
+    assert _cut(long).startswith("torchrun --nproc-per-node 8 x")

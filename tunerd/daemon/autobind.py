@@ -62,6 +62,11 @@ class RuleBound:
     timing: dict[str, Any] | None = None
 
 
+def _cut(cmdline: str, width: int = 80) -> str:
+    """A command line for one log line: an ellipsis where it is cut."""
+    return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
+
+
 def _int_env(env: dict[str, str], name: str) -> int | None:
     v = env.get(name, "").strip()
     return int(v) if v.isdigit() else None
@@ -305,7 +310,7 @@ class AutoBinder:
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
             owner = user_name(m.uid)
             log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, m.cmdline[:80], owner,
+                     m.rule.name, pid, _cut(m.cmdline), owner,
                      ", already running at start" if at_start else "",
                      format_cpulist(placed.cpus or frozenset()),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)
