@@ -63,6 +63,11 @@ class RuleBound:
     timing: dict[str, Any] | None = None
 
 
+def _cut(cmdline: str, width: int = 80) -> str:
+    """A command line for one log line: an ellipsis where it is cut."""
+    return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
+
+
 def _int_env(env: dict[str, str], name: str) -> int | None:
     v = env.get(name, "").strip()
     return int(v) if v.isdigit() else None
@@ -192,6 +197,12 @@ class AutoBinder:
             if pid != me and pid not in self.bound:
                 self.on_exec(pid)
 
+    def preview(self, m: RuleMatch) -> Placement:
+        """Where ``m`` would be bound, computed as a bind would, changing nothing
+        (``tunerctl plan --policy-dir``). Raises what placing raises."""
+        ppid = procfs.Process(m.pid, self.proc).stat().ppid
+        return self._place(m, self._group(m, ppid))
+
     # -- binding ---------------------------------------------------------------
     def _group(self, m: RuleMatch, ppid: int) -> str:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
@@ -308,7 +319,7 @@ class AutoBinder:
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
             owner = user_name(m.uid)
             log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, m.cmdline[:80], owner,
+                     m.rule.name, pid, _cut(m.cmdline), owner,
                      ", already running at start" if at_start else "",
                      format_cpulist(placed.cpus or frozenset()),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tunerd import procfs
@@ -102,6 +103,8 @@ class BindCommands:
             return None
         env = procfs.read_environ(pid)
         if env is None:
+            if not os.path.exists(os.path.join(procfs.PROC, str(pid))):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
             raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
         how = "--gpus"
         if gpus is None:

@@ -37,6 +37,7 @@ from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import ReservationGate
 from tunerd.daemon.host import HostSettings
+from tunerd.daemon.hotplug import TopologyWatch
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
@@ -44,6 +45,7 @@ from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.policywatch import PolicyWatch
+from tunerd.daemon.preview import PolicyPreview
 from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
@@ -159,8 +161,17 @@ def build(cfg: DaemonConfig) -> Daemon:
                           on_change=pods.invalidate)
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
+
+    topology_cmds = TopologyCommands(topology)
+
+    def topology_changed(new: Topology) -> None:
+        """CPUs or memory hot-plugged: place on the node as it is now."""
+        placer.topo, placer.host = new, HostCapacity.read()
+        topology_cmds.topology = new
+
+    hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch]
+                               policywatch, hotplug]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
@@ -182,11 +193,14 @@ def build(cfg: DaemonConfig) -> Daemon:
                 return rule.torch.to_dict()
         return {}
 
-    CoreCommands(daemon.status, daemon.reload, policy).register(router)
+    preview = PolicyPreview(policy, host, autobind)
+    preview.register(router)
+    CoreCommands(daemon.status, daemon.reload, policy,
+                 refuse_rebind=preview.refuse_rebind).register(router)
     BindCommands(jobs, placer, leases).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
-    TopologyCommands(topology).register(router)
+    topology_cmds.register(router)
     EnvCommands(policy, nccl_file).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
