@@ -255,6 +255,15 @@ def sysfs_gpu(bus: str) -> dict[str, Any]:
             "current_link_width": rd("current_link_width")}
 
 
+def _cpus(v: Any) -> list[int]:
+    """A snapshot's cpulist ("0-15,32") or list as a sorted list of CPU ids."""
+    from tunerd.cpulist import parse_cpulist
+
+    if isinstance(v, str):
+        return sorted(parse_cpulist(v)) if v.strip() else []
+    return sorted(int(c) for c in v or [])
+
+
 def step_topology(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
     dest = ctx.out / "topology.json"
     r = sh(tunerctl(ctx, "topology", "--local", "--save", str(dest)), min(60, ctx.left()))
@@ -273,7 +282,7 @@ def step_topology(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
     bad = []
     for g in gpus:
         sf = sysfs_gpu(g["pci_bus_id"])
-        g_cpus = sorted(g.get("local_cpus") or [])
+        g_cpus = _cpus(g.get("local_cpus"))
         data.setdefault("per_gpu", []).append({"index": g["index"], "bus": g["pci_bus_id"],
                                                "numa_node": g.get("numa_node"),
                                                "sysfs": sf, "local_cpus": g_cpus})
