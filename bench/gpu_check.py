@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="report folder (default: $OUT, else a new folder in /tmp)")
     ap.add_argument("--quick", action="store_true", help="shorter training step")
     ap.add_argument("--no-bench", action="store_true", help="leave out `tunerctl bench`")
-    ap.add_argument("--budget", type=float, default=450.0,
+    ap.add_argument("--budget", type=float, default=330.0,
                     help="seconds for the whole check (steps not started after it: SKIP)")
     ap.add_argument("--policy-dir", type=Path, default=None,
                     help="the daemon's policies (default: none, i.e. the bundled default)")
