@@ -234,6 +234,9 @@ def step_env(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
         if not t.get("cuda"):
             return FAIL, detail + ": the GPU is there but torch cannot use it", data
         return PASS, detail, data
+    if data.get("smi_gpus"):
+        return FAIL, (f"nvidia-smi lists {len(data['smi_gpus'])} GPU(s) but tunerd's NVML layer "
+                      f"sees none: {nvml.reason() or 'NVML reports none'}"), data
     return PASS, f"no GPU here ({nvml.reason() or 'NVML reports none'}); {torch_txt}", data
 
 
