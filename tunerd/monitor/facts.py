@@ -244,6 +244,7 @@ class FleetFacts:
     sys_root: Path = Path("/sys")
     pcie: list[PcieLink] = field(default_factory=list)
     _next_live: float = 0.0
+    _again: bool = False
     _probing: threading.Lock = field(default_factory=threading.Lock)
 
     def policy_changed(self, names: Sequence[str], gpu_models: Sequence[str],
@@ -256,12 +257,23 @@ class FleetFacts:
         threading.Thread(target=self._probe, name="tunerd-version-probe", daemon=True).start()
 
     def _probe(self) -> None:
-        with self._probing:  # two reloads in a row: one probe after the other
+        # reloads in a burst (a policy dir updated file by file): one probe runs, and at
+        # most one more after it, never one per reload
+        while True:
+            if not self._probing.acquire(blocking=False):
+                self._again = True
+                return
             try:
-                self.versions = probe_versions(self.python, self.proc_root)
-            except Exception as err:  # never let a probe take the daemon down
-                log.warning("version probe failed: %r", err)
-                self.versions = self.versions or Versions(kernel=os.uname().release)
+                self._again = False
+                try:
+                    self.versions = probe_versions(self.python, self.proc_root)
+                except Exception as err:  # never let a probe take the daemon down
+                    log.warning("version probe failed: %r", err)
+                    self.versions = self.versions or Versions(kernel=os.uname().release)
+            finally:
+                self._probing.release()
+            if not self._again:  # no reload came while this probe ran
+                return
 
     def sample(self) -> None:
         """Re-read NICs and nccl.conf (the sampler thread; every LIVE_EVERY seconds)."""
