@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +44,9 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
+    for tool in ("prometheus", "promtool"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} not installed (apt-get install prometheus)")
     f = start_fleet(SPECS, f"tunerd-f{os.getpid()}")
     try:
         yield f
@@ -123,6 +127,9 @@ def test_a_consistent_fleet_passes_though_nic_names_differ(fleet: Fleet) -> None
     _rc, found, out = findings(fleet, "--class-label", "group")
     assert {f["class"] for f in found} == {"odd"}, out
     assert {f["majority"] for f in found} == {None}, out
+    none = fleet.tunerctl("fleet", "check", "--prometheus", "http://127.0.0.1:9090",
+                          "--match", 'group="nope"')
+    assert none.rc == 1 and "has no tunerd_node_info series matching" in none.err, none
     bad = fleet.tunerctl("fleet", "check", "--prometheus", "http://127.0.0.1:9090",
                          "--match", "group}")
     assert bad.rc == 2 and "--match: not a list of PromQL label matchers" in bad.err, bad
