@@ -48,6 +48,8 @@ class DaemonConfig:
     job_python: Path | None = None
     # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
     debug_nvml_replay: Path | None = None
+    # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.podresources)
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
     @property
     def socket_path(self) -> Path:
@@ -153,6 +155,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                    _abs_path),
     "debug_nvml_replay": ("NVML recording's driver/CUDA with --topology (tests)",
                           _abs_path),
+    "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
+                             _abs_path),
 }
 
 

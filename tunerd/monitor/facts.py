@@ -186,11 +186,8 @@ def _driver_from_file(proc_root: Path) -> str:
 def probe_versions(python: str | None, proc_root: Path = Path("/proc"),
                    timeout: float = PROBE_TIMEOUT) -> Versions:
     """Every version label of tunerd_node_info (blocking: run it off the loop)."""
-    driver = nvml.call("nvmlSystemGetDriverVersion", default="")
-    if isinstance(driver, bytes):
-        driver = driver.decode(errors="replace")
-    cuda = _fmt_cuda(nvml.call("nvmlSystemGetCudaDriverVersion_v2|"
-                               "nvmlSystemGetCudaDriverVersion", default=None))
+    driver = nvml.driver_version() or ""
+    cuda = _fmt_cuda(nvml.cuda_driver_version() or None)
     torch = probe_torch_isolated(python, timeout) if python else {}
     return Versions(driver=_label(str(driver or _driver_from_file(proc_root))), cuda=cuda,
                     nccl=torch.get("nccl", ""), torch=torch.get("torch", ""),

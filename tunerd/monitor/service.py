@@ -2,7 +2,7 @@
 
 Where the sampling runs, and why: a cycle is a few dozen reads of small procfs
 files (well under a millisecond of CPU) plus NVML calls, but
-``nvmlDeviceGetPcieThroughput`` sleeps ~20 ms per GPU inside the driver and
+NVML's PCIe throughput query sleeps ~20 ms per GPU inside the driver and
 numa_maps of a large process walks its page tables. So each cycle runs in ONE
 dedicated executor thread — the loop is never blocked and the samplers' own
 state (previous counters) is only ever touched by that thread. The job list is
@@ -116,6 +116,7 @@ class Monitor:
         self.history = History(settings.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
+        self.last_cycle_at = time.monotonic()  # GET /healthz: the loop still samples
         self.sample_cpu_seconds_total = 0.0
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
@@ -154,7 +155,8 @@ class Monitor:
         from tunerd.monitor.http import serve_metrics
 
         try:
-            self._http, _thread = serve_metrics(host, port, self.registry)
+            self._http, _thread = serve_metrics(host, port, self.registry,
+                                               health=self.health)
         except OSError as err:
             # monitoring is not worth refusing to tune the node for: report and go on
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
@@ -165,6 +167,15 @@ class Monitor:
         self.metrics_address = (f"[{host}]:{self.metrics_port}" if ":" in host
                                 else f"{host}:{self.metrics_port}")
         log.info("Prometheus metrics on http://%s/metrics", self.metrics_address)
+
+    def health(self) -> tuple[bool, str]:
+        """Whether the loop still runs: a sample finished within 10 intervals (30 s at
+        least). Asked from the HTTP thread (GET /healthz): reads one float."""
+        age = time.monotonic() - self.last_cycle_at
+        limit = max(30.0, 10 * self.interval)
+        if age > limit:
+            return False, f"no monitor sample for {age:.0f} s (limit {limit:.0f} s)"
+        return True, "ok"
 
     async def policy_changed(self) -> None:
         return None
@@ -206,7 +217,8 @@ class Monitor:
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
         try:
-            return [dict(r) for r in self.bound.jobs(live=False) if r.get("applied", True)]
+            # jobs() builds new dicts: no copy needed
+            return [r for r in self.bound.jobs(live=False) if r.get("applied", True)]
         except Exception as err:
             log.warning("cannot list bound jobs: %r", err)
             return []
@@ -219,6 +231,7 @@ class Monitor:
         ended = sample.pop("ended_reports", None) or {}
         # back on the loop: publish and remember
         self.latest = sample
+        self.last_cycle_at = time.monotonic()
         self.samples_total += 1
         self.sample_cpu_seconds_total += sample["cpu_seconds"]
         for name, st in sample["samplers"].items():
