@@ -6,7 +6,7 @@ Two kinds, read at two cadences:
   the effective policy, driver/CUDA/NCCL/torch/kernel/tunerd versions — are computed
   at start and on every policy reload, never on the sampling path. torch (and the NCCL
   it bundles) are probed the way ``tunerctl doctor`` does, in an isolated subprocess
-  (``python -I`` from cwd ``/``, minimal environment, a timeout): the daemon never
+  (``python -I`` from cwd ``/``, no PYTHON* variables, a timeout): the daemon never
   imports torch. Driver and CUDA come from NVML, else from the driver's version file.
 - Live facts — each NIC's MTU and IPv4 subnet, the managed ``/etc/nccl.conf`` keys,
   each GPU's PCIe link width against its maximum —
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import __version__, nvml
+from tunerd import __version__, isolated, nvml
 
 __all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "PcieLink",
            "Versions", "match_ifnames", "node_class", "policy_hash", "probe_torch_isolated",
@@ -146,11 +146,12 @@ def read_nics(nccl_ifname: str | None) -> list[NicFact]:
 
 
 def probe_torch_isolated(python: str, timeout: float = PROBE_TIMEOUT) -> dict[str, str]:
-    """torch and NCCL versions of ``python``: ``python -I`` from ``/``, minimal env."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    """torch and NCCL versions of ``python``, started as doctor starts it (tunerd.isolated:
+    ``python -I`` from ``/``, the daemon's environment without the PYTHON* variables)."""
     try:
-        p = subprocess.run([python, "-I", "-c", TORCH_PROBE], capture_output=True, text=True,
-                           timeout=timeout, cwd="/", env=env, stdin=subprocess.DEVNULL)
+        p = subprocess.run(isolated.python_argv(python, "-c", TORCH_PROBE), capture_output=True,
+                           text=True, timeout=timeout, cwd=isolated.CWD,
+                           env=isolated.scrubbed(), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         log.warning("torch version probe of %s did not finish in %g s", python, timeout)
         return {}
