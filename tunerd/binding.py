@@ -620,6 +620,12 @@ class Binder:
                         changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
+                except PermissionError as err:  # another user's process, no CAP_SYS_NICE
+                    raise PermissionDenied(
+                        f"sched_setaffinity(thread {tid} of pid {t.pid}, {format_cpulist(w)}) "
+                        f"failed: EPERM — setting the CPUs of another user's process (uid "
+                        f"{t.uid}) needs CAP_SYS_NICE, which tunerd does not have",
+                        pid=t.pid) from err
                 except OSError as err:
                     raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
                                  f"{format_cpulist(w)}) failed: "

@@ -73,9 +73,17 @@ def _human_reload(r: dict[str, Any]) -> str:
 
 
 @click.command()
-def reload() -> int:
-    """Re-read the policy files (root): the files in force, or the error (old policy kept)."""
+@click.option("--no-rebind-running", "no_rebind", is_flag=True,
+              help="Refuse the new policy if its [[job]] rules would bind running processes "
+                   "of other users (default: they are bound at once; see `tunerctl plan "
+                   "--policy-dir`).")
+def reload(no_rebind: bool) -> int:
+    """Re-read the policy files (root): the files in force, or the error (old policy kept).
+
+    By default the new rules also bind the matching processes that already run, of
+    every user; --no-rebind-running refuses such a policy instead (exit 1).
+    """
     ctx = get_ctx()
-    r = ctx.call("reload")
+    r = ctx.call("reload", no_rebind_running=True) if no_rebind else ctx.call("reload")
     ctx.emit(r, _human_reload)
     return 0 if r.get("reloaded") else 1

@@ -45,6 +45,8 @@ LAZY_COMMANDS: dict[str, str] = {
     "metrics": "tunerd.cli.cmd_monitor:metrics",
     "doctor": "tunerd.cli.cmd_monitor:doctor",
     "advise": "tunerd.cli.cmd_monitor:advise",
+    # -- fleet (Prometheus):
+    "fleet": "tunerd.cli.cmd_fleet:fleet",
 }
 
 
