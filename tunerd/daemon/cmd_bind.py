@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
-from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
+from tunerd.daemon.placer import Placer, Reservation
+from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Request, Router
-from tunerd.errors import Failed, NoSuchProcess, UsageError
+from tunerd.errors import Failed, UsageError
 from tunerd.placement import Placement
-from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
+from tunerd.topology.visible import gpus_from_nvml
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 
@@ -35,13 +35,15 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
 
 
 class BindCommands:
-    def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService) -> None:
+    def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService,
+                 intake: Intake) -> None:
         self.jobs = jobs
         self.placer = placer
         self.leases = leases
+        self.intake = intake
         jobs.on_exit(self._exited)
 
-    def _exited(self, pid: int, rec: dict[str, Any]) -> None:
+    def _exited(self, pid: int, rec: Binding) -> None:
         self.placer.release(f"bind:{pid}")
 
     def register(self, router: Router) -> None:
@@ -53,14 +55,14 @@ class BindCommands:
         pid = req.arg("pid", int)
         cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
         nofile = req.arg("nofile", int, None)
-        ncpus = req.arg("ncpus", int, None)
         exclusive = req.arg("exclusive", bool, False)
         notes: list[str] = []
         placement: Placement | None
+        ctx: JobContext | None = None
         if (cpus is None and mems is None) or gpus is not None:
             self.jobs.authorize(pid, req.peer)  # before anything is reserved
-            placed = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None else None,
-                                     exclusive, ncpus)
+            placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
+                                          else None, exclusive, req.arg("ncpus", int, None))
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
                     raise UsageError(NO_PLACEMENT)
@@ -77,45 +79,51 @@ class BindCommands:
                 notes.append("--exclusive ignored: exclusive CPUs need GPU placement (leases)")
             placement = Placement.given(cpus, mems, explanation="as given on the command line")
         result = await self.jobs.bind(pid, peer=req.peer, placement=placement, nofile=nofile,
-                                      origin="cli")
-        if exclusive and placement is not None and placement.cpus and not result.get("dry_run"):
-            self.placer.reserve(Reservation(
-                key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
-                gpus=placement.gpus, cpus=placement.cpus, exclusive=True, pid=pid))
+                                      origin="cli", why=ctx.why if ctx is not None else None)
+        if placement is not None and placement.cpus and not result.get("dry_run"):
+            self._reserve(pid, placement, ctx, exclusive)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
+    def _reserve(self, pid: int, placement: Placement, ctx: JobContext | None,
+                 exclusive: bool) -> None:
+        """An exclusive bind holds its CPUs; a rank or Slurm task holds them against
+        the other ranks/tasks of its job (they split the allocation)."""
+        group = request(ctx).group if ctx is not None else None
+        if not exclusive and group is None:
+            return
+        self.placer.reserve(Reservation(
+            key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
+                                      f"{' --exclusive' if exclusive else ''})",
+            gpus=placement.gpus, cpus=placement.cpus or frozenset(), exclusive=exclusive,
+            pid=pid, group=group, job=ctx.job_key if ctx is not None else None))
+
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
-                   ncpus: int | None) -> Placement | None:
+                   ncpus: int | None) -> tuple[Placement | None, JobContext | None]:
         """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
 
         A process bound already keeps its place (None) unless --gpus names GPUs.
         """
         topo = self.placer.topo
         if gpus is None and self.jobs.is_bound(pid):
-            return None
-        env = procfs.read_environ(pid)
-        if env is None:
-            raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
+            return None, None
+        ctx = self.intake.describe(pid)
         how = "--gpus"
         if gpus is None:
-            gpus = gpus_from_env(topo, env, allowed=slurm_gpus(topo, env))
-            how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+            gpus, how = ctx.gpus, ctx.gpus_how
             if not gpus:
-                gpus = gpus_from_nvml(pid)
+                gpus = tuple(gpus_from_nvml(pid) or ())
                 how = "NVML (GPUs it has contexts on)"
         if not gpus:
-            return None
+            return None, ctx
         known = {g.index for g in topo.gpus}
         unknown = [g for g in gpus if g not in known]
         if unknown:
             raise UsageError(
                 f"{NO_PLACEMENT} for GPU {','.join(map(str, unknown))}: not on this node "
                 f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
-        alloc = read_allocation(pid, env, topo, online=self.placer.host.cpus)
-        placed = self.placer.place(PlaceRequest(
-            gpu_ids=tuple(gpus), exclusive=exclusive, allocation=alloc, ncpus=ncpus,
-            ignore_busy_gpus=True, what=f"process {pid}"))
+        placed = self.placer.place(request(ctx, gpu_ids=tuple(gpus), exclusive=exclusive,
+                                           ncpus=ncpus, ignore_busy_gpus=True))
         if not placed.applicable:
             raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
                          f"{','.join(map(str, gpus))}; would bind CPUs "
@@ -124,7 +132,7 @@ class BindCommands:
         return Placement(cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
                          gpus=placed.gpus,
                          explanation=f"GPUs from {how}; {placed.explanation}",
-                         notes=placed.notes)
+                         notes=placed.notes), ctx
 
     async def unbind(self, req: Request) -> dict[str, Any]:
         pid = req.arg("pid", int)

@@ -31,6 +31,7 @@ from tunerd.daemon.config import DaemonConfig
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.host import HostSettings
+from tunerd.daemon.intake import Intake
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
@@ -84,9 +85,11 @@ def build(cfg: DaemonConfig) -> Daemon:
                        dry_run=cfg.dry_run, mover=mover)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
+    intake = Intake(topology, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
-                          limits=policy.lease_limits, default_nofile=policy.default_nofile)
-    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors,
+                          intake, limits=policy.lease_limits,
+                          default_nofile=policy.default_nofile)
+    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
                           default_nofile=policy.default_nofile,
                           use_connector=cfg.watch_execs)
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
@@ -134,7 +137,7 @@ def build(cfg: DaemonConfig) -> Daemon:
         return {}
 
     CoreCommands(daemon.status, daemon.reload, policy).register(router)
-    BindCommands(jobs, placer, leases).register(router)
+    BindCommands(jobs, placer, leases, intake).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     TopologyCommands(topology).register(router)
