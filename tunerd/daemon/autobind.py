@@ -87,6 +87,10 @@ class AutoBinder:
         self._pending: dict[int, asyncio.Task[None]] = {}
         # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
         self.left_alone: dict[int, str] = {}
+        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        # descendants and left-alone processes a rescan need not look at again (until
+        # they exec: an exec event looks at them afresh)
+        self._settled: set[int] = set()
         self._scanning = False  # True while binding processes that ran before the rules
         # pid -> start time of processes whose binding failed: not retried (a /proc
         # scan or an overrun rescan would otherwise repeat the same error forever)
@@ -145,8 +149,7 @@ class AutoBinder:
                 "latency_ms": latency, "matched": self.matched, "failed": self.failed,
                 "partial": self.partial, "last_error": self.last_error,
                 "bound_at_start": len(at_start),
-                "left_alone": [{"pid": p, "why": w} for p, w in sorted(self.left_alone.items())
-                               if procfs.read_start_time(p, self.proc) is not None][:100],
+                "left_alone": self.left_alone_now(),
                 "bound": [{"pid": b.pid, "rule": b.rule,
                            "cpus": format_cpulist(b.placement.cpus or frozenset()),
                            "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
@@ -155,6 +158,12 @@ class AutoBinder:
                            "latency_ms": None if b.bound_at is None else
                            round((b.bound_at - b.exec_seen) * 1000, 3)}
                           for b in self.bound.values()]}
+
+    def left_alone_now(self) -> list[dict[str, Any]]:
+        """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
+        that set their own affinity) and that still run, with why."""
+        return [{"pid": p, "why": w} for p, w in sorted(self.left_alone.items())
+                if procfs.read_start_time(p, self.proc) is not None][:100]
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> tuple[RuleMatch, float] | None:
@@ -182,9 +191,11 @@ class AutoBinder:
         self._pending[m.pid] = task
 
     def rescan(self) -> None:
+        for hook in self.rescan_hooks:
+            hook()
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
-            if pid != me and pid not in self.bound:
+            if pid != me and pid not in self.bound and pid not in self._settled:
                 self.on_exec(pid)
 
     # -- binding ---------------------------------------------------------------
@@ -224,8 +235,9 @@ class AutoBinder:
         pid = m.pid
         try:
             ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "))
-        except TunerdError:
+        except TunerdError as err:
             self.matched += 1
+            log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
             return None  # gone (or unreadable) before we got to it
         # a process seen before (a rescan, or another exec of it) is no new match
         if self._failed.get(pid) == ctx.start_time:
@@ -235,10 +247,18 @@ class AutoBinder:
             return None  # the same process exec'd again (sh -> python): keep its place
         if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
             self._left_alone(ctx)
+            self._settle(ctx)
             return None
         if m.rule.rank and ctx.role not in ("rank", "descendant"):
             return None
+        log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
         return ctx
+
+    def _settle(self, ctx: JobContext) -> None:
+        if len(self._settled) > 100_000:
+            self._settled.clear()
+        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled.discard):
+            self._settled.add(ctx.pid)
 
     def _left_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:
@@ -247,11 +267,22 @@ class AutoBinder:
             log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
         self.left_alone[ctx.pid] = ctx.why
 
+    async def _after_parent(self, m: RuleMatch, ctx: JobContext) -> JobContext:
+        """A descendant whose rank is being bound right now (a /proc rescan finds both):
+        wait for that, then look again, so that it is narrowed into the rank's CPUs."""
+        parent = self._pending.get(ctx.ppid)
+        if ctx.parent_cpus is not None or parent is None:
+            return ctx
+        await asyncio.wait([parent], timeout=5)
+        return self.intake.describe(ctx.pid, env=m.env, argv=m.cmdline.split(" "))
+
     async def _narrow(self, m: RuleMatch, ctx: JobContext) -> None:
         """A descendant of a bound rank (worker, forkserver, compile helper): never a
         rank; kept inside its rank's CPUs (narrowed where it ran outside them)."""
         cpus = ctx.parent_cpus
         mask = ctx.allocation.mask
+        if cpus is not None:
+            self._settle(ctx)
         if cpus is None or (mask is not None and mask <= cpus):
             return
         self.matched += 1
@@ -288,7 +319,7 @@ class AutoBinder:
             if ctx is None:
                 return
             if ctx.role == "descendant":
-                await self._narrow(m, ctx)
+                await self._narrow(m, await self._after_parent(m, ctx))
                 return
             group = self._group(m, ctx)
             if self._adopt(m, ctx, group, seen, at_start):

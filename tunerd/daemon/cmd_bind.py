@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
@@ -36,8 +37,10 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
 
 class BindCommands:
     def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService,
-                 intake: Intake) -> None:
+                 intake: Intake,
+                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.jobs = jobs
+        self._left_alone = left_alone
         self.placer = placer
         self.leases = leases
         self.intake = intake
@@ -141,4 +144,5 @@ class BindCommands:
         return out
 
     async def list_jobs(self, req: Request) -> dict[str, Any]:
-        return {"jobs": self.jobs.jobs(), "leases": self.leases.list_leases()}
+        return {"jobs": self.jobs.jobs(), "leases": self.leases.list_leases(),
+                "left_alone": self._left_alone()}

@@ -70,6 +70,7 @@ class RankId:
     source: str  # "LOCAL_RANK=1 (torchrun/deepspeed/accelerate)"
     group: str  # the ranks that split one allocation: "torch:RUNID", "slurm:12.0"
     slurm_task: bool = False  # the rank is a Slurm task itself (its grant is per task)
+    var: str = "LOCAL_RANK"  # the variable it was told by
 
 
 @dataclass(frozen=True)
@@ -200,14 +201,21 @@ class Intake:
 
     def _under_bound(self, ctx: JobContext, ppid: int, comm: str,
                      cpus: frozenset[int]) -> dict[str, object]:
-        """``ctx`` has a bound ancestor ``ppid``: a launcher tunerd bound (a Slurm task
-        bound by the TaskProlog) encloses its ranks; anything else is that rank's
-        descendant."""
+        """``ctx`` has a bound ancestor ``ppid``. A launcher or wrapper tunerd bound (a
+        Slurm task -- torchrun, a batch script -- bound by the TaskProlog), or a
+        process that is a rank of another kind (a Slurm task that starts LOCAL_RANK
+        ranks itself), encloses its ranks: they split its CPUs. Anything else is that
+        rank's descendant."""
         try:
             argv = procfs.Process(ppid, self.proc).cmdline(4096)
         except TunerdError:
             argv = []
-        if is_launcher(argv, comm):
+        encloses = is_launcher(argv, comm) or wrapper_name(argv, comm) is not None
+        if not encloses and ctx.rank is not None:
+            penv = procfs.read_environ(ppid, self.proc) or {}
+            prank = _rank_of(penv, ctx.allocation, -1, [])
+            encloses = prank is None or prank.var != ctx.rank.var
+        if encloses:
             return {"enclosing": cpus}
         out: dict[str, object] = {"parent_rank": ppid, "parent_cpus": cpus}
         if ctx.role in ("rank", "process"):
@@ -228,7 +236,7 @@ class Intake:
         penv = procfs.read_environ(ctx.ppid, self.proc) or {}
         prank = _rank_of(penv, ctx.allocation, -1, [])
         return prank is not None and prank.local_rank == ctx.rank.local_rank \
-            and prank.source == ctx.rank.source
+            and prank.var == ctx.rank.var
 
 
 def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
@@ -296,7 +304,7 @@ def _rank_of(env: Mapping[str, str], alloc: Allocation, ppid: int,
                 rank = alloc.slurm_task
             return RankId(rank, world, f"Slurm task {rank} of {world or '?'}",
                           f"slurm:{alloc.slurm_job}.{alloc.slurm_step or '?'}",
-                          slurm_task=True)
+                          slurm_task=True, var=var)
         if var == "LOCAL_RANK":
             run = env.get("TORCHELASTIC_RUN_ID") or (
                 f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
@@ -305,7 +313,7 @@ def _rank_of(env: Mapping[str, str], alloc: Allocation, ppid: int,
             run = f"ppid {ppid}"
         inside = f"slurm:{alloc.slurm_job}.{alloc.slurm_step}/" if alloc.slurm_job else ""
         return RankId(rank, world, f"{var}={rank} ({who})", f"{inside}{who.split('/')[0]}:"
-                      f"{run[:64]}")
+                      f"{run[:64]}", var=var)
     return None
 
 

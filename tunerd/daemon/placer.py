@@ -16,9 +16,11 @@ work):
 2. Housekeeping CPUs, grown to whole cores (their SMT siblings too), are never
    given out; neither are CPUs another job holds exclusively.
 3. Ranks of one job split the allowed CPUs (``LOCAL_WORLD_SIZE``), with or
-   without GPUs, and each rank's share counts its DataLoader workers: a share
-   that cannot hold a rank and its workers is pooled with the next ranks' (they
-   share those CPUs) rather than crowding a rank and its workers onto one core.
+   without GPUs, and each rank's share counts its DataLoader workers: on a node
+   without a scheduler, a share that cannot hold a rank and its workers is pooled
+   with the next ranks' (they share those CPUs) rather than crowding a rank and its
+   workers onto one core; inside a scheduler's allocation the ranks split it all
+   the same (disjoint shares: the allocation is all the job has).
 4. On a replayed topology (``tunerd --topology``) a placement naming CPUs or
    memory nodes this machine lacks is marked not applicable, and says so.
 """
@@ -332,9 +334,14 @@ class Placer:
             if count > smt:  # whole cores: a rank never shares a core with the next one
                 count -= count % smt
             need = 1 + max(0, req.workers)
-            if count < need:
+            if count < need and not (alloc is not None and alloc.scheduler):
                 rank = req.rank if req.rank is not None else 0
                 return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
+            if count < need:  # a scheduler's allocation is split, never pooled
+                notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
+                             f"{count} CPU(s) of {alloc.describe() if alloc else '?'}; its "
+                             f"{req.workers} DataLoader worker(s) share them")
+                return count, notes, None
             notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
                          f"{count} CPUs (room for the rank and {req.workers} DataLoader "
                          f"worker(s))")

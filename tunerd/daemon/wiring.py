@@ -92,6 +92,7 @@ def build(cfg: DaemonConfig) -> Daemon:
     autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
                           default_nofile=policy.default_nofile,
                           use_connector=cfg.watch_execs)
+    autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
     host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
@@ -137,7 +138,8 @@ def build(cfg: DaemonConfig) -> Daemon:
         return {}
 
     CoreCommands(daemon.status, daemon.reload, policy).register(router)
-    BindCommands(jobs, placer, leases, intake).register(router)
+    BindCommands(jobs, placer, leases, intake,
+                 left_alone=autobind.left_alone_now).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     TopologyCommands(topology).register(router)
