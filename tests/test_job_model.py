@@ -328,3 +328,39 @@ def test_numactl_wrapped_ranks_never_die(daemon_factory, tmp_path: Path) -> None
     assert not [b for b in st["bound"] if b["rule"] == "torch-training"], st["bound"]
     # the ranks exec'd by numactl were seen, and left as they are; no wrapper was bound
     assert "set its own affinity" in d.log() and "rule torch-training: bound" not in d.log()
+
+
+# -- bind from inside a PID namespace ----------------------------------------------------
+
+@needs_two_cpus
+def test_bind_from_a_pid_namespace_maps_the_callers_pids(daemon_factory,
+                                                         tmp_path: Path) -> None:
+    """A caller in its own PID namespace names its processes by its PIDs: bind maps
+    them to the daemon's, and refuses a PID no process of that namespace has (it is
+    never read as a host PID)."""
+    d = daemon_factory().start()
+    cpu = max(HOST_CPUS)
+    ctl = f"{Path(sys.executable).parent / 'tunerctl'} --socket {d.socket}"
+    script = (f'sleep 30 & echo "INNER=$!"; {ctl} bind $! --cpus {cpu} >/dev/null; '
+              f'echo "RC=$?"; {ctl} bind {os.getpid()} --cpus {cpu} 2>/dev/null; '
+              'echo "RC2=$?"; echo DONE; wait\n')
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+                         stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert p.stdout is not None
+        lines: dict[str, str] = {}
+        for line in p.stdout:
+            if line.strip() == "DONE":
+                break
+            k, _, v = line.strip().partition("=")
+            lines[k] = v
+        assert lines.get("RC") == "0" and lines.get("RC2") not in (None, "0"), lines
+        inner = int(lines["INNER"])
+        sleeper = next(k for k in descendants(p.pid)
+                       if Path(f"/proc/{k}/comm").read_text().strip() == "sleep")
+        assert sleeper != inner  # a PID of the namespace, not the host's ...
+        assert task_cpus(sleeper) and all(parse_cpulist(c) == {cpu}  # ... mapped to it
+                                          for c in task_cpus(sleeper).values())
+        assert parse_cpulist(task_cpus(os.getpid())[os.getpid()]) == HOST_CPUS  # not us
+    finally:
+        kill_tree(p)  # type: ignore[arg-type]

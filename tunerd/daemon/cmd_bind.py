@@ -7,8 +7,9 @@ from typing import Any
 
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.intake import Intake, JobContext, request
-from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
+from tunerd.daemon.peer import host_pid
 from tunerd.daemon.placer import Placer, Reservation
 from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Request, Router
@@ -55,51 +56,56 @@ class BindCommands:
         router.add("jobs", self.list_jobs)
 
     async def bind(self, req: Request) -> dict[str, Any]:
-        pid = req.arg("pid", int)
+        pid = host_pid(req.peer, req.arg("pid", int))
         cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
         nofile = req.arg("nofile", int, None)
         exclusive = req.arg("exclusive", bool, False)
+        ncpus = req.arg("ncpus", int, None)
         notes: list[str] = []
-        placement: Placement | None
-        ctx: JobContext | None = None
-        if (cpus is None and mems is None) or gpus is not None:
-            self.jobs.authorize(pid, req.peer)  # before anything is reserved
+        seen: list[JobContext] = []
+
+        def place() -> tuple[Placement | None, str | None]:
+            """Near its GPUs; runs once the process is pinned and its owner checked."""
             placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
-                                          else None, exclusive, req.arg("ncpus", int, None))
+                                          else None, exclusive, ncpus)
+            seen.extend([ctx] if ctx is not None else [])
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
                     raise UsageError(NO_PLACEMENT)
                 notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
-                placement = None
-            else:
-                placement = Placement(
-                    cpus=cpus if cpus is not None else placed.cpus,
-                    mems=mems if mems is not None else placed.mems, gpus=placed.gpus,
-                    explanation=placed.explanation)
-                notes += [n for n in placed.notes if not n.startswith("topology replay")]
+                return None, None
+            notes.extend(n for n in placed.notes if not n.startswith("topology replay"))
+            return Placement(cpus=cpus if cpus is not None else placed.cpus,
+                             mems=mems if mems is not None else placed.mems,
+                             gpus=placed.gpus, explanation=placed.explanation), \
+                ctx.why if ctx is not None else None
+
+        placing: Placement | Placing
+        if (cpus is None and mems is None) or gpus is not None:
+            placing = place
         else:
             if exclusive:
                 notes.append("--exclusive ignored: exclusive CPUs need GPU placement (leases)")
-            placement = Placement.given(cpus, mems, explanation="as given on the command line")
-        result = await self.jobs.bind(pid, peer=req.peer, placement=placement, nofile=nofile,
-                                      origin="cli", why=ctx.why if ctx is not None else None)
-        if placement is not None and placement.cpus and not result.get("dry_run"):
-            self._reserve(pid, placement, ctx, exclusive)
+            placing = Placement.given(cpus, mems, explanation="as given on the command line")
+        result = await self.jobs.bind(pid, peer=req.peer, placement=placing, nofile=nofile,
+                                      origin="cli")
+        if result.get("cpus") and not result.get("dry_run") and seen:
+            self._reserve(pid, result, seen[0], exclusive)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
-    def _reserve(self, pid: int, placement: Placement, ctx: JobContext | None,
+    def _reserve(self, pid: int, result: dict[str, Any], ctx: JobContext,
                  exclusive: bool) -> None:
         """An exclusive bind holds its CPUs; a rank or Slurm task holds them against
         the other ranks/tasks of its job (they split the allocation)."""
-        group = request(ctx).group if ctx is not None else None
+        group = request(ctx).group
         if not exclusive and group is None:
             return
         self.placer.reserve(Reservation(
             key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
                                       f"{' --exclusive' if exclusive else ''})",
-            gpus=placement.gpus, cpus=placement.cpus or frozenset(), exclusive=exclusive,
-            pid=pid, group=group, job=ctx.job_key if ctx is not None else None))
+            gpus=tuple(result.get("gpus") or ()), cpus=parse_cpulist(result["cpus"]),
+            exclusive=exclusive, pid=pid, group=group, job=ctx.job_key))
 
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
                    ncpus: int | None) -> tuple[Placement | None, JobContext | None]:
@@ -138,7 +144,7 @@ class BindCommands:
                          notes=placed.notes), ctx
 
     async def unbind(self, req: Request) -> dict[str, Any]:
-        pid = req.arg("pid", int)
+        pid = host_pid(req.peer, req.arg("pid", int))
         out = await self.jobs.unbind(pid, peer=req.peer)
         self.placer.release(f"bind:{pid}")
         return out

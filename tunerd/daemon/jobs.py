@@ -37,6 +37,8 @@ __all__ = ["ExitCallback", "JobRegistry"]
 log = logging.getLogger("tunerd.jobs")
 
 ExitCallback = Callable[[int, Binding], None]
+# computes the placement (and why) once the process is pinned and its owner checked
+Placing = Callable[[], "tuple[Placement | None, str | None]"]
 
 _FORGET_RETRIES = 5  # tries to rmdir a child cpuset still busy right after an exit
 
@@ -188,14 +190,7 @@ class JobRegistry:
                 job["name"] = st.comm
 
     # -- binding ---------------------------------------------------------------
-    def authorize(self, pid: int, peer: Peer) -> None:
-        """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner):
-        the early check before anything is reserved; ``bind`` checks again on the
-        pinned process."""
-        if not peer.is_root:
-            require_owner(peer, pid, *self.binder.owner(pid))
-
-    async def bind(self, pid: int, *, peer: Peer, placement: Placement | None,
+    async def bind(self, pid: int, *, peer: Peer, placement: Placement | Placing | None,
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
                    lease: str | None = None, cmdline: str | None = None,
                    partial: bool = False, why: str | None = None) -> dict[str, Any]:
@@ -207,14 +202,17 @@ class JobRegistry:
         setting, and the originals from the first bind are kept. ``partial``: a limit
         or memory-node step the daemon may not do is left out with a note (the CPU
         binding stays), instead of failing the whole bind. Ownership is checked here,
-        once, on the process pinned by pidfd.
+        once, on the process pinned by pidfd; a ``placement`` given as a callable
+        (returning the placement and why) is computed only after that check.
         """
         t0 = time.perf_counter()
-        ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why)
         async with self._lock(pid):
             target = self.binder.pin(pid)
             try:
                 require_owner(peer, pid, target.uid, target.euid)
+                if callable(placement):
+                    placement, why = placement()
+                ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why)
                 return await self._bind(target, t0, ask)
             finally:
                 target.close()
