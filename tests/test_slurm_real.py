@@ -326,3 +326,25 @@ def test_a_lease_of_a_job_that_ended_while_tunerd_was_down_is_gone_at_start(
         tunerd.start()
     assert lid not in [x["id"] for x in leases_of(tunerd)]
     assert f"lease {lid} released: its job (slurm:{job.jobid}) ended" in tunerd.log()
+
+
+def test_a_jobs_own_exclusive_lease_does_not_block_its_steps(
+        slurm: SlurmCluster, tunerd: DaemonProc) -> None:  # noqa: F811
+    """A one-CPU job takes an exclusive lease of its GPU and CPU, then runs a step on
+    them: the TaskProlog still binds the step's task (the lease is the job's own)."""
+    lease = slurm.root / "jobs" / "own-exclusive.json"
+    lib = slurm.root / "jobs" / "probe.sh"
+    lib.write_text(PROBE)
+    body = f"""probe ""
+{tunerctl(tunerd)} --json alloc --gpus 1 --exclusive > {lease}
+srun --quiet -n1 -c1 --gres=gpu:1 bash -c '. {lib}; probe STEP_'
+echo "SRUN_RC=$?"
+"""
+    job = slurm.sbatch(PROBE + body, "-c1", "--gres=gpu:1")
+    text = slurm.wait_output(job, "SRUN_RC")
+    out = kv(text)
+    got = json.loads(lease.read_text())
+    assert got["exclusive"] and got["cpus"], got
+    assert out["SRUN_RC"] == "0", text
+    assert "tunerd: bound near GPU" in text and "not bound" not in text, text
+    assert parse_cpulist(out["STEP_MASK"]) <= parse_cpulist(out["STEP_CPUSET"]), text
