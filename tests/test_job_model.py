@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,23 @@ def test_torchrun_ranks_inside_a_two_cpu_task_get_one_cpu_each() -> None:
         got.append(p.cpus)
     assert all(c is not None and len(c) == 1 and c <= {0, 112} for c in got), got
     assert got[0] != got[1]
+
+
+def test_a_jobs_own_exclusive_lease_never_blocks_its_own_ranks() -> None:
+    topo = load_topology(DGX_H100)
+    placer = Placer(topo, HostCapacity(topo.online_cpus(), frozenset({0, 1})), frozenset)
+    cpus = frozenset(next(g for g in topo.gpus if g.index == 0).local_cpus)
+    placer.reserve(Reservation(key="lease:L1", holder="lease L1 (slurm:9)", gpus=(0,),
+                               cpus=cpus, exclusive=True, soft=True, job="slurm:9"))
+    alloc = Allocation(gpus=(0,), scheduler="Slurm job 9 step 0", slurm_job="9",
+                       slurm_step="0", job_from_cgroup=True)
+    ctx = _task(0, alloc, 1)
+    own = placer.place(request(ctx, gpu_ids=(0,), ignore_busy_gpus=True))
+    assert own.cpus and own.cpus <= cpus  # the job's step uses what its lease holds
+    other = _task(0, replace(alloc, slurm_job="10", scheduler="Slurm job 10 step 0"), 1)
+    theirs = placer.place(request(other, gpu_ids=(0,), ignore_busy_gpus=True))
+    assert theirs.cpus and not theirs.cpus & cpus  # another job's does not
+    assert placer.busy_gpus() == {0: "lease L1 (slurm:9)"}  # a new lease sees GPU 0 held
 
 
 # -- real torchrun jobs under the real daemon -------------------------------------------

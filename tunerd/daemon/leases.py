@@ -228,8 +228,11 @@ class LeaseService:
     @staticmethod
     def _request(ctx: JobContext, *, gpus: int, ncpus: int | None,
                  cpus: frozenset[int] | None, exclusive: bool, workers: int) -> PlaceRequest:
+        # job=None: a job's own leases are busy for its next lease (only its steps and
+        # ranks may use what its exclusive lease holds)
         return request(ctx, gpus=gpus, ncpus=ncpus, cpus=cpus, exclusive=exclusive,
-                       workers=workers, rank=None, ranks=None, group=None, what="lease")
+                       workers=workers, rank=None, ranks=None, group=None, job=None,
+                       what="lease")
 
     def _new_record(self, peer: Peer, placed: Placement, ctx: JobContext, *,
                     exclusive: bool, scope: str | None, origin: str, pid: int | None = None,

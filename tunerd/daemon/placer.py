@@ -170,7 +170,7 @@ class Placer:
         """
         out: dict[int, str] = {}
         for r in self._res.values():
-            if job is not None and r.job == job and r.group != group:
+            if job is not None and r.job == job and (group is None or r.group != group):
                 continue
             if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
                 for c in r.cpus:
