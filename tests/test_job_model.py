@@ -327,7 +327,7 @@ def test_numactl_wrapped_ranks_never_die(daemon_factory, tmp_path: Path) -> None
     d = daemon_factory(policy_dir=pdir).start()
     wrap = tmp_path / "wrap.sh"
     wrap.write_text(WRAP.format(n=len(HOST_CPUS)))
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in HOST_CPUS]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG])]  # one CPU kept busy
     try:
         t0 = time.monotonic()
         r = subprocess.run(
