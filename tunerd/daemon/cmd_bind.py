@@ -104,7 +104,10 @@ class BindCommands:
         self.placer.reserve(Reservation(
             key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
                                       f"{' --exclusive' if exclusive else ''})",
-            gpus=tuple(result.get("gpus") or ()), cpus=parse_cpulist(result["cpus"]),
+            # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
+            # inside the job may take that GPU: the job's own processes use it)
+            gpus=tuple(result.get("gpus") or ()) if exclusive else (),
+            cpus=parse_cpulist(result["cpus"]),
             exclusive=exclusive, pid=pid, group=group, job=ctx.job_key))
 
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
