@@ -7,7 +7,7 @@ The daemon runs under `capsh --drop=cap_sys_resource --`, so these tests mean th
 same on a host whose root has the capability. Policies: the bundled ones, copied,
 plus one file that only narrows the bundled torch-training rule to this test's
 processes (the machine is shared; the rule must not bind anyone else's torchrun).
-Host settings the bundled base.toml asks (vm.numa_balancing) go to a temporary
+Host settings the bundled 00-base.toml asks (vm.numa_balancing) go to a temporary
 tree, never to this host.
 """
 
@@ -94,7 +94,7 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
         show = d.ctl("--json", "policy", "show").json()
         rule = next(j for j in show["job"] if j["name"] == "torch-training")
         assert rule["nofile"] == 1048576 and rule["match"]["env"]["LOCAL_RANK"] == "*"
-        # base.toml's host setting went to the tree, not to this host
+        # 00-base.toml's host setting went to the tree, not to this host
         wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text().strip() == "0",
                  10, "numa_balancing = 0 in the temporary tree")
         yield d, token

@@ -365,6 +365,10 @@ class Binder:
                 migrate_from = nodes - mems
                 why = ("cgroup v2 without the cpuset controller for this process"
                        if base is not None else "no cpuset cgroup hierarchy is mounted")
+                if base is not None and base.kubelet_owned:
+                    why = (f"cgroup {base.path} is the kubelet's (kubepods): tunerd makes no "
+                           f"child cgroup there; start the job with `tunerctl run` (it sets its "
+                           f"memory policy itself before the exec) to confine it")
                 notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
                              f"{why}; existing pages moved with migrate_pages(2)")
         elif previous is not None and previous.cpuset_child is not None and cpus is not None:

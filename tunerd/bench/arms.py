@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunerd import isolated
 from tunerd.errors import UsageError
 from tunerd.torch.settings import ENV, parse_setting
 
@@ -112,7 +113,7 @@ def tunerctl_prefix(spec: ArmSpec, req: PlacementRequest, socket_path: str | Non
     """The ``tunerctl run ... --`` words an arm's command is prefixed with ([] if none)."""
     if spec.placement == "unbound":
         return []
-    argv = [sys.executable, "-m", "tunerd.cli.main"]
+    argv = isolated.python_argv(sys.executable, "-m", "tunerd.cli.main")
     if socket_path:
         argv += ["--socket", socket_path]
     argv.append("run")
@@ -135,14 +136,16 @@ class Interpreter:
     executable: str
     version: str
     torch: str | None  # torch's version, None if it cannot import torch
+    how: str = ""  # how it was chosen: "--python", "python3 on PATH", "tunerctl's own" ...
 
     def describe(self) -> str:
         torch = f"torch {self.torch}" if self.torch else "no torch"
-        return f"{self.executable} (Python {self.version}, {torch})"
+        how = f", {self.how}" if self.how else ""
+        return f"{self.executable} (Python {self.version}, {torch}{how})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "executable": self.executable, "version": self.version,
-                "torch": self.torch}
+                "torch": self.torch, "how": self.how}
 
 
 _PROBE = """
@@ -163,8 +166,9 @@ print(json.dumps({"executable": sys.executable, "version": sys.version.split()[0
 def probe(python: str, timeout: float = 30.0) -> Interpreter:
     """Which Python ``python`` is and whether it has torch (without importing torch)."""
     try:
-        p = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(isolated.python_argv(python, "-c", _PROBE), capture_output=True,
+                           text=True, timeout=timeout, cwd=isolated.CWD,
+                           env=isolated.scrubbed())
     except (OSError, subprocess.TimeoutExpired) as err:
         raise UsageError(f"--python {python}: cannot run it: {err}") from None
     if p.returncode != 0:

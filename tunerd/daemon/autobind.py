@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import user_name
 from tunerd.daemon.pidwatch import PidWatch
@@ -62,6 +63,11 @@ class RuleBound:
     timing: dict[str, Any] | None = None
 
 
+def _cut(cmdline: str, width: int = 80) -> str:
+    """A command line for one log line: an ellipsis where it is cut."""
+    return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
+
+
 def _int_env(env: dict[str, str], name: str) -> int | None:
     v = env.get(name, "").strip()
     return int(v) if v.isdigit() else None
@@ -73,8 +79,10 @@ class AutoBinder:
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
                  mover: ExclusiveMover, errors: ErrorLog, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
+                 gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
+        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = jobs
         self.pidwatch = pidwatch
         self.mover = mover
@@ -189,6 +197,12 @@ class AutoBinder:
             if pid != me and pid not in self.bound:
                 self.on_exec(pid)
 
+    def preview(self, m: RuleMatch) -> Placement:
+        """Where ``m`` would be bound, computed as a bind would, changing nothing
+        (``tunerctl plan --policy-dir``). Raises what placing raises."""
+        ppid = procfs.Process(m.pid, self.proc).stat().ppid
+        return self._place(m, self._group(m, ppid))
+
     # -- binding ---------------------------------------------------------------
     def _group(self, m: RuleMatch, ppid: int) -> str:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
@@ -215,7 +229,7 @@ class AutoBinder:
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
             alloc = dataclasses.replace(alloc, cpus=cpus,
                                         scheduler=alloc.scheduler or "tunerctl run")
-        gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
+        gpu_ids = gpus_from_env(topo, m.env, allowed=scheduler_gpus(m.pid, topo, m.env))
         if rule.cpus is not None:
             return self.placer.place(PlaceRequest(
                 cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,
@@ -252,6 +266,10 @@ class AutoBinder:
                           m.rule.name, job.get("origin"))
                 return
             self.matched += 1
+            refused = rule_reach_refused(m.rule, m.uid)  # the one gate (tunerd.daemon.gate)
+            if refused is not None:
+                log.debug("pid %d: %s; not bound", pid, refused)
+                return
             group = self._group(m, stat.ppid)
             exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
@@ -280,6 +298,7 @@ class AutoBinder:
             # cgroup (and page migration) -- the process should not run on the
             # wrong CPUs while that is set up
             nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+            nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
             res = await self.jobs.bind(pid, peer=self.peer,
                                        placement=Placement(
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,
@@ -300,7 +319,7 @@ class AutoBinder:
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
             owner = user_name(m.uid)
             log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, m.cmdline[:80], owner,
+                     m.rule.name, pid, _cut(m.cmdline), owner,
                      ", already running at start" if at_start else "",
                      format_cpulist(placed.cpus or frozenset()),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)

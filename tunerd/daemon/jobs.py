@@ -14,6 +14,7 @@ show what tunerd would have done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from tunerd.binding import Binder, Originals, Target
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.keyedlocks import KeyedLocks
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.router import Peer, require_owner
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
@@ -75,7 +77,7 @@ class JobRegistry:
         self.proc = proc_root
         self._originals: dict[int, Originals] = {}  # pid -> parsed record["originals"]
         self._callbacks: list[ExitCallback] = []
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
         self._unapplied: dict[int, _Unapplied] = {}
         self.binds_total = 0  # successful binds since start (tunerd_binds_total)
@@ -349,11 +351,8 @@ class JobRegistry:
             return {**summary, "unbound": True}
 
     # -- internals -------------------------------------------------------------
-    def _lock(self, pid: int) -> asyncio.Lock:
-        lock = self._locks.get(pid)
-        if lock is None:
-            lock = self._locks[pid] = asyncio.Lock()
-        return lock
+    def _lock(self, pid: int) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks.hold(pid)
 
     def _drop(self, key: str) -> dict[str, Any] | None:
         """Forget a record and stop watching its process (state not saved)."""
