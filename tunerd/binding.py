@@ -655,8 +655,10 @@ class Binder:
                           mask(old), mask(new))
         if rc < 0:
             e = ctypes.get_errno()
+            why = (" — moving the pages of another user's process needs CAP_SYS_NICE, "
+                   "which tunerd does not have" if e == errno.EPERM else "")
             raise Failed(f"migrate_pages(pid {t.pid}, {format_cpulist(old)} -> "
-                         f"{format_cpulist(new)}) failed: {os.strerror(e)}", pid=t.pid)
+                         f"{format_cpulist(new)}) failed: {os.strerror(e)}{why}", pid=t.pid)
         after = self.pages_per_node(t.pid)
         outside = sum(n for node, n in before.items() if node not in new)
         return max(0, outside - sum(n for node, n in after.items() if node not in new))
