@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -56,5 +57,32 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         assert ok.rc == 0, ok
         wait_for(lambda: cpus_allowed(p.pid) == str(target), 10, "the rule to bind it",
                  detail=d.log)
+    finally:
+        kill(p)  # type: ignore[arg-type]
+
+
+def test_config_key_makes_every_reload_refuse_rebinding(
+        tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
+    """reload_rebinds_running = false: SIGHUP (systemctl reload) refuses too."""
+    token = f"3100{os.getpid()}.5"
+    pdir = tmp_path / "pol"
+    write_policy(pdir, "00-test.toml", '[policy]\nname = "test"\n')
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("reload_rebinds_running = false\n")
+    d: DaemonProc = daemon_factory(policy_dir=pdir, args=["--config", str(cfg)]).start()
+    uid, gid = unpriv_user
+    p = subprocess.Popen(["sleep", token], user=uid, group=gid, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: cpus_allowed(p.pid) is not None, 5, "the sleeper to start")
+        rule_policy(pdir, f'[[job]]\nname = "later"\nmatch.cmdline = ["*sleep {token}*"]\n'
+                          f'cpus = "{min(HOST_CPUS)}"\n')
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "reload refused" in d.log(), 10, "the reload to be refused",
+                 detail=d.log)
+        assert f"pid {p.pid} (tunerd-test, rule later)" in d.log()
+        assert "reload refused" in d.ctl("status").out
+        r = d.ctl("reload")  # the key holds for tunerctl reload too
+        assert r.rc == 1 and "reload_rebinds_running = false" in r.out, r
+        assert d.ctl("--json", "policy", "show").json()["job"] == []
     finally:
         kill(p)  # type: ignore[arg-type]
