@@ -112,3 +112,21 @@ def wait_exit(d: DaemonProc, timeout: float = 20.0) -> int:
 
 def error_lines(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if " ERROR " in ln or " CRITICAL " in ln]
+
+
+def ctl_as(user: tuple[int, int], sock: str | Path, *args: str,
+           timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """The real tunerctl, run by ``user`` (uid, gid): exit code and output as they see it."""
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tunerd.cli.main", "--socket", str(sock),
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          user=user[0], group=user[1], extra_groups=[])
+
+
+def spawn_as(user: tuple[int, int], argv: list[str],
+             env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A process that ``user`` owns (real and effective uid), started by this test."""
+    return subprocess.Popen(argv, env={**os.environ, **(env or {})}, user=user[0],
+                            group=user[1], extra_groups=[], cwd="/",
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -322,10 +322,9 @@ def test_leases_avoid_what_exclusive_rule_jobs_use(tmp_path: Path, daemon_factor
                        detail=d.log)
         assert got[0]["gpus"] == [0]
         rank_cpus = parse_cpulist(got[0]["cpus"])
-        r = d.ctl("alloc", "--gpus", "8")
-        assert r.rc == 1 and f"held by pid {p.pid} (rule held)" in r.err
+        # its CPUs are held; its GPU only by its environment's word, which holds nothing
+        # (a GPU is in use when seen from outside: tunerd.daemon.gate)
         lease = d.ctl("alloc", "--gpus", "3", "--json").json()
-        assert 0 not in lease["gpus"]
         assert not parse_cpulist(lease["cpus"]) & rank_cpus
     finally:
         kill(p)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import nvml
+from tunerd import isolated, nvml
 from tunerd.procfs import read_text, read_value
 from tunerd.text import plural
 
@@ -180,8 +180,11 @@ class Env:
 
 def probe_torch(python: str, timeout: float, environ: Mapping[str, str]) -> dict[str, Any]:
     try:
-        p = subprocess.run([python, "-c", TORCH_PROBE], capture_output=True, text=True,
-                           timeout=timeout, env=dict(environ))
+        # isolated (tunerd.isolated): a json.py or torch.py in the caller's directory
+        # must not run, as root, in place of the real ones
+        p = subprocess.run(isolated.python_argv(python, "-c", TORCH_PROBE),
+                           capture_output=True, text=True, timeout=timeout,
+                           env=isolated.scrubbed(environ), cwd=isolated.CWD)
     except subprocess.TimeoutExpired:
         return {"fail": f"`{python} -c 'import torch'` did not finish in {timeout:g} s"}
     except OSError as err:
@@ -244,15 +247,15 @@ def nvidia_pci_devices(env: Env) -> list[str]:
 
 def check_driver(env: Env) -> Check:
     if nvml.available():
-        drv = _text(nvml.call("nvmlSystemGetDriverVersion", default="?"))
-        lib = _text(nvml.call("nvmlSystemGetNVMLVersion", default="?"))
-        cuda = nvml.call("nvmlSystemGetCudaDriverVersion_v2|nvmlSystemGetCudaDriverVersion",
-                         default=None)
-        n = nvml.call("nvmlDeviceGetCount", default=0)
+        drv, lib = nvml.driver_version(), nvml.nvml_version()
+        drv_s, lib_s = (_text(v) if v is not nvml.NA else "?" for v in (drv, lib))
+        cuda = nvml.cuda_driver_version()
+        n = nvml.device_count()
         return Check("nvidia-driver", "NVIDIA driver and NVML", PASS,
-                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, "
+                     f"driver {drv_s}, NVML {lib_s}, CUDA driver API {fmt_cuda(cuda)}, "
                      f"{plural(n, 'GPU')}",
-                     data={"driver": drv, "nvml": lib, "cuda_driver": fmt_cuda(cuda), "gpus": n})
+                     data={"driver": drv_s, "nvml": lib_s, "cuda_driver": fmt_cuda(cuda),
+                           "gpus": n})
     devs = nvidia_pci_devices(env)
     if devs:
         return Check("nvidia-driver", "NVIDIA driver and NVML", FAIL,
@@ -284,7 +287,7 @@ def check_nvcc(env: Env) -> Check:
                      "toolkit is only needed to compile CUDA extensions")
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
-                             timeout=20).stdout
+                             timeout=20, cwd=isolated.CWD, env=isolated.scrubbed()).stdout
     except (OSError, subprocess.TimeoutExpired) as err:
         return Check("cuda-toolkit", "CUDA toolkit on PATH", FAIL, f"{nvcc} --version: {err}",
                      "Reinstall the CUDA toolkit.")
@@ -342,8 +345,7 @@ def check_torch(env: Env) -> list[Check]:
     else:
         out.append(Check("torch-cuda", "torch.cuda is available", SKIP,
                          "no GPU on this node (torch.cuda.is_available() is False)"))
-    out.append(check_cuda_versions(t.get("cuda_build"), nvml.call(
-        "nvmlSystemGetCudaDriverVersion_v2|nvmlSystemGetCudaDriverVersion", default=None)))
+    out.append(check_cuda_versions(t.get("cuda_build"), nvml.cuda_driver_version()))
     if t.get("cudnn"):
         out.append(Check("cudnn", "cuDNN version", PASS, f"cuDNN {t['cudnn']}"))
     else:
@@ -416,7 +418,8 @@ def read_acs(bdf: str, setpci: str | None, lspci: str | None) -> tuple[bool | No
         cmds.append(([lspci, "-vvv", "-s", bdf], acs_from_lspci))
     for argv, decode in cmds:
         try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=5)
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=5,
+                               cwd=isolated.CWD, env=isolated.scrubbed())
         except (OSError, subprocess.TimeoutExpired):
             continue
         sv = decode(p.stdout) if p.returncode == 0 else None

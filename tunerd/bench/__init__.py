@@ -13,11 +13,12 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunerd import isolated
 from tunerd.bench.arms import ArmSpec, Interpreter, PlacementRequest, tunerctl_prefix
 from tunerd.bench.runner import CpuHog, Progress, RunResult, interleave, run_once
 from tunerd.bench.stats import Comparison, compare
@@ -81,8 +82,12 @@ class BenchResult:
         }
 
 
-def builtin_command(python: str) -> list[str]:
-    return [python, "-m", "tunerd.bench.workload"]
+def builtin_command(python: str, path_env: Mapping[str, str] | None = None) -> list[str]:
+    """The built-in workload in ``python``, isolated (``-I``, tunerd.isolated): nothing is
+    imported from the directory it runs in; ``path_env`` (tunerd_on_path's) says where
+    this tunerd is for an interpreter that lacks it."""
+    dirs = [d for d in (path_env or {}).get("PYTHONPATH", "").split(os.pathsep) if d]
+    return isolated.python_argv(python, "-c", isolated.bootstrap(dirs, "tunerd.bench.workload"))
 
 
 @contextlib.contextmanager
@@ -94,8 +99,8 @@ def tunerd_on_path() -> Iterator[dict[str, str]]:
 
     with tempfile.TemporaryDirectory(prefix="tunerd-path-") as tmp:
         (Path(tmp) / "tunerd").symlink_to(Path(tunerd.__file__).resolve().parent)
-        old = os.environ.get("PYTHONPATH")
-        yield {"PYTHONPATH": tmp + (os.pathsep + old if old else "")}
+        # only this directory: the caller's own PYTHONPATH is not handed on (isolation)
+        yield {"PYTHONPATH": tmp}
 
 
 def _choose_metric(runs: list[RunResult]) -> tuple[str | None, bool]:

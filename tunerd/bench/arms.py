@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunerd import isolated
 from tunerd.errors import UsageError
 from tunerd.torch.settings import ENV, parse_setting
 
@@ -112,7 +113,7 @@ def tunerctl_prefix(spec: ArmSpec, req: PlacementRequest, socket_path: str | Non
     """The ``tunerctl run ... --`` words an arm's command is prefixed with ([] if none)."""
     if spec.placement == "unbound":
         return []
-    argv = [sys.executable, "-m", "tunerd.cli.main"]
+    argv = isolated.python_argv(sys.executable, "-m", "tunerd.cli.main")
     if socket_path:
         argv += ["--socket", socket_path]
     argv.append("run")
@@ -165,8 +166,9 @@ print(json.dumps({"executable": sys.executable, "version": sys.version.split()[0
 def probe(python: str, timeout: float = 30.0) -> Interpreter:
     """Which Python ``python`` is and whether it has torch (without importing torch)."""
     try:
-        p = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(isolated.python_argv(python, "-c", _PROBE), capture_output=True,
+                           text=True, timeout=timeout, cwd=isolated.CWD,
+                           env=isolated.scrubbed())
     except (OSError, subprocess.TimeoutExpired) as err:
         raise UsageError(f"--python {python}: cannot run it: {err}") from None
     if p.returncode != 0:

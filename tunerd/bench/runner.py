@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunerd import isolated
+
 __all__ = ["CpuHog", "RunResult", "interleave", "run_once"]
 
 METRIC_RE = re.compile(r"^TUNERD_METRIC\s+(\S+)\s+([-+0-9.eE]+)(?:\s+(higher|lower))?\s*$",
@@ -195,8 +197,10 @@ class CpuHog:
         return self.proc.pid if self.proc else None
 
     def start(self) -> CpuHog:
-        self.proc = subprocess.Popen([sys.executable, "-c", _HOG, str(self.procs)],
-                                     start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(isolated.python_argv(sys.executable, "-c", _HOG,
+                                                          str(self.procs)),
+                                     start_new_session=True, stdin=subprocess.DEVNULL,
+                                     cwd=isolated.CWD, env=isolated.scrubbed())
         # the first run must already face every hog process, not just the parent
         deadline = time.monotonic() + 10.0
         while len(_live_members(self.proc.pid)) < self.procs and time.monotonic() < deadline:

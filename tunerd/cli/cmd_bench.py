@@ -148,7 +148,7 @@ def resolve_workload(command: list[str], python: str | None, steps: int | None, 
         return command, None, "command: " + " ".join(command), {}
     interp = workload_python(python)
     steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
-    return (builtin_command(interp.path), interp, NAME,
+    return (builtin_command(interp.path, path_env), interp, NAME,
             {**path_env, "TUNERD_BENCH_STEPS": str(steps)})
 
 

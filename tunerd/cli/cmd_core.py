@@ -31,7 +31,8 @@ def _human_status(st: dict[str, Any]) -> str:
              + (" (dry run)" if st.get("dry_run") else "")
              + (f" (topology replay: {st['replay']})" if st.get("replay") else "")]
     pol = st.get("policy", {})
-    lines.append("policies: " + (", ".join(pol.get("sources") or []) or "none"))
+    lines.append("policies: " + (", ".join(pol.get("names") or []) or "none") + " (files: "
+                 + (", ".join(pol.get("sources") or []) or "none") + ")")
     if pol.get("error"):
         lines.append(f"policy error (old policy kept): {pol['error']}")
     for name, svc in sorted((st.get("services") or {}).items()):

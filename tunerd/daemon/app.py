@@ -220,6 +220,7 @@ class Daemon:
             "replay": str(self.replay) if self.replay is not None else None,
             "policy": {
                 "sources": pol.sources if pol else [],
+                "names": list(pol.model.info.names) if pol else [],
                 "summary": self.policy.summary(),
                 "loaded_at": self.policy.loaded_at,
                 "error": self.policy.error,

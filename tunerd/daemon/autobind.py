@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import user_name
 from tunerd.daemon.pidwatch import PidWatch
@@ -78,8 +79,10 @@ class AutoBinder:
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
                  mover: ExclusiveMover, errors: ErrorLog, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
+                 gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
+        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = jobs
         self.pidwatch = pidwatch
         self.mover = mover
@@ -226,7 +229,7 @@ class AutoBinder:
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
             alloc = dataclasses.replace(alloc, cpus=cpus,
                                         scheduler=alloc.scheduler or "tunerctl run")
-        gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
+        gpu_ids = gpus_from_env(topo, m.env, allowed=scheduler_gpus(m.pid, topo, m.env))
         if rule.cpus is not None:
             return self.placer.place(PlaceRequest(
                 cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,
@@ -263,6 +266,10 @@ class AutoBinder:
                           m.rule.name, job.get("origin"))
                 return
             self.matched += 1
+            refused = rule_reach_refused(m.rule, m.uid)  # the one gate (tunerd.daemon.gate)
+            if refused is not None:
+                log.debug("pid %d: %s; not bound", pid, refused)
+                return
             group = self._group(m, stat.ppid)
             exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
             if job is not None and prev is None:  # bound before a daemon restart: adopt
@@ -291,12 +298,14 @@ class AutoBinder:
             # cgroup (and page migration) -- the process should not run on the
             # wrong CPUs while that is set up
             nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+            nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
             res = await self.jobs.bind(pid, peer=self.peer,
                                        placement=Placement(
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,
                                            explanation=placed.explanation),
                                        nofile=nofile, origin="rule", name=m.rule.name,
-                                       cmdline=m.cmdline, partial=True)
+                                       cmdline=m.cmdline, partial=True,
+                                       persist_after=True)  # bind first, persist after
             rb.bound_at = time.monotonic()
             self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
@@ -40,10 +40,12 @@ class BindCommands:
         self.jobs = jobs
         self.placer = placer
         self.leases = leases
+        self.gate = leases.gate
         jobs.on_exit(self._exited)
 
     def _exited(self, pid: int, rec: dict[str, Any]) -> None:
         self.placer.release(f"bind:{pid}")
+        self.gate.drop(f"bind:{pid}")
 
     def register(self, router: Router) -> None:
         router.add("bind", self.bind)
@@ -57,6 +59,11 @@ class BindCommands:
         ncpus = req.arg("ncpus", int, None)
         exclusive = req.arg("exclusive", bool, False)
         notes: list[str] = []
+        if exclusive:  # a reservation: the one gate of alloc and run (tunerd.daemon.gate)
+            self.jobs.authorize(pid, req.peer)
+            self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")
+        if not req.peer.is_root:
+            nofile = self.gate.cap_nofile(req.peer.uid, pid, nofile, notes) or nofile
         placement: Placement | None
         if (cpus is None and mems is None) or gpus is not None:
             self.jobs.authorize(pid, req.peer)  # before anything is reserved
@@ -74,8 +81,6 @@ class BindCommands:
                     explanation=placed.explanation)
                 notes += [n for n in placed.notes if not n.startswith("topology replay")]
         else:
-            if exclusive:
-                notes.append("--exclusive ignored: exclusive CPUs need GPU placement (leases)")
             placement = Placement.given(cpus, mems, explanation="as given on the command line")
         result = await self.jobs.bind(pid, peer=req.peer, placement=placement, nofile=nofile,
                                       origin="cli")
@@ -83,6 +88,7 @@ class BindCommands:
             self.placer.reserve(Reservation(
                 key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
                 gpus=placement.gpus, cpus=placement.cpus, exclusive=True, pid=pid))
+            self.gate.hold(f"bind:{pid}", req.peer.uid)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
@@ -102,7 +108,7 @@ class BindCommands:
             raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
         how = "--gpus"
         if gpus is None:
-            gpus = gpus_from_env(topo, env, allowed=slurm_gpus(topo, env))
+            gpus = gpus_from_env(topo, env, allowed=scheduler_gpus(pid, topo, env))
             how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
             if not gpus:
                 gpus = gpus_from_nvml(pid)
@@ -133,6 +139,7 @@ class BindCommands:
         pid = req.arg("pid", int)
         out = await self.jobs.unbind(pid, peer=req.peer)
         self.placer.release(f"bind:{pid}")
+        self.gate.drop(f"bind:{pid}")
         return out
 
     async def list_jobs(self, req: Request) -> dict[str, Any]:

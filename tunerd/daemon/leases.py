@@ -28,7 +28,6 @@ import os
 import pwd
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
@@ -36,6 +35,7 @@ from tunerd.allocation import cvd_names, read_allocation
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover, parse_scope
+from tunerd.daemon.gate import LeaseLimits, ReservationGate
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
@@ -46,15 +46,6 @@ from tunerd.placement import Placement
 __all__ = ["LeaseLimits", "LeaseService", "lease_env", "user_name"]
 
 log = logging.getLogger("tunerd.leases")
-
-
-@dataclass(frozen=True)
-class LeaseLimits:
-    """``[leases]`` of the policy: what non-root users may hold."""
-
-    user_exclusive: bool = False
-    max_per_user: int = 64
-    alloc_ttl: float = 86400.0  # seconds; 0 = no limit
 
 
 @functools.lru_cache(maxsize=1024)
@@ -79,6 +70,7 @@ class LeaseService:
                  mover: ExclusiveMover, section: dict[str, Any], save: Callable[[], None],
                  errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None],
+                 gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
         self.jobs = jobs
@@ -86,6 +78,8 @@ class LeaseService:
         self.mover = mover
         self.errors = errors
         self._limits = limits
+        self.gate = gate or ReservationGate(limits)
+        self.gate.count_with(self.held_by)
         self._default_nofile = default_nofile
         self.proc = proc_root
         section.setdefault("next_id", 1)
@@ -158,19 +152,11 @@ class LeaseService:
             if not exclusive:
                 raise UsageError("an exclusive scope needs --exclusive")
             parse_scope(scope)
-        if peer.is_root:
-            return
-        limits = self._limits()
-        if exclusive and not limits.user_exclusive:
-            raise PermissionDenied(
-                "exclusive leases are for root on this node: the policy's [leases] "
-                "user_exclusive is false (ask an administrator, or leave out --exclusive)")
-        mine = sum(1 for r in self.leases.values() if r["uid"] == peer.uid)
-        if mine >= limits.max_per_user:
-            raise PermissionDenied(
-                f"uid {peer.uid} holds {mine} leases, the most a user may hold on this node "
-                f"([leases] max_per_user = {limits.max_per_user}); release some first "
-                "(tunerctl leases, tunerctl release ID)")
+        self.gate.admit(peer, exclusive=exclusive)  # one gate: tunerd.daemon.gate
+
+    def held_by(self, uid: int) -> int:
+        """Leases ``uid`` holds (the gate counts them with its other reservations)."""
+        return sum(1 for r in self.leases.values() if r["uid"] == uid)
 
     def _environ(self, pid: int) -> dict[str, str]:
         """The caller's environment (up to 1 MiB): read once per request, used for its
@@ -273,15 +259,24 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
             if placed.applicable:
-                job = await self.jobs.bind(
-                    pid, peer=peer, placement=Placement(
-                        cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
-                        gpus=placed.gpus,
-                        explanation=placed.explanation),
-                    nofile=self._default_nofile(), origin="run",
-                    name=os.path.basename(cmd[0]) if cmd else None, lease=lid, partial=True)
-                rec["cpus_bound"] = job.get("cpus")
-                rec["notes"].extend(job.get("notes") or [])
+                try:
+                    job = await self.jobs.bind(
+                        pid, peer=peer, placement=Placement(
+                            cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
+                            gpus=placed.gpus,
+                            explanation=placed.explanation),
+                        nofile=self._default_nofile(), origin="run",
+                        name=os.path.basename(cmd[0]) if cmd else None, lease=lid,
+                        partial=True)
+                except PermissionDenied as err:
+                    if "CAP_SYS_NICE" not in err.message:
+                        raise
+                    # a process may set its own CPUs: tunerctl does, before it execs
+                    rec["notes"].append(f"{err.message}; tunerctl binds itself to CPUs "
+                                        f"{rec['cpus']} before it runs the command")
+                else:
+                    rec["cpus_bound"] = job.get("cpus")
+                    rec["notes"].extend(job.get("notes") or [])
             await self._exclusive(rec, pid, peer)
         except BaseException:
             self._drop(lid)

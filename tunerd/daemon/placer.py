@@ -36,6 +36,7 @@ from typing import Any
 from tunerd import procfs
 from tunerd.allocation import Allocation
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.daemon.gate import verified_gpus
 from tunerd.errors import PlacementError, UsageError
 from tunerd.placement import (
     MODES,
@@ -49,6 +50,7 @@ from tunerd.placement import (
 from tunerd.placement import place as place_on_topology
 from tunerd.procfs import read_text
 from tunerd.topology.model import Topology
+from tunerd.topology.visible import gpus_from_nvml
 
 __all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
 
@@ -152,7 +154,13 @@ class Placer:
         return self._res.pop(key, None)
 
     def busy_gpus(self) -> dict[int, str]:
-        return {g: r.holder for r in self._res.values() for g in r.gpus}
+        return {g: r.holder for r in self._res.values() for g in self._held_gpus(r)}
+
+    def _held_gpus(self, r: Reservation) -> tuple[int, ...]:
+        """A rule-bound process holds the GPUs seen from outside only (tunerd.daemon.gate)."""
+        if r.key.startswith("rule:") and r.pid is not None and r.gpus:
+            return verified_gpus(r.pid, r.gpus, nvml_gpus=gpus_from_nvml, proc_root=self.proc)
+        return r.gpus
 
     def exclusive_cpus(self, soft: bool = False, group: str | None = None) -> dict[int, str]:
         """CPUs no other placement may take (``soft``: also every lease's).

@@ -380,6 +380,7 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
     warnings = bundled_override_warnings(provenance)
     if files and not names:
         warnings.append(no_match_warning(not_applied, facts))
+    warnings += reach_warnings(merged.get("job", []))
     data = normalize(merged, names)
     return Policy(data=data, sources=sources, model=build_model(data, sources),
                   skipped=skipped + notes, warnings=warnings,
@@ -411,6 +412,17 @@ def bundled_override_warnings(provenance: Provenance) -> list[str]:
 def _inline(match: dict[str, Any]) -> str:
     """A ``[policy.match]`` table on one line, as TOML: ``gpu_model = ["*H100*"], min_gpus = 8``."""
     return ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in match.items())
+
+
+def reach_warnings(jobs: list[dict[str, Any]]) -> list[str]:
+    """Rules that move or reserve beyond the matched process act only for the users they
+    name (tunerd.daemon.gate): one naming none acts for root's processes only."""
+    return [f"job {j['name']!r} is exclusive (exclusive, placement = \"exclusive\" or "
+            "exclusive_scope) and names no match.user: it acts only for root's processes; "
+            "name the users it is for (match.user = [...])"
+            for j in jobs
+            if (j.get("exclusive") or j.get("placement") == "exclusive"
+                or j.get("exclusive_scope")) and not (j.get("match") or {}).get("user")]
 
 
 def no_match_warning(files: list[PolicyFile], facts: NodeFacts) -> str:
