@@ -24,8 +24,13 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
     token = f"3000{os.getpid()}.5"  # sleep's argument: only this test's process matches
     target = min(HOST_CPUS)
-    pdir = tmp_path / "pol"
-    write_policy(pdir, "00-test.toml", '[policy]\nname = "test"\n')
+    # the policy file is a symlink to a file outside the dir: editing that file is not a
+    # change of the dir, so the daemon's policy-dir watcher does not reload by itself and
+    # the explicit `tunerctl reload` below is the one that reads the new rule
+    pdir, real = tmp_path / "pol", tmp_path / "real.toml"
+    real.write_text('[policy]\nname = "test"\n')
+    pdir.mkdir()
+    (pdir / "00-test.toml").symlink_to(real)
     cand = rule_policy(tmp_path / "cand", f'[[job]]\nname = "preview"\n'
                                           f'match.cmdline = ["*sleep {token}*"]\n'
                                           f'cpus = "{target}"\n')
@@ -47,7 +52,7 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         assert d.ctl("--json", "policy", "show").json()["sources"] == [str(pdir / "00-test.toml")]
         assert cpus_allowed(p.pid) == before
 
-        shutil.copy(cand / "00-test.toml", pdir / "00-test.toml")
+        shutil.copy(cand / "00-test.toml", real)
         refused = d.ctl("reload", "--no-rebind-running")
         assert refused.rc == 1, refused
         assert f"pid {p.pid} (tunerd-test, rule preview)" in refused.out, refused.out
