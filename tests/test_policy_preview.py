@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,11 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         assert [(x["pid"], x["uid"], x["user"], x["rule"], x["cpus"]) for x in rows] == [
             (p.pid, uid, "tunerd-test", "preview", str(target))], rows
         assert r.json()["host"]["changes"] == []
+        as_user = subprocess.run(  # a preview reads any directory as root: root only
+            [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "plan",
+             "--policy-dir", str(cand)], user=uid, group=gid, capture_output=True, text=True,
+            timeout=60, cwd="/")
+        assert as_user.returncode == 4 and "needs root" in as_user.stderr, as_user
         human = d.ctl("plan", "--policy-dir", str(cand)).out
         assert f"pid {p.pid} user tunerd-test rule preview: cpus {target}" in human, human
         # a preview changes nothing: same policy in force, the process not bound
