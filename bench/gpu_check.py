@@ -234,6 +234,9 @@ def step_env(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
         if not t.get("cuda"):
             return FAIL, detail + ": the GPU is there but torch cannot use it", data
         return PASS, detail, data
+    if data.get("smi_gpus"):
+        return FAIL, (f"nvidia-smi lists {len(data['smi_gpus'])} GPU(s) but tunerd's NVML layer "
+                      f"sees none: {nvml.reason() or 'NVML reports none'}"), data
     return PASS, f"no GPU here ({nvml.reason() or 'NVML reports none'}); {torch_txt}", data
 
 
@@ -255,6 +258,15 @@ def sysfs_gpu(bus: str) -> dict[str, Any]:
             "current_link_width": rd("current_link_width")}
 
 
+def _cpus(v: Any) -> list[int]:
+    """A snapshot's cpulist ("0-15,32") or list as a sorted list of CPU ids."""
+    from tunerd.cpulist import parse_cpulist
+
+    if isinstance(v, str):
+        return sorted(parse_cpulist(v)) if v.strip() else []
+    return sorted(int(c) for c in v or [])
+
+
 def step_topology(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
     dest = ctx.out / "topology.json"
     r = sh(tunerctl(ctx, "topology", "--local", "--save", str(dest)), min(60, ctx.left()))
@@ -273,7 +285,7 @@ def step_topology(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
     bad = []
     for g in gpus:
         sf = sysfs_gpu(g["pci_bus_id"])
-        g_cpus = sorted(g.get("local_cpus") or [])
+        g_cpus = _cpus(g.get("local_cpus"))
         data.setdefault("per_gpu", []).append({"index": g["index"], "bus": g["pci_bus_id"],
                                                "numa_node": g.get("numa_node"),
                                                "sysfs": sf, "local_cpus": g_cpus})
@@ -715,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="report folder (default: $OUT, else a new folder in /tmp)")
     ap.add_argument("--quick", action="store_true", help="shorter training step")
     ap.add_argument("--no-bench", action="store_true", help="leave out `tunerctl bench`")
-    ap.add_argument("--budget", type=float, default=450.0,
+    ap.add_argument("--budget", type=float, default=330.0,
                     help="seconds for the whole check (steps not started after it: SKIP)")
     ap.add_argument("--policy-dir", type=Path, default=None,
                     help="the daemon's policies (default: none, i.e. the bundled default)")

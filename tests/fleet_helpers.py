@@ -109,7 +109,7 @@ class Fleet:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _policy(ib_hca: str) -> str:
+def fleet_policy(ib_hca: str) -> str:
     # prefix syntax: matches "fab0" on some nodes and "ens1f0" on others
     return ("[policy]\nname = \"fleet-test\"\n[nccl]\nNCCL_SOCKET_IFNAME = \"fab,ens\"\n"
             f"NCCL_IB_HCA = \"{ib_hca}\"\n")
@@ -156,7 +156,7 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
                                     ("max_link_speed", "16.0 GT/s PCIe")):
                     (dev / name).write_text(value + "\n")
                 extra["sys_root"] = sys_root
-            d = make_daemon(tmp / f"n{i}", _policy(spec["ib_hca"]), ns=ns, **extra,
+            d = make_daemon(tmp / f"n{i}", fleet_policy(spec["ib_hca"]), ns=ns, **extra,
                             sample_interval=0.5, job_python=Path(spec.get("python",
                                                                          "/usr/bin/python3")),
                             debug_nvml_replay=spec["nvml"])
@@ -166,9 +166,6 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
         t0 = time.monotonic()
         for n in fleet.nodes:
             n.daemon.start(wait=False)
-        for n in fleet.nodes:
-            n.daemon.wait_ready(60)
-        print(f"\n{len(specs)} daemons ready in {time.monotonic() - t0:.1f} s")
         targets = "".join(
             f"      - targets: ['{n.instance}']\n        labels: {{group: '{s['group']}'}}\n"
             for n, s in zip(fleet.nodes, specs, strict=True))
@@ -188,6 +185,9 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
              f"--web.listen-address=127.0.0.1:{PROM_PORT}"],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
+        for n in fleet.nodes:
+            n.daemon.wait_ready(60)
+        print(f"\n{len(specs)} daemons ready in {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()
 
         def all_scraped() -> bool:

@@ -672,7 +672,8 @@ class NvmlDevice(Device):
 
     @property
     def numa_node_id(self) -> NaOr[int]:
-        return self._qint("nvmlDeviceGetNumaNodeId")
+        v = self._qint("nvmlDeviceGetNumaNodeId")
+        return NA if v is NA or v < 0 else v  # -1: the driver names no node
 
     def common_ancestor(self, other: Device) -> NaOr[int]:
         if not isinstance(other, NvmlDevice):

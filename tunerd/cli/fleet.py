@@ -146,6 +146,10 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
         node_class[inst] = m.get(class_label, "")
         for label, key in VERSION_KEYS:
             versions[key][inst] = m.get(label) or UNSET
+    if not node_class:  # nothing to compare is not a consistent fleet
+        raise Failed(f"Prometheus at {prom.base} has no tunerd_node_info series"
+                     + (f" matching {match!r}" if sel else "")
+                     + ": is it scraping tunerd (0.2 or later) on every node?")
     classes: dict[str, list[str]] = defaultdict(list)
     for inst, k in node_class.items():
         classes[k].append(inst)

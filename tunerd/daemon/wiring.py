@@ -171,7 +171,7 @@ def build(cfg: DaemonConfig) -> Daemon:
 
     hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch, hotplug]
+                               policywatch, hotplug, pods]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,

@@ -6,7 +6,7 @@ Two kinds, read at two cadences:
   the effective policy, driver/CUDA/NCCL/torch/kernel/tunerd versions — are computed
   at start and on every policy reload, never on the sampling path. torch (and the NCCL
   it bundles) are probed the way ``tunerctl doctor`` does, in an isolated subprocess
-  (``python -I`` from cwd ``/``, minimal environment, a timeout): the daemon never
+  (``python -I`` from cwd ``/``, no PYTHON* variables, a timeout): the daemon never
   imports torch. Driver and CUDA come from NVML, else from the driver's version file.
 - Live facts — each NIC's MTU and IPv4 subnet, the managed ``/etc/nccl.conf`` keys,
   each GPU's PCIe link width against its maximum —
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import __version__, nvml
+from tunerd import __version__, isolated, nvml
 
 __all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "PcieLink",
            "Versions", "match_ifnames", "node_class", "policy_hash", "probe_torch_isolated",
@@ -146,11 +146,12 @@ def read_nics(nccl_ifname: str | None) -> list[NicFact]:
 
 
 def probe_torch_isolated(python: str, timeout: float = PROBE_TIMEOUT) -> dict[str, str]:
-    """torch and NCCL versions of ``python``: ``python -I`` from ``/``, minimal env."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    """torch and NCCL versions of ``python``, started as doctor starts it (tunerd.isolated:
+    ``python -I`` from ``/``, the daemon's environment without the PYTHON* variables)."""
     try:
-        p = subprocess.run([python, "-I", "-c", TORCH_PROBE], capture_output=True, text=True,
-                           timeout=timeout, cwd="/", env=env, stdin=subprocess.DEVNULL)
+        p = subprocess.run(isolated.python_argv(python, "-c", TORCH_PROBE), capture_output=True,
+                           text=True, timeout=timeout, cwd=isolated.CWD,
+                           env=isolated.scrubbed(), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         log.warning("torch version probe of %s did not finish in %g s", python, timeout)
         return {}
@@ -241,6 +242,7 @@ class FleetFacts:
     sys_root: Path = Path("/sys")
     pcie: list[PcieLink] = field(default_factory=list)
     _next_live: float = 0.0
+    _again: bool = False
     _probing: threading.Lock = field(default_factory=threading.Lock)
 
     def policy_changed(self, names: Sequence[str], gpu_models: Sequence[str],
@@ -253,12 +255,23 @@ class FleetFacts:
         threading.Thread(target=self._probe, name="tunerd-version-probe", daemon=True).start()
 
     def _probe(self) -> None:
-        with self._probing:  # two reloads in a row: one probe after the other
+        # reloads in a burst (a policy dir updated file by file): one probe runs, and at
+        # most one more after it, never one per reload
+        while True:
+            if not self._probing.acquire(blocking=False):
+                self._again = True
+                return
             try:
-                self.versions = probe_versions(self.python, self.proc_root)
-            except Exception as err:  # never let a probe take the daemon down
-                log.warning("version probe failed: %r", err)
-                self.versions = self.versions or Versions(kernel=os.uname().release)
+                self._again = False
+                try:
+                    self.versions = probe_versions(self.python, self.proc_root)
+                except Exception as err:  # never let a probe take the daemon down
+                    log.warning("version probe failed: %r", err)
+                    self.versions = self.versions or Versions(kernel=os.uname().release)
+            finally:
+                self._probing.release()
+            if not self._again:  # no reload came while this probe ran
+                return
 
     def sample(self) -> None:
         """Re-read NICs and nccl.conf (the sampler thread; every LIVE_EVERY seconds)."""
