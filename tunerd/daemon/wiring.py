@@ -201,6 +201,11 @@ def build(cfg: DaemonConfig) -> Daemon:
     preview.register(router)
     CoreCommands(daemon.status, daemon.reload, policy,
                  refuse_rebind=preview.refuse_rebind).register(router)
+    if not cfg.reload_rebinds_running:
+        def refuse_for_root(p: Policy) -> str | None:  # SIGHUP comes from root
+            return preview.refuse_rebind(p, 0)
+
+        daemon.reload_guard = refuse_for_root
     BindCommands(jobs, placer, leases, intake,
                  left_alone=autobind.left_alone_now).register(router)
     LeaseCommands(leases).register(router)

@@ -1,6 +1,6 @@
 """The policy file format, declared once: validation, normalization and JSON Schema.
 
-The README's "Policies" section documents the format for operators. After merging,
+docs/policies.md documents the format for operators. After merging,
 every section is present (``SECTION_DEFAULTS`` gives each one's empty value) and
 ``tunerd.policy.typed`` turns the result into typed values.
 """
