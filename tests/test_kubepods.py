@@ -190,7 +190,8 @@ def test_poll_alone_rebinds_within_1s() -> None:
             return dict(record)
 
         async def scenario() -> list[float]:
-            w = CpusetWatch(lambda: [dict(record)], rebind, inotify=False)
+            w = CpusetWatch(lambda pid: (st, str(record["cpus"])) if pid == p.pid else None,
+                            rebind, bound=lambda: [p.pid], inotify=False)
             await w.start()
             try:
                 await rebind(p.pid, frozenset({1}))

@@ -43,8 +43,9 @@ __all__ = ["CpusetWatch"]
 log = logging.getLogger("tunerd.cpusetwatch")
 
 POLL_INTERVAL = 0.25  # seconds; the 1 s bound holds with a poll alone
-# bound jobs: [{"pid", "start_time", "cpus"}]; rebind(pid, cpus) re-applies inside the set
-Jobs = Callable[[], Iterable[dict[str, Any]]]
+# lookup(pid) -> (start time, cpulist) of pid's binding where it is applied and has CPUs
+Lookup = Callable[[int], "tuple[int, str] | None"]
+# rebind(pid, cpus) re-applies inside the set
 Rebind = Callable[[int, frozenset[int]], Awaitable[Any]]
 
 
@@ -60,10 +61,15 @@ class CpusetWatch:
 
     name = "cpusetwatch"
 
-    def __init__(self, jobs: Jobs, rebind: Rebind, *, proc_root: Path = Path("/proc"),
+    def __init__(self, lookup: Lookup, rebind: Rebind, *,
+                 bound: Callable[[], Iterable[int]] = tuple, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
                  on_change: Callable[[], None] | None = None, inotify: bool = True) -> None:
-        self._jobs = jobs
+        """``lookup``: a binding as it is now; ``bound``: the pids bound at start. After
+        that the watcher looks only at pids it is told of (``changed``, wired to the
+        registry's bind/unbind/exit events): a round costs nothing per binding."""
+        self._lookup = lookup
+        self._bound = bound
         self._use_inotify = inotify  # False: the poll alone (cgroupfs without inotify)
         self._on_change = on_change  # the kubelet changed a cpuset (PodResources: List again)
         self._rebind = rebind
@@ -73,7 +79,9 @@ class CpusetWatch:
         self._cgroups: dict[Path, _Watched] = {}  # cgroup dir -> what is in it
         self._wanted: dict[tuple[int, int], frozenset[int]] = {}  # the CPUs asked for
         self._set_by_us: dict[tuple[int, int], str | None] = {}
-        self._seen: frozenset[tuple[int, int]] = frozenset()
+        self._keys: dict[int, tuple[int, int]] = {}  # pid -> (pid, start time) followed
+        self._where: dict[tuple[int, int], Path] = {}  # ... and its cgroup dir, if any
+        self._changed: set[int] = set()  # pids whose binding changed since the last round
         self._wds: dict[int, Path] = {}
         self._ino: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -84,6 +92,7 @@ class CpusetWatch:
 
     # -- service ---------------------------------------------------------------------
     async def start(self) -> None:
+        self._changed.update(self._bound())
         if not self._use_inotify:
             self._task = asyncio.ensure_future(self._run())
             return
@@ -118,6 +127,10 @@ class CpusetWatch:
                 "inotify": self._ino is not None}
 
     # -- events ----------------------------------------------------------------------
+    def changed(self, pid: int) -> None:
+        """``pid``'s binding was stored, replaced or removed: look at it next round."""
+        self._changed.add(pid)
+
     def _on_inotify(self) -> None:
         try:
             self._ino.read(timeout=0)
@@ -183,32 +196,34 @@ class CpusetWatch:
 
     # -- which cgroups -----------------------------------------------------------------
     def _track(self) -> list[tuple[tuple[int, int], frozenset[int]]]:
-        """Follow the bound processes: cgroups found once per new process (not per round).
+        """Follow the bound processes whose binding changed: cgroups found once per new
+        process (not per round).
 
         Returns the processes seen for the first time, with their cgroup's CPUs now."""
+        if not self._changed:
+            return []
+        pids, self._changed = self._changed, set()
         fresh: list[tuple[tuple[int, int], frozenset[int]]] = []
-        records = {(int(r["pid"]), int(r["start_time"])): r for r in self._jobs()
-                   if r.get("applied", True) and r.get("cpus")}
-        keys = frozenset(records)
-        for key, rec in records.items():
-            cpus = rec["cpus"]
+        regroup = False
+        for pid in sorted(pids):
+            now = self._lookup(pid)
+            old = self._keys.get(pid)
+            if old is not None and (now is None or now[0] != old[1]):
+                regroup |= self._untrack(old)
+                old = None
+            if now is None:
+                continue
+            key, cpus = (pid, now[0]), now[1]
             # a bind the user made since (not the one we made): it is what they want now
             if key not in self._wanted or (cpus != self._set_by_us.get(key)
                                            and parse_cpulist(cpus) != self._wanted[key]):
                 self._wanted[key] = parse_cpulist(cpus)
                 self._set_by_us[key] = cpus
-        if keys == self._seen:
-            return fresh
-        for key in self._seen - keys:
-            self._wanted.pop(key, None)
-            self._set_by_us.pop(key, None)
-        for d, watched in list(self._cgroups.items()):
-            watched.pids &= keys
-            if not watched.pids:
-                del self._cgroups[d]
-        for key in keys - self._seen:
+            if old is not None:
+                continue
+            self._keys[pid] = key
             try:
-                cg = find_cpuset(key[0], self.proc, self.sys)
+                cg = find_cpuset(pid, self.proc, self.sys)
             except OSError:
                 continue
             if cg is None:
@@ -218,11 +233,28 @@ class CpusetWatch:
                     self._cgroups[cg.dir] = _Watched(cg, cg.effective_cpus())
                 except OSError:
                     continue
+                regroup = True
             self._cgroups[cg.dir].pids.add(key)
+            self._where[key] = cg.dir
             fresh.append((key, self._cgroups[cg.dir].effective))
-        self._seen = keys
-        self._rewatch()
+        if regroup:
+            self._rewatch()
         return fresh
+
+    def _untrack(self, key: tuple[int, int]) -> bool:
+        """Stop following ``key``; True where its cgroup is no longer watched."""
+        self._keys.pop(key[0], None)
+        self._wanted.pop(key, None)
+        self._set_by_us.pop(key, None)
+        d = self._where.pop(key, None)
+        if d is None or d not in self._cgroups:
+            return False
+        watched = self._cgroups[d]
+        watched.pids.discard(key)
+        if watched.pids:
+            return False
+        del self._cgroups[d]
+        return True
 
     def _rewatch(self) -> None:
         """inotify watches on the watched cgroups and their ancestors, no others."""

@@ -34,11 +34,13 @@ from tunerd.daemon.records import Binding
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.placement import Placement
 
-__all__ = ["ExitCallback", "JobRegistry"]
+__all__ = ["ChangeCallback", "ExitCallback", "JobRegistry"]
 
 log = logging.getLogger("tunerd.jobs")
 
 ExitCallback = Callable[[int, Binding], None]
+# told the pid whose binding was stored, replaced or removed (read it back with record())
+ChangeCallback = Callable[[int], None]
 # computes the placement (and why) once the process is pinned and its owner checked
 Placing = Callable[[], "tuple[Placement | None, str | None]"]
 
@@ -93,6 +95,7 @@ class JobRegistry:
         self.dry_run = dry_run
         self.proc = proc_root
         self._callbacks: list[ExitCallback] = []
+        self._change_callbacks: list[ChangeCallback] = []
         self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
         self._unapplied: dict[int, _Unapplied] = {}
@@ -117,6 +120,7 @@ class JobRegistry:
                 changed = True
                 continue
             self._bindings[rec.pid] = rec
+            self._changed(rec.pid)
             log.info("re-adopted binding of pid %d (cpus %s)", rec.pid, rec.cpus)
         if changed:
             self._save_quietly()
@@ -142,6 +146,15 @@ class JobRegistry:
     # -- queries -------------------------------------------------------------
     def on_exit(self, callback: ExitCallback) -> None:
         self._callbacks.append(callback)
+
+    def on_change(self, callback: ChangeCallback) -> None:
+        """``callback(pid)`` whenever pid's binding is stored, replaced or removed (bind,
+        unbind, exit): a watcher follows the bindings without listing them all."""
+        self._change_callbacks.append(callback)
+
+    def pids(self) -> list[int]:
+        """The bound pids (not the replay-only placements)."""
+        return list(self._bindings)
 
     def is_bound(self, pid: int) -> bool:
         return pid in self._bindings
@@ -259,6 +272,7 @@ class JobRegistry:
         if target.exited():  # exited during an executor apply: the exit handler may have run
             self._bindings.pop(pid, None)
             self._records.pop(str(pid), None)
+            self._changed(pid)
             self._save_soon()
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
         # what the bind really did (a partial bind may have left out mems or nofile)
@@ -308,6 +322,7 @@ class JobRegistry:
     def _put(self, rec: Binding) -> None:
         self._bindings[rec.pid] = rec
         self._records[str(rec.pid)] = rec.to_json()
+        self._changed(rec.pid)
 
     def _restore(self, pid: int, prev: Binding | None) -> None:
         if prev is not None:
@@ -315,6 +330,7 @@ class JobRegistry:
         else:
             self._bindings.pop(pid, None)
             self._records.pop(str(pid), None)
+            self._changed(pid)
 
     def _save_first(self, rec: Binding, prev: Binding | None, on_disk: bool) -> float:
         """Keep the record, and save the originals before anything changes (the runtime
@@ -389,6 +405,7 @@ class JobRegistry:
         self._records.pop(str(pid), None)
         self.pidwatch.unwatch(pid, "jobs")
         self._locks.pop(pid, None)
+        self._changed(pid)
         return rec
 
     def _exited(self, pid: int) -> None:
@@ -398,6 +415,7 @@ class JobRegistry:
         log.info("bound process %d exited", pid)
         if rec is None:
             return
+        self._changed(pid)
         self._forget(rec.originals)
         # Deferred: a record of a dead process is harmless if a crash loses this save
         # (a restarted daemon drops records whose pid and start time no longer match).
@@ -408,6 +426,10 @@ class JobRegistry:
             except Exception as err:
                 log.exception("exit callback for pid %d failed", pid)
                 self.errors.record("jobs", f"exit callback for pid {pid} failed: {err!r}")
+
+    def _changed(self, pid: int) -> None:
+        for cb in self._change_callbacks:
+            cb(pid)
 
     def _forget(self, orig: Originals, tries: int = _FORGET_RETRIES) -> None:
         """Remove the child cpuset of a process that exited (retried while still busy)."""

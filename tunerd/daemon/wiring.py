@@ -160,8 +160,12 @@ def build(cfg: DaemonConfig) -> Daemon:
         return None if a is None else (a.gpus, f"Kubernetes pod {a.namespace}/{a.pod}")
 
     add_gpu_source(pod_gpus)
-    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside,
-                          on_change=pods.invalidate)
+    def bound_cpus(pid: int) -> tuple[int, str] | None:
+        b = jobs.record(pid)
+        return (b.start_time, b.cpus) if b is not None and b.cpus else None
+
+    cpusets = CpusetWatch(bound_cpus, rebind_inside, bound=jobs.pids, on_change=pods.invalidate)
+    jobs.on_change(cpusets.changed)  # it follows binds and exits, not a list of all jobs
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
 
