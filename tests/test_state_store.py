@@ -195,6 +195,40 @@ def test_incremental_saves_write_what_a_full_encoding_would(tmp_path: Path) -> N
     assert t.section("bindings") == bindings and t.section("leases") == leases
 
 
+def test_an_exact_map_saves_what_a_full_encoding_would(tmp_path: Path) -> None:
+    """Issue 15: the bindings map is ``exact`` (the registry stores, replaces and
+    deletes whole records): a save compares only the records touched since the last,
+    and the file is still what json.dumps of the whole state gives, through stores,
+    replacements, deletions, a record read and changed before the save, a reload."""
+    run = tmp_path / "run" / "state.json"
+    run.parent.mkdir()
+    rt = RuntimeStore(run)
+    rt.load()
+    bindings = rt.section("bindings", {}, exact=True)
+
+    def check() -> None:
+        rt.save()
+        want = json.dumps(rt.data, separators=(",", ":"), sort_keys=True).encode()
+        assert run.read_bytes() == want
+
+    for i in range(40):
+        bindings[str(i)] = json.loads(json.dumps({**BINDING, "pid": i}))
+    check()
+    bindings["3"] = {**BINDING, "pid": 3, "cpus": "0"}  # replaced
+    del bindings["7"]
+    bindings.pop("8")
+    bindings["100"] = {**BINDING, "pid": 100}
+    check()
+    bindings["4"]["cpus"] = "0-1"  # handed out and changed before the save: suspect
+    check()
+    for i in range(40, 60):
+        bindings[str(i)] = {**BINDING, "pid": i}
+        check()
+    again = RuntimeStore(run)
+    again.load()
+    assert again.section("bindings") == bindings
+
+
 def test_the_old_single_file_layout_is_migrated(tmp_path: Path) -> None:
     s, run, durable = stores(tmp_path)
     old = {"version": 1, **ORIGINALS, "bindings": {"4242": BINDING},

@@ -282,14 +282,17 @@ class _Records(dict[Any, Any]):
     iterating (``values``, ``items``: the job list, read every monitor cycle and by
     the cpuset watch) marks nothing. A map of at most SMALL_MAP records (the
     exclusive moves, whose entries are changed deep inside) is always compared in
-    full, and every map is at a save at least every FULL_CHECK_S.
+    full, and every map is at a save at least every FULL_CHECK_S. An ``exact`` map
+    (``section(..., exact=True)``: its owner only stores, replaces and deletes whole
+    records) gets no shallow check: only its suspect records are compared.
     """
 
-    __slots__ = ("suspect",)
+    __slots__ = ("exact", "suspect")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.suspect: set[Any] | None = None  # None: every record
+        self.exact = False
 
     def _mark(self, key: Any) -> None:
         if self.suspect is not None:
@@ -352,6 +355,10 @@ class _Fragments:
         self._shallow: dict[str, Any] = {}  # key -> (the record object, its top values)
 
     def encode(self, records: dict[str, Any], full: bool) -> bytes:
+        return b"".join(self.parts(records, full))
+
+    def parts(self, records: dict[str, Any], full: bool) -> list[bytes]:
+        """``encode``'s text in pieces (one join at the end: no big copies between)."""
         if len(self._copy) > 2 * len(records) + 64:  # forget records deleted long ago
             for d in (self._copy, self._frag, self._shallow):
                 for k in [k for k in d if k not in records]:
@@ -367,7 +374,11 @@ class _Fragments:
             # the same object with the same top-level values: not changed (a record
             # changed deep inside is found by the full check every FULL_CHECK_S)
             shallow = self._shallow
-            check = [k for k in keys if k in suspect or shallow.get(k) != _top(get(records, k))]
+            frags = self._frag
+            check = ([k for k in keys if k in suspect or k not in frags]
+                     if tracked is not None and tracked.exact
+                     else [k for k in keys
+                           if k in suspect or shallow.get(k) != _top(get(records, k))])
         copies, frags = self._copy, self._frag
         for key in check:
             rec = get(records, key)
@@ -378,7 +389,13 @@ class _Fragments:
             self._shallow[key] = _top(rec)
         if tracked is not None:
             tracked.suspect = set()
-        return b"{" + b",".join([frags[k] for k in keys]) + b"}"
+        out = [b"{"]
+        for k in keys:
+            out += (frags[k], b",")
+        out[-1] = b"}"  # the last comma (or, for no records, the opening brace's pair)
+        if not keys:
+            out = [b"{}"]
+        return out
 
 
 _MISSING = object()
@@ -408,12 +425,19 @@ class RuntimeStore(_JsonStore):
         self._fragments: dict[tuple[str, ...], _Fragments] = {}
         self._full_at = -FULL_CHECK_S  # monotonic time of the last full comparison
 
-    def section(self, name: str, default: Any = None) -> Any:
-        """The section ``name``; its maps of records note what their users may change."""
+    def section(self, name: str, default: Any = None, *, exact: bool = False) -> Any:
+        """The section ``name``; its maps of records note what their users may change.
+
+        ``exact`` (a map of records): its owner only stores, replaces and deletes whole
+        records, never changes one in place through a reference kept across a save (the
+        JobRegistry makes a binding's JSON afresh at each bind). A save then compares
+        only the records stored or handed out since the last one, not all of them."""
         sec = super().section(name, default)
         spec = _RECORD_MAPS.get(name, ...)
         if spec is None and isinstance(sec, dict) and not isinstance(sec, _Records):
             sec = self.data[name] = _Records(sec)
+        if spec is None and isinstance(sec, _Records) and exact:
+            sec.exact = True
         elif isinstance(spec, dict) and isinstance(sec, dict):
             for sub, subspec in spec.items():
                 if subspec is None and not isinstance(sec.get(sub), _Records):
@@ -426,28 +450,32 @@ class RuntimeStore(_JsonStore):
         full = now - self._full_at >= FULL_CHECK_S
         if full:
             self._full_at = now
-        return self._encode(self.data, _RECORD_MAPS, (), full)
+        out: list[bytes] = []
+        self._encode(self.data, _RECORD_MAPS, (), full, out)
+        return b"".join(out)
 
     def _encode(self, value: dict[str, Any], spec: dict[str, Any], path: tuple[str, ...],
-                full: bool) -> bytes:
+                full: bool, out: list[bytes]) -> None:
+        """Append the text of ``value`` to ``out``, in pieces."""
         if not all(isinstance(k, str) for k in value):
-            return _dumps(value)  # json.dumps' own rules for odd keys (never written here)
-        parts: list[bytes] = []
-        for key in sorted(value):
+            out.append(_dumps(value))  # json.dumps' own rules for odd keys (never here)
+            return
+        out.append(b"{")
+        for i, key in enumerate(sorted(value)):
             v = value[key]
             sub = spec.get(key, ...)
+            out += (b"," if i else b"", _dumps(key), b":")
             if sub is ... or not isinstance(v, dict):
-                text = _dumps(v)
+                out.append(_dumps(v))
             elif sub is None:  # a dict of records
                 where = (*path, key)
                 frags = self._fragments.get(where)
                 if frags is None:
                     frags = self._fragments[where] = _Fragments()
-                text = frags.encode(v, full)
+                out += frags.parts(v, full)
             else:
-                text = self._encode(v, sub, (*path, key), full)
-            parts.append(_dumps(key) + b":" + text)
-        return b"{" + b",".join(parts) + b"}"
+                self._encode(v, sub, (*path, key), full, out)
+        out.append(b"}")
 
     def load(self) -> None:
         """Read the file (a missing one is an empty state); never raises for its content.

@@ -96,8 +96,9 @@ def build(cfg: DaemonConfig) -> Daemon:
     leases_section: dict[str, Any] = runtime.section("leases")
     leases_section.setdefault("moved", {})
     mover = ExclusiveMover(leases_section["moved"], save_runtime, dry_run=cfg.dry_run)
-    jobs = JobRegistry(binder, runtime.section("bindings"), save_runtime, pidwatch, errors,
-                       dry_run=cfg.dry_run, mover=mover)
+    # exact: the registry stores and deletes whole records (a save compares only those)
+    jobs = JobRegistry(binder, runtime.section("bindings", exact=True), save_runtime,
+                       pidwatch, errors, dry_run=cfg.dry_run, mover=mover)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
     gate = ReservationGate(policy.lease_limits, policy.default_nofile)
