@@ -239,14 +239,12 @@ class Binder:
 
     # -- pinning ---------------------------------------------------------------
     def pin(self, pid: int) -> Target:
-        """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess)."""
+        """Open a pidfd on ``pid`` and record its start time (raises NoSuchProcess).
+
+        The pidfd first, then one read of the stat: the start time read after it is
+        that of the process the pidfd holds (a later check needs no read of /proc)."""
         if pid <= 0:
             raise UsageError(f"invalid pid {pid}")
-        stat = self._stat(pid)
-        st = stat.start_time
-        if stat.flags & PF_KTHREAD:
-            raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
-                             pid=pid)
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as err:
@@ -261,13 +259,15 @@ class Binder:
                 raise NoSuchProcess(f"no process with pid {pid}", pid=pid) from err
             raise Failed(f"pidfd_open({pid}) failed: {err.strerror}", pid=pid) from err
         try:
-            if self.start_time(pid) != st:
-                raise NoSuchProcess(f"process {pid} exited while being pinned", pid=pid)
+            stat = self._stat(pid)
+            if stat.flags & PF_KTHREAD:
+                raise UsageError(f"pid {pid} is a kernel thread; tunerd binds user processes",
+                                 pid=pid)
             uid, euid = self.owner(pid)
         except BaseException:
             os.close(fd)
             raise
-        return Target(pid=pid, start_time=st, pidfd=fd, uid=uid, euid=euid)
+        return Target(pid=pid, start_time=stat.start_time, pidfd=fd, uid=uid, euid=euid)
 
     def adopt(self, pid: int, start_time: int) -> Target | None:
         """Pin ``pid`` only if it is still the process that started at ``start_time``."""
@@ -281,15 +281,13 @@ class Binder:
         return t
 
     def check(self, t: Target) -> None:
-        """Raise NoSuchProcess unless ``t`` is still alive and still the same process."""
+        """Raise NoSuchProcess unless ``t`` is still alive and still the same process.
+
+        Its pidfd says both (one poll(2), no read of /proc): it refers to the process
+        whose start time ``pin`` read, and becomes readable when that one exits (a pid
+        reused since belongs to another process, which the pidfd never refers to)."""
         if t.exited():
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
-        try:
-            st = self.start_time(t.pid)
-        except NoSuchProcess:
-            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
-        if st != t.start_time:
-            raise NoSuchProcess(f"pid {t.pid} was reused by another process", pid=t.pid)
 
     def _tgid(self, tid: int) -> str:
         try:

@@ -10,6 +10,7 @@ a log line, by its owner).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +59,14 @@ class Binding:
     def mem_set(self) -> frozenset[int] | None:
         return parse_cpulist(self.mems) if self.mems else None
 
+    @functools.cached_property
+    def _public(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in PUBLIC_BINDING}
+
     def public(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in PUBLIC_BINDING}
+        """A new dict of the public fields (the job list is made every monitor cycle:
+        a copy of the fields read once per record, not 15 attribute reads)."""
+        d = self._public.copy()
         d["gpus"] = list(self.gpus)
         d["notes"] = list(self.notes)
         return d
