@@ -100,6 +100,9 @@ class JobRegistry:
         self._save_handle: asyncio.TimerHandle | None = None
         self._unapplied: dict[int, _Unapplied] = {}
         self.binds_total = 0  # successful binds since start (tunerd_binds_total)
+        # changes with every record stored or removed: a reader of jobs(live=False) keeps
+        # its copy until this moves (the monitor, every cycle)
+        self.version = 0
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
@@ -285,7 +288,8 @@ class JobRegistry:
         self._put(rec)
         if moved and self.mover is not None:
             self.mover.disown(pid)  # the binding's originals hold the masks from before
-        self._unapplied.pop(pid, None)
+        if self._unapplied.pop(pid, None) is not None:
+            self.version += 1
         self.binds_total += 1
         if ask.persist_after and not on_disk:
             self._save_quietly()  # bound first: now its originals
@@ -365,6 +369,7 @@ class JobRegistry:
         """Remember a placement made on a replayed topology that was not applied here."""
         if self.is_bound(pid):
             return
+        self.version += 1
         self._unapplied[pid] = _Unapplied(
             pid, start_time, procfs.read_uid(pid, self.proc), name,
             self._cmdline(pid, cmdline), placement, origin, time.time())
@@ -372,6 +377,7 @@ class JobRegistry:
 
     def _unapplied_exited(self, pid: int) -> None:
         self._unapplied.pop(pid, None)
+        self.version += 1
 
     async def unbind(self, pid: int, *, peer: Peer) -> dict[str, Any]:
         """Restore what bind changed and forget the process."""
@@ -428,6 +434,7 @@ class JobRegistry:
                 self.errors.record("jobs", f"exit callback for pid {pid} failed: {err!r}")
 
     def _changed(self, pid: int) -> None:
+        self.version += 1
         for cb in self._change_callbacks:
             cb(pid)
 
