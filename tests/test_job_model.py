@@ -348,6 +348,38 @@ def test_numactl_wrapped_ranks_never_die(daemon_factory, tmp_path: Path) -> None
     assert "set its own affinity" in d.log() and "rule torch-training: bound" not in d.log()
 
 
+@needs_two_cpus
+def test_advise_says_a_rank_set_its_own_affinity(daemon_factory, tmp_path: Path) -> None:
+    """A rank started through taskset (as torchrun --numa-binding starts them through
+    numactl) is left as it is by the bundled rule, and `advise` says so: an info
+    finding `self-affined` naming its CPUs, for `advise` and `advise PID` (exit 0)."""
+    pdir = tmp_path / "policies"
+    token = secrets.token_hex(6)
+    bundled_rule_policy(pdir, token)
+    d = daemon_factory(policy_dir=pdir).start()
+    cpu = max(HOST_CPUS)
+    p = subprocess.Popen(["taskset", "-c", str(cpu), "sleep", "60"],
+                         env={**os.environ, "TUNERD_TEST_TOKEN": token, "LOCAL_RANK": "0",
+                              "LOCAL_WORLD_SIZE": "1"})
+    try:
+        def listed() -> dict[str, Any] | None:
+            jobs = d.ctl("--json", "advise").json()["jobs"]
+            return next((j for j in jobs if j["pid"] == p.pid), None)
+
+        job = wait_for(listed, 20, "the self-affined rank in advise", detail=d.log)
+        assert [f["id"] for f in job["findings"]] == ["self-affined"], job
+        assert job["findings"][0]["evidence"]["cpus"] == str(cpu)
+        assert "set its own affinity" in job["findings"][0]["evidence"]["why"]
+        r = d.ctl("--json", "advise", str(p.pid))
+        assert r.rc == 0, r.err
+        assert [j["pid"] for j in r.json()["jobs"]] == [p.pid]
+        assert "self-affined" in d.ctl("advise", str(p.pid)).out
+        assert os.sched_getaffinity(p.pid) == {cpu}  # left as it is
+        assert not [b for b in autobind_status(d)["bound"] if b["pid"] == p.pid]
+    finally:
+        kill(p)
+
+
 # -- bind from inside a PID namespace ----------------------------------------------------
 
 @needs_two_cpus

@@ -95,6 +95,7 @@ class AutoBinder:
         self._pending: dict[int, asyncio.Task[None]] = {}
         # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
         self.left_alone: dict[int, str] = {}
+        self._self_affined: set[int] = set()  # ... of those, ranks that set their own CPUs
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
         # descendants and left-alone processes a rescan need not look at again (until
         # they exec: an exec event looks at them afresh)
@@ -170,7 +171,8 @@ class AutoBinder:
     def left_alone_now(self) -> list[dict[str, Any]]:
         """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
         that set their own affinity) and that still run, with why."""
-        return [{"pid": p, "why": w} for p, w in sorted(self.left_alone.items())
+        return [{"pid": p, "why": w, "self_affined": p in self._self_affined}
+                for p, w in sorted(self.left_alone.items())
                 if procfs.read_start_time(p, self.proc) is not None][:100]
 
     # -- events ----------------------------------------------------------------
@@ -277,6 +279,11 @@ class AutoBinder:
     def _left_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:
             self.left_alone.clear()
+            self._self_affined.clear()
+        if ctx.self_affined:
+            self._self_affined.add(ctx.pid)
+        else:
+            self._self_affined.discard(ctx.pid)
         if ctx.pid not in self.left_alone:
             log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
         self.left_alone[ctx.pid] = ctx.why

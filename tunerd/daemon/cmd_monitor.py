@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from tunerd import procfs
+from tunerd.cpulist import format_cpulist
 from tunerd.daemon.router import Request, Router
 from tunerd.errors import NoSuchProcess, PermissionDenied
 from tunerd.monitor.reports import parse_report
@@ -45,10 +47,36 @@ def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     return [f.to_dict() for f in found]
 
 
+def _self_affined(entry: dict[str, Any]) -> dict[str, Any]:
+    """The advice for a rank a rule matched that set its own CPUs (numactl, taskset,
+    torchrun --numa-binding): tunerd left it as it is, and says so."""
+    pid = int(entry["pid"])
+    try:
+        mask: str | None = format_cpulist(frozenset(os.sched_getaffinity(pid)))
+    except OSError:
+        mask = None
+    finding = {
+        "id": "self-affined", "severity": "info",
+        "title": "the rank set its own CPU affinity; tunerd left it as it is",
+        "evidence": {"cpus": mask, "why": entry.get("why")},
+        "why": "A rank started through numactl/taskset (torchrun --numa-binding) chose its "
+               "CPUs before tunerd saw it; re-binding it could undo the launcher's choice or "
+               "break the launch, so a [[job]] rule leaves it alone.",
+        "fix": "Nothing to do if those CPUs are the ones you want. To have tunerd place the "
+               "rank near its GPU (and split the allocation between ranks), start it "
+               "without numactl/taskset or --numa-binding.",
+        "docs": []}
+    return {"pid": pid, "name": procfs.read_comm(pid) or None, "samples": 0,
+            "findings": [finding]}
+
+
 class MonitorCommands:
     def __init__(self, monitor: Monitor,
-                 settings_for: Callable[[int], dict[str, Any]] | None = None) -> None:
+                 settings_for: Callable[[int], dict[str, Any]] | None = None,
+                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.monitor = monitor
+        # processes a rule matched and left as they are (AutoBinder.left_alone_now)
+        self.left_alone = left_alone
         # the `torch` settings of the [[job]] rule that bound a pid ({} when none)
         self.settings_for = settings_for or (lambda pid: {})
 
@@ -73,6 +101,9 @@ class MonitorCommands:
         m = self.monitor
         pid = req.arg("pid", int, None)
         latest = {j["pid"]: j for j in (m.latest or {}).get("jobs") or [] if "error" not in j}
+        own = {a["pid"]: a for a in self.left_alone() if a.get("self_affined")}
+        if pid is not None and pid not in latest and pid in own:
+            return {"jobs": [_self_affined(own[pid])], "interval": m.interval}
         if pid is not None and pid not in latest:
             bound = ", ".join(str(p) for p in sorted(latest)) or "none"
             raise NoSuchProcess(f"process {pid} is not a bound job (bound jobs: {bound}); "
@@ -88,6 +119,8 @@ class MonitorCommands:
             findings += binding_findings(p, job)
             out.append({"pid": p, "name": job.get("name"),
                         "samples": len(cols.get("time", [])), "findings": findings})
+        if pid is None:
+            out += [_self_affined(a) for p, a in sorted(own.items()) if p not in latest]
         return {"jobs": out, "interval": m.interval}
 
     async def report(self, req: Request) -> dict[str, Any]:

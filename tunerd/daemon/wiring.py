@@ -217,7 +217,8 @@ def build(cfg: DaemonConfig) -> Daemon:
     HostCommands(host).register(router)
     topology_cmds.register(router)
     EnvCommands(policy, nccl_file).register(router)
-    MonitorCommands(monitor, settings_for=settings_for).register(router)
+    MonitorCommands(monitor, settings_for=settings_for,
+                    left_alone=autobind.left_alone_now).register(router)
     return daemon
 
 
