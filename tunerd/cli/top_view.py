@@ -107,13 +107,15 @@ def _jobs(sample: dict[str, Any]) -> RenderableType:
         t.add_column(col, justify="right", no_wrap=True)
     for j in jobs:
         if "error" in j:
-            t.add_row(str(j.get("pid")), j.get("name") or "-", Text(j["error"], style="red"))
+            t.add_row(str(j.get("pid")), Text(j.get("name") or "-"),
+                      Text(j["error"], style="red"))
             continue
         cores = j.get("tree_cpu_cores", j.get("cpu_cores"))
         cpu = "-" if cores is None else f"{cores * 100:.0f}%"
         loc = j.get("locality_ratio")
         rate = (j.get("torch") or {}).get("samples_per_s")
-        t.add_row(str(j["pid"]), j.get("name") or "-", j.get("cpus") or "-",
+        # user text as Text: rich never parses a process name ("[/x]") as markup
+        t.add_row(str(j["pid"]), Text(j.get("name") or "-"), Text(j.get("cpus") or "-"),
                   ",".join(str(g) for g in j.get("gpus") or []) or "-",
                   cpu, str(j.get("workers") or 0), fmt_bytes(j.get("rss_bytes")),
                   Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""),
@@ -122,7 +124,9 @@ def _jobs(sample: dict[str, Any]) -> RenderableType:
 
 
 def render(reply: dict[str, Any]) -> RenderableType:
-    sample = reply.get("sample") or {}
+    from tunerd.text import safe_tree
+
+    sample = safe_tree(reply.get("sample") or {})  # control characters escaped
     host = sample.get("host") or {}
     psi = host.get("psi") or {}
 

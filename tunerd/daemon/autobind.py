@@ -39,7 +39,9 @@ from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
 from tunerd.daemon.router import Peer
 from tunerd.errors import NoSuchProcess, TunerdError
+from tunerd.logutil import acting_for
 from tunerd.placement import Placement, mems_of
+from tunerd.text import bounded_int
 from tunerd.topology.visible import gpus_from_env
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
@@ -64,8 +66,7 @@ class RuleBound:
 
 
 def _int_env(env: dict[str, str], name: str) -> int | None:
-    v = env.get(name, "").strip()
-    return int(v) if v.isdigit() else None
+    return bounded_int(env.get(name), 0, 1 << 20)  # 5,000 digits: ignored, no ValueError
 
 
 class AutoBinder:
@@ -234,6 +235,7 @@ class AutoBinder:
 
     async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
         pid = m.pid
+        acting_for(m.uid)  # its own task: what it logs counts against the process's owner
         try:
             try:  # one read of /proc/PID/stat: the start time, and the parent for _group
                 stat = procfs.Process(pid, self.proc).stat()

@@ -11,6 +11,7 @@ from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
 from tunerd.daemon.router import Request, Router
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import Failed, NoSuchProcess, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
@@ -140,4 +141,6 @@ class BindCommands:
         return out
 
     async def list_jobs(self, req: Request) -> dict[str, Any]:
-        return {"jobs": self.jobs.jobs(), "leases": self.leases.list_leases()}
+        seen = ProcVisibility()  # hidepid: others' command lines stay hidden
+        return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
+                "leases": seen.redact(req.peer, self.leases.list_leases())}
