@@ -70,11 +70,11 @@ def _toml(v: Any) -> str:
 
 
 def bundled_torch_rule(token: str, name: str = "bench") -> str:
-    """A policy holding the torch-training [[job]] rule of policies/base.toml, whole, and
-    nothing else of base.toml (its host settings are not a benchmark's to change),
+    """A policy holding the torch-training [[job]] rule of policies/00-base.toml, whole, and
+    nothing else of 00-base.toml (its host settings are not a benchmark's to change),
     narrowed to processes whose environment has ``TUNERD_BENCH_TOKEN=token``: on a
     shared machine the bundled rule alone would bind other people's training jobs."""
-    data = tomllib.loads((REPO / "policies" / "base.toml").read_text())
+    data = tomllib.loads((REPO / "policies" / "00-base.toml").read_text())
     [rule] = [r for r in data.get("job", []) if r["name"] == "torch-training"]
     rule["match"]["env"] = {**rule["match"].get("env", {}), "TUNERD_BENCH_TOKEN": token}
     lines = ["[policy]", f"name = {_toml(name)}", "", "[[job]]"]

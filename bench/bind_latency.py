@@ -59,11 +59,13 @@ def tunerctl_argv() -> tuple[list[str], str]:
             "entry point; tunerd is not installed here)")
 
 
-def wait_socket(sock: Path, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+def wait_socket(sock: Path, proc: subprocess.Popen[bytes], log: Path,
+                timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while not sock.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"tunerd did not start (rc {proc.poll()})")
+            raise SystemExit(f"tunerd did not start (rc {proc.poll()}); its output:\n"
+                             + log.read_text(errors="replace"))
         time.sleep(0.05)
 
 
@@ -99,16 +101,18 @@ def main() -> int:
     (tmp / "policies").mkdir()
     (tmp / "policies" / "00.toml").write_text('[policy]\nname = "bench"\n')
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "policies"),
-         "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
-         "--metrics-listen", "off", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp / "tunerd.log"
+    with open(log, "wb") as logf:  # shown when the daemon does not start
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "policies"),
+             "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
+             "--metrics-listen", "off", "--log-level", "warning"],
+            cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         sock = tmp / "run" / "tunerd.sock"
-        wait_socket(sock, daemon)
+        wait_socket(sock, daemon, log)
         ctl, how = tunerctl_argv()
         human = [*ctl, "--socket", str(sock), "bind", str(child.pid), "--cpus"]
         as_json = [*ctl, "--socket", str(sock), "--json", "bind", str(child.pid), "--cpus"]

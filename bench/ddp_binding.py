@@ -2,8 +2,8 @@
 
 The job of issue 11: ``torchrun --nproc-per-node 2`` of contrib/examples/ddp_train.py
 (gloo, CPU, nn.Linear(1024, 1024), DataLoader num_workers=1 per rank). The real
-daemon runs throughout with the bundled ``torch-training`` rule of policies/base.toml
-(only the rule: base.toml's vm.numa_balancing would change a host setting). The two
+daemon runs throughout with the bundled ``torch-training`` rule of policies/00-base.toml
+(only the rule: 00-base.toml's vm.numa_balancing would change a host setting). The two
 arms run the same file under two names: ``ddp_train.py`` matches the rule
 (``*train*.py*`` with LOCAL_RANK set) and is bound as each rank execs;
 ``ddp_unbound.py`` matches nothing and runs as it is. Arms alternate (A B B A ...),

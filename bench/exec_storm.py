@@ -3,7 +3,7 @@
 
 Two real daemons run side by side through the same storm:
 
-* ``rules``: the bundled torch rule (the ``[[job]]`` of policies/base.toml:
+* ``rules``: the bundled torch rule (the ``[[job]]`` of policies/00-base.toml:
   ``match.cmdline = ["*torchrun*", "*train*.py*"]``, ``match.env = {LOCAL_RANK}``),
   with one more env key, a random token only this run knows: on a shared machine
   the bundled rule alone would bind other people's training processes. The cost

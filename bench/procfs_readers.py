@@ -13,9 +13,9 @@ Per job (10 live processes: python, 4 threads, 32 MiB touched, 20 open fds):
   in an every-cycle and a slow (numa_maps, per-thread states) cycle.
 
 Host (what tunerd.monitor.host reads each cycle): psutil cpu_times(percpu),
-virtual_memory, disk_io_counters(perdisk), net_io_counters(pernic) against
-HostSampler's CPU, memory (per NUMA node, which psutil does not give), disk and NIC
-parts.
+virtual_memory, disk_io_counters(perdisk), net_io_counters(pernic) alone against
+HostSampler's CPU, memory (psutil + per NUMA node, which psutil does not give), disk
+and NIC parts, which call them and add ratios, rates and the whole-disk filter.
 
 Exec path: the command line of a process with a 1 MiB command line, psutil
 ``cmdline()`` (reads all of it) against ``read_cmdline_prefix`` (the 4 KiB the
@@ -48,14 +48,9 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from tunerd.monitor.host import (  # noqa: E402
-    HostSampler,
-    parse_diskstats,
-    parse_net_dev,
-    parse_proc_stat,
-)
+from tunerd.monitor.host import HostSampler  # noqa: E402
 from tunerd.monitor.jobs import JobSampler  # noqa: E402
-from tunerd.procfs import Process, read_cmdline_prefix, read_text  # noqa: E402
+from tunerd.procfs import Process, read_cmdline_prefix  # noqa: E402
 from tunerd.watch.rules import CMDLINE_MATCH_BYTES  # noqa: E402
 
 JOB = ("import os, threading, time\nbuf = bytearray(32 << 20)\n"
@@ -161,13 +156,6 @@ def main() -> int:
         fn = getattr(host, f"_{part}")
         parts[part] = lambda fn=fn: fn({"unavailable": {}}, 1.0)
     rows += [
-        pair("host: CPU times per CPU (read + parse)",
-             lambda: psutil.cpu_times(percpu=True),
-             lambda: parse_proc_stat(read_text("/proc/stat", None)), a.n),
-        pair("host: disks (read + parse)", lambda: psutil.disk_io_counters(perdisk=True),
-             lambda: parse_diskstats(read_text("/proc/diskstats", None)), a.n),
-        pair("host: NICs (read + parse)", lambda: psutil.net_io_counters(pernic=True),
-             lambda: parse_net_dev(read_text("/proc/net/dev", None)), a.n),
         pair("host: CPU part (tunerd: + busy ratios per CPU and node)",
              lambda: psutil.cpu_times(percpu=True), parts["cpu"], a.n),
         pair("host: memory (psutil: whole host; tunerd: per NUMA node)",

@@ -21,6 +21,7 @@
 #   ZSH_COMPLETION_DIR=/usr/local/share/zsh/site-functions
 #   PYTHON=/usr/bin/python3     INIT=auto|systemd|none (auto: systemd when it is PID 1)
 #   TUNERD_ARGS="..."           extra tunerd flags (e.g. --metrics-listen 0.0.0.0:9464)
+#   WHEEL=/path/tunerd-*.whl    install this wheel instead of this checkout's code
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 . "$here/scripts/service-lib.sh"
@@ -36,6 +37,11 @@ done
 require_root install.sh
 load_layout
 PYTHON=${PYTHON:-/usr/bin/python3}
+WHEEL=${WHEEL:-}
+if [ -n "$WHEEL" ]; then
+    [ -f "$WHEEL" ] || { echo "install.sh: WHEEL='$WHEEL' is not a file" >&2; exit 2; }
+    WHEEL=$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")
+fi
 
 # Debian/Ubuntu system Python refuses `pip install` outside a venv (PEP 668), and
 # venv itself is a separate package there.
@@ -54,9 +60,10 @@ unit_text=$(sed "s|^ExecStart=/opt/tunerd/bin/tunerd\$|ExecStart=$PREFIX/bin/tun
     "$here/systemd/tunerd.service")
 new_hash=$(
     cd "$here"
-    { find -L tunerd policies -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+    { if [ -n "$WHEEL" ]; then sha256sum <"$WHEEL"; else
+      find -L tunerd policies -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
         | LC_ALL=C sort -z | xargs -0 sha256sum
-      sha256sum pyproject.toml
+      sha256sum pyproject.toml; fi
       printf '%s\n%s\n' "$unit_text" "$daemon_args"; } | sha256sum | cut -d' ' -f1
 )
 old_version=$(installed_version)
@@ -71,7 +78,12 @@ else
         "$PYTHON" -m venv "$PREFIX"
         "$PREFIX/bin/pip" install -q --upgrade pip
     fi
-    "$PREFIX/bin/pip" install -q "$here"
+    if [ -n "$WHEEL" ]; then  # --force-reinstall: pip keeps an installed same version
+        "$PREFIX/bin/pip" install -q "$WHEEL"
+        "$PREFIX/bin/pip" install -q --no-deps --force-reinstall "$WHEEL"
+    else
+        "$PREFIX/bin/pip" install -q "$here"
+    fi
 fi
 new_version=$(installed_version)
 [ -n "$new_version" ] || { echo "install.sh: $PREFIX/bin/python cannot import tunerd" >&2; exit 1; }

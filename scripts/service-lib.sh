@@ -1,9 +1,9 @@
 # Shared by install.sh and uninstall.sh (sourced, POSIX sh): where tunerd is installed,
 # and how to find, stop and start its daemon with or without systemd.
 
-require_root() {
+require_root() {  # require_root SCRIPT [WHAT IT DOES]
     if [ "$(id -u)" != 0 ]; then
-        echo "$1: must run as root (it installs into /opt, /usr/local and /etc):" \
+        echo "$1: must run as root (${2:-it installs into /opt, /usr/local and /etc}):" \
              "run it from a root shell, or with sudo" >&2
         exit 4
     fi

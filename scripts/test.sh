@@ -29,6 +29,10 @@ command -v munged >/dev/null 2>&1 || need_pkgs="$need_pkgs munge"
 command -v logger >/dev/null 2>&1 || need_pkgs="$need_pkgs bsdutils"
 # capsh: tests/test_nocap.py runs the daemon without CAP_SYS_RESOURCE
 command -v capsh >/dev/null 2>&1 || need_pkgs="$need_pkgs libcap2-bin"
+# kubectl: `kubectl kustomize deploy/kubernetes` in tests/test_kubernetes_deploy.py (where
+# no package has it, the test renders the base with its own small renderer and says so)
+command -v kubectl >/dev/null 2>&1 || { apt-cache show kubectl >/dev/null 2>&1 \
+    && need_pkgs="$need_pkgs kubectl"; }
 [ -e /usr/lib/x86_64-linux-gnu/libudev.so.1 ] || [ -e /lib/x86_64-linux-gnu/libudev.so.1 ] \
     || ldconfig -p | grep -q libudev.so.1 || need_pkgs="$need_pkgs libudev1"
 "$PYTHON" -c 'import ensurepip' 2>/dev/null || need_pkgs="$need_pkgs python3-venv"

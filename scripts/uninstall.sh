@@ -26,7 +26,7 @@ for arg in "$@"; do
         *) echo "uninstall.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
     esac
 done
-require_root uninstall.sh
+require_root uninstall.sh "it removes what install.sh put in /opt, /usr/local and /etc"
 load_layout
 if [ ! -f "$PREFIX/share/tunerd/install.env" ] && [ ! -f "$PREFIX/pyvenv.cfg" ]; then
     echo "uninstall.sh: no tunerd install in $PREFIX (set PREFIX to where it is)" >&2

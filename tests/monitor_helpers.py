@@ -1,4 +1,9 @@
-"""Helpers for the monitor tests: an NVML telemetry replay (the one allowed fake)."""
+"""Helpers for the monitor tests: an NVML telemetry replay (the one allowed fake).
+
+TelemetryReplay is a recorded libnvidia-ml: it has pynvml's function names and raises
+pynvml's own NVMLError with the recorded NVML return code, so the real adapter
+(tunerd.nvml.NvmlBackend: versioned fallbacks, error codes) runs on it unchanged.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pynvml
+
 from tests.helpers import FIXTURES
 
 TELEMETRY = FIXTURES / "nvml" / "h100x2-telemetry.json"
 
 
-class NVMLReplayError(Exception):
-    """What the replay raises where pynvml raises NVMLError (not supported, timeout)."""
+def nvml_error(code: int) -> Exception:
+    """What real pynvml raises for an NVML return code (NVMLError_NotSupported, ...)."""
+    return pynvml.NVMLError(code)  # type: ignore[no-any-return]
 
 
 class TelemetryReplay:
@@ -32,7 +40,7 @@ class TelemetryReplay:
     @staticmethod
     def _need(v: Any) -> Any:
         if v is None:
-            raise NVMLReplayError("NVML_ERROR_NOT_SUPPORTED")
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return v
 
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -49,7 +57,7 @@ class TelemetryReplay:
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         if not 0 <= i < len(self.gpus):
-            raise NVMLReplayError("NVML_ERROR_INVALID_ARGUMENT")
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return i
 
     def nvmlDeviceGetUUID(self, h: int) -> str:
@@ -75,8 +83,28 @@ class TelemetryReplay:
         return int(self._g(h)["temperature"])
 
     def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
-        assert clock == 1  # NVML_CLOCK_SM
-        return int(self._g(h)["sm_clock_mhz"])
+        key = {0: "graphics_clock_mhz", 1: "sm_clock_mhz", 2: "mem_clock_mhz"}[clock]
+        return int(self._need(self._g(h).get(key)))
+
+    # a recording without a field answers as a driver without the query does
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+        return int(self._need(self._g(h).get("pcie_link_gen")))
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+        return int(self._need(self._g(h).get("pcie_link_width")))
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:
+        return int(self._need(self._g(h).get("pcie_link_gen_max")))
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int:
+        return int(self._need(self._g(h).get("pcie_link_width_max")))
+
+    def nvmlDeviceGetPciInfo_v3(self, h: int) -> Any:
+        bus = self._need(self._g(h).get("pci_bus_id"))
+        return SimpleNamespace(busId=bus.encode())
+
+    def nvmlDeviceGetNumaNodeId(self, h: int) -> int:
+        return int(self._need(self._g(h).get("numa_node_id")))
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
         return int(self._g(h)["clocks_event_reasons"])
@@ -104,7 +132,7 @@ class TelemetryReplay:
 
     def nvmlEventSetWait_v2(self, es: str, timeout_ms: int) -> Any:
         if not self.events:
-            raise NVMLReplayError("NVML_ERROR_TIMEOUT")
+            raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
         ev = self.events.pop(0)
         return SimpleNamespace(device=ev["gpu"], eventType=0x8, eventData=ev["xid"])
 

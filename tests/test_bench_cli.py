@@ -253,3 +253,28 @@ def test_png_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
     assert p.returncode == 1, p.stderr
     assert "--png needs matplotlib" in p.stderr and "tunerd[plot]" in p.stderr
     assert p.stdout == ""  # checked before anything ran
+
+
+def test_builtin_workload_python_is_found_as_doctor_finds_it(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """Without --python: python3 on PATH when it has torch, else tunerctl's own; the
+    choice is said (``how``), and a PATH python3 without torch is passed over."""
+    import sysconfig
+
+    from tunerd.cli.cmd_bench import workload_python
+
+    bare, train = tmp_path / "bare", tmp_path / "train"
+    for venv in (bare, train):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                       timeout=120)
+    site = subprocess.run([str(train / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "torch-from-test.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    monkeypatch.setenv("PATH", f"{train / 'bin'}{os.pathsep}/usr/bin:/bin")
+    got = workload_python(None)
+    assert (got.path, got.how) == (str(train / "bin" / "python3"), "python3 on PATH")
+    assert "python3 on PATH" in got.describe() and got.torch
+    monkeypatch.setenv("PATH", f"{bare / 'bin'}")
+    got = workload_python(None)
+    assert (got.path, got.how) == (sys.executable, "tunerctl's own")

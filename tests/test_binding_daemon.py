@@ -134,6 +134,8 @@ def test_nonexistent_pid(daemon: DaemonProc) -> None:
     pid = _free_pid()
     r = daemon.ctl("bind", str(pid), "--cpus", ONE)
     assert r.rc == 1 and f"no process with pid {pid}" in r.err
+    r = daemon.ctl("bind", str(pid), "--gpus", "0")  # near GPUs: read its environment first
+    assert r.rc == 1 and f"no process with pid {pid}" in r.err, r.err
     r = daemon.ctl("unbind", str(pid))
     assert r.rc == 1 and str(pid) in r.err
 
@@ -255,9 +257,9 @@ def test_status_counts_bound_processes(daemon: DaemonProc) -> None:
         assert st["services"]["jobs"]["bound"] == 1
         assert "jobs: 1 process bound" in daemon.ctl("status").out
         header, row = daemon.ctl("jobs").out.splitlines()
-        assert header.split()[:3] == ["PID", "NAME", "CPUS"]
+        assert header.split()[:4] == ["PID", "NAME", "RULE", "CPUS"]
         comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
-        assert row.split()[:3] == [str(p.pid), comm, ONE]
+        assert row.split()[:4] == [str(p.pid), comm, "-", ONE]
 
 
 def test_thread_id_is_refused(daemon: DaemonProc) -> None:

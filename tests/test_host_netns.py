@@ -107,6 +107,8 @@ def test_apply_at_start_plan_verify_revert(tmp_path: Path, ns: str,
     r = d.ctl("apply")
     assert r.rc == 0 and "nic:veth0:mtu: 1500 -> 9000" in r.out, r
     assert ns_mtu(ns, "veth0") == 9000
+    st = d.ctl("status").out  # read back right after the apply, not at the next verify
+    assert "; no drift; enforcing" in st and "drifted" not in st, st
 
 
 def test_new_veth_gets_its_mtu_from_the_uevent(tmp_path: Path, ns: str,

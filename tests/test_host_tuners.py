@@ -6,6 +6,7 @@ import errno
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
 from tunerd.policy.typed import BlockRule, CpuSection, GpuSection, NicRule, VmSection
@@ -271,10 +272,6 @@ def test_nccl_current_value_from_outside_the_block(tmp_path: Path) -> None:
 
 
 # -- gpu (NVML replay: the only fake) --------------------------------------------------
-class NVMLError(Exception):
-    pass
-
-
 class ReplayNvml:
     """Recorded answers of two A100s (persistence off, default compute mode, 400 W)."""
 
@@ -306,7 +303,7 @@ class ReplayNvml:
     def nvmlDeviceSetPowerManagementLimit(self, h: int, mw: int) -> None:
         g = self.gpus[h]
         if not g["min"] <= mw <= g["max"]:
-            raise NVMLError("Invalid Argument")
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         g["pl"] = mw
 
 

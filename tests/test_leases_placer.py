@@ -68,11 +68,9 @@ def test_bind_on_replay_of_another_machine_applies_nothing(daemon_factory) -> No
 
 def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
     """In-process: which GPUs a process uses, from its environment or NVML (replayed)."""
-    from types import SimpleNamespace
-
     from tunerd import nvml
     from tunerd.topology import load_topology
-    from tunerd.topology.nvml_replay import ReplayNvml
+    from tunerd.topology.nvml_replay import ReplayDevice, ReplayNvml
     from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
 
     topo = load_topology(DGX_H100)
@@ -88,12 +86,15 @@ def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
 
     p = spawn(["sleep", "30"])
 
-    class WithProcesses(ReplayNvml):
-        """The snapshot replay plus a recorded compute-process list (GPU 2 and 7)."""
+    class BusyDevice(ReplayDevice):
+        """A snapshot GPU plus a recorded compute-process list (GPU 2 and 7)."""
 
-        def nvmlDeviceGetComputeRunningProcesses(self, h):  # type: ignore[no-untyped-def]
-            busy = {2: [p.pid], 7: [p.pid, 1]}.get(h.gpu, [1])
-            return [SimpleNamespace(pid=x, usedGpuMemory=1 << 30) for x in busy]
+        def compute_processes(self) -> list[nvml.GpuProcess]:
+            busy = {2: [p.pid], 7: [p.pid, 1]}.get(self.index, [1])
+            return [nvml.GpuProcess(x, 1 << 30) for x in busy]
+
+    class WithProcesses(ReplayNvml):
+        device_class = BusyDevice
 
     try:
         with nvml.use_backend(WithProcesses(topo)):

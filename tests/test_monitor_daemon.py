@@ -60,6 +60,7 @@ def test_metrics_command_and_http_endpoint_pass_promtool(daemon_factory: Any,
     body = http_get(f"http://127.0.0.1:{port}/metrics")
     promtool_check(body)
     assert "tunerd_up 1.0" in body
+    assert http_get(f"http://127.0.0.1:{port}/healthz") == "ok\n"  # the DaemonSet's probes
     st = d.ctl("status")
     assert f"metrics on 127.0.0.1:{port}" in st.out
 

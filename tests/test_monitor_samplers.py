@@ -55,6 +55,10 @@ def make_tree(root: Path, psi: bool = True) -> tuple[Path, Path]:
     (proc / "stat").write_text(STAT_1)
     (proc / "diskstats").write_text(DISK_1)
     (proc / "net/dev").write_text(NET)
+    (proc / "meminfo").write_text("MemTotal:  3145728 kB\nMemFree:  1048576 kB\n"
+                                  "MemAvailable:  2097152 kB\nBuffers:  0 kB\n"
+                                  "Cached:  524288 kB\nSReclaimable:  0 kB\n"
+                                  "Shmem:  0 kB\nActive:  0 kB\nInactive:  0 kB\n")
     if psi:
         (proc / "pressure").mkdir()
         (proc / "pressure/io").write_text(PSI_IO)
@@ -106,6 +110,9 @@ def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
     assert d["read_bytes_total"] == 4000 * 512 and d["written_bytes_total"] == 1200 * 512
     assert d["io_time_seconds_total"] == 0.8
     assert 0 < d["busy_ratio"] <= 1.0
+    # host-wide memory from psutil.virtual_memory() on the same tree
+    assert s["memory"]["total_bytes"] == 3 << 30
+    assert s["memory"]["available_bytes"] == 2 << 30
     nic = {n["interface"]: n for n in s["nics"]}["ens1f0"]
     assert nic["receive_bytes_total"] == 68801557
     assert nic["receive_errors_total"] == 2 and nic["transmit_drop_total"] == 4
@@ -200,6 +207,46 @@ time.sleep(60)
 def child() -> Iterator[subprocess.Popen[str]]:
     with ready_child(CHILD) as p:
         yield p
+
+
+def test_job_sampler_reads_a_bounded_number_of_jobs_per_cycle() -> None:
+    """Issue 15: the sampler's cost must not grow with the bound processes. With more
+    jobs than its budget it reads a new job at once, then the others in turn; the
+    rest keep their last sample."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
+    try:
+        recs = [{"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "s",
+                 "cpus": "0"} for p in procs]
+        js = JobSampler(jobs_per_cycle=2)
+        reads: list[int] = []
+        one = js._one
+
+        def counted(rec: dict[str, object], *args: object) -> object:
+            reads.append(int(rec["pid"]))  # type: ignore[call-overload]
+            return one(rec, *args)  # type: ignore[arg-type]
+
+        js._one = counted  # type: ignore[method-assign]
+        out = js.sample(recs, {})
+        assert len(reads) == 5  # all new: each is read at once
+        seen = []
+        for _ in range(3):
+            reads.clear()
+            out = js.sample(recs, {})
+            seen.append(set(reads))
+            assert len(reads) == 2
+        # then two a cycle, in turn
+        assert len(set().union(*seen)) == 5
+        assert [s["pid"] for s in out] == [p.pid for p in procs]
+        newcomer = subprocess.Popen(["sleep", "60"])
+        procs.append(newcomer)
+        reads.clear()
+        js.sample([*recs, {"pid": newcomer.pid, "name": "n", "cpus": "0",
+                           "start_time": Process(newcomer.pid).start_time()}], {})
+        assert newcomer.pid in reads  # a new job is read at once
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:

@@ -7,17 +7,19 @@ The daemon runs under `capsh --drop=cap_sys_resource --`, so these tests mean th
 same on a host whose root has the capability. Policies: the bundled ones, copied,
 plus one file that only narrows the bundled torch-training rule to this test's
 processes (the machine is shared; the rule must not bind anyone else's torchrun).
-Host settings the bundled base.toml asks (vm.numa_balancing) go to a temporary
+Host settings the bundled 00-base.toml asks (vm.numa_balancing) go to a temporary
 tree, never to this host.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, DaemonProc, wait_for
+from tests.helpers import REPO, DaemonProc, wait_for, write_policy
 from tests.leases_helpers import (
     cpus_allowed,
     kill,
@@ -36,7 +38,8 @@ from tests.leases_helpers import (
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
-CAP_SYS_RESOURCE = 24  # linux/capability.h
+CAP_SYS_NICE = 23  # linux/capability.h
+CAP_SYS_RESOURCE = 24
 LOW_NOFILE = (1024, 4096)  # a hard limit below the policy's 1048576: raising it needs the cap
 
 
@@ -53,10 +56,11 @@ class NoCapDaemon(DaemonProc):
     """The real daemon, exec'd by capsh with CAP_SYS_RESOURCE out of its bounding set."""
 
     gpu0_cpu: int = 0  # the CPU local to GPU 0 in the replayed topology
+    drop: str = "cap_sys_resource"  # capsh --drop=...
 
     def argv(self) -> list[str]:
         # capsh runs bash with what follows "--"; bash execs the daemon (same PID)
-        return ["capsh", "--drop=cap_sys_resource", "--", "-c", 'exec "$0" "$@"',
+        return ["capsh", f"--drop={self.drop}", "--", "-c", 'exec "$0" "$@"',
                 *super().argv()]
 
 
@@ -90,7 +94,7 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
         show = d.ctl("--json", "policy", "show").json()
         rule = next(j for j in show["job"] if j["name"] == "torch-training")
         assert rule["nofile"] == 1048576 and rule["match"]["env"]["LOCAL_RANK"] == "*"
-        # base.toml's host setting went to the tree, not to this host
+        # 00-base.toml's host setting went to the tree, not to this host
         wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text().strip() == "0",
                  10, "numa_balancing = 0 in the temporary tree")
         yield d, token
@@ -175,3 +179,54 @@ def test_run_keeps_its_cpus_and_notes_the_missing_capability(
     assert f"Cpus_allowed_list:\t{d.gpu0_cpu}\n" in r.stdout, r.stdout  # GPU 0's CPU, applied
     assert f"\n{LOW_NOFILE[1]}\n" in r.stdout + "\n"  # the hard limit stayed, as it must
     assert "CAP_SYS_RESOURCE" in r.stderr, r.stderr  # ... and the reply says why
+
+
+@pytest.fixture
+def docker_caps_daemon(unpriv_user: tuple[int, int]) -> Iterator[NoCapDaemon]:
+    """A daemon with Docker's default capability set as far as binding goes: neither
+    CAP_SYS_NICE nor CAP_SYS_RESOURCE; its socket reachable by the test user."""
+    if shutil.which("capsh") is None:
+        pytest.skip("capsh not installed (libcap2-bin; scripts/test.sh installs it)")
+    base = Path(tempfile.mkdtemp(prefix="tunerd-nonice-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    write_policy(base / "policies", "00.toml", '[policy]\nname = "t"\n')
+    d = NoCapDaemon(tmp=base, policy_dir=base / "policies",
+                    drop="cap_sys_nice,cap_sys_resource")
+    try:
+        d.start()
+        assert d.proc is not None
+        assert not cap_eff(d.proc.pid) >> CAP_SYS_NICE & 1, "capsh did not drop it"
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_run_without_cap_sys_nice_binds_itself_and_says_why(
+        docker_caps_daemon: NoCapDaemon, unpriv_user: tuple[int, int]) -> None:
+    """Issue 15 item 7: the daemon may not set a normal user's CPUs without
+    CAP_SYS_NICE, but the user's tunerctl may set its own before it execs: the command
+    runs on the lease's one CPU, and the note names the missing capability."""
+    d = docker_caps_daemon
+    uid, gid = unpriv_user
+
+    def as_user() -> None:
+        os.setgid(gid)
+        os.setgroups([])
+        os.setuid(uid)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "run",
+         "--ncpus", "1", "--", "sh", "-c", "grep Cpus_allowed_list /proc/self/status"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, preexec_fn=as_user)
+    assert r.returncode == 0, r.stderr
+    allowed = r.stdout.split("Cpus_allowed_list:")[1].strip()
+    assert allowed.isdigit(), r.stdout  # one CPU, set by tunerctl on itself
+    assert "CAP_SYS_NICE" in r.stderr and "tunerctl binds itself" in r.stderr, r.stderr
+    # a bind of that user's process by the daemon is refused, exit 4, naming it too
+    p = subprocess.Popen(["sleep", "300"], preexec_fn=as_user)
+    try:
+        b = d.ctl("bind", str(p.pid), "--cpus", allowed)
+        assert b.rc == 4 and "CAP_SYS_NICE" in b.err, (b.rc, b.err)
+    finally:
+        kill(p)

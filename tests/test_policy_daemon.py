@@ -81,7 +81,7 @@ def test_policy_check_cli_exit_codes_and_json(tmp_path: Path) -> None:
     assert ok.rc == 0, ok.out + ok.err
     lines = ok.out.splitlines()
     assert len(lines) == 4 and all(ln.startswith("ok   ") for ln in lines)
-    assert any("h100-training.toml" in ln for ln in lines)
+    assert any("00-h100-training.toml" in ln for ln in lines)
 
     good = write_policy(tmp_path, "good.toml", GOOD)
     bad = write_policy(tmp_path, "bad.toml", BAD_MTU.replace('"site"', '"other"'))
@@ -142,7 +142,7 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert show["policy"]["names"] == ["base", "default", "h100-training"]
     assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
     assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
-    assert [Path(s["file"]).name for s in show["skipped"]] == ["pcie-gpu.toml"]
+    assert [Path(s["file"]).name for s in show["skipped"]] == ["00-pcie-gpu.toml"]
 
 
 H100_ONLY = ('[policy]\nname = "h100"\n[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'

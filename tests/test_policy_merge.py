@@ -126,7 +126,7 @@ def test_extends_chain_and_bundled_fallback(tmp_path: Path) -> None:
                                         "[limits]\nnofile = 4096\n")
     p = load_policy_dir(tmp_path, NO_GPU)
     assert p.data["policy"]["names"] == ["base", "site"]
-    assert Path(p.sources[0]).resolve() == (BUNDLED / "base.toml").resolve()
+    assert Path(p.sources[0]).resolve() == (BUNDLED / "00-base.toml").resolve()
     assert p.data["vm"]["numa_balancing"] is False
     assert p.data["limits"]["nofile"] == 4096
 
@@ -280,9 +280,9 @@ def test_bundled_default_alone() -> None:
 def test_check_paths_report(tmp_path: Path) -> None:
     rep = check_paths([BUNDLED], NodeFacts("dgx-h100-01", ("NVIDIA H100 80GB HBM3",) * 8))
     assert [(Path(f["file"]).name, f["name"], f["errors"], f["applies"]) for f in rep["files"]] \
-        == [("base.toml", "base", [], True), ("default.toml", "default", [], True),
-            ("h100-training.toml", "h100-training", [], True),
-            ("pcie-gpu.toml", "pcie-gpu", [], False)]
+        == [("00-base.toml", "base", [], True), ("00-default.toml", "default", [], True),
+            ("00-h100-training.toml", "h100-training", [], True),
+            ("00-pcie-gpu.toml", "pcie-gpu", [], False)]
     assert rep["effective"]["policy"]["name"] == "h100-training"
     bad = write_policy(tmp_path, "bad.toml", "[limits]\nnofile = 0\n")
     rep = check_paths([bad, tmp_path / "nope.toml", tmp_path / "empty"])

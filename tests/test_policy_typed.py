@@ -87,7 +87,7 @@ def test_every_section_typed(tmp_path: Path) -> None:
     site = write_policy(tmp_path, "site.toml", FULL)
     p = load_policy_dir(tmp_path, NodeFacts("n1"))
     m = p.model
-    base = str(REPO / "tunerd/bundled_policies/base.toml")
+    base = str(REPO / "tunerd/bundled_policies/00-base.toml")
     assert m.info == PolicyInfo(name="site", names=("base", "site"), sources=(base, str(site)))
     assert dict(m.sysctl) == {"net.core.somaxconn": 4096,
                               "net.ipv4.tcp_rmem": "4096 87380 268435456"}

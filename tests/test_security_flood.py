@@ -254,6 +254,8 @@ def _send_without_reading(conn: Connection, path: str, total: int, seconds: floa
             sent += s.send(chunk[sent % len(chunk):])
         except TimeoutError:
             break
+        except (BrokenPipeError, ConnectionResetError):
+            break  # on a loaded machine the daemon may drop us (client_timeout) mid-send
     conn.send(sent)
     wait = conn.recv()  # seconds to wait for the daemon to close the connection
     p = select.poll()

@@ -11,7 +11,7 @@ from tests.topology_helpers import FIXTURE_NAMES, fixture, make_sysfs
 from tunerd import nvml
 from tunerd.topology import Topology
 from tunerd.topology.gpu import read_gpus
-from tunerd.topology.nvml_replay import ReplayNvml
+from tunerd.topology.nvml_replay import ReplayDevice, ReplayNvml
 
 GPU_FIXTURES = [n for n in FIXTURE_NAMES if fixture(n).gpus]
 
@@ -103,10 +103,15 @@ def test_real_readers_reproduce_every_recorded_node(tmp_path: Path, name: str) -
                                                                 key=lambda n: n["name"])
 
 
-class _OldDriverReplay(ReplayNvml):
-    """The replay as a pre-r470 driver answers: no remote device type query."""
+class _OldDriverDevice(ReplayDevice):
+    """A GPU as a pre-r470 driver answers: the remote device type is not available."""
 
-    nvmlDeviceGetNvLinkRemoteDeviceType = None
+    def nvlink_remote_device_type(self, link: int) -> nvml.NaOr[int]:
+        return nvml.NA
+
+
+class _OldDriverReplay(ReplayNvml):
+    device_class = _OldDriverDevice
 
 
 def test_nvswitch_links_found_without_remote_device_type(tmp_path: Path) -> None:

@@ -24,11 +24,11 @@ EXAMPLE = REPO / "contrib" / "examples" / "ddp_train.py"
 
 
 def bundled_rule_policy(pdir: Path, token: str) -> None:
-    """The [[job]] torch-training rule of policies/base.toml, whole, narrowed by a token
+    """The [[job]] torch-training rule of policies/00-base.toml, whole, narrowed by a token
     in the environment to this test's processes (a shared machine may run other
-    training jobs). base.toml also sets vm.numa_balancing, a host setting this test
+    training jobs). 00-base.toml also sets vm.numa_balancing, a host setting this test
     must not change: only the rule (the file's last section) is taken."""
-    text = (REPO / "policies" / "base.toml").read_text()
+    text = (REPO / "policies" / "00-base.toml").read_text()
     write_policy(pdir, "00-ddp.toml",
                  '[policy]\nname = "ddp-test"\n\n' + text[text.index("[[job]]"):])
     scope_bundled_rule(pdir, "TUNERD_TEST_TOKEN", token)

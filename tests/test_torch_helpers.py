@@ -205,10 +205,22 @@ def test_report_arguments_follow_the_wire_spec(monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     r = current_report(steps=10, step_time_s=0.5, samples_per_s=64.0, num_workers=2)
     assert set(r) == {"pid", "steps", "step_time_s", "samples_per_s", "device", "memory",
-                      "workers", "num_workers", "rank", "local_rank", "local_world_size"}
+                      "workers", "num_workers", "rank", "local_rank", "local_world_size",
+                      "job"}
     assert (r["pid"], r["device"], r["num_workers"]) == (os.getpid(), "cpu", 2)
     assert set(r["memory"]) == {"rss"} and isinstance(r["workers"], list)
     assert (r["rank"], r["local_rank"], r["local_world_size"]) == (None, 1, 2)
+
+
+def test_the_job_id_is_shared_by_the_ranks_of_one_job_on_every_node() -> None:
+    from tunerd.torch.link import job_id
+
+    assert job_id({"TUNERD_JOB": "llm-7b", "SLURM_JOB_ID": "42"}) == "llm-7b"
+    assert job_id({"SLURM_JOB_ID": "42", "TORCHELASTIC_RUN_ID": "abc"}) == "slurm-42"
+    assert job_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "n1",
+                   "MASTER_PORT": "29500"}) == "n1:29500"
+    assert job_id({"TUNERD_JOB": "-my job;$x"}) == "j-my_job__x"  # a valid label value
+    assert job_id({}) is None
 
 
 FORKING_PARENT = """

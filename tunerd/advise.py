@@ -194,28 +194,35 @@ def workers_crowded(job: dict[str, Any], cols: Columns) -> Finding | None:
     """DataLoader workers and the main process crowd too few CPUs (the guide's example).
 
     The job's own CPU time misses its workers (processes, not threads); the tree's
-    CPU time (job + workers) against the CPUs it is bound to does not.
+    CPU time (job + workers) against the CPUs it is bound to does not. Where a
+    neighbour competes for the same CPUs (the job at nice 10 next to a CPU hog), the
+    tree gets a small share of CPUs that are nevertheless all busy: the busy share of
+    the job's CPUs as /proc/stat counts it (``cpus_busy_ratio``) shows that.
     """
     tree = _vals(cols, "tree_cpu_ratio")
+    busy = _vals(cols, "cpus_busy_ratio")
     workers = _vals(cols, "workers")
     ncpus = _vals(cols, "ncpus")
-    if len(tree) < 2 or not workers or not ncpus:
+    if (len(tree) < 2 and len(busy) < MIN_SAMPLES) or not workers or not ncpus:
         return None
-    w, n, t = int(workers[-1]), int(ncpus[-1]), _median(tree)
-    assert t is not None
-    if w < 1 or w + 1 <= n or t < CPU_SATURATED_ABOVE:
+    w, n = int(workers[-1]), int(ncpus[-1])
+    t = _median(tree) if len(tree) >= 2 else None
+    b = _median(busy) if len(busy) >= MIN_SAMPLES else None
+    if w < 1 or w + 1 <= n or max(t or 0.0, b or 0.0) < CPU_SATURATED_ABOVE:
         return None
     return Finding(
         "data-loading-cpu-starved", "warning",
         f"{w} DataLoader worker(s) and the main process share {n} busy CPU(s)",
         {"workers": w, "ncpus": n, "tree_cpu_ratio_median": _r(t),
+         "cpus_busy_ratio_median": _r(b),
          "job_cpu_ratio_median": _r(_median(_vals(cols, "cpu_ratio"))),
          "bound_cpus": job.get("cpus"), "worker_pids": (job.get("worker_pids") or [])[:16],
-         "samples": len(tree)},
+         "samples": max(len(tree), len(busy))},
         "Every CPU the job may use is busy, and its DataLoader workers (separate "
-        "processes) and the training loop take turns on them: the step waits for batches "
-        "and the workers wait for CPU time. The job's own CPU share hides this; the share "
-        "of the job with its workers shows it.",
+        "processes), the training loop and any other process on those CPUs take turns "
+        "on them: the step waits for batches and the workers wait for CPU time. The "
+        "job's own CPU share hides this; the share of the job with its workers, or the "
+        "busy share of its CPUs where a neighbour takes the rest, shows it.",
         "Give the job at least one CPU per worker plus one for the training loop "
         "(tunerctl bind PID --cpus LIST, a [[job]] rule with workers = N, or tunerctl run "
         "--workers N), or lower num_workers to the CPUs it has "

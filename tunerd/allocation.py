@@ -17,6 +17,8 @@ Sources, most trusted first:
 - GPUs: ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS`` (global indices) inside a Slurm job;
   a job without gres has no GPU at all. ``CUDA_VISIBLE_DEVICES`` narrows them
   (Slurm with ConstrainDevices renumbers it from 0 inside the job's devices).
+  In a Kubernetes pod: the devices the kubelet's PodResources ``List`` gives its pod
+  (tunerd.podresources, registered with ``add_gpu_source``).
 
 The environment of a process is its owner's to write: it can only narrow what
 the cgroup allows, never widen it.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +38,8 @@ from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
 from tunerd.topology.visible import parse_gpu_list, visible_gpus
 
-__all__ = ["Allocation", "cvd_names", "read_allocation", "slurm_gpus"]
+__all__ = ["Allocation", "add_gpu_source", "cvd_names", "read_allocation",
+           "scheduler_gpus", "slurm_gpus"]
 
 # Slurm's cgroup paths: /slurm/uid_0/job_12/step_0 (v1), /system.slice/slurmstepd.scope/
 # job_12/step_0 (v2), /slurm_NODE/uid_0/job_12/step_batch (multiple-slurmd)
@@ -163,6 +166,9 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     if mask and mask != (cpus if cpus is not None else host_online):
         current = mask
     gpus = slurm_gpus(topo, env)
+    pod = _pod_gpus(pid, topo) if gpus is None else None
+    if pod is not None:
+        gpus = pod[0]
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None and cvd is not None and cvd.strip() not in ("", "NoDevFiles"):
         gpus = _cvd_within(topo, cvd, gpus)
@@ -178,12 +184,41 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     elif cg is not None and (m := _SLURM_CGROUP.search(cg.path)):
         # a task not exec'd yet (a TaskProlog's target) still has slurmstepd's environment
         scheduler = f"Slurm job {m.group(1)}" + (f" step {m.group(2)}" if m.group(2) else "")
+    elif pod is not None:
+        scheduler = pod[1]
     elif env.get("KUBERNETES_SERVICE_HOST") or (cg is not None and "kubepods" in cg.path):
         scheduler = "Kubernetes pod"
     elif cpus is not None:
         scheduler = f"cgroup {cg.path if cg else '?'}"
     return Allocation(cpus=cpus, current=current, mask=mask or None, gpus=gpus, ncpus=ncpus,
                       scheduler=scheduler)
+
+
+# One more source of GPUs, registered by the daemon: the kubelet's PodResources
+# (tunerd.podresources). pid, topology -> (the pod's GPUs, "Kubernetes pod ns/name").
+GpuSource = Callable[[int, Topology], "tuple[tuple[int, ...], str] | None"]
+_gpu_sources: list[GpuSource] = []
+
+
+def add_gpu_source(source: GpuSource) -> None:
+    _gpu_sources.append(source)
+
+
+def scheduler_gpus(pid: int, topo: Topology, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The GPUs the scheduler gave ``pid``: Slurm's, else its pod's; None: not restricted."""
+    gpus = slurm_gpus(topo, env)
+    if gpus is None:
+        pod = _pod_gpus(pid, topo)
+        gpus = pod[0] if pod is not None else None
+    return gpus
+
+
+def _pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
+    for source in _gpu_sources:
+        got = source(pid, topo)
+        if got is not None:
+            return got
+    return None
 
 
 def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:

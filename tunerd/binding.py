@@ -365,6 +365,10 @@ class Binder:
                 migrate_from = nodes - mems
                 why = ("cgroup v2 without the cpuset controller for this process"
                        if base is not None else "no cpuset cgroup hierarchy is mounted")
+                if base is not None and base.kubelet_owned:
+                    why = (f"cgroup {base.path} is the kubelet's (kubepods): tunerd makes no "
+                           f"child cgroup there; start the job with `tunerctl run` (it sets its "
+                           f"memory policy itself before the exec) to confine it")
                 notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
                              f"{why}; existing pages moved with migrate_pages(2)")
         elif previous is not None and previous.cpuset_child is not None and cpus is not None:
@@ -616,6 +620,12 @@ class Binder:
                         changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
+                except PermissionError as err:  # another user's process, no CAP_SYS_NICE
+                    raise PermissionDenied(
+                        f"sched_setaffinity(thread {tid} of pid {t.pid}, {format_cpulist(w)}) "
+                        f"failed: EPERM — setting the CPUs of another user's process (uid "
+                        f"{t.uid}) needs CAP_SYS_NICE, which tunerd does not have",
+                        pid=t.pid) from err
                 except OSError as err:
                     raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
                                  f"{format_cpulist(w)}) failed: "

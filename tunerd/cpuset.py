@@ -17,6 +17,14 @@ cpuset (v1 ``cpuset.memory_migrate=1``; v2 always migrates) nested under the
 process's current cpuset cgroup, so the scheduler's hierarchy and accounting stay
 intact. See Documentation/admin-guide/cgroup-v1/cpusets.rst ("memory_migrate") and
 cgroup-v2.rst ("cpuset.mems").
+
+Except under the kubelet: a cgroup anywhere below ``kubepods*`` (v1
+``/kubepods/burstable/pod<uid>/<ctr>``, v2 ``/kubepods.slice/...``) is the kubelet's,
+and tunerd creates no child and writes no file there. A child cpuset makes the
+kubelet's own cpuset updates fail with EBUSY (kubernetes #66614, runc #1635), and a
+leftover one made it retry the deletion every second (kubernetes #112151). There a
+process's memory nodes are set by the process itself (``tunerctl run --mems``, the
+``tunerd.torch`` helpers with set_mempolicy), and a bind says so.
 """
 
 from __future__ import annotations
@@ -30,13 +38,25 @@ from pathlib import Path
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.procfs import read_text
 
-__all__ = ["CHILD_PREFIX", "CpusetCgroup", "child_name", "find_cpuset", "read_ids",
-           "tunerd_children"]
+__all__ = ["CHILD_PREFIX", "CpusetCgroup", "KubeletOwned", "child_name", "find_cpuset",
+           "kubelet_owned", "read_ids", "tunerd_children"]
 
 CHILD_PREFIX = "tunerd-"
 
 # v1 mount points a cpuset hierarchy is found at (relative to SYS/fs/cgroup)
 _V1_DIRS = ("cpuset", "cpu,cpuset", "cpuset,cpu")
+
+
+class KubeletOwned(PermissionError):
+    """A write tunerd refuses: the cgroup is under ``kubepods*`` (the kubelet's)."""
+
+
+def kubelet_owned(path: str) -> bool:
+    """Whether a cgroup path (as /proc/PID/cgroup prints it) is at or under ``kubepods*``:
+    v1 ``/kubepods/...``, v2 with the systemd driver ``/kubepods.slice/...``, with the
+    cgroupfs driver ``/kubepods/...`` (and a nested ``.../kubepods/...`` of a node
+    whose kubelet runs under another cgroup root)."""
+    return any(part.startswith("kubepods") for part in path.split("/"))
 
 
 def read_ids(path: Path) -> frozenset[int]:
@@ -55,6 +75,11 @@ class CpusetCgroup:
     @property
     def dir(self) -> Path:
         return self.mount / self.path.lstrip("/")
+
+    @property
+    def kubelet_owned(self) -> bool:
+        """Under ``kubepods*``: no child cgroup and no cgroup write, ever."""
+        return kubelet_owned(self.path)
 
     def _file(self, v1: str, v1_old: str, v2: str) -> Path:
         if self.version == 1:
@@ -82,7 +107,10 @@ class CpusetCgroup:
         v1: always. v2: only where ``cpuset`` is in this cgroup's
         cgroup.subtree_control — otherwise enabling it would need this cgroup to
         hold no processes ("no internal processes" rule), which a job's cgroup does.
+        Never under ``kubepods*`` (the kubelet's).
         """
+        if self.kubelet_owned:
+            return False
         if self.version == 1:
             return (self.dir / "cpuset.cpus").exists()
         try:
@@ -97,6 +125,7 @@ class CpusetCgroup:
     # -- writes (child cpusets only) ------------------------------------------
     def create(self, cpus: frozenset[int], mems: frozenset[int]) -> None:
         """mkdir this (child) cgroup and give it cpus/mems; an existing one is reused."""
+        self._refuse_kubelet("create a child cgroup")
         try:
             self.dir.mkdir()
         except FileExistsError:
@@ -129,8 +158,14 @@ class CpusetCgroup:
             raise
         return True
 
+    def _refuse_kubelet(self, what: str) -> None:
+        if self.kubelet_owned:
+            raise KubeletOwned(f"refusing to {what} in {self.dir}: cgroup {self.path} belongs "
+                               f"to the kubelet (kubepods)")
+
     def _write(self, name: str, value: str) -> None:
         path = self.dir / name
+        self._refuse_kubelet(f"write {value!r} to {name}")
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, value.encode())

@@ -247,15 +247,15 @@ def nvidia_pci_devices(env: Env) -> list[str]:
 
 def check_driver(env: Env) -> Check:
     if nvml.available():
-        drv = _text(nvml.call("nvmlSystemGetDriverVersion", default="?"))
-        lib = _text(nvml.call("nvmlSystemGetNVMLVersion", default="?"))
-        cuda = nvml.call("nvmlSystemGetCudaDriverVersion_v2|nvmlSystemGetCudaDriverVersion",
-                         default=None)
-        n = nvml.call("nvmlDeviceGetCount", default=0)
+        drv, lib = nvml.driver_version(), nvml.nvml_version()
+        drv_s, lib_s = (_text(v) if v is not nvml.NA else "?" for v in (drv, lib))
+        cuda = nvml.cuda_driver_version()
+        n = nvml.device_count()
         return Check("nvidia-driver", "NVIDIA driver and NVML", PASS,
-                     f"driver {drv}, NVML {lib}, CUDA driver API {fmt_cuda(cuda)}, "
+                     f"driver {drv_s}, NVML {lib_s}, CUDA driver API {fmt_cuda(cuda)}, "
                      f"{plural(n, 'GPU')}",
-                     data={"driver": drv, "nvml": lib, "cuda_driver": fmt_cuda(cuda), "gpus": n})
+                     data={"driver": drv_s, "nvml": lib_s, "cuda_driver": fmt_cuda(cuda),
+                           "gpus": n})
     devs = nvidia_pci_devices(env)
     if devs:
         return Check("nvidia-driver", "NVIDIA driver and NVML", FAIL,
@@ -345,8 +345,7 @@ def check_torch(env: Env) -> list[Check]:
     else:
         out.append(Check("torch-cuda", "torch.cuda is available", SKIP,
                          "no GPU on this node (torch.cuda.is_available() is False)"))
-    out.append(check_cuda_versions(t.get("cuda_build"), nvml.call(
-        "nvmlSystemGetCudaDriverVersion_v2|nvmlSystemGetCudaDriverVersion", default=None)))
+    out.append(check_cuda_versions(t.get("cuda_build"), nvml.cuda_driver_version()))
     if t.get("cudnn"):
         out.append(Check("cudnn", "cuDNN version", PASS, f"cuDNN {t['cudnn']}"))
     else:

@@ -136,14 +136,16 @@ class Interpreter:
     executable: str
     version: str
     torch: str | None  # torch's version, None if it cannot import torch
+    how: str = ""  # how it was chosen: "--python", "python3 on PATH", "tunerctl's own" ...
 
     def describe(self) -> str:
         torch = f"torch {self.torch}" if self.torch else "no torch"
-        return f"{self.executable} (Python {self.version}, {torch})"
+        how = f", {self.how}" if self.how else ""
+        return f"{self.executable} (Python {self.version}, {torch}{how})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "executable": self.executable, "version": self.version,
-                "torch": self.torch}
+                "torch": self.torch, "how": self.how}
 
 
 _PROBE = """

@@ -84,19 +84,41 @@ def _torch_hint(exclude: str) -> str:
 
 
 def workload_python(python: str | None) -> Any:
-    """The built-in workload's interpreter; Failed (exit 1) when it cannot import torch:
-    the workload trains with torch, and nothing else is ever run in its place."""
-    from tunerd.bench.arms import probe
-    from tunerd.errors import Failed
+    """The built-in workload's interpreter, found as doctor finds the training Python:
+    --python, else python3 on PATH (not tunerd's own venv) or the config's job_python,
+    else tunerctl's own; the first of these that has torch. Failed (exit 1) when none
+    has: the workload trains with torch, and nothing else is ever run in its place."""
+    import dataclasses
 
-    path = python or sys.executable
-    interp = probe(path)
-    if not interp.torch:
-        raise Failed(f"the built-in workload trains with torch, and {interp.executable} "
-                     f"(Python {interp.version}) cannot import torch; choose an interpreter "
-                     f"that has it with --python PATH{_torch_hint(interp.executable)}, or "
-                     "install torch there (pip install 'tunerd[torch]')")
-    return interp
+    from tunerd.bench.arms import probe
+    from tunerd.doctor import find_training_python
+    from tunerd.errors import Failed, TunerdError
+
+    if python:
+        interp = probe(python)
+        if not interp.torch:
+            raise Failed(f"the built-in workload trains with torch, and {interp.executable} "
+                         f"(Python {interp.version}) cannot import torch; choose an "
+                         f"interpreter that has it with --python PATH"
+                         f"{_torch_hint(interp.executable)}, or install torch there "
+                         "(pip install 'tunerd[torch]')")
+        return dataclasses.replace(interp, how="--python")
+    found = find_training_python(None, os.environ)
+    candidates = [(found.path, found.how)] if found.path else []
+    candidates.append((sys.executable, "tunerctl's own"))
+    tried: list[str] = []
+    for path, how in candidates:
+        try:
+            interp = probe(path)
+        except TunerdError as err:
+            tried.append(f"{path} ({how}): {err}")
+            continue
+        if interp.torch:
+            return dataclasses.replace(interp, how=how)
+        tried.append(f"{interp.executable} ({how}): no torch")
+    raise Failed("the built-in workload trains with torch and no Python found has it ("
+                 + "; ".join(tried) + "): pass the one your training jobs use with "
+                 "--python PATH, or run your own command after --")
 
 
 def workload_command(cmd: tuple[str, ...], python: str | None,

@@ -7,6 +7,7 @@ imported when a list is parsed).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,15 +83,29 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
             for row in rows]
 
 
+def live_name(pid: int, cmdline: str = "") -> str:
+    """The process's name as ps shows it now (/proc/PID/comm), else its argv[0]'s; printable
+    characters only (a process chooses its own name)."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            name = f.read().strip()
+    except OSError:
+        name = os.path.basename(cmdline.split(" ", 1)[0]) if cmdline else ""
+    return "".join(c if c.isprintable() else "?" for c in name)[:16] or "-"
+
+
 def _human_jobs(r: dict[str, Any]) -> str:
-    rows = [("PID", "NAME", "CPUS", "MEMS", "GPUS", "NOFILE", "THREADS", "ORIGIN", "LEASE")]
+    rows = [("PID", "NAME", "RULE", "CPUS", "MEMS", "GPUS", "NOFILE", "THREADS", "ORIGIN",
+             "LEASE")]
     replay_only = False
     for j in r.get("jobs") or []:
         origin = str(j.get("origin") or "")
         if j.get("applied") is False:  # placed on a replayed topology, nothing applied
             origin += "*"
             replay_only = True
-        rows.append((str(j["pid"]), str(j.get("name") or "")[:16], j.get("cpus") or "-",
+        rule = str(j.get("name") or "-")[:24] if j.get("origin") == "rule" else "-"
+        rows.append((str(j["pid"]), live_name(int(j["pid"]), str(j.get("cmdline") or "")), rule,
+                     j.get("cpus") or "-",
                      j.get("mems") or "-", ",".join(map(str, j.get("gpus") or [])) or "-",
                      str(j.get("nofile") or "-"), str(j.get("threads") or "-"),
                      origin, str(j.get("lease") or "-")))

@@ -31,7 +31,8 @@ def _human_status(st: dict[str, Any]) -> str:
              + (" (dry run)" if st.get("dry_run") else "")
              + (f" (topology replay: {st['replay']})" if st.get("replay") else "")]
     pol = st.get("policy", {})
-    lines.append("policies: " + (", ".join(pol.get("sources") or []) or "none"))
+    lines.append("policies: " + (", ".join(pol.get("names") or []) or "none") + " (files: "
+                 + (", ".join(pol.get("sources") or []) or "none") + ")")
     if pol.get("error"):
         lines.append(f"policy error (old policy kept): {pol['error']}")
     for name, svc in sorted((st.get("services") or {}).items()):
@@ -72,9 +73,17 @@ def _human_reload(r: dict[str, Any]) -> str:
 
 
 @click.command()
-def reload() -> int:
-    """Re-read the policy files (root): the files in force, or the error (old policy kept)."""
+@click.option("--no-rebind-running", "no_rebind", is_flag=True,
+              help="Refuse the new policy if its [[job]] rules would bind running processes "
+                   "of other users (default: they are bound at once; see `tunerctl plan "
+                   "--policy-dir`).")
+def reload(no_rebind: bool) -> int:
+    """Re-read the policy files (root): the files in force, or the error (old policy kept).
+
+    By default the new rules also bind the matching processes that already run, of
+    every user; --no-rebind-running refuses such a policy instead (exit 1).
+    """
     ctx = get_ctx()
-    r = ctx.call("reload")
+    r = ctx.call("reload", no_rebind_running=True) if no_rebind else ctx.call("reload")
     ctx.emit(r, _human_reload)
     return 0 if r.get("reloaded") else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -71,10 +72,34 @@ def _human_revert(res: dict[str, Any]) -> str:
     return "\n".join(lines + _errors(res))
 
 
+def _human_preview(res: dict[str, Any]) -> str:
+    lines = [f"# candidate {res['policy_dir']}: files that apply, in merge order:"]
+    lines += [f"#   {s}" for s in res["sources"]] or ["#   (none)"]
+    lines += [f"# not applied: {s['file']}: {s['reason']}" for s in res.get("skipped") or []]
+    lines += [f"# WARNING: {w}" for w in res.get("warnings") or []]
+    lines += ["host settings a reload would change:"]
+    lines += ["  " + ln for ln in _human_plan(res["host"]).splitlines()]
+    rows = res["would_bind"]
+    lines.append(f"running processes its [[job]] rules would bind at reload: {len(rows) or 'none'}")
+    for r in rows:
+        where = (f"error: {r['error']}" if r.get("error") else
+                 f"cpus {r['cpus'] or '-'}, mems {r['mems'] or '-'}, "
+                 f"gpus {','.join(map(str, r['gpus'])) or '-'}")
+        lines.append(f"  pid {r['pid']} user {r['user']} rule {r['rule']}: {where}")
+        lines.append(f"      {r['cmdline']}")
+    return "\n".join(lines)
+
+
 @click.command()
-def plan() -> int:
+@click.option("--policy-dir", "policy_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Preview a candidate policy directory (root): its host changes and the "
+                   "running processes its rules would bind. Nothing is changed.")
+def plan(policy_dir: Path | None) -> int:
     """Show the host settings the policy would change (current -> desired)."""
     ctx = get_ctx()
+    if policy_dir is not None:
+        ctx.emit(ctx.call("plan.preview", policy_dir=str(policy_dir.resolve())), _human_preview)
+        return 0
     ctx.emit(ctx.call("plan"), _human_plan)
     return 0
 

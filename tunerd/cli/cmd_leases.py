@@ -6,6 +6,7 @@ set_mempolicy just before the exec.
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shlex
@@ -209,12 +210,17 @@ def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | Non
     env = _env(r, uuids)
     os.environ.update(env)
     if r.get("applied"):
-        # belt and braces: the daemon bound this process already; both are
+        # the daemon bound this process already -- or could not (no CAP_SYS_NICE: a
+        # note says so), and a process may always set its own CPUs; both are
         # inherited across exec by COMMAND and its children
         try:
             os.sched_setaffinity(0, _parse_list(r["cpus"]))
         except OSError as err:
-            click.echo(f"tunerctl: note: sched_setaffinity: {err.strerror}", err=True)
+            why = (" (a cpuset outside these CPUs, or a seccomp policy: a process may "
+                   "always set its own CPUs otherwise)" if err.errno in (errno.EPERM,
+                                                                          errno.EINVAL) else "")
+            click.echo(f"tunerctl: note: sched_setaffinity({r['cpus']}) on itself: "
+                       f"{err.strerror}{why}", err=True)
         set_mempolicy_bind(_parse_list(r["mems"]))
     if ctx.as_json:
         import json

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,11 @@ from tunerd.cli.types import PID, SecondsType, plural
 @click.option("--interval", type=SecondsType(0.1), default=1.0, show_default=True,
               help="Seconds between refreshes.")
 def top(once: bool, interval: float) -> int:
-    """Live view of GPUs, NUMA nodes and bound jobs."""
+    """Live view of GPUs, NUMA nodes and bound jobs.
+
+    Keys: q quits, ? shows help; the jobs are sorted by c CPU (default), m memory,
+    s samples/s, p pid or n name, each with a sparkline of its recent CPU use.
+    """
     ctx = get_ctx()
     if ctx.as_json:
         ctx.emit(ctx.call("top"))
@@ -25,21 +32,67 @@ def top(once: bool, interval: float) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from tunerd.cli.top_view import render
+    from tunerd.cli.top_view import TopState, render
 
     console = Console()
     if once:
         console.print(render(ctx.call("top")))
         return 0
+    state = TopState()
+    reply = ctx.call("top")
+    state.record(reply)
     try:
-        with Live(render(ctx.call("top")), console=console, screen=True,
-                  auto_refresh=False) as live:
+        with _keys() as read_key, Live(render(reply, state), console=console, screen=True,
+                                       auto_refresh=False) as live:
             while True:
-                time.sleep(interval)
-                live.update(render(ctx.call("top")), refresh=True)
+                deadline = time.monotonic() + interval
+                while (left := deadline - time.monotonic()) > 0:
+                    key = read_key(left)
+                    if key is None:
+                        continue
+                    if not state.key(key):
+                        return 0
+                    live.update(render(reply, state), refresh=True)
+                reply = ctx.call("top")
+                state.record(reply)
+                live.update(render(reply, state), refresh=True)
     except KeyboardInterrupt:
         pass
     return 0
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[float], str | None]]:
+    """A reader of single key presses (cbreak mode while the view runs; the terminal
+    is restored after). Without a terminal on stdin it only waits."""
+    import select
+    import sys
+
+    fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
+
+    def wait(timeout: float) -> str | None:
+        time.sleep(timeout)
+        return None
+
+    if fd is None:
+        yield wait
+        return
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(fd)
+
+    def read(timeout: float) -> str | None:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return None
+        return os.read(fd, 1).decode(errors="replace")
+
+    tty.setcbreak(fd)
+    try:
+        yield read
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 @click.command()

@@ -94,11 +94,38 @@ def _human_show(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + render_toml(body).rstrip("\n")
 
 
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:59] + "\u2026"
+
+
+def _human_explain(r: dict[str, Any]) -> str:
+    lines = ["# every key a policy file sets: the file:line that set it (last wins), and the"
+             " earlier files it overrode", "# (keys not listed have their defaults)"]
+    lines += [f"# WARNING: {w}" for w in r.get("warnings") or []]
+    for key, o in (r.get("provenance") or {}).items():
+        lines.append(f"{key} = {_short(o['value'])}")
+        where = f"{o['file']}:{o['line']}" if o.get("line") else o["file"]
+        lines.append(f"    set by    {where} (policy {o['policy']!r})")
+        for old in o.get("overrode") or []:
+            at = f"{old['file']}:{old['line']}" if old.get("line") else old["file"]
+            same = " (same value)" if old["value"] == o["value"] else ""
+            lines.append(f"    overrode  {at} = {_short(old['value'])}{same}")
+    if not r.get("provenance"):
+        lines.append("(no policy file sets any key)")
+    return "\n".join(lines)
+
+
 @policy.command()
-def show() -> None:
+@click.option("--explain", is_flag=True,
+              help="For every key: the file and line that set it, and the files it overrode.")
+def show(explain: bool) -> None:
     """The effective merged policy for this node (from the daemon)."""
     ctx = get_ctx()
-    ctx.emit(ctx.call("policy.show"), _human_show)
+    if explain:
+        ctx.emit(ctx.call("policy.show", explain=True), _human_explain)
+    else:
+        ctx.emit(ctx.call("policy.show"), _human_show)
 
 
 @policy.command()

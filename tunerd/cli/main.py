@@ -27,6 +27,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "unbind": "tunerd.cli.cmd_bind:unbind",
     "jobs": "tunerd.cli.cmd_bind:jobs",
     "policy": "tunerd.cli.cmd_policy:policy",
+    "env": "tunerd.cli.cmd_env:env",
     # -- host settings:
     "plan": "tunerd.cli.cmd_host:plan",
     "apply": "tunerd.cli.cmd_host:apply",
@@ -44,6 +45,8 @@ LAZY_COMMANDS: dict[str, str] = {
     "metrics": "tunerd.cli.cmd_monitor:metrics",
     "doctor": "tunerd.cli.cmd_monitor:doctor",
     "advise": "tunerd.cli.cmd_monitor:advise",
+    # -- fleet (Prometheus):
+    "fleet": "tunerd.cli.cmd_fleet:fleet",
 }
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich import box
@@ -93,8 +95,71 @@ def _numa(sample: dict[str, Any]) -> RenderableType:
     return t
 
 
-def _jobs(sample: dict[str, Any]) -> RenderableType:
+SPARKS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"  # ▁▂▃▄▅▆▇█
+HISTORY = 8  # samples per job in the sparkline
+
+# key -> (what the jobs table is sorted by, the sort key of one job row; largest first)
+SORTS: dict[str, tuple[str, Any]] = {
+    "c": ("cpu", lambda j: j.get("tree_cpu_cores", j.get("cpu_cores")) or 0.0),
+    "m": ("memory", lambda j: j.get("rss_bytes") or 0),
+    "s": ("samples/s", lambda j: (j.get("torch") or {}).get("samples_per_s") or 0.0),
+    "p": ("pid", lambda j: -int(j.get("pid") or 0)),  # smallest first
+    "n": ("name", None),  # alphabetical
+}
+HELP = "q quit  ? help  sort: c cpu  m memory  s samples/s  p pid  n name"
+
+
+def sparkline(values: list[float]) -> str:
+    """``▁▃▇█``: each value against the largest of them (all zero: the lowest bar)."""
+    top = max(values, default=0.0)
+    if top <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))]
+                   for v in values)
+
+
+@dataclass
+class TopState:
+    """What the viewer chose (sort, help) and each job's recent CPU, between frames."""
+
+    sort: str = "c"
+    help: bool = False
+    history: dict[int, deque[float]] = field(default_factory=dict)
+
+    def key(self, k: str) -> bool:
+        """Handle one key press; False when it means quit."""
+        if k in ("q", "Q", "\x03"):
+            return False
+        if k == "?":
+            self.help = not self.help
+        elif k in SORTS:
+            self.sort = k
+        return True
+
+    def record(self, reply: dict[str, Any]) -> None:
+        jobs = (reply.get("sample") or {}).get("jobs") or []
+        live = set()
+        for j in jobs:
+            if "pid" not in j or "error" in j:
+                continue
+            pid = int(j["pid"])
+            live.add(pid)
+            cores = j.get("tree_cpu_cores", j.get("cpu_cores"))
+            self.history.setdefault(pid, deque(maxlen=HISTORY)).append(float(cores or 0.0))
+        for pid in set(self.history) - live:
+            del self.history[pid]
+
+    def order(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        _, by = SORTS.get(self.sort, SORTS["c"])
+        if by is None:
+            return sorted(jobs, key=lambda j: str(j.get("name") or ""))
+        return sorted(jobs, key=by, reverse=True)
+
+
+def _jobs(sample: dict[str, Any], state: TopState | None = None) -> RenderableType:
     jobs = sample.get("jobs") or []
+    if state is not None:
+        jobs = state.order(jobs)
     if not jobs:
         return Note("No bound jobs (`tunerctl bind PID` / `tunerctl run -- CMD`).", style="dim")
     t = _table("Jobs")
@@ -105,25 +170,33 @@ def _jobs(sample: dict[str, Any]) -> RenderableType:
     # CPU: the job with its DataLoader workers (W); samples/s from tunerd.torch's reporter
     for col in ("CPU", "W", "RSS", "Local", "Smp/s"):
         t.add_column(col, justify="right", no_wrap=True)
+    if state is not None:
+        t.add_column("Hist", no_wrap=True)  # CPU, the last HISTORY samples
     for j in jobs:
         if "error" in j:
-            t.add_row(str(j.get("pid")), Text(j.get("name") or "-"),
-                      Text(j["error"], style="red"))
+            t.add_row(str(j.get("pid")), Text(str(j.get("name") or "-")),
+                      Text(str(j["error"]), style="red"))
             continue
         cores = j.get("tree_cpu_cores", j.get("cpu_cores"))
         cpu = "-" if cores is None else f"{cores * 100:.0f}%"
         loc = j.get("locality_ratio")
         rate = (j.get("torch") or {}).get("samples_per_s")
-        # user text as Text: rich never parses a process name ("[/x]") as markup
-        t.add_row(str(j["pid"]), Text(j.get("name") or "-"), Text(j.get("cpus") or "-"),
-                  ",".join(str(g) for g in j.get("gpus") or []) or "-",
-                  cpu, str(j.get("workers") or 0), fmt_bytes(j.get("rss_bytes")),
-                  Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""),
-                  "-" if rate is None else f"{rate:.4g}")
+        cells: list[RenderableType] = [
+            # user text as Text: rich never parses a process name ("[/x]") as markup
+            str(j["pid"]), Text(str(j.get("name") or "-")), Text(str(j.get("cpus") or "-")),
+            ",".join(str(g) for g in j.get("gpus") or []) or "-",
+            cpu, str(j.get("workers") or 0), fmt_bytes(j.get("rss_bytes")),
+            Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""),
+            "-" if rate is None else f"{rate:.4g}"]
+        if state is not None:
+            cells.append(sparkline(list(state.history.get(int(j["pid"]), ()))))
+        t.add_row(*cells)
     return t
 
 
-def render(reply: dict[str, Any]) -> RenderableType:
+def render(reply: dict[str, Any], state: TopState | None = None) -> RenderableType:
+    """One frame. With ``state`` (the live view): jobs sorted as chosen, a CPU history
+    sparkline per job, and the key line (or the help) at the bottom."""
     from tunerd.text import safe_tree
 
     sample = safe_tree(reply.get("sample") or {})  # control characters escaped
@@ -139,4 +212,16 @@ def render(reply: dict[str, Any]) -> RenderableType:
         f"iowait {fmt_pct(host.get('iowait_ratio'))}  "
         f"psi cpu {avg('cpu')} mem {avg('memory')} io {avg('io')}")
     head.truncate(80, overflow="ellipsis")
-    return Group(head, _gpus(sample), _numa(sample), _jobs(sample))
+    parts: list[RenderableType] = [head, _gpus(sample), _numa(sample), _jobs(sample, state)]
+    if state is not None:
+        if state.help:
+            parts += [Note("Keys: q quit; ? this help; jobs sorted by c CPU (the job with its "
+                           "DataLoader workers), m memory (RSS), s samples/s (tunerd.torch's "
+                           "reporter), p pid, n name. Hist: CPU of the last "
+                           f"{HISTORY} samples of each job, against its own peak. W: "
+                           "DataLoader workers; Local: memory on the job's NUMA nodes.",
+                           style="dim")]
+        else:
+            parts.append(Text(f"{HELP}  (by {SORTS[state.sort][0]})", style="dim",
+                              no_wrap=True, overflow="ellipsis"))
+    return Group(*parts)

@@ -70,8 +70,13 @@ class Daemon:
         self._reloading = asyncio.Lock()
 
     # -- policy --------------------------------------------------------------------
-    async def reload(self) -> dict[str, Any]:
-        """Load policies again; a bad policy is rejected and the old one stays."""
+    async def reload(self, guard: Callable[[Policy], str | None] | None = None
+                     ) -> dict[str, Any]:
+        """Load policies again; a bad policy is rejected and the old one stays.
+
+        ``guard`` may refuse a valid policy (``reload --no-rebind-running``): it returns
+        why, and the old policy stays, as for a bad one, without counting as an error.
+        """
         async with self._reloading:
             self.notifier.reloading()
             try:
@@ -84,6 +89,12 @@ class Daemon:
                 self.notifier.status(f"policy error: {err.message}"[:200])
                 self.notifier.send("READY=1")
                 return {"reloaded": False, "error": err.message,
+                        "in_force": self.policy.policy.sources if self.policy.policy else []}
+            refused = guard(new) if guard is not None else None
+            if refused is not None:
+                log.warning("reload refused: %s", refused)
+                self.notifier.send("READY=1")
+                return {"reloaded": False, "error": refused, "refused": True,
                         "in_force": self.policy.policy.sources if self.policy.policy else []}
             self.policy.put(new)
             self.errors.resolve("reload")
@@ -209,6 +220,7 @@ class Daemon:
             "replay": str(self.replay) if self.replay is not None else None,
             "policy": {
                 "sources": pol.sources if pol else [],
+                "names": list(pol.model.info.names) if pol else [],
                 "summary": self.policy.summary(),
                 "loaded_at": self.policy.loaded_at,
                 "error": self.policy.error,

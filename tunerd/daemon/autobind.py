@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
@@ -63,6 +63,11 @@ class RuleBound:
     at_start: bool = False  # already running when the rule came into force
     bound_at: float | None = None
     timing: dict[str, Any] | None = None
+
+
+def _cut(cmdline: str, width: int = 80) -> str:
+    """A command line for one log line: an ellipsis where it is cut."""
+    return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
 
 
 def _int_env(env: dict[str, str], name: str) -> int | None:
@@ -193,6 +198,12 @@ class AutoBinder:
             if pid != me and pid not in self.bound:
                 self.on_exec(pid)
 
+    def preview(self, m: RuleMatch) -> Placement:
+        """Where ``m`` would be bound, computed as a bind would, changing nothing
+        (``tunerctl plan --policy-dir``). Raises what placing raises."""
+        ppid = procfs.Process(m.pid, self.proc).stat().ppid
+        return self._place(m, self._group(m, ppid))
+
     # -- binding ---------------------------------------------------------------
     def _group(self, m: RuleMatch, ppid: int) -> str:
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
@@ -219,7 +230,7 @@ class AutoBinder:
             cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
             alloc = dataclasses.replace(alloc, cpus=cpus,
                                         scheduler=alloc.scheduler or "tunerctl run")
-        gpu_ids = gpus_from_env(topo, m.env, allowed=slurm_gpus(topo, m.env))
+        gpu_ids = gpus_from_env(topo, m.env, allowed=scheduler_gpus(m.pid, topo, m.env))
         if rule.cpus is not None:
             return self.placer.place(PlaceRequest(
                 cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,
@@ -295,7 +306,8 @@ class AutoBinder:
                                            cpus=placed.cpus, mems=None, gpus=placed.gpus,
                                            explanation=placed.explanation),
                                        nofile=nofile, origin="rule", name=m.rule.name,
-                                       cmdline=m.cmdline, partial=True)
+                                       cmdline=m.cmdline, partial=True,
+                                       persist_after=True)  # bind first, persist after
             rb.bound_at = time.monotonic()
             self.latencies_ms.append((rb.bound_at - seen) * 1000)
             rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
@@ -309,7 +321,7 @@ class AutoBinder:
                 notes += [n for n in res2.get("notes") or [] if n not in notes]
             owner = user_name(m.uid)
             log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, m.cmdline[:80], owner,
+                     m.rule.name, pid, _cut(m.cmdline), owner,
                      ", already running at start" if at_start else "",
                      format_cpulist(placed.cpus or frozenset()),
                      ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, slurm_gpus
+from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
@@ -103,10 +104,12 @@ class BindCommands:
             return None
         env = procfs.read_environ(pid)
         if env is None:
+            if not os.path.exists(os.path.join(procfs.PROC, str(pid))):
+                raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
             raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
         how = "--gpus"
         if gpus is None:
-            gpus = gpus_from_env(topo, env, allowed=slurm_gpus(topo, env))
+            gpus = gpus_from_env(topo, env, allowed=scheduler_gpus(pid, topo, env))
             how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
             if not gpus:
                 gpus = gpus_from_nvml(pid)

@@ -9,14 +9,20 @@ from typing import Any
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.errors import Failed
+from tunerd.policy import Policy
+
+Guard = Callable[[Policy], "str | None"]
 
 
 class CoreCommands:
     def __init__(self, status: Callable[[], dict[str, Any]],
-                 reload: Callable[[], Awaitable[dict[str, Any]]], policy: PolicyHolder) -> None:
+                 reload: Callable[[Guard | None], Awaitable[dict[str, Any]]],
+                 policy: PolicyHolder,
+                 refuse_rebind: Callable[[Policy, int], str | None] | None = None) -> None:
         self._status = status
         self._reload = reload
         self.policy = policy
+        self._refuse_rebind = refuse_rebind
 
     def register(self, router: Router) -> None:
         router.add("ping", self.ping)
@@ -32,9 +38,19 @@ class CoreCommands:
 
     async def reload(self, req: Request) -> dict[str, Any]:
         req.require_root("reload")
-        return await self._reload()
+        guard: Guard | None = None
+        refuse = self._refuse_rebind
+        if req.arg("no_rebind_running", bool, False) and refuse is not None:
+            uid = req.peer.uid
+
+            def guard(p: Policy) -> str | None:
+                return refuse(p, uid)
+        return await self._reload(guard)
 
     async def policy_show(self, req: Request) -> dict[str, Any]:
         if self.policy.policy is None:
             raise Failed("no policy loaded")
-        return self.policy.policy.to_dict()
+        out = self.policy.policy.to_dict()
+        if req.arg("explain", bool, False):
+            out["provenance"] = self.policy.policy.provenance
+        return out

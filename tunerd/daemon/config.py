@@ -46,6 +46,10 @@ class DaemonConfig:
     debug_apply_delay: float = 0.0  # seconds slept between two host writes (crash tests)
     # the Python training jobs run with; `tunerctl doctor` checks its torch
     job_python: Path | None = None
+    # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
+    debug_nvml_replay: Path | None = None
+    # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.podresources)
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 
     @property
     def socket_path(self) -> Path:
@@ -149,6 +153,10 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                           _seconds(0, inclusive=True)),
     "job_python": ("absolute path of the Python training jobs use (`tunerctl doctor`)",
                    _abs_path),
+    "debug_nvml_replay": ("NVML recording's driver/CUDA with --topology (tests)",
+                          _abs_path),
+    "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
+                             _abs_path),
 }
 
 

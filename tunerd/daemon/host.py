@@ -90,19 +90,22 @@ class HostSettings:
         return self.tuners.get(key.partition(":")[0])
 
     # -- plan ---------------------------------------------------------------------
-    def plan_all(self) -> list[Change]:
+    def plan_all(self, model: PolicyModel | None = None) -> list[Change]:
+        """What ``model`` (default: the policy in force) would change on the host now."""
+        model = model if model is not None else self._policy_model()
         changes: list[Change] = []
         for section in SECTIONS:
             try:
-                changes += self.tuners[section].plan(self._section(section))
+                changes += self.tuners[section].plan(model.section(section))
             except Exception as err:  # one broken tuner must not hide the others
                 log.exception("planning %s failed", section)
                 changes.append(Change(f"{section}:*", None, None, available=False,
                                       reason=f"cannot read: {err!r}"))
         return changes
 
-    def plan(self) -> dict[str, Any]:
-        changes = self.plan_all()
+    def plan(self, policy: Policy | None = None) -> dict[str, Any]:
+        """The plan of the policy in force, or of a candidate (``plan --policy-dir``)."""
+        changes = self.plan_all(policy.model if policy is not None else None)
         return {
             "changes": [c.to_dict() for c in changes if c.needed and not self._once_done(c.key)],
             "unavailable": [c.to_dict() for c in changes if not c.available],
@@ -123,7 +126,14 @@ class HostSettings:
             result["reverted"] = reverted
             self.last_apply = {"time": time.time(), "reason": reason,
                                "changed": len(result["changed"]), "errors": len(result["errors"])}
+            self._reverify()
             return result
+
+    def _reverify(self) -> None:
+        """Read the settings back after writing them, so that ``status`` tells the state
+        now, not the drift the last periodic verify saw before the apply."""
+        drift = [c for c in self.plan_all() if c.needed and not self._once_done(c.key)]
+        self.last_verify = {"time": time.time(), "drift": len(drift)}
 
     async def _apply_changes(self, changes: list[Change], reason: str,
                              retry_failed: bool = True) -> dict[str, Any]:
@@ -305,7 +315,10 @@ class HostSettings:
                 if self.failed.get(c.key, "\0") != c.desired:
                     log.warning("drift: %s is %s, policy wants %s; re-applying", c.key,
                                 c.current, c.desired)
-            return await self._apply_changes(drift, "drift", retry_failed=False)
+            result = await self._apply_changes(drift, "drift", retry_failed=False)
+            if result["changed"]:
+                self._reverify()
+            return result
 
     async def _verify_loop(self) -> None:
         while True:

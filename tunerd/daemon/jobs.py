@@ -176,10 +176,12 @@ class JobRegistry:
     async def bind(self, pid: int, *, peer: Peer, placement: Placement | None,
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
                    lease: str | None = None, cmdline: str | None = None,
-                   partial: bool = False) -> dict[str, Any]:
+                   partial: bool = False, persist_after: bool = False) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
         what this call did. ``cmdline``: its command line where the caller read it
         already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
+        ``persist_after``: bind first, save the record right after (a process that
+        just exec'd, bound by a rule: no write between the exec and its affinity).
 
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
@@ -192,14 +194,15 @@ class JobRegistry:
             try:
                 return await self._bind(target, t0, peer=peer, placement=placement,
                                         nofile=nofile, origin=origin, name=name, lease=lease,
-                                        cmdline=cmdline, partial=partial)
+                                        cmdline=cmdline, partial=partial,
+                                        persist_after=persist_after)
             finally:
                 target.close()
 
     async def _bind(self, target: Target, t0: float, *, peer: Peer,
                     placement: Placement | None, nofile: int | None, origin: str,
                     name: str | None, lease: str | None, cmdline: str | None,
-                    partial: bool) -> dict[str, Any]:
+                    partial: bool, persist_after: bool = False) -> dict[str, Any]:
         pid, key = target.pid, str(target.pid)
         require_owner(peer, pid, target.uid, target.euid)
         cpus = placement.cpus if placement is not None else None
@@ -249,7 +252,7 @@ class JobRegistry:
         child_saved = plan.originals.cpuset_child
         self._records[key] = record
         t_save = time.perf_counter()
-        if not originals_on_disk:
+        if not originals_on_disk and not persist_after:
             # The originals are written before anything changes (the runtime store:
             # tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
             # process anyway). A failed write refuses the bind: nothing changed.
@@ -297,6 +300,8 @@ class JobRegistry:
             self.mover.disown(pid)  # the binding's originals hold the masks from before
         self._unapplied.pop(pid, None)
         self.binds_total += 1
+        if persist_after and not originals_on_disk:
+            self._save_quietly()  # bound first: now its originals
         self._save_soon()
         if prev is None:
             self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)

@@ -259,15 +259,24 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
             if placed.applicable:
-                job = await self.jobs.bind(
-                    pid, peer=peer, placement=Placement(
-                        cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
-                        gpus=placed.gpus,
-                        explanation=placed.explanation),
-                    nofile=self._default_nofile(), origin="run",
-                    name=os.path.basename(cmd[0]) if cmd else None, lease=lid, partial=True)
-                rec["cpus_bound"] = job.get("cpus")
-                rec["notes"].extend(job.get("notes") or [])
+                try:
+                    job = await self.jobs.bind(
+                        pid, peer=peer, placement=Placement(
+                            cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
+                            gpus=placed.gpus,
+                            explanation=placed.explanation),
+                        nofile=self._default_nofile(), origin="run",
+                        name=os.path.basename(cmd[0]) if cmd else None, lease=lid,
+                        partial=True)
+                except PermissionDenied as err:
+                    if "CAP_SYS_NICE" not in err.message:
+                        raise
+                    # a process may set its own CPUs: tunerctl does, before it execs
+                    rec["notes"].append(f"{err.message}; tunerctl binds itself to CPUs "
+                                        f"{rec['cpus']} before it runs the command")
+                else:
+                    rec["cpus_bound"] = job.get("cpus")
+                    rec["notes"].extend(job.get("notes") or [])
             await self._exclusive(rec, pid, peer)
         except BaseException:
             self._drop(lid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import sys
@@ -68,7 +69,8 @@ def _epilog() -> str:
     lines += ["", "signals: SIGHUP re-reads the policies (a bad policy is refused and the",
               "old one kept); SIGTERM/SIGINT stop gracefully.",
               "exit codes: 0 stopped cleanly, 1 failed (e.g. a bad policy at start),",
-              "2 usage error (bad flag, config file or snapshot)."]
+              "2 usage error (bad flag, config file or snapshot), 4 permission denied",
+              "(not root, and a dir it needs is not writable)."]
     return "\n".join(lines)
 
 
@@ -153,7 +155,14 @@ async def _run(cfg: DaemonConfig) -> int:
     try:
         daemon = build(cfg)
     except TunerdError as err:
-        logging.getLogger("tunerd").error("cannot start: %s", err.message)
+        log = logging.getLogger("tunerd")
+        log.error("cannot start: %s", err.message)
+        if os.geteuid() != 0 and err.details.get("errno") in (errno.EACCES, errno.EPERM):
+            log.error("hint: tunerd runs as root (systemctl start tunerd, or sudo tunerd); to "
+                      "try it as yourself, give it dirs you own: tunerd --runtime-dir "
+                      "/tmp/tunerd-$USER/run --state-dir /tmp/tunerd-$USER/state "
+                      "--metrics-listen off")
+            return int(ExitCode.PERMISSION)
         return int(exit_code(err)) if int(exit_code(err)) != int(ExitCode.USAGE) else 1
     return await daemon.run()
 

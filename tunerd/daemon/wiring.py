@@ -16,37 +16,49 @@ daemon constructs services or looks them up by name.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
+from tunerd.allocation import add_gpu_source
 from tunerd.binding import Binder
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.autobind import AutoBinder
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.cmd_core import CoreCommands
+from tunerd.daemon.cmd_env import EnvCommands, NcclConfFile
 from tunerd.daemon.cmd_host import HostCommands
 from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
 from tunerd.daemon.cmd_topology import TopologyCommands
 from tunerd.daemon.config import DaemonConfig
+from tunerd.daemon.cpusetwatch import CpusetWatch
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import ReservationGate
 from tunerd.daemon.host import HostSettings
+from tunerd.daemon.hotplug import TopologyWatch
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
-from tunerd.daemon.router import Router
+from tunerd.daemon.policywatch import PolicyWatch
+from tunerd.daemon.preview import PolicyPreview
+from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.runtime import PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
+from tunerd.placement import Placement
+from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
-from tunerd.topology import load_topology
+from tunerd.topology import Topology, load_topology
 from tunerd.tuners import build_tuners
+from tunerd.tuners.nccl import NcclTuner
 
 __all__ = ["build"]
 
@@ -84,6 +96,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
+    if cfg.debug_nvml_replay is not None:
+        _replay_nvml(cfg.debug_nvml_replay, topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
@@ -120,21 +134,64 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                 "rule_bind_failures": float(autobind.failed),
                 "rule_matches": float(autobind.matched)}
 
+    nccl_tuner = NcclTuner(cfg.etc_root)
+
+    def nccl_conf() -> tuple[dict[str, str], str | None]:
+        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (sampler thread)."""
+        conf = nccl_tuner.load()
+        return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
+
+    fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root, sys_root=cfg.sys_root,
+                       gpu_pci=[(g.index, g.pci_bus_id) for g in topology.gpus],
+                       python=str(cfg.job_python) if cfg.job_python is not None else None)
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
-                      jobs, errors, daemon_facts=daemon_facts)
+                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet)
+
+    async def fleet_changed(new: Policy) -> None:
+        fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
 
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
 
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor]
+    async def rebind_inside(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
+        """The kubelet changed pid's cpuset: its binding again, inside the new set."""
+        return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
+                               placement=Placement.given(cpus, None), origin="cli")
+
+    # Kubernetes: the GPUs each pod got, as one more allocation source (like Slurm's)
+    pods = PodResourcesSource(cfg.pod_resources_socket)
+
+    def pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
+        a = pods.lookup(pid, topo)
+        return None if a is None else (a.gpus, f"Kubernetes pod {a.namespace}/{a.pod}")
+
+    add_gpu_source(pod_gpus)
+    cpusets = CpusetWatch(lambda: jobs.jobs(live=False), rebind_inside,
+                          on_change=pods.invalidate)
+    # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
+    policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())
+
+    topology_cmds = TopologyCommands(topology)
+
+    def topology_changed(new: Topology) -> None:
+        """CPUs or memory hot-plugged: place on the node as it is now."""
+        placer.topo, placer.host = new, HostCapacity.read()
+        topology_cmds.topology = new
+
+    hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
+    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
+                               policywatch, hotplug]
     router = Router()
+    nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
-                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed)],
+                    on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
+                               ("fleet", fleet_changed),
+                               ("nccl-file", nccl_file.policy_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
                     pidfile=cfg.runtime_dir / "tunerd.pid", pidlock=pidlock)
 
@@ -147,10 +204,23 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                 return rule.torch.to_dict()
         return {}
 
-    CoreCommands(daemon.status, daemon.reload, policy).register(router)
+    preview = PolicyPreview(policy, host, autobind)
+    preview.register(router)
+    CoreCommands(daemon.status, daemon.reload, policy,
+                 refuse_rebind=preview.refuse_rebind).register(router)
     BindCommands(jobs, placer, leases).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
-    TopologyCommands(topology).register(router)
+    topology_cmds.register(router)
+    EnvCommands(policy, nccl_file).register(router)
     MonitorCommands(monitor, settings_for=settings_for).register(router)
     return daemon
+
+
+def _replay_nvml(recording: Path, topology: Any) -> None:
+    """NVML answered from the snapshot plus a recording's driver and telemetry
+    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
+    from tunerd import nvml
+    from tunerd.topology.nvml_recording import RecordedNvml
+
+    nvml.set_backend(RecordedNvml(topology, recording))

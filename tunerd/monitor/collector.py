@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.gpu import THROTTLE_REASONS
 from tunerd.monitor.history import History
 
@@ -26,6 +27,7 @@ class MonitorView(Protocol):
     sampler_status: dict[str, dict[str, Any]]
     history: History
     daemon_facts: Callable[[], Mapping[str, float | None]]
+    fleet: FleetFacts
 
     @property
     def errors_total(self) -> int: ...
@@ -165,6 +167,63 @@ class MonitorCollector(Collector):
         yield from self._gpu(s.get("gpu") or {})
         yield from self._host(s.get("host") or {})
         yield from self._jobs(s.get("jobs") or [])
+        yield from self._fleet(self.monitor.fleet, s.get("ranks") or [])
+
+    def _fleet(self, f: FleetFacts, ranks: list[dict[str, Any]]) -> Iterator[Metric]:
+        """What ``tunerctl fleet check`` compares between nodes (docs/fleet.md); every
+        family bounded: 1 + 1 + MAX_NICS + MAX_NCCL_KEYS + 3 x MAX_RANKS + GPUs series."""
+        v = f.versions
+        info = GaugeMetricFamily(
+            "tunerd_node_info", "1, with the node's class (matched policy names/GPU model) "
+            "and versions as labels", labels=["class", "driver", "cuda", "nccl", "torch",
+                                              "kernel", "version"])
+        if v is not None:  # until the first version probe ends: no series, not a wrong one
+            info.add_metric([f.klass, v.driver, v.cuda, v.nccl, v.torch, v.kernel, v.version],
+                            1.0)
+        yield info
+        pol = GaugeMetricFamily("tunerd_policy_info", "1, with the hash of the effective "
+                                "policy in force", labels=["hash"])
+        if f.policy_hash:
+            pol.add_metric([f.policy_hash], 1.0)
+        yield pol
+        mtu = GaugeMetricFamily("tunerd_nic_mtu", "MTU of a network interface, with its IPv4 "
+                                "subnet and whether NCCL_SOCKET_IFNAME selects it",
+                                labels=["nic", "subnet", "nccl"])
+        for n in f.nics:
+            mtu.add_metric([n.nic, n.subnet, "1" if n.nccl else "0"], float(n.mtu))
+        yield mtu
+        nccl = GaugeMetricFamily("tunerd_nccl_setting_info", "1 per managed /etc/nccl.conf "
+                                 "key, with its value", labels=["key", "value"])
+        for key, value in f.nccl_settings.items():
+            nccl.add_metric([key, value], 1.0)
+        yield nccl
+        step = GaugeMetricFamily("tunerd_rank_step_seconds", "Step time a rank reports "
+                                 "(tunerd.torch.StepReporter), by job id and global rank",
+                                 labels=["job", "rank"])
+        tput = GaugeMetricFamily("tunerd_rank_samples_per_second",
+                                 "Throughput a rank reports", labels=["job", "rank"])
+        bound = GaugeMetricFamily("tunerd_rank_bound", "1 when tunerd bound the reporting "
+                                  "rank's process, 0 when it runs unbound",
+                                  labels=["job", "rank"])
+        for r in ranks:
+            lab = [r["job"], r["rank"]]
+            if r.get("step_time_s") is not None:
+                step.add_metric(lab, r["step_time_s"])
+            if r.get("samples_per_s") is not None:
+                tput.add_metric(lab, r["samples_per_s"])
+            bound.add_metric(lab, 1.0 if r.get("bound") else 0.0)
+        yield step
+        yield tput
+        yield bound
+        # a link trained to fewer lanes than it has (a reseat or riser fault) halves
+        # host<->GPU bandwidth for good; the speed alone drops when the GPU idles (ASPM)
+        link = GaugeMetricFamily("tunerd_gpu_pcie_link_degraded", "1 when the GPU's PCIe "
+                                 "link runs with fewer lanes than its maximum",
+                                 labels=["gpu", "width", "max_width"])
+        for p in f.pcie:
+            link.add_metric([str(p.gpu), str(p.width), str(p.max_width)],
+                            1.0 if p.width < p.max_width else 0.0)
+        yield link
 
     def _health(self) -> Iterator[Metric]:
         """The one place the collector reads daemon state outside the monitor's sample.

@@ -1,7 +1,7 @@
-"""GPU sampler: every number through ``tunerd.nvml.call`` so one missing metric is NA.
+"""GPU sampler: every number through the typed GPU layer, so one missing metric is None.
 
 Without a driver the sample is ``{"available": False, "reason": ...}`` and no
-GPU series exist. Units follow the metric names: bytes, watts, celsius, hertz.
+GPU series exist. Units follow the key names: bytes, watts, celsius, hertz.
 """
 
 from __future__ import annotations
@@ -10,15 +10,6 @@ from typing import Any
 
 from tunerd import nvml
 from tunerd.nvml import NA
-
-# pynvml constants, spelled out so this module does not need pynvml to import
-TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU            (nvidia-smi --query-gpu=temperature.gpu)
-CLOCK_SM = 1  # NVML_CLOCK_SM                           (clocks.sm, MHz)
-PCIE_UTIL_TX_BYTES, PCIE_UTIL_RX_BYTES = 0, 1  # NVML_PCIE_UTIL_* (KB/s over a 20 ms window)
-FI_PCIE_COUNT_TX_BYTES, FI_PCIE_COUNT_RX_BYTES = 197, 198  # NVML_FI_DEV_PCIE_COUNT_*_BYTES
-MEMORY_ERROR_CORRECTED, MEMORY_ERROR_UNCORRECTED = 0, 1
-AGGREGATE_ECC = 1  # NVML_AGGREGATE_ECC: lifetime counts (volatile ones reset at driver load)
-EVENT_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
 
 # Throttle ("clocks event") reason bits that mean the GPU is slowed by heat or power
 THROTTLE_REASONS: dict[int, str] = {
@@ -38,109 +29,90 @@ def _num(v: Any, scale: float = 1.0) -> float | None:
         return None
 
 
-def _text(v: Any) -> str | None:
-    if v is NA or v is None:
-        return None
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _opt(v: Any) -> Any:
+    return None if v is NA else v
 
 
 class GpuSampler:
-    """Samples every GPU NVML reports; keeps handles and the Xid event set between cycles."""
+    """Samples every GPU NVML reports; keeps the devices and the Xid watch between cycles."""
 
     def __init__(self) -> None:
-        self._handles: list[Any] | None = None
+        self._devices: list[nvml.Device] | None = None
         self._uuids: list[str | None] = []
-        self._events: Any = NA
+        self._xids: nvml.XidWatch | nvml.NotAvailable = NA
         self._xid_counts: dict[int, int] = {}
         self._last_xid: dict[int, int] = {}
 
-    def _setup(self) -> list[Any]:
-        if self._handles is not None:
-            return self._handles
-        count = nvml.call("nvmlDeviceGetCount", default=0)
-        handles = [nvml.call("nvmlDeviceGetHandleByIndex", i) for i in range(int(count))]
-        self._handles = [h for h in handles if h is not NA]
-        self._uuids = [_text(nvml.call("nvmlDeviceGetUUID", h)) for h in self._handles]
+    def _setup(self) -> list[nvml.Device]:
+        if self._devices is not None:
+            return self._devices
+        self._devices = nvml.devices()
+        self._uuids = [_opt(d.uuid) for d in self._devices]
         # Xid critical errors arrive as NVML events; not every GPU or driver supports them.
-        ev = nvml.call("nvmlEventSetCreate")
-        if ev is not NA:
-            for h in self._handles:
-                nvml.call("nvmlDeviceRegisterEvents", h, EVENT_XID_CRITICAL, ev, default=None)
-        self._events = ev
-        return self._handles
+        b = nvml.backend()
+        self._xids = b.xid_watch(self._devices) if b is not None else NA
+        return self._devices
 
     def _drain_xids(self) -> None:
-        if self._events is NA:
+        if isinstance(self._xids, nvml.NotAvailable):
             return
         by_uuid = {u: i for i, u in enumerate(self._uuids) if u}
-        for _ in range(64):  # bounded: a storm of events must not stall a cycle
-            data = nvml.call("nvmlEventSetWait_v2|nvmlEventSetWait", self._events, 0)
-            if data is NA or data is None:  # NVML_ERROR_TIMEOUT: no event pending
-                return
-            # the event names its device by handle; a handle is a fresh ctypes object, so
-            # match on the UUID (-1 when the device cannot be told)
-            idx = by_uuid.get(_text(nvml.call("nvmlDeviceGetUUID", data.device)) or "", -1)
+        for ev in self._xids.poll(64):  # bounded: a storm must not stall a cycle
+            idx = by_uuid.get(ev.uuid, -1) if isinstance(ev.uuid, str) else -1
             self._xid_counts[idx] = self._xid_counts.get(idx, 0) + 1
-            self._last_xid[idx] = int(getattr(data, "eventData", 0) or 0)
+            self._last_xid[idx] = ev.xid
 
     def sample(self) -> dict[str, Any]:
         if not nvml.available():
             return {"available": False, "reason": f"not available: {nvml.reason()}",
                     "gpus": [], "processes": []}
-        handles = self._setup()
+        devices = self._setup()
         self._drain_xids()
         gpus: list[dict[str, Any]] = []
         procs: list[dict[str, Any]] = []
-        for i, h in enumerate(handles):
-            gpus.append(self._one(i, h))
-            plist = nvml.call("nvmlDeviceGetComputeRunningProcesses_v3|"
-                              "nvmlDeviceGetComputeRunningProcesses_v2|"
-                              "nvmlDeviceGetComputeRunningProcesses", h, default=[])
-            for p in plist or []:
-                procs.append({"gpu": i, "pid": int(p.pid),
-                              "used_memory_bytes": _num(getattr(p, "usedGpuMemory", None))})
+        for i, d in enumerate(devices):
+            gpus.append(self._one(i, d))
+            plist = d.compute_processes()
+            for p in [] if plist is NA else plist:
+                procs.append({"gpu": i, "pid": p.pid, "used_memory_bytes": _num(p.used_memory)})
         return {"available": True, "reason": None, "gpus": gpus, "processes": procs}
 
-    def _one(self, i: int, h: Any) -> dict[str, Any]:
-        util = nvml.call("nvmlDeviceGetUtilizationRates", h)
-        mem = nvml.call("nvmlDeviceGetMemoryInfo", h)
-        reasons = nvml.call("nvmlDeviceGetCurrentClocksEventReasons|"
-                            "nvmlDeviceGetCurrentClocksThrottleReasons", h)
-        tx, rx = self._pcie(h)
-        rows = nvml.call("nvmlDeviceGetRemappedRows", h)
+    def _one(self, i: int, d: nvml.Device) -> dict[str, Any]:
+        util = d.utilization
+        mem = d.memory_info
+        reasons = d.clocks_event_reasons
+        rows = d.remapped_rows
         reasons_i = None if reasons is NA else int(reasons)
+        # PCIe throughput sleeps ~20 ms inside the driver per call, which is why the
+        # whole sampling cycle runs off the event loop (see service.py).
         return {
             "gpu": i,
             "uuid": self._uuids[i] if i < len(self._uuids) else None,
-            "name": _text(nvml.call("nvmlDeviceGetName", h)),
-            "utilization_ratio": None if util is NA else _num(util.gpu, 0.01),
-            "memory_utilization_ratio": None if util is NA else _num(util.memory, 0.01),
-            "memory_used_bytes": None if mem is NA else _num(mem.used),
-            "memory_total_bytes": None if mem is NA else _num(mem.total),
-            "power_watts": _num(nvml.call("nvmlDeviceGetPowerUsage", h), 0.001),
-            "power_limit_watts": _num(nvml.call("nvmlDeviceGetEnforcedPowerLimit", h), 0.001),
-            "temperature_celsius": _num(nvml.call("nvmlDeviceGetTemperature", h,
-                                                  TEMPERATURE_GPU)),
-            "sm_clock_hertz": _num(nvml.call("nvmlDeviceGetClockInfo", h, CLOCK_SM), 1e6),
+            "name": _opt(d.name),
+            "utilization_ratio": _num(util.gpu, 0.01),
+            "memory_utilization_ratio": _num(util.memory, 0.01),
+            "memory_used_bytes": _num(mem.used),
+            "memory_total_bytes": _num(mem.total),
+            "power_watts": _num(d.power_usage_mw, 0.001),
+            "power_limit_watts": _num(d.enforced_power_limit_mw, 0.001),
+            "temperature_celsius": _num(d.temperature_c),
+            "sm_clock_hertz": _num(d.sm_clock_mhz, 1e6),
+            "memory_clock_hertz": _num(d.memory_clock_mhz, 1e6),
+            "pcie_link_generation": _opt(d.pcie_link_gen),
+            "pcie_link_width": _opt(d.pcie_link_width),
             "throttle_reasons": reasons_i,
             "throttle_reason_names": [] if reasons_i is None else
             [n for bit, n in THROTTLE_REASONS.items() if reasons_i & bit],
-            "pcie_tx_bytes_per_second": tx,
-            "pcie_rx_bytes_per_second": rx,
-            "ecc_corrected_errors_total": _num(nvml.call(
-                "nvmlDeviceGetTotalEccErrors", h, MEMORY_ERROR_CORRECTED, AGGREGATE_ECC)),
-            "ecc_uncorrected_errors_total": _num(nvml.call(
-                "nvmlDeviceGetTotalEccErrors", h, MEMORY_ERROR_UNCORRECTED, AGGREGATE_ECC)),
-            "remapped_rows_correctable": None if rows is NA else _num(rows[0]),
-            "remapped_rows_uncorrectable": None if rows is NA else _num(rows[1]),
-            "remapped_rows_pending": None if rows is NA else bool(rows[2]),
-            "xid_events_total": self._xid_counts.get(i, 0) if self._events is not NA else None,
+            "pcie_tx_bytes_per_second": _num(d.pcie_throughput_kbs(nvml.PCIE_UTIL_TX_BYTES),
+                                             1024.0),
+            "pcie_rx_bytes_per_second": _num(d.pcie_throughput_kbs(nvml.PCIE_UTIL_RX_BYTES),
+                                             1024.0),
+            "ecc_corrected_errors_total": _num(d.ecc_errors_total(uncorrected=False)),
+            "ecc_uncorrected_errors_total": _num(d.ecc_errors_total(uncorrected=True)),
+            "remapped_rows_correctable": None if rows is NA else float(rows.correctable),
+            "remapped_rows_uncorrectable": None if rows is NA else float(rows.uncorrectable),
+            "remapped_rows_pending": None if rows is NA else rows.pending,
+            "xid_events_total": (self._xid_counts.get(i, 0)
+                                 if not isinstance(self._xids, nvml.NotAvailable) else None),
             "last_xid": self._last_xid.get(i),
         }
-
-    def _pcie(self, h: Any) -> tuple[float | None, float | None]:
-        # nvmlDeviceGetPcieThroughput sleeps ~20 ms inside the driver per call, which is
-        # why the whole sampling cycle runs off the event loop (see service.py).
-        tx = _num(nvml.call("nvmlDeviceGetPcieThroughput", h, PCIE_UTIL_TX_BYTES), 1024.0)
-        rx = _num(nvml.call("nvmlDeviceGetPcieThroughput", h, PCIE_UTIL_RX_BYTES), 1024.0)
-        return tx, rx

@@ -4,37 +4,53 @@ Reads only the kernel's aggregate files (one open+read each, a few KiB): never a
 sweep over /proc/PID. Each source is read on its own, so a kernel without PSI or
 a container without /sys/devices/system/node still gives the other numbers; the
 missing part is listed under ``unavailable`` with the reason.
+
+The CPU, memory, disk and network counters come from psutil (``cpu_times``,
+``virtual_memory``, ``disk_io_counters``, ``net_io_counters``), pointed at the
+sampler's proc root through ``psutil.PROCFS_PATH`` while they are read (tests use
+a recorded tree). What psutil has no call for stays here: memory per NUMA node
+(``/sys/devices/system/node/nodeN/meminfo``) and pressure stall information.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.procfs import read_text
+import psutil
 
-SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's block size
+from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.procfs import CLK_TCK, read_text
+
 # Devices that are not real disks: loop, RAM disks, floppies (as node_exporter skips them)
 _SKIP_DISK_PREFIXES = ("loop", "ram", "zram", "fd")
 PSI_RESOURCES = ("cpu", "memory", "io")
-# Files are read whole (limit None): /proc/stat, diskstats and net/dev grow with the
-# CPUs, disks and interfaces; tunerd.procfs.read_text raises OSError, caught per part.
+# psutil reads /proc/stat, meminfo, diskstats and net/dev; the per-node meminfo and PSI
+# files are read here whole (limit None). Errors (OSError, or psutil's ValueError,
+# IndexError or AssertionError on a file it cannot parse) are caught per part.
+_PSUTIL_ROOT = threading.Lock()  # psutil.PROCFS_PATH is one global for the process
 
 
-def parse_proc_stat(text: str) -> dict[int, tuple[int, int, int]]:
-    """cpu id -> (total, idle, iowait) jiffies from the ``cpuN`` lines of /proc/stat."""
-    out: dict[int, tuple[int, int, int]] = {}
-    for line in text.splitlines():
-        if not line.startswith("cpu") or line.startswith("cpu "):
-            continue
-        parts = line.split()
-        # user nice system idle iowait irq softirq steal (guest* are already in user/nice)
-        vals = [int(v) for v in parts[1:9]]
-        out[int(parts[0][3:])] = (sum(vals), vals[3], vals[4])
-    return out
+@contextlib.contextmanager
+def _psutil_root(proc: Path) -> Iterator[None]:
+    """psutil reads ``proc`` (its PROCFS_PATH) inside the block, /proc after it."""
+    with _PSUTIL_ROOT:
+        old = psutil.PROCFS_PATH
+        psutil.PROCFS_PATH = str(proc)
+        try:
+            yield
+        finally:
+            psutil.PROCFS_PATH = old
+
+
+def _ticks(seconds: float) -> int:
+    """psutil gives CPU times as seconds (clock ticks / CLK_TCK): back to exact ticks."""
+    return round(seconds * CLK_TCK)
 
 
 def parse_node_meminfo(text: str) -> dict[str, int]:
@@ -66,30 +82,6 @@ def parse_psi(text: str) -> dict[str, float]:
     return out
 
 
-def parse_diskstats(text: str) -> dict[str, tuple[int, int, int, int, int]]:
-    """device -> (reads, sectors read, writes, sectors written, io ms) from /proc/diskstats."""
-    out: dict[str, tuple[int, int, int, int, int]] = {}
-    for line in text.splitlines():
-        p = line.split()
-        if len(p) < 14:
-            continue
-        out[p[2]] = (int(p[3]), int(p[5]), int(p[7]), int(p[9]), int(p[12]))
-    return out
-
-
-def parse_net_dev(text: str) -> dict[str, tuple[int, ...]]:
-    """interface -> (rx bytes, rx packets, rx errs, rx drop, tx bytes, tx packets, tx errs,
-    tx drop) from /proc/net/dev."""
-    out: dict[str, tuple[int, ...]] = {}
-    for line in text.splitlines()[2:]:
-        name, sep, rest = line.partition(":")
-        if not sep:
-            continue
-        v = [int(x) for x in rest.split()]
-        out[name.strip()] = (v[0], v[1], v[2], v[3], v[8], v[9], v[10], v[11])
-    return out
-
-
 class HostSampler:
     """Samples the host; keeps the previous counters to turn them into rates."""
 
@@ -98,6 +90,8 @@ class HostSampler:
         self.sys = Path(sys_root)
         self.node_cpus = self._read_node_cpus()
         self._prev_t: float | None = None
+        self._online: list[int] = []  # ids of psutil's per-CPU rows (see _cpu_ids)
+        self._diskstats = str(self.proc / "diskstats")
         self._prev_stat: dict[int, tuple[int, int, int]] = {}
         self._prev_disk: dict[str, tuple[int, int, int, int, int]] = {}
         self._prev_net: dict[str, tuple[int, ...]] = {}
@@ -126,14 +120,38 @@ class HostSampler:
         for name, fn in parts:
             try:
                 fn(out, dt)
-            except (OSError, ValueError, IndexError) as err:
+            except (OSError, ValueError, IndexError, AssertionError) as err:
                 out["unavailable"][name] = f"{type(err).__name__}: {err}"
         self._prev_t = now
         return out
 
     # -- parts ---------------------------------------------------------------
+    def _cpu_ids(self, n: int) -> list[int]:
+        """The ids of psutil's per-CPU rows (they are in /proc/stat's order, online CPUs
+        only): the online list where it has as many, else 0..n-1. Read again only when
+        the number of rows changes (a CPU went on- or offline)."""
+        if len(self._online) != n:
+            try:
+                online = sorted(parse_cpulist(read_text(self.sys / "devices/system/cpu/online")))
+            except (OSError, CpuListError):
+                online = []
+            self._online = online if len(online) == n else list(range(n))
+        return self._online
+
+    def _proc_stat(self) -> dict[int, tuple[int, int, int]]:
+        """cpu id -> (total, idle, iowait) clock ticks, from psutil.cpu_times(percpu=True)."""
+        with _psutil_root(self.proc):
+            rows = psutil.cpu_times(percpu=True)
+        out: dict[int, tuple[int, int, int]] = {}
+        for cpu, t in zip(self._cpu_ids(len(rows)), rows, strict=True):
+            # user nice system idle iowait irq softirq steal (guest* are in user/nice)
+            vals = [_ticks(getattr(t, f, 0.0)) for f in (
+                "user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")]
+            out[cpu] = (sum(vals), vals[3], vals[4])
+        return out
+
     def _cpu(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_proc_stat(read_text(self.proc / "stat", None))
+        cur = self._proc_stat()
         prev, self._prev_stat = self._prev_stat, cur
         cpus: list[dict[str, Any]] = []
         agg: dict[int, list[int]] = {}  # cpu -> [dtotal, dbusy, diowait]
@@ -159,6 +177,10 @@ class HostSampler:
                        for n, ids in self.node_cpus.items()]
 
     def _memory(self, out: dict[str, Any], dt: float | None) -> None:
+        with _psutil_root(self.proc):
+            vm = psutil.virtual_memory()
+        out["memory"] = {"total_bytes": vm.total, "available_bytes": vm.available,
+                         "used_bytes": vm.used, "free_bytes": vm.free}
         base = self.sys / "devices/system/node"
         nodes = out.setdefault("numa", [{"node": n} for n in self.node_cpus])
         if not nodes:
@@ -182,20 +204,25 @@ class HostSampler:
             out["unavailable"]["pressure"] = "; ".join(errors)
 
     def _disks(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_diskstats(read_text(self.proc / "diskstats", None))
+        if not os.path.exists(self._diskstats):  # psutil would read the real /sys/block
+            raise FileNotFoundError(2, "No such file or directory", self._diskstats)
+        with _psutil_root(self.proc):
+            counters = psutil.disk_io_counters(perdisk=True, nowrap=False) or {}
+        # (reads, bytes read, writes, bytes written, io ms), as parse_diskstats has them
+        cur = {dev: (c.read_count, c.read_bytes, c.write_count, c.write_bytes,
+                     getattr(c, "busy_time", 0)) for dev, c in counters.items()}
         try:  # whole disks only: partitions are summed into their disk by the kernel
             whole = set(os.listdir(self.sys / "block"))
         except OSError:
             whole = set(cur)
         prev, self._prev_disk = self._prev_disk, cur
         disks = []
-        for dev, (rd, rsec, wr, wsec, io_ms) in sorted(cur.items()):
+        for dev, (rd, rbytes, wr, wbytes, io_ms) in sorted(cur.items()):
             if dev.startswith(_SKIP_DISK_PREFIXES) or dev.replace("/", "!") not in whole:
                 continue
             d: dict[str, Any] = {
                 "device": dev, "reads_total": rd, "writes_total": wr,
-                "read_bytes_total": rsec * SECTOR_BYTES,
-                "written_bytes_total": wsec * SECTOR_BYTES,
+                "read_bytes_total": rbytes, "written_bytes_total": wbytes,
                 "io_time_seconds_total": io_ms / 1000.0,
                 "busy_ratio": None, "read_bytes_per_second": None,
                 "write_bytes_per_second": None,
@@ -203,13 +230,18 @@ class HostSampler:
             p = prev.get(dev)
             if p is not None and dt is not None:
                 d["busy_ratio"] = min(1.0, max(0.0, (io_ms - p[4]) / 1000.0 / dt))
-                d["read_bytes_per_second"] = (rsec - p[1]) * SECTOR_BYTES / dt
-                d["write_bytes_per_second"] = (wsec - p[3]) * SECTOR_BYTES / dt
+                d["read_bytes_per_second"] = max(0, rbytes - p[1]) / dt
+                d["write_bytes_per_second"] = max(0, wbytes - p[3]) / dt
             disks.append(d)
         out["disks"] = disks
 
     def _net(self, out: dict[str, Any], dt: float | None) -> None:
-        cur = parse_net_dev(read_text(self.proc / "net/dev", None))
+        with _psutil_root(self.proc):
+            counters = psutil.net_io_counters(pernic=True, nowrap=False)
+        # (rx bytes, rx packets, rx errs, rx drop, tx bytes, tx packets, tx errs, tx drop)
+        cur: dict[str, tuple[int, ...]] = {
+            name: (c.bytes_recv, c.packets_recv, c.errin, c.dropin, c.bytes_sent,
+                   c.packets_sent, c.errout, c.dropout) for name, c in counters.items()}
         prev, self._prev_net = self._prev_net, cur
         nics = []
         for name, v in sorted(cur.items()):

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -190,11 +190,29 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         log.debug("metrics: request from %s failed: %s", client_address, sys.exc_info()[1])
 
 
-def serve_metrics(host: str, port: int, registry: Any) -> tuple[MetricsServer, threading.Thread]:
+def with_health(app: Any, health: Callable[[], tuple[bool, str]]) -> Any:
+    """``app`` plus ``GET /healthz``: 200 and "ok" while ``health()`` says so, else 503
+    and the reason (the DaemonSet's liveness and readiness probes ask it)."""
+
+    def wrapped(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO") != "/healthz":
+            return app(environ, start_response)
+        ok, text = health()
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8")])
+        return [(text + "\n").encode()]
+
+    return wrapped
+
+
+def serve_metrics(host: str, port: int, registry: Any,
+                  health: Callable[[], tuple[bool, str]] | None = None,
+                  ) -> tuple[MetricsServer, threading.Thread]:
     """Start the server in a daemon thread (what ``start_http_server`` returns, bounded)."""
     from prometheus_client import make_wsgi_app
 
-    server = MetricsServer((host, port), make_wsgi_app(registry))
+    app = make_wsgi_app(registry)
+    server = MetricsServer((host, port), app if health is None else with_health(app, health))
     thread = threading.Thread(target=server.serve_forever, name="tunerd-metrics",
                               daemon=True)
     thread.start()

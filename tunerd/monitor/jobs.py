@@ -71,6 +71,11 @@ def _parse_cached(text: str) -> frozenset[int]:
 
 
 MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoader workers)
+# Jobs read per cycle, at most: beyond that they take turns and the others keep their
+# last sample, so the sampler's cost stays flat however many processes are bound
+# (620 bound sleeps cost 41-58 ms/s of daemon CPU when every job was read every
+# second; issue 15). A new job is read at once, the others round-robin.
+JOBS_PER_CYCLE = 24
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 
 
@@ -84,14 +89,16 @@ class _JobState:
     runnable: int | None = None
     uid: int | None = None
     ctx: tuple[int, int] | None = None
-    slow_at: int = -1
-    slow_count: int = 0  # slow cycles so far (numa_maps on every NUMA_EVERY-th)
+    slow_at: int = -1  # ``reads`` at the last slow read
+    slow_count: int = 0  # slow reads so far (numa_maps on every NUMA_EVERY-th)
+    reads: int = 0  # reads of this job so far (one per cycle, or per turn)
     workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
 
 
 class JobSampler:
     def __init__(self, proc_root: Path | str = PROC, slow_every: int = 10,
-                 node_cpus: dict[int, frozenset[int]] | None = None) -> None:
+                 node_cpus: dict[int, frozenset[int]] | None = None,
+                 jobs_per_cycle: int = JOBS_PER_CYCLE) -> None:
         self.proc = str(proc_root)
         # NUMA node -> its CPUs: a job bound without --mems counts as local the nodes of
         # its CPUs (the kernel allocates there first under the default policy)
@@ -99,6 +106,30 @@ class JobSampler:
         self.slow_every = max(1, slow_every)
         self._state: dict[tuple[Any, Any], _JobState] = {}
         self._cycle = 0
+        self.jobs_per_cycle = max(1, jobs_per_cycle)
+        self._last: dict[tuple[Any, Any], dict[str, Any]] = {}  # the last sample per job
+        self._turn = 0  # round-robin position among the jobs read before
+
+    def _pick(self, records: list[dict[str, Any]]) -> set[int]:
+        """Indexes of the records to read this cycle: all of them up to the budget;
+        beyond it, every job not read yet and the next ``jobs_per_cycle`` of the
+        others in turn."""
+        n = len(records)
+        if n <= self.jobs_per_cycle:
+            return set(range(n))
+        pick = {i for i, r in enumerate(records)
+                if (r.get("pid"), r.get("start_time")) not in self._last}
+        start = self._turn % n
+        i, taken = start, 0
+        while taken < self.jobs_per_cycle:
+            if i not in pick:
+                pick.add(i)
+                taken += 1
+            i = (i + 1) % n
+            if i == start:
+                break
+        self._turn = i
+        return pick
 
     def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
                host: dict[str, Any] | None = None,
@@ -123,22 +154,35 @@ class JobSampler:
         now = time.time()
         out = []
         seen = set()
-        for rec in records:
-            try:
-                s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
-            except NoSuchProcess:
-                continue  # exited between the registry's snapshot and this read
-            except (TunerdError, ValueError, TypeError, KeyError) as err:
-                msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
-                s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
+        pick = self._pick(records)
+        for i, rec in enumerate(records):
+            key = (rec.get("pid"), rec.get("start_time"))
+            last = self._last.get(key)
+            if i not in pick and last is not None:
+                # not its turn: its last sample, the same dict (a copy of 620 of them
+                # each cycle was a third of the sampler's time; only ``torch`` changes)
+                s: dict[str, Any] | None = last
+            else:
+                try:
+                    s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
+                except NoSuchProcess:
+                    continue  # exited between the registry's snapshot and this read
+                except (TunerdError, ValueError, TypeError, KeyError) as err:
+                    msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
+                    s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
+                if s is not None:
+                    self._last[key] = s
             if s is not None:
                 if "error" not in s:
                     s["torch"] = self._torch(s, reports, now)
                 out.append(s)
-                seen.add((rec.get("pid"), rec.get("start_time")))
+                seen.add(key)
         for key in list(self._state):
             if key not in seen:
                 del self._state[key]
+        for key in list(self._last):
+            if key not in seen:
+                del self._last[key]
         return out
 
     @staticmethod
@@ -177,15 +221,16 @@ class JobSampler:
         if prev is not None:
             cur.numa, cur.runnable = prev.numa, prev.runnable
             cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
-            cur.slow_count = prev.slow_count
+            cur.slow_count, cur.reads = prev.slow_count, prev.reads + 1
         cpus = _cpuset(rec.get("cpus"))
         mems = _cpuset(rec.get("mems")) or frozenset(
             n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
-        if prev is None or self._cycle - cur.slow_at >= self.slow_every:
+        if prev is None or cur.reads - cur.slow_at >= self.slow_every:
             # jobs bound together would all take their costly reads in the same cycle;
             # offsetting by pid spreads them over the slow period (the first read is
-            # still immediate)
-            cur.slow_at = self._cycle - (pid % self.slow_every if prev is None else 0)
+            # still immediate). Counted in reads of this job, not cycles: a job read
+            # in turn (more than JOBS_PER_CYCLE bound) is not read slowly every time.
+            cur.slow_at = cur.reads - (pid % self.slow_every if prev is None else 0)
             if len(self.node_cpus) > 1:
                 # numa_maps walks the page tables of the whole process (1-2 ms for a
                 # 32 MiB job, far more for a training job): only where there is more

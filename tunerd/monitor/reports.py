@@ -14,6 +14,7 @@ changed after that, only replaced by the next one.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ class Report:
     rank: int | None = None
     local_rank: int | None = None
     local_world_size: int | None = None
+    job: str | None = None  # the training job across nodes (tunerd.torch: job_id())
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "step_time_s": self.step_time_s,
@@ -49,7 +51,7 @@ class Report:
                 "memory": dict(self.memory or {}), "workers": list(self.workers),
                 "num_workers": self.num_workers, "rank": self.rank,
                 "local_rank": self.local_rank, "local_world_size": self.local_world_size,
-                "time": self.time}
+                "job": self.job, "time": self.time}
 
 
 def _num(args: dict[str, Any], key: str, kind: type, lo: float = 0.0,
@@ -66,6 +68,20 @@ def _num(args: dict[str, Any], key: str, kind: type, lo: float = 0.0,
             raise UsageError(f"report: {key!r} must be an integer, got {v!r}")
         return int(v)
     return float(v)
+
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,63}")
+
+
+def _job_id(v: Any) -> str | None:
+    """A job id becomes a Prometheus label: short, and only characters that need no
+    escaping anywhere (exposition, PromQL, dashboards, terminals)."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _JOB_ID.fullmatch(v):
+        raise UsageError(f"report: 'job' must be 1-64 characters of A-Z a-z 0-9 _ . : @ / + = -"
+                         f" starting with a letter or digit, got {str(v)[:80]!r}")
+    return v
 
 
 def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None) -> Report:
@@ -93,7 +109,8 @@ def parse_report(args: dict[str, Any], *, pid: int, start_time: int | None) -> R
                   num_workers=_num(args, "num_workers", int, hi=MAX_WORKERS),
                   rank=_num(args, "rank", int, hi=1 << 30),
                   local_rank=_num(args, "local_rank", int, hi=1 << 20),
-                  local_world_size=_num(args, "local_world_size", int, hi=1 << 20))
+                  local_world_size=_num(args, "local_world_size", int, hi=1 << 20),
+                  job=_job_id(args.get("job")))
 
 
 class ReportStore:
@@ -107,6 +124,12 @@ class ReportStore:
                 oldest = min(self._by_pid.values(), key=lambda r: r.time)
                 del self._by_pid[oldest.pid]
         self._by_pid[report.pid] = report
+
+    def drop(self, gone: dict[int, Report]) -> None:
+        """Forget the reports of processes that ended (unless a newer one came since)."""
+        for pid, rep in gone.items():
+            if self._by_pid.get(pid) is rep:
+                del self._by_pid[pid]
 
     def expire(self, now: float | None = None) -> None:
         now = time.time() if now is None else now

@@ -2,7 +2,7 @@
 
 Where the sampling runs, and why: a cycle is a few dozen reads of small procfs
 files (well under a millisecond of CPU) plus NVML calls, but
-``nvmlDeviceGetPcieThroughput`` sleeps ~20 ms per GPU inside the driver and
+NVML's PCIe throughput query sleeps ~20 ms per GPU inside the driver and
 numa_maps of a large process walks its page tables. So each cycle runs in ONE
 dedicated executor thread — the loop is never blocked and the samplers' own
 state (previous counters) is only ever touched by that thread. The job list is
@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tunerd.monitor.facts import MAX_RANKS, FleetFacts
 from tunerd.monitor.gpu import GpuSampler
 from tunerd.monitor.history import History
 from tunerd.monitor.host import HostSampler
@@ -55,18 +56,56 @@ class MonitorSettings:
     metrics_listen: str = "127.0.0.1:9464"  # or "off"
 
 
+def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
+                ) -> tuple[list[dict[str, Any]], dict[int, Report]]:
+    """Step time and throughput per rank from the StepReporter's reports (at most
+    MAX_RANKS, the newest), and the reports of processes that ended (to forget)."""
+    from tunerd import procfs
+    from tunerd.errors import TunerdError
+
+    bound = {int(r["pid"]) for r in records if "pid" in r}
+    ended: dict[int, Report] = {}
+    live: list[Report] = []
+    for pid, rep in reports.items():
+        try:
+            alive = procfs.Process(pid).stat().start_time == rep.start_time \
+                or rep.start_time is None
+        except TunerdError:
+            alive = False
+        if not alive:
+            ended[pid] = rep
+        elif rep.step_time_s is not None or rep.samples_per_s is not None:
+            live.append(rep)
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for rep in sorted(live, key=lambda r: -r.time):
+        key = (rep.job or "", str(rep.rank) if rep.rank is not None else f"pid{rep.pid}")
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"job": key[0], "rank": key[1], "pid": rep.pid,
+                    "step_time_s": rep.step_time_s, "samples_per_s": rep.samples_per_s,
+                    "bound": rep.pid in bound})
+        if len(out) >= MAX_RANKS:
+            break
+    return out, ended
+
+
 class Monitor:
     name = "monitor"
 
     def __init__(self, settings: MonitorSettings, jobs: BoundJobs, errors: ErrorSink, *,
                  reports: ReportStore | None = None,
-                 daemon_facts: Callable[[], Mapping[str, float | None]] | None = None) -> None:
+                 daemon_facts: Callable[[], Mapping[str, float | None]] | None = None,
+                 fleet: FleetFacts | None = None) -> None:
         self.settings = settings
         self.bound = jobs
         self.errors = errors
         self.reports = reports if reports is not None else ReportStore()
         # daemon-level numbers for the metrics (policy ok, rule failures, drift, ...)
         self.daemon_facts = daemon_facts or (lambda: {})
+        # node class, versions, policy hash, NICs, nccl.conf: what the fleet compares
+        self.fleet = fleet if fleet is not None else FleetFacts()
         self.interval = settings.interval
         self.listen: tuple[str, int] | None = None
         self.gpu = GpuSampler()
@@ -77,6 +116,7 @@ class Monitor:
         self.history = History(settings.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
+        self.last_cycle_at = time.monotonic()  # GET /healthz: the loop still samples
         self.sample_cpu_seconds_total = 0.0
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
@@ -115,7 +155,8 @@ class Monitor:
         from tunerd.monitor.http import serve_metrics
 
         try:
-            self._http, _thread = serve_metrics(host, port, self.registry)
+            self._http, _thread = serve_metrics(host, port, self.registry,
+                                               health=self.health)
         except OSError as err:
             # monitoring is not worth refusing to tune the node for: report and go on
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
@@ -126,6 +167,15 @@ class Monitor:
         self.metrics_address = (f"[{host}]:{self.metrics_port}" if ":" in host
                                 else f"{host}:{self.metrics_port}")
         log.info("Prometheus metrics on http://%s/metrics", self.metrics_address)
+
+    def health(self) -> tuple[bool, str]:
+        """Whether the loop still runs: a sample finished within 10 intervals (30 s at
+        least). Asked from the HTTP thread (GET /healthz): reads one float."""
+        age = time.monotonic() - self.last_cycle_at
+        limit = max(30.0, 10 * self.interval)
+        if age > limit:
+            return False, f"no monitor sample for {age:.0f} s (limit {limit:.0f} s)"
+        return True, "ok"
 
     async def policy_changed(self) -> None:
         return None
@@ -167,7 +217,8 @@ class Monitor:
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
         try:
-            return [dict(r) for r in self.bound.jobs(live=False) if r.get("applied", True)]
+            # jobs() builds new dicts: no copy needed
+            return [r for r in self.bound.jobs(live=False) if r.get("applied", True)]
         except Exception as err:
             log.warning("cannot list bound jobs: %r", err)
             return []
@@ -177,8 +228,10 @@ class Monitor:
         loop = asyncio.get_running_loop()
         reports = self.reports.snapshot()
         sample = await loop.run_in_executor(self._pool, self.collect, records, reports)
+        ended = sample.pop("ended_reports", None) or {}
         # back on the loop: publish and remember
         self.latest = sample
+        self.last_cycle_at = time.monotonic()
         self.samples_total += 1
         self.sample_cpu_seconds_total += sample["cpu_seconds"]
         for name, st in sample["samplers"].items():
@@ -188,6 +241,7 @@ class Monitor:
                 s["errors"] += 1
                 s["last_error"] = st
         self.history.add(sample)
+        self.reports.drop(ended)
         return sample
 
     def collect(self, records: list[dict[str, Any]],
@@ -211,11 +265,14 @@ class Monitor:
             "processes": []})
         host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
         jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
+        ranks, ended = rank_sample(records, reports or {})
+        self.fleet.sample()
         return {
             "time": time.time(), "interval": self.interval,
             "duration_seconds": time.perf_counter() - wall0,
             "cpu_seconds": time.thread_time() - cpu0,
             "gpu": gpu, "host": host, "jobs": jobs, "samplers": failed,
+            "ranks": ranks, "ended_reports": ended,
         }
 
     # -- reporting -----------------------------------------------------------

@@ -34,7 +34,7 @@ __all__ = [
 
 def bundled_default() -> Path:
     """The daemon's fallback when the policy directory has no ``*.toml``."""
-    return BUNDLED_DIR / "default.toml"
+    return BUNDLED_DIR / "00-default.toml"
 
 
 def load_policy_dir(directory: Path | None, facts: NodeFacts) -> Policy:

@@ -22,6 +22,7 @@ from typing import Any
 from tunerd.policy.match import mismatch
 from tunerd.policy.merge import merge_content
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
+from tunerd.policy.provenance import Provenance, key_lines, render_key
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
@@ -61,6 +62,7 @@ class PolicyFile:
     extends: list[str]
     match: dict[str, Any] | None
     content: dict[str, Any]  # validated sections present in the file, plus "apply_once"
+    lines: dict[tuple[Any, ...], int] = field(default_factory=dict)  # key path -> line
 
 
 @dataclass
@@ -214,7 +216,8 @@ def read_policy_file(path: Path, text: str | None = None) -> FileReport:
     if policy.get("apply_once"):
         content["apply_once"] = policy["apply_once"]
     report.parsed = PolicyFile(path=path, name=report.name, extends=policy.get("extends", []),
-                               match=policy.get("match"), content=content)
+                               match=policy.get("match"), content=content,
+                               lines=key_lines(text))
     return report
 
 
@@ -334,6 +337,7 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
     sources: list[str] = []
     names: list[str] = []
     notes: list[dict[str, str]] = []
+    provenance = Provenance()
 
     def lookup(name: str) -> PolicyFile:
         f = by_name.get(name)
@@ -363,6 +367,7 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
                 notes.append({"file": str(f.path), "reason": f"job {j['name']!r} overrides a "
                               "rule that no policy applied on this node defines; ignored"})
         merged = merge_content(merged, content)
+        provenance.add(str(f.path), f.name, content, f.lines)
         sources.append(str(f.path))
         names.append(f.name)
 
@@ -372,13 +377,36 @@ def resolve(files: list[PolicyFile], facts: NodeFacts) -> Policy:
     not_applied = [f for f in files if f.name not in names]
     skipped = [{"file": str(f.path), "reason": mismatch(f.match, facts) or "not applied"}
                for f in not_applied]
-    warnings = []
+    warnings = bundled_override_warnings(provenance)
     if files and not names:
         warnings.append(no_match_warning(not_applied, facts))
     warnings += reach_warnings(merged.get("job", []))
     data = normalize(merged, names)
     return Policy(data=data, sources=sources, model=build_model(data, sources),
-                  skipped=skipped + notes, warnings=warnings)
+                  skipped=skipped + notes, warnings=warnings,
+                  provenance=provenance.to_dict())
+
+
+def is_bundled(name: str) -> bool:
+    """A policy that ships with tunerd (``base``, ``default``, ...), wherever it is installed."""
+    return name in _bundled_library()
+
+
+def bundled_override_warnings(provenance: Provenance) -> list[str]:
+    """A bundled policy that overrides, with another value, what a site file of the same
+    directory set: the site file sorts before it (``10-site.toml`` before ``base.toml``)
+    and loses silently. Bundled policies install as ``00-*.toml`` so that site files win."""
+    out = []
+    for key, old, new in provenance.overrides:
+        if (old.value == new.value or not is_bundled(new.policy) or is_bundled(old.policy)
+                or Path(old.file).parent != Path(new.file).parent):
+            continue
+        out.append(f"{new.where()}: bundled policy {new.policy!r} overrides "
+                   f"{render_key(key)} = {json.dumps(old.value)} of {old.where()} with "
+                   f"{json.dumps(new.value)}: {Path(new.file).name} sorts after "
+                   f"{Path(old.file).name}. Install the bundled policies under names that "
+                   f"sort first (00-{new.policy}.toml, as in policies/) so that site files win")
+    return out
 
 
 def _inline(match: dict[str, Any]) -> str:

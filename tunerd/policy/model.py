@@ -54,6 +54,8 @@ class Policy:
     model: PolicyModel
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
     warnings: list[str] = field(default_factory=list)
+    # effective key (``limits.nofile``) -> {"file", "line", "value", "policy", "overrode"}
+    provenance: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

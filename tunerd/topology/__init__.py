@@ -78,7 +78,7 @@ def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) 
             if best.cpus & g.local_cpus:
                 node = best.id
         # GPU memory as a NUMA node (Grace Hopper C2C) is a node without CPUs; drivers
-        # that answer nvmlDeviceGetNumaNodeId with the CPU node on x86 are not that
+        # that answer the NVML NUMA node id with the CPU node on x86 are not that
         mem_nodes = tuple(n for n in g.memory_numa_nodes
                           if n in nodes and not nodes[n].cpus and n != node)
         gpus[i] = replace(g, numa_node=node, memory_numa_nodes=mem_nodes)

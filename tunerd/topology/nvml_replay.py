@@ -1,67 +1,194 @@
-"""A replay of pynvml built from a topology snapshot — the one allowed fake.
+"""A GPU backend replaying a topology snapshot — the one allowed fake.
 
-Install it with ``tunerd.nvml.set_backend(ReplayNvml(topo))`` to run the real
-NVML reading code (tunerd.topology.gpu, monitors) on a recorded node. It answers
-only what a snapshot records; every other function is absent, so ``nvml.call``
-reports it "not available" exactly as for an old driver.
+``tunerd.nvml.set_backend(ReplayNvml(topo))`` runs the real GPU reading code
+(tunerd.topology.gpu, the placement code) on a recorded node. It implements the same
+interface as the real library (``tunerd.nvml.Backend`` / ``Device``) and answers only
+what a snapshot records (identity, memory size, locality, NVLink, MIG, PCIe levels);
+every other reading is ``NA``, exactly as on a driver that does not support it.
+
+Given a telemetry recording too (tests/fixtures/nvml/*.json, as
+tests/fixtures/nvml/record_telemetry.py writes them), it also answers the driver and
+CUDA versions and, where the recording has them, each GPU's utilization, power,
+temperature, clocks, throttle reasons and PCIe link (GPU i of the snapshot reads GPU
+i mod n of the recording).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from tunerd import nvml
+from tunerd.nvml import NA, MemoryInfo, NaOr
 from tunerd.topology.model import Gpu, Topology
 
-__all__ = ["ReplayError", "ReplayNvml"]
+__all__ = ["ReplayDevice", "ReplayNvml"]
 
 _LEVEL = {"PIX": 10, "PXB": 20, "PHB": 30, "NODE": 40, "SYS": 50}
 
 
-class ReplayError(Exception):
-    """What the replay raises where real NVML raises NVMLError (not supported, bad index)."""
+class ReplayDevice(nvml.Device):
+    """One GPU of a snapshot (or one of its MIG slices, ``mig`` = slot)."""
+
+    def __init__(self, replay: ReplayNvml, gpu: Gpu, mig: int | None = None,
+                 parent: nvml.Device | None = None) -> None:
+        super().__init__(gpu.index if mig is None else mig, parent)
+        self.replay = replay
+        self.gpu = gpu
+        self.mig = mig
+
+    def _tel(self, key: str) -> Any:
+        """A recorded reading of this GPU (None: not recorded, or a MIG slice)."""
+        rec = self.replay.telemetry_gpus
+        if self.mig is not None or not rec:
+            return None
+        return rec[self.gpu.index % len(rec)].get(key)
+
+    def _tel_int(self, key: str) -> NaOr[int]:
+        v = self._tel(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else NA
+
+    @property
+    def utilization(self) -> nvml.Utilization:
+        u = self._tel("utilization")
+        if not isinstance(u, dict):
+            return nvml.Utilization(NA, NA)
+        g, m = u.get("gpu"), u.get("memory")
+        return nvml.Utilization(g if isinstance(g, int) else NA, m if isinstance(m, int) else NA)
+
+    @property
+    def power_usage_mw(self) -> NaOr[int]:
+        return self._tel_int("power_mw")
+
+    @property
+    def enforced_power_limit_mw(self) -> NaOr[int]:
+        return self._tel_int("power_limit_mw")
+
+    @property
+    def temperature_c(self) -> NaOr[int]:
+        return self._tel_int("temperature")
+
+    @property
+    def sm_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("sm_clock_mhz")
+
+    @property
+    def memory_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("mem_clock_mhz")
+
+    @property
+    def graphics_clock_mhz(self) -> NaOr[int]:
+        return self._tel_int("graphics_clock_mhz")
+
+    @property
+    def clocks_event_reasons(self) -> NaOr[int]:
+        return self._tel_int("clocks_event_reasons")
+
+    @property
+    def pcie_link_gen(self) -> NaOr[int]:
+        return self._tel_int("pcie_link_gen")
+
+    @property
+    def pcie_link_width(self) -> NaOr[int]:
+        return self._tel_int("pcie_link_width")
+
+    def _mig_rec(self) -> dict[str, Any]:
+        return dict(self.gpu.mig_devices[self.mig]) if self.mig is not None else {}
+
+    @property
+    def uuid(self) -> NaOr[str]:
+        if self.mig is not None:
+            return str(self._mig_rec().get("uuid") or "") or NA
+        return self.gpu.uuid or NA
+
+    @property
+    def name(self) -> NaOr[str]:
+        return self.gpu.model or NA
+
+    @property
+    def pci_bus_id(self) -> NaOr[str]:
+        return self.gpu.pci_bus_id or NA
+
+    @property
+    def memory_info(self) -> MemoryInfo:
+        total = (int(self._mig_rec().get("memory_total_bytes") or 0) if self.mig is not None
+                 else self.gpu.memory_total_bytes)
+        return MemoryInfo(total, 0, total)  # a snapshot records no load: nothing in use
+
+    def cpu_affinity(self, ncpus: int) -> NaOr[frozenset[int]]:
+        words = max(1, (ncpus + 63) // 64)  # what NVML's 64-bit mask array can hold
+        return frozenset(c for c in self.gpu.local_cpus if c < words * 64)
+
+    @property
+    def numa_node_id(self) -> NaOr[int]:
+        return self.gpu.memory_numa_nodes[0] if self.gpu.memory_numa_nodes else NA
+
+    def common_ancestor(self, other: nvml.Device) -> NaOr[int]:
+        if not isinstance(other, ReplayDevice):
+            return NA
+        a, b = self.gpu, other.gpu
+        link = self.replay.topo.link(a.index, b.index)
+        kind = link.pcie if link and link.pcie else (link.kind if link else None)
+        if kind in _LEVEL:
+            return _LEVEL[kind]
+        return 40 if a.numa_node == b.numa_node else 50
+
+    def _end(self, link: int) -> NaOr[tuple[str, str]]:
+        ends = self.replay.nvlink_ends[self.gpu.index] if self.mig is None else []
+        return ends[link] if 0 <= link < len(ends) else NA
+
+    def nvlink_active(self, link: int) -> NaOr[bool]:
+        return NA if self._end(link) is NA else True
+
+    def nvlink_remote_device_type(self, link: int) -> NaOr[int]:
+        end = self._end(link)
+        if isinstance(end, tuple):
+            return nvml.NVLINK_DEVICE_TYPE_SWITCH if end[0] == "switch" else 0
+        return NA
+
+    def nvlink_remote_bus_id(self, link: int) -> NaOr[str]:
+        end = self._end(link)
+        return end[1] if isinstance(end, tuple) else NA
+
+    @property
+    def mig_mode(self) -> NaOr[int]:
+        return int(self.gpu.mig_enabled) if self.mig is None else NA
+
+    def mig_devices(self) -> list[nvml.Device]:
+        if self.mig is not None or not self.gpu.mig_enabled:
+            return []
+        return [ReplayDevice(self.replay, self.gpu, i, parent=self)
+                for i in range(len(self.gpu.mig_devices))]
+
+    @property
+    def gpu_instance_id(self) -> NaOr[int]:
+        v = self._mig_rec().get("gpu_instance_id")
+        return v if isinstance(v, int) else NA
+
+    @property
+    def compute_instance_id(self) -> NaOr[int]:
+        v = self._mig_rec().get("compute_instance_id")
+        return v if isinstance(v, int) else NA
 
 
-@dataclass(frozen=True)
-class _Handle:
-    gpu: int
-    mig: int | None = None
+class ReplayNvml(nvml.Backend):
+    """The GPUs of a topology snapshot (and a telemetry recording's readings, when given).
+    ``device_class`` lets a test answer more."""
 
+    device_class: type[ReplayDevice] = ReplayDevice
 
-@dataclass(frozen=True)
-class _PciInfo:
-    busId: bytes
-
-
-@dataclass(frozen=True)
-class _Memory:
-    total: int
-    free: int
-    used: int
-
-
-def _nvml_bus_id(sysfs_id: str) -> bytes:
-    """``0000:18:00.0`` -> NVML's ``00000000:18:00.0`` (upper case, 8-digit domain)."""
-    dom, _, rest = sysfs_id.partition(":")
-    try:
-        return f"{int(dom, 16):08X}:{rest.upper()}".encode()
-    except ValueError:
-        return sysfs_id.encode()
-
-
-class ReplayNvml:
-    NVML_NVLINK_MAX_LINKS = 18
-    NVML_FEATURE_ENABLED = 1
-
-    def __init__(self, topo: Topology) -> None:
+    def __init__(self, topo: Topology, telemetry: dict[str, Any] | None = None) -> None:
         self.topo = topo
-        self._gpus: list[Gpu] = list(topo.gpus)
+        self.telemetry = telemetry or {}
+        gpus_rec = self.telemetry.get("gpus")
+        self.telemetry_gpus: list[dict[str, Any]] = [
+            g for g in gpus_rec if isinstance(g, dict)] if isinstance(gpus_rec, list) else []
+        gpus = list(topo.gpus)
         # per GPU the remote end of each NVLink: ("switch", fake bus) or ("gpu", bus id)
-        self._nvlinks: list[list[tuple[str, str]]] = []
-        for g in self._gpus:
+        self.nvlink_ends: dict[int, list[tuple[str, str]]] = {}
+        for g in gpus:
             ends: list[tuple[str, str]] = [
                 ("switch", f"0000:{0xA0 + s % 4:02x}:00.0") for s in range(g.nvswitch_links)]
-            for peer in self._gpus:
+            for peer in gpus:
                 if peer.index == g.index:
                     continue
                 link = topo.link(g.index, peer.index)
@@ -70,99 +197,23 @@ class ReplayNvml:
                 via_switch = (min(g.nvswitch_links, peer.nvswitch_links)
                               if g.nvswitch_links and peer.nvswitch_links else 0)
                 ends += [("gpu", peer.pci_bus_id)] * max(0, link.nvlinks - via_switch)
-            self._nvlinks.append(ends)
+            self.nvlink_ends[g.index] = ends
+        self._devices: list[nvml.Device] = [self.device_class(self, g) for g in gpus]
 
-    # -- device enumeration ---------------------------------------------------
-    def nvmlInit(self) -> None:
-        return None
+    def devices(self) -> list[nvml.Device]:
+        return list(self._devices)
 
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self._gpus)
+    @property
+    def driver_version(self) -> NaOr[str]:
+        v = self.telemetry.get("driver_version")
+        return str(v) if v else NA
 
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> _Handle:
-        if not 0 <= i < len(self._gpus):
-            raise ReplayError(f"NVML_ERROR_INVALID_ARGUMENT: no GPU {i}")
-        return _Handle(i)
+    @property
+    def nvml_version(self) -> NaOr[str]:
+        v = self.telemetry.get("nvml_version")
+        return str(v) if v else NA
 
-    def _gpu(self, h: _Handle) -> Gpu:
-        return self._gpus[h.gpu]
-
-    def _mig(self, h: _Handle) -> dict[str, Any]:
-        if h.mig is None:
-            raise ReplayError("NVML_ERROR_INVALID_ARGUMENT: not a MIG device")
-        return dict(self._gpu(h).mig_devices[h.mig])
-
-    def nvmlDeviceGetUUID(self, h: _Handle) -> str:
-        if h.mig is not None:
-            return str(self._mig(h).get("uuid", ""))
-        return self._gpu(h).uuid
-
-    def nvmlDeviceGetName(self, h: _Handle) -> str:
-        return self._gpu(h).model
-
-    def nvmlDeviceGetPciInfo_v3(self, h: _Handle) -> _PciInfo:
-        return _PciInfo(_nvml_bus_id(self._gpu(h).pci_bus_id))
-
-    def nvmlDeviceGetMemoryInfo(self, h: _Handle) -> _Memory:
-        total = (int(self._mig(h).get("memory_total_bytes", 0)) if h.mig is not None
-                 else self._gpu(h).memory_total_bytes)
-        return _Memory(total=total, free=total, used=0)
-
-    def nvmlDeviceGetCpuAffinity(self, h: _Handle, words: int) -> list[int]:
-        masks = [0] * words
-        for c in self._gpu(h).local_cpus:
-            if c // 64 < words:
-                masks[c // 64] |= 1 << (c % 64)
-        return masks
-
-    def nvmlDeviceGetNumaNodeId(self, h: _Handle) -> int:
-        g = self._gpu(h)
-        if g.memory_numa_nodes:
-            return g.memory_numa_nodes[0]
-        raise ReplayError("NVML_ERROR_NOT_SUPPORTED")
-
-    # -- MIG -------------------------------------------------------------------
-    def nvmlDeviceGetMigMode(self, h: _Handle) -> tuple[int, int]:
-        m = int(self._gpu(h).mig_enabled)
-        return (m, m)
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, h: _Handle) -> int:
-        return 7 if self._gpu(h).mig_enabled else 0
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _Handle, i: int) -> _Handle:
-        if not 0 <= i < len(self._gpu(h).mig_devices):
-            raise ReplayError("NVML_ERROR_NOT_FOUND")
-        return _Handle(h.gpu, i)
-
-    def nvmlDeviceGetGpuInstanceId(self, h: _Handle) -> Any:
-        return self._mig(h).get("gpu_instance_id")
-
-    def nvmlDeviceGetComputeInstanceId(self, h: _Handle) -> Any:
-        return self._mig(h).get("compute_instance_id")
-
-    # -- links -----------------------------------------------------------------
-    def _end(self, h: _Handle, link: int) -> tuple[str, str]:
-        ends = self._nvlinks[h.gpu]
-        if not ends:
-            raise ReplayError("NVML_ERROR_NOT_SUPPORTED")
-        if not 0 <= link < len(ends):
-            raise ReplayError("NVML_ERROR_INVALID_ARGUMENT")
-        return ends[link]
-
-    def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
-        self._end(h, link)
-        return 1
-
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: _Handle, link: int) -> int:
-        return 2 if self._end(h, link)[0] == "switch" else 0
-
-    def nvmlDeviceGetNvLinkRemotePciInfo_v2(self, h: _Handle, link: int) -> _PciInfo:
-        return _PciInfo(_nvml_bus_id(self._end(h, link)[1]))
-
-    def nvmlDeviceGetTopologyCommonAncestor(self, h1: _Handle, h2: _Handle) -> int:
-        a, b = self._gpu(h1), self._gpu(h2)
-        link = self.topo.link(a.index, b.index)
-        kind = link.pcie if link and link.pcie else (link.kind if link else None)
-        if kind in _LEVEL:
-            return _LEVEL[kind]
-        return 40 if a.numa_node == b.numa_node else 50
+    @property
+    def cuda_driver_version(self) -> NaOr[int]:
+        v = self.telemetry.get("cuda_driver_version")
+        return v if isinstance(v, int) and not isinstance(v, bool) else NA

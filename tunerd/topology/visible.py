@@ -9,7 +9,7 @@ In order of trust:
    UUIDs; indices are taken in PCI bus order, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
    which is also NVML's and nvidia-smi's order);
 3. NVML: the GPUs whose compute-process list has the PID
-   (``nvmlDeviceGetComputeRunningProcesses``; ``nvidia-smi --query-compute-apps``).
+   (``Device.compute_processes()`` of tunerd.nvml; ``nvidia-smi --query-compute-apps``).
 """
 
 from __future__ import annotations
@@ -94,14 +94,9 @@ def gpus_from_nvml(pid: int) -> tuple[int, ...]:
 
     if not nvml.available():
         return ()
-    count = nvml.call("nvmlDeviceGetCount", default=0)
     found: list[int] = []
-    for i in range(int(count or 0)):
-        h = nvml.call("nvmlDeviceGetHandleByIndex", i)
-        if not h:
-            continue
-        procs = nvml.call("nvmlDeviceGetComputeRunningProcesses_v3|"
-                          "nvmlDeviceGetComputeRunningProcesses", h, default=[]) or []
-        if any(getattr(p, "pid", None) == pid for p in procs):
-            found.append(i)
+    for dev in nvml.devices():
+        procs = dev.compute_processes()
+        if procs is not nvml.NA and any(p.pid == pid for p in procs):
+            found.append(dev.index)
     return tuple(found)

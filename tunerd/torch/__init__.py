@@ -37,6 +37,7 @@ from tunerd.torch.affinity import (
 from tunerd.torch.amp import Amp, cpu_has_native_bf16, maybe_compile
 from tunerd.torch.link import daemon_settings, dataloader_workers
 from tunerd.torch.loader import LoaderPlan, dataloader_kwargs, loader_plan
+from tunerd.torch.ncclenv import export_nccl_env
 from tunerd.torch.reporter import (
     StepReporter,
     report_memory,
@@ -57,6 +58,7 @@ __all__ = [
     "dataloader_kwargs",
     "dataloader_workers",
     "env_overrides",
+    "export_nccl_env",
     "keep_affinity",
     "loader_plan",
     "make_worker_init_fn",

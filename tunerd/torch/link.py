@@ -9,6 +9,7 @@ waits long; ``daemon_settings()`` asks once for the ``torch`` table of the
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -79,6 +80,22 @@ def _env_int(name: str) -> int | None:
     return int(v) if v.strip().isdigit() else None
 
 
+def job_id(env: dict[str, str] | None = None) -> str | None:
+    """The id ranks of one training job share on every node: TUNERD_JOB, else the
+    Slurm job, else torchrun's run id, else the rendezvous address (None: unknown)."""
+    e = os.environ if env is None else env
+    run_id = e.get("TORCHELASTIC_RUN_ID", "")
+    for v in (e.get("TUNERD_JOB"), e.get("SLURM_JOB_ID") and f"slurm-{e['SLURM_JOB_ID']}",
+              run_id if run_id and run_id != "none" else None,
+              e.get("MASTER_ADDR") and e.get("MASTER_PORT")
+              and f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}"):
+        if v:
+            # the daemon takes 1-64 of A-Z a-z 0-9 _ . : @ / + = - (a Prometheus label)
+            return re.sub(r"[^A-Za-z0-9_.:@/+=-]", "_", "j" + v if not v[0].isalnum()
+                          else v)[:64]
+    return None
+
+
 def current_report(steps: int = 0, step_time_s: float | None = None,
                    samples_per_s: float | None = None, workers: list[int] | None = None,
                    num_workers: int | None = None) -> dict[str, Any]:
@@ -97,7 +114,7 @@ def current_report(steps: int = 0, step_time_s: float | None = None,
             "memory": memory(cuda), "workers": workers,
             "num_workers": len(workers) if num_workers is None else int(num_workers),
             "rank": _env_int("RANK"), "local_rank": _env_int("LOCAL_RANK"),
-            "local_world_size": _env_int("LOCAL_WORLD_SIZE")}
+            "local_world_size": _env_int("LOCAL_WORLD_SIZE"), "job": job_id()}
 
 
 # -- the daemon ---------------------------------------------------------------------

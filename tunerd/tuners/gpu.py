@@ -1,10 +1,10 @@
 """GPU settings through NVML: ``gpu:<index>:persistence_mode|compute_mode|power_limit_w``.
 
-Everything goes through ``tunerd.nvml`` (lazy init, "not available" instead of
-exceptions for reads). Without a driver or GPU every setting is "not available"
-in the plan and nothing fails. Equivalent shell commands:
-``nvidia-smi -i N -pm 1``, ``nvidia-smi -i N -c EXCLUSIVE_PROCESS``,
-``nvidia-smi -i N -pl WATTS``.
+Everything goes through the typed GPU layer ``tunerd.nvml`` (lazy init, ``NA``
+instead of exceptions for reads, ``NvmlError`` with its NVML code for writes).
+Without a driver or GPU every setting is "not available" in the plan and nothing
+fails. Equivalent shell commands: ``nvidia-smi -i N -pm 1``,
+``nvidia-smi -i N -c EXCLUSIVE_PROCESS``, ``nvidia-smi -i N -pl WATTS``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ def _asked(desired: GpuSection) -> dict[str, str]:
     return {a: to_setting_value(v) for a in ATTRS if (v := getattr(desired, a)) is not None}
 
 
-def _raw(fn: str, *args: Any) -> Any:
-    """Call an NVML setter so that its error surfaces (reads use nvml.call instead)."""
-    mod = nvml.module()
-    if mod is None:
-        raise RuntimeError(nvml.reason() or "NVML not available")
-    return getattr(mod, fn)(*args)
-
-
 class GpuTuner:
     kind = "gpu"
 
@@ -43,11 +35,7 @@ class GpuTuner:
         self.unavailable_reason = unavailable_reason
 
     def count(self) -> int:
-        n = nvml.call("nvmlDeviceGetCount", default=0)
-        return n if isinstance(n, int) else 0
-
-    def _handle(self, index: int) -> Any:
-        return nvml.call("nvmlDeviceGetHandleByIndex", index)
+        return nvml.device_count()
 
     def current(self, key: str) -> str | None:
         parts = key.split(":")
@@ -56,16 +44,16 @@ class GpuTuner:
         index = int(parts[1])
         if index >= self.count():
             return None
-        h = self._handle(index)
-        if h is nvml.NA:
+        dev = nvml.device(index)
+        if isinstance(dev, nvml.NotAvailable):
             return None
         if parts[2] == "persistence_mode":
-            v = nvml.call("nvmlDeviceGetPersistenceMode", h)
-            return None if v is nvml.NA else ("1" if int(v) else "0")
+            v = dev.persistence_mode
+            return None if v is nvml.NA else ("1" if v else "0")
         if parts[2] == "compute_mode":
-            v = nvml.call("nvmlDeviceGetComputeMode", h)
+            v = dev.compute_mode
             return None if v is nvml.NA else _MODE_NAMES.get(int(v), str(v))
-        v = nvml.call("nvmlDeviceGetPowerManagementLimit", h)  # in milliwatts
+        v = dev.power_management_limit_mw
         return None if v is nvml.NA else str(int(v) // 1000)
 
     def wanted(self, desired: GpuSection) -> dict[str, str]:
@@ -102,20 +90,22 @@ class GpuTuner:
 
     def _write(self, key: str, value: str) -> None:
         _, idx, attr = key.split(":")
+        if attr == "compute_mode" and value not in COMPUTE_MODES:
+            raise SettingError(key, value, f"unknown compute mode (one of "
+                               f"{', '.join(COMPUTE_MODES)})")
+        if not nvml.available():
+            raise SettingError(key, value, nvml.reason() or "NVML not available", "nvml")
+        dev = nvml.device(int(idx))
+        if isinstance(dev, nvml.NotAvailable):
+            raise SettingError(key, value, f"no GPU {idx} on this node", "nvml")
         try:
-            h = _raw("nvmlDeviceGetHandleByIndex", int(idx))
             if attr == "persistence_mode":
-                _raw("nvmlDeviceSetPersistenceMode", h, 1 if value in ("1", "True") else 0)
+                dev.set_persistence_mode(value in ("1", "True"))
             elif attr == "compute_mode":
-                if value not in COMPUTE_MODES:
-                    raise SettingError(key, value, f"unknown compute mode (one of "
-                                       f"{', '.join(COMPUTE_MODES)})")
-                _raw("nvmlDeviceSetComputeMode", h, COMPUTE_MODES[value])
+                dev.set_compute_mode(COMPUTE_MODES[value])
             else:
-                _raw("nvmlDeviceSetPowerManagementLimit", h, int(value) * 1000)
-        except SettingError:
-            raise
-        except Exception as err:  # NVMLError_NoPermission, _InvalidArgument, ...
+                dev.set_power_limit_mw(int(value) * 1000)
+        except (nvml.NvmlError, ValueError) as err:  # no permission, invalid argument...
             raise SettingError(key, value, f"NVML refused: {err}", "nvml") from err
 
     def apply(self, change: Change) -> None:

@@ -1,0 +1,91 @@
+"""scripts/gpu-check.sh on this GPU-less machine: every step runs against replay where
+it can, the rest is skipped with one line each, the report is written, exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+STEPS = ["env", "topology", "telemetry", "readings", "doctor", "placement", "training",
+         "bench"]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_gpu_check_without_a_gpu_replays_skips_and_passes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TUNERD_SOCKET")}
+    env.update(PYTHON=sys.executable, OUT=str(out))  # the report lands in $OUT
+    p = subprocess.run(["sh", str(REPO / "scripts/gpu-check.sh"), "--no-install", "--quick",
+                        "--no-bench", "--budget", "150"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads((out / "gpu-check.json").read_text())
+    got = {s["name"]: s for s in rep["steps"]}
+    assert list(got) == STEPS and rep["ok"] is True and rep["gpu"] is False
+    # one printed line per step, and every SKIP says why
+    for s in rep["steps"]:
+        assert f"[{s['status']}] {s['name']}: " in p.stdout
+        assert s["detail"].strip(), s
+    assert {n: got[n]["status"] for n in ("telemetry", "placement", "bench")} == \
+        {"telemetry": "SKIP", "placement": "SKIP", "bench": "SKIP"}
+    # ... and the rest really ran: a saved topology of this machine
+    topo = json.loads((out / "topology.json").read_text())
+    assert len(topo["cpus"]) == os.cpu_count() and topo["gpus"] == []
+    # the readings comparison ran on the replayed telemetry, with units converted
+    rows = {r["field"]: r for r in got["readings"]["data"]["rows"][0]}
+    assert rows["power.draw"]["ok"] and rows["power.draw"]["daemon"] == pytest.approx(612.345)
+    assert rows["memory.total"]["daemon"] == pytest.approx(85520809984 / 2**20)
+    assert got["readings"]["status"] == got["doctor"]["status"] == "PASS"
+    assert got["doctor"]["data"]["torch"]["status"] in ("PASS", "SKIP")
+    # the training example reported to the daemon: metrics had its figures
+    m = got["training"]["data"]["metrics"]
+    assert got["training"]["status"] == "PASS", got["training"]
+    assert m["tunerd_job_samples_per_second"] > 0 and m["tunerd_job_step_seconds"] > 0
+    assert got["training"]["data"]["top_once_lists_job"] is True
+    md = (out / "gpu-check.md").read_text()
+    assert "| readings | PASS |" in md and "Tolerances" in md
+
+
+def test_gpu_check_compares_within_tolerances_and_catches_a_unit_error() -> None:
+    """The comparison itself: a daemon reading in the wrong unit (mW as W) fails."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check as gc
+
+    smi = {"power.draw": "612.3", "memory.total": "81559", "clocks.sm": "1980",
+           "clocks_event_reasons.active": "0x0000000000000001"}
+    daemon = {"power_watts": 612.345, "memory_total_bytes": 81559 * 2**20,
+              "sm_clock_hertz": 1.98e9, "throttle_reasons": 0}
+    rows, bad = gc.compare_readings(daemon, smi, smi)
+    assert bad == [] and all(r["ok"] in (True, None) for r in rows)
+    rows, bad = gc.compare_readings({**daemon, "power_watts": 612345.0}, smi, smi)
+    assert len(bad) == 1 and bad[0].startswith("power.draw: daemon 612345")
+    # a reading the daemon lacks while nvidia-smi has it is a mismatch too
+    _, bad = gc.compare_readings({**daemon, "sm_clock_hertz": None}, smi, smi)
+    assert bad == ["clocks.sm: daemon None, nvidia-smi 1980"]
+    # power/thermal throttling seen by nvidia-smi but not by the daemon
+    _, bad = gc.compare_readings(daemon, {**smi, "clocks_event_reasons.active": "0x24"},
+                                 {**smi, "clocks_event_reasons.active": "0x24"})
+    assert bad and bad[0].startswith("throttle reasons")
+
+
+@pytest.mark.skipif(not (REPO / ".whl").is_dir(), reason="no .whl/ prepared here "
+                    "(scripts/gpu-check.sh --prepare): the offline install is not checked")
+@pytest.mark.slow
+def test_gpu_check_installs_offline_from_the_prepared_wheels(tmp_path: Path) -> None:
+    env = {**os.environ, "GPU_CHECK_VENV": str(tmp_path / "venv"), "PYTHON": "/usr/bin/python3",
+           "PIP_CONFIG_FILE": os.devnull}
+    p = subprocess.run(["sh", str(REPO / "scripts/gpu-check.sh"), "--help"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "installed tunerd" in p.stdout and "--no-bench" in p.stdout
+    r = subprocess.run([str(tmp_path / "venv/bin/tunerctl"), "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip()

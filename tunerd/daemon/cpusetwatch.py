@@ -1,0 +1,249 @@
+"""Re-bind a bound process when its cgroup cpuset changes (the kubelet's CPU manager).
+
+When a Guaranteed pod arrives or leaves, the kubelet rewrites the shared pool's
+cpusets; the kernel then narrows the affinity of every task in them (a shrink below
+a task's mask leaves it the whole new set) and, on a grow, either restores the mask
+the task asked for (kernels since 6.2 keep it as ``user_cpus_ptr``) or resets it to
+the whole cpuset (RHEL 8/9, Ubuntu 20.04/22.04 kernels). Either way the placement
+tunerd made is lost until something puts it back: this watcher does, within 1 s.
+
+What is watched: only the cpuset cgroups that hold bound processes, and their
+ancestors up to the hierarchy's root (the kubelet writes the QoS, pod and container
+levels). Two triggers, both cheap:
+
+- inotify ``IN_MODIFY`` on those directories: a write to any cpuset file in them
+  (cgroupfs reports writes made through write(2), which is how the kubelet and runc
+  change cpusets);
+- a poll every ``POLL_INTERVAL`` of the one effective file of each watched cgroup,
+  for changes no write in a watched directory shows (v2 ``cpuset.cpus.effective``
+  narrowed by a CPU going offline, or an ancestor above the watched ones).
+
+On a change the placement is applied again inside the new set: the CPUs the job
+was bound to that are still allowed, or, when none is, as many CPUs of the new set
+as it had (the first ones: the kubelet gives a container's exclusive CPUs by core).
+Nothing is ever written to the cgroup itself (see tunerd.cpuset on ``kubepods``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.cpuset import CpusetCgroup, find_cpuset
+from tunerd.errors import TunerdError
+
+__all__ = ["CpusetWatch"]
+
+log = logging.getLogger("tunerd.cpusetwatch")
+
+POLL_INTERVAL = 0.25  # seconds; the 1 s bound holds with a poll alone
+# bound jobs: [{"pid", "start_time", "cpus"}]; rebind(pid, cpus) re-applies inside the set
+Jobs = Callable[[], Iterable[dict[str, Any]]]
+Rebind = Callable[[int, frozenset[int]], Awaitable[Any]]
+
+
+@dataclass
+class _Watched:
+    cgroup: CpusetCgroup
+    effective: frozenset[int]
+    pids: set[tuple[int, int]] = field(default_factory=set)
+
+
+class CpusetWatch:
+    """A service: keeps bound processes' masks inside their (changing) cpusets."""
+
+    name = "cpusetwatch"
+
+    def __init__(self, jobs: Jobs, rebind: Rebind, *, proc_root: Path = Path("/proc"),
+                 sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self._jobs = jobs
+        self._on_change = on_change  # the kubelet changed a cpuset (PodResources: List again)
+        self._rebind = rebind
+        self.proc = proc_root
+        self.sys = sys_root
+        self.poll_interval = poll_interval
+        self._cgroups: dict[Path, _Watched] = {}  # cgroup dir -> what is in it
+        self._wanted: dict[tuple[int, int], frozenset[int]] = {}  # the CPUs asked for
+        self._set_by_us: dict[tuple[int, int], str | None] = {}
+        self._seen: frozenset[tuple[int, int]] = frozenset()
+        self._wds: dict[int, Path] = {}
+        self._ino: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._dirty = asyncio.Event()
+        self.rebinds_total = 0
+        self.last_rebind_ms: float | None = None
+        self.errors_total = 0
+
+    # -- service ---------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            from inotify_simple import INotify
+
+            self._ino = INotify()
+            asyncio.get_running_loop().add_reader(self._ino.fileno(), self._on_inotify)
+        except (ImportError, OSError) as err:  # the poll alone keeps the 1 s bound
+            log.info("cpuset watch: no inotify (%s); polling every %.2f s", err,
+                     self.poll_interval)
+            self._ino = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._ino is not None:
+            asyncio.get_running_loop().remove_reader(self._ino.fileno())
+            self._ino.close()
+            self._ino = None
+
+    def status(self) -> dict[str, Any]:
+        return {"summary": f"{len(self._cgroups)} cpuset cgroup(s) watched, "
+                           f"{self.rebinds_total} re-bind(s) after a cpuset change",
+                "cgroups": sorted(w.cgroup.path for w in self._cgroups.values()),
+                "rebinds_total": self.rebinds_total, "last_rebind_ms": self.last_rebind_ms,
+                "inotify": self._ino is not None}
+
+    # -- events ----------------------------------------------------------------------
+    def _on_inotify(self) -> None:
+        try:
+            self._ino.read(timeout=0)
+        except OSError:
+            pass
+        self._dirty.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), self.poll_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._dirty.clear()
+            try:
+                await self.check()
+            except Exception as err:  # one bad round must not end the watching
+                self.errors_total += 1
+                log.exception("cpuset watch round failed: %r", err)
+
+    async def check(self) -> None:
+        """One round: follow the bound processes, re-bind where a cpuset changed."""
+        t0 = time.perf_counter()
+        for key, eff in self._track():
+            # changed between the bind and this first look: no change is seen later
+            if not self._wanted.get(key, frozenset()) <= eff:
+                await self._reapply(key, eff, t0)
+        for w in list(self._cgroups.values()):
+            try:
+                eff = w.cgroup.effective_cpus()
+            except OSError:
+                continue  # the cgroup is gone: its processes' exits untrack it
+            if eff == w.effective:
+                continue
+            t0 = time.perf_counter()
+            log.info("cpuset %s changed: %s -> %s", w.cgroup.path,
+                     format_cpulist(w.effective), format_cpulist(eff))
+            w.effective = eff
+            if self._on_change is not None:
+                self._on_change()
+            for key in sorted(w.pids):
+                await self._reapply(key, eff, t0)
+
+    async def _reapply(self, key: tuple[int, int], eff: frozenset[int], t0: float) -> None:
+        wanted = self._wanted.get(key)
+        if not wanted or not eff:
+            return
+        cpus = wanted & eff
+        if not cpus:  # shrunk below the binding: as many CPUs, inside the new set
+            cpus = frozenset(sorted(eff)[:len(wanted)])
+        try:
+            rec = await self._rebind(key[0], cpus)
+        except TunerdError as err:
+            self.errors_total += 1
+            log.warning("re-binding pid %d inside its new cpuset %s failed: %s", key[0],
+                        format_cpulist(eff), err.message)
+            return
+        self._set_by_us[key] = (rec or {}).get("cpus") if isinstance(rec, dict) else None
+        self.rebinds_total += 1
+        self.last_rebind_ms = round((time.perf_counter() - t0) * 1000, 3)
+        log.info("pid %d re-bound to CPUs %s after its cpuset changed (%.1f ms)", key[0],
+                 format_cpulist(cpus), self.last_rebind_ms)
+
+    # -- which cgroups -----------------------------------------------------------------
+    def _track(self) -> list[tuple[tuple[int, int], frozenset[int]]]:
+        """Follow the bound processes: cgroups found once per new process (not per round).
+
+        Returns the processes seen for the first time, with their cgroup's CPUs now."""
+        fresh: list[tuple[tuple[int, int], frozenset[int]]] = []
+        records = {(int(r["pid"]), int(r["start_time"])): r for r in self._jobs()
+                   if r.get("applied", True) and r.get("cpus")}
+        keys = frozenset(records)
+        for key, rec in records.items():
+            cpus = rec["cpus"]
+            # a bind the user made since (not the one we made): it is what they want now
+            if key not in self._wanted or (cpus != self._set_by_us.get(key)
+                                           and parse_cpulist(cpus) != self._wanted[key]):
+                self._wanted[key] = parse_cpulist(cpus)
+                self._set_by_us[key] = cpus
+        if keys == self._seen:
+            return fresh
+        for key in self._seen - keys:
+            self._wanted.pop(key, None)
+            self._set_by_us.pop(key, None)
+        for d, watched in list(self._cgroups.items()):
+            watched.pids &= keys
+            if not watched.pids:
+                del self._cgroups[d]
+        for key in keys - self._seen:
+            try:
+                cg = find_cpuset(key[0], self.proc, self.sys)
+            except OSError:
+                continue
+            if cg is None:
+                continue
+            if cg.dir not in self._cgroups:
+                try:
+                    self._cgroups[cg.dir] = _Watched(cg, cg.effective_cpus())
+                except OSError:
+                    continue
+            self._cgroups[cg.dir].pids.add(key)
+            fresh.append((key, self._cgroups[cg.dir].effective))
+        self._seen = keys
+        self._rewatch()
+        return fresh
+
+    def _rewatch(self) -> None:
+        """inotify watches on the watched cgroups and their ancestors, no others."""
+        if self._ino is None:
+            return
+        from inotify_simple import flags
+
+        want: set[Path] = set()
+        for w in self._cgroups.values():
+            d = w.cgroup.dir
+            while True:
+                want.add(d)
+                if d == w.cgroup.mount or d == d.parent:
+                    break
+                d = d.parent
+        have = {p: wd for wd, p in self._wds.items()}
+        for p, wd in have.items():
+            if p not in want:
+                try:
+                    self._ino.rm_watch(wd)
+                except OSError:
+                    pass  # the cgroup is gone, and its watch with it
+                del self._wds[wd]
+        for p in want - set(have):
+            try:
+                self._wds[self._ino.add_watch(str(p), flags.MODIFY)] = p
+            except OSError:
+                continue
