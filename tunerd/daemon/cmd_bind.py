@@ -15,7 +15,7 @@ from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import Failed, NoSuchProcess, UsageError
 from tunerd.placement import Placement
-from tunerd.topology.visible import gpus_from_env, gpus_from_nvml
+from tunerd.topology.visible import gpus_from_env, gpus_from_nvml, out_of_range_notes
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 
@@ -69,10 +69,10 @@ class BindCommands:
         if (cpus is None and mems is None) or gpus is not None:
             self.jobs.authorize(pid, req.peer)  # before anything is reserved
             placed = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None else None,
-                                     exclusive, ncpus)
+                                     exclusive, ncpus, notes)
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
-                    raise UsageError(NO_PLACEMENT)
+                    raise UsageError("; ".join([NO_PLACEMENT, *notes]))
                 notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
                 placement = None
             else:
@@ -94,7 +94,7 @@ class BindCommands:
         return result
 
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
-                   ncpus: int | None) -> Placement | None:
+                   ncpus: int | None, notes: list[str] | None = None) -> Placement | None:
         """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
 
         A process bound already keeps its place (None) unless --gpus names GPUs.
@@ -107,6 +107,8 @@ class BindCommands:
             if not os.path.exists(os.path.join(procfs.PROC, str(pid))):
                 raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
             raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
+        if notes is not None:
+            notes += out_of_range_notes(env)  # hostile numbers: ignored, said so
         how = "--gpus"
         if gpus is None:
             gpus = gpus_from_env(topo, env, allowed=scheduler_gpus(pid, topo, env))
