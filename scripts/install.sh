@@ -106,7 +106,16 @@ with open(sys.argv[1], "x") as f:
 EOF
     chmod 0644 "$ETC_DIR/tunerd.toml"
 fi
-write_file "$UNIT_DIR/tunerd.service" 0644 "$unit_text"
+# The unit is rewritten, and systemd reloaded, only when its text changed: a
+# `systemctl daemon-reload` on a GPU node can cut running containers off their GPUs
+# (nvidia-container-toolkit #48), so an unchanged unit never causes one.
+unit_changed=yes
+if [ -f "$UNIT_DIR/tunerd.service" ] && [ ! -L "$UNIT_DIR/tunerd.service" ] \
+        && printf '%s\n' "$unit_text" | cmp -s - "$UNIT_DIR/tunerd.service"; then
+    unit_changed=no
+else
+    write_file "$UNIT_DIR/tunerd.service" 0644 "$unit_text"
+fi
 # click's completion scripts; the programs are looked up on the PATH when completing
 write_file "$BASH_COMPLETION_DIR/tunerctl" 0644 \
     "$(_TUNERCTL_COMPLETE=bash_source "$PREFIX/bin/tunerctl")"
@@ -141,7 +150,9 @@ if [ "$start" = no ]; then
 fi
 
 if [ "$INIT" = systemd ]; then
-    systemctl daemon-reload
+    if [ "$unit_changed" = yes ]; then
+        systemctl daemon-reload
+    fi
     systemctl enable tunerd >/dev/null 2>&1 || systemctl enable tunerd
     if [ "$changed" = yes ]; then
         systemctl restart tunerd  # starts it when it was not running

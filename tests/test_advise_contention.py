@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +59,8 @@ def advise_daemon(daemon_factory: Any, tmp_path: Path) -> DaemonProc:
 
 def start_job(workers: int, nice: int) -> subprocess.Popen[str]:
     p = subprocess.Popen([sys.executable, "-c", JOB, str(workers), str(nice)], cwd=REPO,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)  # its workers in its process group
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
     return p
 
@@ -69,7 +71,10 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
     yield started
     for p in started:
         # the job's workers are its children: end the whole group of each job
-        p.kill()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         p.wait()
 
 
@@ -95,7 +100,7 @@ def test_workers_and_a_neighbour_on_one_cpu_are_found_within_25_s(
     cpu = str(max(os.sched_getaffinity(0)))
     job = start_job(workers=4, nice=10)
     procs.append(job)
-    procs.append(subprocess.Popen([sys.executable, "-c", HOG, cpu]))
+    procs.append(subprocess.Popen([sys.executable, "-c", HOG, cpu], start_new_session=True))
     bind_and_go(d, job, cpu)
     got = wait_for(lambda: (f := findings(d, job.pid)) and (CONTENTION_IDS & set(f)) and f,
                    25, "a contention finding for the starved job", interval=0.5,

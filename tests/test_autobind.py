@@ -78,7 +78,7 @@ def test_matching_process_is_bound_automatically(tmp_path: Path, daemon_factory)
         assert rec and rec[0]["origin"] == "rule" and rec[0]["name"] == "trainer"
         assert rec[0]["cmdline"] == f"{exe} 30"
         row = [ln.split() for ln in d.ctl("jobs").out.splitlines()[1:]
-               if ln.split()[0] == str(ranked.pid)]
+               if ln.split()[:1] == [str(ranked.pid)]]
         assert row and row[0][1:3] == [exe.name[:15], "trainer"]  # live name, then the rule
         # the one without LOCAL_RANK does not match the rule
         time.sleep(0.3)

@@ -21,10 +21,12 @@ from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
+from tunerd.daemon.intake import Intake
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseLimits, LeaseService
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import HostCapacity, Placer
+from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Peer, Request
 from tunerd.daemon.state import RuntimeStore
 from tunerd.errors import UsageError
@@ -54,10 +56,12 @@ class Parts:
                                 self.pidwatch, self.errors, dry_run=dry_run, mover=self.mover)
         topo = load_topology(topology)
         self.placer = Placer(topo, HostCapacity.read(), frozenset, dry_run=dry_run)
+        self.intake = Intake(topo, self.placer.host.cpus, bound=self.jobs.rank_cpus,
+                             lease=self.placer.lease_of)
         self.leases = LeaseService(self.placer, self.jobs, self.pidwatch, self.mover, section,
-                                   self.state.save, self.errors, limits=LeaseLimits,
-                                   default_nofile=lambda: None)
-        self.bind_cmds = BindCommands(self.jobs, self.placer, self.leases)
+                                   self.state.save, self.errors, self.intake,
+                                   limits=LeaseLimits, default_nofile=lambda: None)
+        self.bind_cmds = BindCommands(self.jobs, self.placer, self.leases, self.intake)
 
     def saved(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.state.path.read_text())
@@ -69,10 +73,10 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
         parts = Parts(tmp_path)
         reg = parts.jobs
         await reg.start()
-        seen: list[tuple[int, dict[str, Any], list[dict[str, Any]]]] = []
+        seen: list[tuple[int, Binding, list[dict[str, Any]]]] = []
         done = asyncio.Event()
 
-        def on_exit(pid: int, rec: dict[str, Any]) -> None:
+        def on_exit(pid: int, rec: Binding) -> None:
             seen.append((pid, rec, reg.jobs()))
             done.set()
 
@@ -90,7 +94,7 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
             p.kill()
             await asyncio.wait_for(done.wait(), 10)
         pid, rec, jobs_then = seen[0]
-        assert pid == p.pid and rec["lease"] == "L1" and jobs_then == []
+        assert pid == p.pid and rec.lease == "L1" and jobs_then == []
         assert parts.state.data["bindings"] == {}
         await reg.stop()
         assert parts.saved()["bindings"] == {}
@@ -149,7 +153,7 @@ def test_bind_without_flags_places_near_the_gpu_it_uses(tmp_path: Path) -> None:
             assert r["gpus"] == [1] and r["cpus"] == str(hi)
             assert r["mems"] is None  # every memory node of the machine: no binding
             assert set(task_cpus(p.pid).values()) == {str(hi)}
-            assert "GPUs from --gpus" in (parts.jobs.record(p.pid) or {})["explanation"]
+            assert "GPUs from --gpus" in str(getattr(parts.jobs.record(p.pid), "explanation", ""))
         await parts.jobs.stop()
 
     asyncio.run(scenario())

@@ -93,7 +93,15 @@ def test_v2_kubernetes_container_walks_up_to_the_effective_files(
     assert cg.effective_mems() == frozenset({0})
     assert not cg.can_nest()  # "no internal processes": cannot enable cpuset below a job
     write(sys, f"fs/cgroup{ctr}/cgroup.subtree_control", "cpuset\n")
-    assert cg.can_nest()
+    # the kubelet's cgroup: never nested, even where the controller would allow it
+    # (a child under kubepods makes the kubelet's own cpuset updates fail: EBUSY)
+    assert not cg.can_nest()
+    job = "/system.slice/job.scope"
+    write(proc, "9/cgroup", f"0::{job}\n")
+    write(sys, "fs/cgroup/system.slice/cpuset.cpus.effective", "0-3\n")
+    write(sys, f"fs/cgroup{job}/cgroup.subtree_control", "cpuset\n")
+    other = find_cpuset(9, proc, sys)
+    assert other is not None and other.path == job and other.can_nest()
 
 
 def test_v2_without_the_cpuset_controller_is_none(roots: tuple[Path, Path]) -> None:

@@ -29,3 +29,5 @@ def test_cpu_uevent_rereads_the_topology(daemon_factory) -> None:
              "the topology to be re-read", detail=d.log)
     topo = d.ctl("--json", "topology")
     assert topo.rc == 0 and topo.json()["cpus"], topo
+    assert "hotplug: topology re-read " in d.ctl("status").out  # once, or more if the host
+    # had CPU/memory events of its own meanwhile

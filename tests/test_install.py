@@ -232,3 +232,65 @@ def test_uninstall_refuses_what_is_not_an_install(tree: Tree, tmp_path: Path) ->
     assert (precious / "data").read_text() == "keep me"
     r = tree.script("install.sh", env={"PREFIX": "relative/path"})
     assert r.returncode == 2 and "PREFIX must be an absolute path" in r.stderr
+
+
+# systemd is not running here: a stand-in systemctl logs each call and starts the
+# unit's ExecStart as systemd would (and stops it for restart), so install.sh's
+# INIT=systemd path runs for real up to the daemon answering.
+FAKE_SYSTEMCTL = r"""#!/bin/sh
+echo "$*" >>"$SYSTEMCTL_LOG"
+case "$1" in
+    restart|start)
+        pf="$RUNTIME_DIR/tunerd.pid"
+        if [ -f "$pf" ] && kill -0 "$(cat "$pf")" 2>/dev/null; then
+            [ "$1" = start ] && exit 0
+            kill "$(cat "$pf")"
+            while kill -0 "$(cat "$pf" 2>/dev/null)" 2>/dev/null; do sleep 0.1; done
+        fi
+        cmd=$(sed -n 's/^ExecStart=//p' "$UNIT_DIR/tunerd.service")
+        mkdir -p "$(dirname "$LOG_FILE")"
+        nohup $cmd >>"$LOG_FILE" 2>&1 </dev/null &
+        ;;
+esac
+exit 0
+"""
+
+
+def test_daemon_reload_only_when_the_unit_changed(tree: Tree) -> None:
+    fake = tree.root / "fakebin"
+    fake.mkdir()
+    (fake / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (fake / "systemctl").chmod(0o755)
+    log = tree.root / "systemctl.log"
+    env = {"INIT": "systemd", "SYSTEMCTL_LOG": str(log),
+           "PATH": f"{fake}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+    def calls() -> list[str]:
+        out = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return [c for c in out if c != "show -p MainPID --value tunerd"]
+
+    try:
+        r = tree.script("install.sh", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert calls() == ["daemon-reload", "enable tunerd", "restart tunerd"]
+        unit = Path(tree.env["UNIT_DIR"]) / "tunerd.service"
+        mtime = unit.stat().st_mtime_ns
+        # the same install again: the unit is unchanged, systemd is not reloaded
+        r = tree.script("install.sh", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert calls() == ["enable tunerd", "start tunerd"]
+        assert unit.stat().st_mtime_ns == mtime  # not even rewritten
+        # a unit edited by hand since: written back, and then systemd reloads it
+        unit.write_text(unit.read_text().replace("RestartSec=2s", "RestartSec=9s"))
+        r = tree.script("install.sh", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert calls() == ["daemon-reload", "enable tunerd", "start tunerd"]
+        assert "RestartSec=2s" in unit.read_text()
+    finally:
+        pf = Path(tree.env["RUNTIME_DIR"]) / "tunerd.pid"
+        if pf.exists():
+            pid = int(pf.read_text())
+            if _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                wait_for(lambda: not _alive(pid), 20, "the daemon to exit")

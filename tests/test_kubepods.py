@@ -168,3 +168,48 @@ def test_rebind_within_1s_after_kubelet_rewrites_the_cpuset(daemon: Any) -> None
         assert not [d for d in tree.ctr.iterdir() if d.is_dir()]
         st = daemon.ctl("--json", "status").json()["services"]["cpusetwatch"]
         assert st["rebinds_total"] >= len(lat) and st["inotify"] is True
+
+
+def test_poll_alone_rebinds_within_1s() -> None:
+    """Where cgroupfs gives no inotify events, the 0.25 s poll of the watched cgroups'
+    effective CPUs re-binds in time too (the watcher in process, its re-bind call a
+    plain sched_setaffinity of every thread)."""
+    import asyncio
+
+    from tunerd.cpulist import format_cpulist
+    from tunerd.daemon.cpusetwatch import CpusetWatch
+
+    with kubepods_tree(cpus="0-1") as tree, thread_child(threads=2, cgroup=tree.ctr) as p:
+        st = int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        record = {"pid": p.pid, "start_time": st, "cpus": "1"}
+
+        async def rebind(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
+            for tid in task_cpus(pid):
+                os.sched_setaffinity(tid, cpus)
+            record["cpus"] = format_cpulist(cpus)
+            return dict(record)
+
+        async def scenario() -> list[float]:
+            w = CpusetWatch(lambda: [dict(record)], rebind, inotify=False)
+            await w.start()
+            try:
+                await rebind(p.pid, frozenset({1}))
+                await asyncio.sleep(0.3)  # tracked
+                lat = []
+                for _ in range(3):
+                    tree.set_cpus("0", grow=False)
+                    await asyncio.sleep(0.6)
+                    assert record["cpus"] == "0"
+                    tree.set_cpus("0-1", grow=True)
+                    t0 = time.monotonic()
+                    while _masks(p.pid) != {"1"}:
+                        assert time.monotonic() - t0 < 1.0, "not re-bound within 1 s"
+                        await asyncio.sleep(0.005)
+                    lat.append(time.monotonic() - t0)
+                assert w.status()["inotify"] is False
+                return lat
+            finally:
+                await w.stop()
+
+        lat = asyncio.run(scenario())
+        assert max(lat) <= 1.0 and len(lat) == 3

@@ -185,6 +185,11 @@ def check_daemonset(docs: list[dict[str, Any]]) -> None:
     # the config tunerd is started with names the mounted host roots
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "tunerd-config"]
     assert 'proc_root = "/host/proc"' in cm["data"]["tunerd.toml"]
+    # the read-only root filesystem: every path tunerd writes is a mount
+    writable = {m["mountPath"] for m in ctr["volumeMounts"] if not m.get("readOnly")}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert {"/run/tunerd", "/var/lib/tunerd", "/var/lib/tunerd-etc", "/tmp"} <= writable
+    assert 'etc_root = "/var/lib/tunerd-etc"' in cm["data"]["tunerd.toml"]
     assert "--config=/etc/tunerd/config/tunerd.toml" in ctr["args"]
 
 
@@ -265,3 +270,17 @@ def test_containerfile_installs_the_project_and_runs_the_daemon() -> None:
     for src in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for name in src.split():
             assert (ROOT / name).exists(), f"Containerfile copies {name}, which is missing"
+
+
+def test_the_daemonset_config_is_a_valid_tunerd_config(rendered: list[dict[str, Any]],
+                                                       chart: list[dict[str, Any]],
+                                                       tmp_path: Path) -> None:
+    from tunerd.daemon.config import load_config
+
+    for docs in (rendered, chart):
+        (cm,) = [d for d in docs if d["metadata"]["name"] == "tunerd-config"]
+        f = tmp_path / "tunerd.toml"
+        f.write_text(cm["data"]["tunerd.toml"])
+        cfg = load_config(f, {})
+        assert str(cfg.pod_resources_socket) == "/var/lib/kubelet/pod-resources/kubelet.sock"
+        assert (str(cfg.proc_root), str(cfg.sys_root)) == ("/host/proc", "/host/sys")

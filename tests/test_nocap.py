@@ -93,7 +93,7 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
         assert not cap_eff(d.proc.pid) >> CAP_SYS_RESOURCE & 1, "capsh did not drop it"
         show = d.ctl("--json", "policy", "show").json()
         rule = next(j for j in show["job"] if j["name"] == "torch-training")
-        assert rule["nofile"] == 1048576 and rule["match"]["env"]["LOCAL_RANK"] == "*"
+        assert rule["nofile"] == 1048576 and rule["match"]["rank"] is True
         # 00-base.toml's host setting went to the tree, not to this host
         wait_for(lambda: (tree / "proc/sys/kernel/numa_balancing").read_text().strip() == "0",
                  10, "numa_balancing = 0 in the temporary tree")

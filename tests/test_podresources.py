@@ -157,3 +157,40 @@ def test_fake_kubelets_list_decides_the_gpu_a_pod_rank_is_placed_near(
         assert "LOCAL_RANK: 6;" in err["message"], err
         assert "would bind CPUs 56-69,168-181" in err["message"], err
     assert kubelet.calls["List"] == 1
+    st = d.ctl("--json", "status").json()["services"]["podresources"]
+    assert st["lists_total"] == 1 and st["pods"] == 4 and st["last_error"] is None
+
+
+def test_a_lease_in_a_pod_gets_only_the_pods_gpus(
+        kubelet: FakeKubelet, tree: KubepodsTree, tmp_path: Path,
+        unpriv_user: tuple[int, int]) -> None:
+    """The allocation intake with the pod source registered as the daemon registers it:
+    a 1-GPU and a 2-GPU request from the pod's process are placed on GPUs 5 and 6 only,
+    and a 3-GPU one is refused (no GPU outside the pod's set)."""
+    from tunerd import allocation
+    from tunerd.daemon.placer import HostCapacity, Placer, PlaceRequest
+    from tunerd.errors import TunerdError
+
+    topo = read_snapshot(TOPOLOGIES / "dgx-h100.json")
+    src = PodResourcesSource(kubelet.socket_path)
+
+    def source(pid: int, t: Any) -> tuple[tuple[int, ...], str] | None:
+        a = src.lookup(pid, t)
+        return None if a is None else (a.gpus, f"Kubernetes pod {a.namespace}/{a.pod}")
+
+    allocation.add_gpu_source(source)
+    pl = Placer(topo, HostCapacity(frozenset(range(224)), frozenset(range(2))),
+                lambda: frozenset())
+    uid, gid = unpriv_user
+    try:
+        with container(tree.ctr, container_root(tmp_path, "train-0", "ml"), uid, gid) as p:
+            alloc = allocation.read_allocation(p.pid, {}, topo)
+            assert alloc.gpus == (5, 6) and alloc.scheduler == "Kubernetes pod ml/train-0"
+            one = pl.place(PlaceRequest(gpus=1, allocation=alloc, what="lease"))
+            two = pl.place(PlaceRequest(gpus=2, allocation=alloc, what="lease"))
+            assert set(one.gpus) <= {5, 6} and set(two.gpus) == {5, 6}
+            with pytest.raises(TunerdError):
+                pl.place(PlaceRequest(gpus=3, allocation=alloc, what="lease"))
+    finally:
+        allocation._gpu_sources.remove(source)
+        src.close()

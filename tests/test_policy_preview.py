@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,13 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
     token = f"3000{os.getpid()}.5"  # sleep's argument: only this test's process matches
     target = min(HOST_CPUS)
-    pdir = tmp_path / "pol"
-    write_policy(pdir, "00-test.toml", '[policy]\nname = "test"\n')
+    # the policy file is a symlink to a file outside the dir: editing that file is not a
+    # change of the dir, so the daemon's policy-dir watcher does not reload by itself and
+    # the explicit `tunerctl reload` below is the one that reads the new rule
+    pdir, real = tmp_path / "pol", tmp_path / "real.toml"
+    real.write_text('[policy]\nname = "test"\n')
+    pdir.mkdir()
+    (pdir / "00-test.toml").symlink_to(real)
     cand = rule_policy(tmp_path / "cand", f'[[job]]\nname = "preview"\n'
                                           f'match.cmdline = ["*sleep {token}*"]\n'
                                           f'cpus = "{target}"\n')
@@ -40,13 +47,18 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         assert [(x["pid"], x["uid"], x["user"], x["rule"], x["cpus"]) for x in rows] == [
             (p.pid, uid, "tunerd-test", "preview", str(target))], rows
         assert r.json()["host"]["changes"] == []
+        as_user = subprocess.run(  # a preview reads any directory as root: root only
+            [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "plan",
+             "--policy-dir", str(cand)], user=uid, group=gid, capture_output=True, text=True,
+            timeout=60, cwd="/")
+        assert as_user.returncode == 4 and "needs root" in as_user.stderr, as_user
         human = d.ctl("plan", "--policy-dir", str(cand)).out
         assert f"pid {p.pid} user tunerd-test rule preview: cpus {target}" in human, human
         # a preview changes nothing: same policy in force, the process not bound
         assert d.ctl("--json", "policy", "show").json()["sources"] == [str(pdir / "00-test.toml")]
         assert cpus_allowed(p.pid) == before
 
-        shutil.copy(cand / "00-test.toml", pdir / "00-test.toml")
+        shutil.copy(cand / "00-test.toml", real)
         refused = d.ctl("reload", "--no-rebind-running")
         assert refused.rc == 1, refused
         assert f"pid {p.pid} (tunerd-test, rule preview)" in refused.out, refused.out
@@ -56,5 +68,32 @@ def test_plan_previews_a_candidate_dir_and_reload_can_refuse_rebinding(
         assert ok.rc == 0, ok
         wait_for(lambda: cpus_allowed(p.pid) == str(target), 10, "the rule to bind it",
                  detail=d.log)
+    finally:
+        kill(p)  # type: ignore[arg-type]
+
+
+def test_config_key_makes_every_reload_refuse_rebinding(
+        tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
+    """reload_rebinds_running = false: SIGHUP (systemctl reload) refuses too."""
+    token = f"3100{os.getpid()}.5"
+    pdir = tmp_path / "pol"
+    write_policy(pdir, "00-test.toml", '[policy]\nname = "test"\n')
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("reload_rebinds_running = false\n")
+    d: DaemonProc = daemon_factory(policy_dir=pdir, args=["--config", str(cfg)]).start()
+    uid, gid = unpriv_user
+    p = subprocess.Popen(["sleep", token], user=uid, group=gid, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: cpus_allowed(p.pid) is not None, 5, "the sleeper to start")
+        rule_policy(pdir, f'[[job]]\nname = "later"\nmatch.cmdline = ["*sleep {token}*"]\n'
+                          f'cpus = "{min(HOST_CPUS)}"\n')
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "reload refused" in d.log(), 10, "the reload to be refused",
+                 detail=d.log)
+        assert f"pid {p.pid} (tunerd-test, rule later)" in d.log()
+        assert "reload refused" in d.ctl("status").out
+        r = d.ctl("reload")  # the key holds for tunerctl reload too
+        assert r.rc == 1 and "reload_rebinds_running = false" in r.out, r
+        assert d.ctl("--json", "policy", "show").json()["job"] == []
     finally:
         kill(p)  # type: ignore[arg-type]

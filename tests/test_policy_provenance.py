@@ -38,8 +38,9 @@ def test_site_file_wins_over_the_bundled_ones_and_explain_says_so(
     pdir = tmp_path / "pol"
     _install_bundled(pdir)
     site = write_policy(pdir, "10-site.toml", SITE)
-    check = run_ctl("policy", "check", str(pdir))
+    check = run_ctl("policy", "check", str(pdir), "--explain")  # offline, no daemon
     assert check.rc == 0 and "WARN" not in check.out, check.out
+    assert f"limits.nofile = 65536\n    set by    {site}:5 (policy 'site')\n" in check.out
     d: DaemonProc = daemon_factory(policy_dir=pdir, args=["--dry-run"]).start()
     r = d.ctl("--json", "policy", "show", "--explain")
     assert r.rc == 0, r.err

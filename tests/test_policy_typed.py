@@ -104,8 +104,7 @@ def test_every_section_typed(tmp_path: Path) -> None:
     torch_rule, pinned = m.jobs
     # the site file changed the bundled rule by name: match and placement stay base's
     assert torch_rule == JobSpec(
-        name="torch-training", cmdline=("*torchrun*", "*train*.py*"),
-        env={"LOCAL_RANK": "*"}, placement="gpu-local", nofile=1048576, workers=8,
+        name="torch-training", rank=True, placement="gpu-local", nofile=1048576, workers=8,
         torch=TorchSettings(num_workers=8, pin_memory=True, amp="bf16"))
     assert pinned == JobSpec(
         name="pinned", cmdline=("*bench*",), env={"RANK": "[0-3]", "LOCAL_RANK": "*"},
@@ -168,7 +167,7 @@ def test_bundled_policies_typed(node: NodeFacts) -> None:
     assert dict(m.sysctl) == p.data["sysctl"] and dict(m.nccl) == p.data["nccl"]
     assert [r.match for r in m.nic] == [e["match"] for e in p.data["nic"]]
     assert [j.name for j in m.jobs] == [j["name"] for j in p.data["job"]]
-    assert m.jobs[0].env == {"LOCAL_RANK": "*"}
+    assert m.jobs[0].rank and not m.jobs[0].cmdline  # ranks by environment and tree
 
 
 def _put(path: Path, text: str) -> None:

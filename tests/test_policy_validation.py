@@ -331,12 +331,11 @@ def test_valid_values_are_normalized(tmp_path: Path) -> None:
                             "match": {"cmdline": ["*x*"], "env": {}, "user": []}}]
 
 
-def test_readme_example_policy_is_valid(tmp_path: Path) -> None:
+def test_documented_example_policy_is_valid(tmp_path: Path) -> None:
     from tests.helpers import REPO
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Policies\n", 1)[1]
-    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    page = (REPO / "docs" / "policies.md").read_text()  # the first example of the page
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
     write_policy(tmp_path, "example.toml", example)
     p = load_policy_dir(tmp_path, NodeFacts("dgx-01", ("NVIDIA H100 80GB HBM3",) * 8))
     assert p.data["policy"]["names"] == ["base", "h100-training"]

@@ -271,3 +271,80 @@ def test_messages_reach_syslog_and_the_jobs_output(slurm: SlurmCluster,  # noqa:
     r = slurm.srun("-c1", "--gres=gpu:1", "true")
     assert r.returncode == 0 and r.stdout.startswith("tunerd: not bound (tunerctl exit 3)"), \
         r.stdout  # (a missing socket fails at once: no time-out involved)
+
+
+# -- issue 15: tasks and ranks split their allocation; leases die with their job ---------
+
+def test_two_tasks_of_a_step_stay_on_different_cpus(slurm: SlurmCluster,  # noqa: F811
+                                                    tunerd: DaemonProc) -> None:
+    """srun -n2 -c1 with one GPU: Slurm binds the tasks to different CPUs, and the
+    TaskProlog's bind (both near GPU 0) keeps them apart."""
+    probe = job_script(slurm, "two-tasks", 'probe "T${SLURM_LOCALID}_"\nsleep 1\n')
+    r = slurm.srun("-n2", "-c1", "--gres=gpu:1", str(probe))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tunerd: bound near GPU") == 2, r.stdout
+    out = kv(r.stdout)
+    a, b = parse_cpulist(out["T0_MASK"]), parse_cpulist(out["T1_MASK"])
+    assert len(a) == len(b) == 1 and a != b, r.stdout
+
+
+def test_ranks_of_a_two_cpu_job_get_one_cpu_each(slurm: SlurmCluster,  # noqa: F811
+                                                 tunerd: DaemonProc, rank_bin: Path) -> None:
+    """sbatch -c2 starting two ranks: they split the job's 2 CPUs (not 2 CPUs each)."""
+    body = f"""probe ""
+for r in 0 1; do LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 {rank_bin} 300 & echo "RANK$r=$!"; done
+echo READY
+wait
+"""
+    job = slurm.sbatch(PROBE + body, "-c2", "--gres=gpu:2")
+    out = kv(slurm.wait_output(job, "READY"))
+    step = parse_cpulist(out["STEP_CPUSET"])
+    pids = [int(out["RANK0"]), int(out["RANK1"])]
+    bound = wait_for(lambda: rule_jobs(tunerd, pids), 15, "both ranks rule-bound",
+                     detail=lambda: str(tunerd.ctl("--json", "status").json().get("errors")))
+    sets = [parse_cpulist(bound[p]["cpus"]) for p in pids]
+    assert len(step) == 2 and all(len(s) == 1 and s <= step for s in sets), (step, sets)
+    assert sets[0] != sets[1], sets
+    assert [parse_cpulist(cpus_allowed(p) or "") for p in pids] == sets
+
+
+def test_a_lease_of_a_job_that_ended_while_tunerd_was_down_is_gone_at_start(
+        slurm: SlurmCluster, tunerd: DaemonProc) -> None:  # noqa: F811
+    """An alloc lease with the user's own tag (the Epilog releases only slurm:JOB) made
+    inside a job that ends while tunerd is stopped: gone when tunerd starts."""
+    out = slurm.root / "jobs" / "own-tag.json"
+    job = slurm.sbatch(f"{tunerctl(tunerd)} --json alloc --gpus 0 --ncpus 1 --tag my-own "
+                       f"> {out}\necho READY\nsleep 300\n", "-c1")
+    slurm.wait_output(job, "READY")
+    lid = json.loads(out.read_text())["id"]
+    assert lid in [x["id"] for x in leases_of(tunerd)]
+    tunerd.stop()
+    try:
+        slurm.cmd("scancel", str(job.jobid), timeout=10)
+        idle_node(slurm)
+    finally:
+        tunerd.start()
+    assert lid not in [x["id"] for x in leases_of(tunerd)]
+    assert f"lease {lid} released: its job (slurm:{job.jobid}) ended" in tunerd.log()
+
+
+def test_a_jobs_own_exclusive_lease_does_not_block_its_steps(
+        slurm: SlurmCluster, tunerd: DaemonProc) -> None:  # noqa: F811
+    """A one-CPU job takes an exclusive lease of its GPU and CPU, then runs a step on
+    them: the TaskProlog still binds the step's task (the lease is the job's own)."""
+    lease = slurm.root / "jobs" / "own-exclusive.json"
+    lib = slurm.root / "jobs" / "probe.sh"
+    lib.write_text(PROBE)
+    body = f"""probe ""
+{tunerctl(tunerd)} --json alloc --gpus 1 --exclusive > {lease}
+srun --quiet -n1 -c1 --gres=gpu:1 bash -c '. {lib}; probe STEP_'
+echo "SRUN_RC=$?"
+"""
+    job = slurm.sbatch(PROBE + body, "-c1", "--gres=gpu:1")
+    text = slurm.wait_output(job, "SRUN_RC")
+    out = kv(text)
+    got = json.loads(lease.read_text())
+    assert got["exclusive"] and got["cpus"], got
+    assert out["SRUN_RC"] == "0", text
+    assert "tunerd: bound near GPU" in text and "not bound" not in text, text
+    assert parse_cpulist(out["STEP_MASK"]) <= parse_cpulist(out["STEP_CPUSET"]), text

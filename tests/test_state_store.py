@@ -176,9 +176,13 @@ def test_incremental_saves_write_what_a_full_encoding_would(tmp_path: Path) -> N
     leases["leases"]["L1"]["applied"] = False
     leases["moved"].setdefault("k", {"scope": "0-1", "cpus": "1", "threads": {}})
     check()
-    for r in bindings.values():  # every record may change through values()
+    for r in bindings.values():  # top-level values changed through values()
         r["uid"] = 1000
     check()
+    moved = leases["moved"]["k"]
+    check()
+    moved["threads"]["7"] = {"pid": 7, "start_time": 1, "orig": "0-1", "set": "0"}
+    check()  # deep inside a small map (the exclusive moves): compared in full
     deep = bindings["9"]["originals"]
     check()
     deep["threads"]["0-1"].append(10)  # deep inside a held reference: the full check

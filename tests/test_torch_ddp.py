@@ -50,7 +50,8 @@ def test_torchrun_ranks_and_workers_get_cpus(daemon_factory, tmp_path: Path) -> 
     d = daemon_factory(policy_dir=pdir).start()
     rule = next(j for j in d.ctl("--json", "policy", "show").json()["job"]
                 if j["name"] == "torch-training")
-    assert rule["match"]["env"] == {"LOCAL_RANK": "*", "TUNERD_TEST_TOKEN": token}, rule
+    assert rule["match"]["rank"] is True, rule  # ranks by environment and tree
+    assert rule["match"]["env"] == {"TUNERD_TEST_TOKEN": token}, rule
     hold = tmp_path / "hold"
     hold.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

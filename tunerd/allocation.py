@@ -43,7 +43,8 @@ __all__ = ["Allocation", "add_gpu_source", "cvd_names", "read_allocation",
 
 # Slurm's cgroup paths: /slurm/uid_0/job_12/step_0 (v1), /system.slice/slurmstepd.scope/
 # job_12/step_0 (v2), /slurm_NODE/uid_0/job_12/step_batch (multiple-slurmd)
-_SLURM_CGROUP = re.compile(r"slurm[^/]*/(?:.*/)?job_(\d+)(?:/step_([^/]+))?")
+_SLURM_CGROUP = re.compile(
+    r"slurm[^/]*/(?:.*/)?job_(\d{1,12})(?:/step_([^/]{1,32}))?(?:/task_(\d{1,6}))?")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class Allocation:
     gpus: tuple[int, ...] | None = None  # GPUs it may use; None: not restricted
     ncpus: int | None = None  # CPUs granted per task (SLURM_CPUS_PER_TASK)
     scheduler: str | None = None  # "Slurm job 12 step 0", ... for explanations
+    cgroup_dir: str | None = None  # the scheduler's cpuset cgroup directory (job ends: gone)
+    slurm_job: str | None = None  # Slurm job id: from the cgroup path where it says
+    slurm_step: str | None = None  # step id ("0", "batch", "extern")
+    slurm_task: int | None = None  # task id, from a .../task_N cgroup where Slurm makes one
+    job_from_cgroup: bool = False  # the Slurm ids come from the cgroup (not the user's env)
 
     @property
     def confined(self) -> bool:
@@ -177,13 +183,10 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     if env.get("SLURM_JOB_ID") and per_task is not None:
         ncpus = per_task
     scheduler = None
-    if env.get("SLURM_JOB_ID"):
-        scheduler = f"Slurm job {env['SLURM_JOB_ID']}"
-        if env.get("SLURM_STEP_ID"):
-            scheduler += f" step {env['SLURM_STEP_ID']}"
-    elif cg is not None and (m := _SLURM_CGROUP.search(cg.path)):
-        # a task not exec'd yet (a TaskProlog's target) still has slurmstepd's environment
-        scheduler = f"Slurm job {m.group(1)}" + (f" step {m.group(2)}" if m.group(2) else "")
+    m = _SLURM_CGROUP.search(cg.path) if cg is not None else None
+    job, step, task = _slurm_ids(env, m)
+    if job is not None:
+        scheduler = f"Slurm job {job}" + (f" step {step}" if step else "")
     elif pod is not None:
         scheduler = pod[1]
     elif env.get("KUBERNETES_SERVICE_HOST") or (cg is not None and "kubepods" in cg.path):
@@ -191,7 +194,25 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     elif cpus is not None:
         scheduler = f"cgroup {cg.path if cg else '?'}"
     return Allocation(cpus=cpus, current=current, mask=mask or None, gpus=gpus, ncpus=ncpus,
-                      scheduler=scheduler)
+                      scheduler=scheduler, cgroup_dir=str(cg.dir) if cg is not None else None,
+                      slurm_job=job, slurm_step=step, slurm_task=task,
+                      job_from_cgroup=m is not None)
+
+
+def _slurm_ids(env: Mapping[str, str],
+               m: re.Match[str] | None) -> tuple[str | None, str | None, int | None]:
+    """(job, step, task) ids: from the cgroup path Slurm made where there is one (the
+    environment is the job owner's to write), else from SLURM_JOB_ID / SLURM_STEP_ID /
+    SLURM_LOCALID (bounded: an id longer than 12 digits is no id)."""
+    if m is not None:
+        return m.group(1), m.group(2), int(m.group(3)) if m.group(3) else None
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if not (job.isdigit() and len(job) <= 12):
+        return None, None, None
+    step = env.get("SLURM_STEP_ID", "").strip()
+    task = env.get("SLURM_LOCALID", "").strip()
+    return (job, step if step and len(step) <= 32 else None,
+            int(task) if task.isdigit() and len(task) <= 6 else None)
 
 
 # One more source of GPUs, registered by the daemon: the kubelet's PodResources

@@ -319,63 +319,10 @@ class Binder:
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
         online = self.online_cpus()
         allowed = online & base.effective_cpus() if base else online
-        where = f"cgroup cpuset {base.path}" if base else "online CPUs"
-
         if cpus is not None:
-            if not cpus:
-                raise UsageError("empty CPU list")
-            offline = cpus - online
-            if offline:
-                raise UsageError(
-                    f"CPU {format_cpulist(offline)} is not online (online: "
-                    f"{format_cpulist(online)})", cpus=format_cpulist(offline))
-            eff = cpus & allowed
-            if not eff:
-                raise UsageError(
-                    f"CPUs {format_cpulist(cpus)} are outside what process {t.pid} may use: "
-                    f"{where} allows {format_cpulist(allowed)}")
-            if eff != cpus:
-                notes.append(f"CPUs {format_cpulist(cpus - eff)} dropped: {where} allows "
-                             f"{format_cpulist(allowed)}")
-            cpus = eff
-
-        plan_cpuset: CpusetCgroup | None = None
-        cpuset_cpus: frozenset[int] = frozenset()
-        migrate_from: frozenset[int] | None = None
-        if mems is not None:
-            if not mems:
-                raise UsageError("empty memory-node list")
-            nodes = self.online_nodes()
-            bad = mems - nodes
-            if bad:
-                raise UsageError(f"NUMA node {format_cpulist(bad)} is not online (online: "
-                                 f"{format_cpulist(nodes)})", mems=format_cpulist(bad))
-            if base is not None:
-                allowed_mems = base.effective_mems()
-                if not mems <= allowed_mems:
-                    raise UsageError(
-                        f"NUMA nodes {format_cpulist(mems - allowed_mems)} are outside cgroup "
-                        f"cpuset {base.path} of process {t.pid} (it allows mems "
-                        f"{format_cpulist(allowed_mems)})")
-            if base is not None and base.can_nest():
-                plan_cpuset = (previous.cpuset_child if previous and previous.cpuset_child
-                               else base.child(child_name(t.pid, t.start_time)))
-                cpuset_cpus = cpus if cpus is not None else allowed
-            else:
-                migrate_from = nodes - mems
-                why = ("cgroup v2 without the cpuset controller for this process"
-                       if base is not None else "no cpuset cgroup hierarchy is mounted")
-                if base is not None and base.kubelet_owned:
-                    why = (f"cgroup {base.path} is the kubelet's (kubepods): tunerd makes no "
-                           f"child cgroup there; start the job with `tunerctl run` (it sets its "
-                           f"memory policy itself before the exec) to confine it")
-                notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
-                             f"{why}; existing pages moved with migrate_pages(2)")
-        elif previous is not None and previous.cpuset_child is not None and cpus is not None:
-            # a re-bind that changes CPUs must widen/narrow the child cpuset too
-            plan_cpuset = previous.cpuset_child
-            cpuset_cpus = cpus
-
+            cpus = _checked_cpus(t, cpus, online, allowed, base, notes)
+        plan_cpuset, cpuset_cpus, migrate_from = self._plan_mems(
+            t, cpus, mems, base, allowed, previous, notes)
         new_nofile: tuple[int, int] | None = None
         old_nofile: tuple[int, int] | None = None
         if nofile is not None:
@@ -385,20 +332,7 @@ class Binder:
                 if not partial or (cpus is None and mems is None):
                     raise
                 notes.append(f"fd limit not set: {err.message}")
-
-        if previous is not None:
-            orig = previous.copy()
-            if orig.nofile is None:
-                orig.nofile = old_nofile
-        else:
-            proc_cpus = self._affinity(t, t.pid)
-            orig = Originals(pid=t.pid, start_time=t.start_time, process_cpus=proc_cpus,
-                             nofile=old_nofile)
-            for tid in self.tids(t.pid):
-                try:
-                    orig.threads[tid] = frozenset(os.sched_getaffinity(tid))
-                except ProcessLookupError:
-                    pass
+        orig = self._originals(t, previous, old_nofile)
         if plan_cpuset is not None and orig.cpuset_child is None:
             orig.cpuset_base, orig.cpuset_child = base, plan_cpuset
         if cpus is not None or plan_cpuset is not None:
@@ -406,6 +340,61 @@ class Binder:
         return Plan(target=t, originals=orig, cpus=cpus, mems=mems, nofile=new_nofile,
                     cpuset=plan_cpuset, cpuset_cpus=cpuset_cpus, migrate_from=migrate_from,
                     notes=notes, first=previous is None, partial=partial)
+
+    def _plan_mems(self, t: Target, cpus: frozenset[int] | None, mems: frozenset[int] | None,
+                   base: CpusetCgroup | None, allowed: frozenset[int],
+                   previous: Originals | None, notes: list[str]
+                   ) -> tuple[CpusetCgroup | None, frozenset[int], frozenset[int] | None]:
+        """(child cpuset, its CPUs, nodes to migrate pages from) for a memory binding."""
+        if mems is None:
+            if previous is not None and previous.cpuset_child is not None and cpus is not None:
+                # a re-bind that changes CPUs must widen/narrow the child cpuset too
+                return previous.cpuset_child, cpus, None
+            return None, frozenset(), None
+        if not mems:
+            raise UsageError("empty memory-node list")
+        nodes = self.online_nodes()
+        bad = mems - nodes
+        if bad:
+            raise UsageError(f"NUMA node {format_cpulist(bad)} is not online (online: "
+                             f"{format_cpulist(nodes)})", mems=format_cpulist(bad))
+        if base is not None:
+            allowed_mems = base.effective_mems()
+            if not mems <= allowed_mems:
+                raise UsageError(
+                    f"NUMA nodes {format_cpulist(mems - allowed_mems)} are outside cgroup "
+                    f"cpuset {base.path} of process {t.pid} (it allows mems "
+                    f"{format_cpulist(allowed_mems)})")
+        if base is not None and base.can_nest():
+            child = (previous.cpuset_child if previous and previous.cpuset_child
+                     else base.child(child_name(t.pid, t.start_time)))
+            return child, cpus if cpus is not None else allowed, None
+        why = ("cgroup v2 without the cpuset controller for this process"
+               if base is not None else "no cpuset cgroup hierarchy is mounted")
+        if base is not None and base.kubelet_owned:
+            why = (f"cgroup {base.path} is the kubelet's (kubepods): tunerd makes no "
+                   f"child cgroup there; start the job with `tunerctl run` (it sets its "
+                   f"memory policy itself before the exec) to confine it")
+        notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
+                     f"{why}; existing pages moved with migrate_pages(2)")
+        return None, frozenset(), nodes - mems
+
+    def _originals(self, t: Target, previous: Originals | None,
+                   old_nofile: tuple[int, int] | None) -> Originals:
+        """What the process had before the first bind (kept from it on a re-bind)."""
+        if previous is not None:
+            orig = previous.copy()
+            if orig.nofile is None:
+                orig.nofile = old_nofile
+            return orig
+        orig = Originals(pid=t.pid, start_time=t.start_time,
+                         process_cpus=self._affinity(t, t.pid), nofile=old_nofile)
+        for tid in self.tids(t.pid):
+            try:
+                orig.threads[tid] = frozenset(os.sched_getaffinity(tid))
+            except ProcessLookupError:
+                pass
+        return orig
 
     def _affinity(self, t: Target, tid: int) -> frozenset[int]:
         try:
@@ -666,8 +655,10 @@ class Binder:
                           mask(old), mask(new))
         if rc < 0:
             e = ctypes.get_errno()
+            why = (" — moving the pages of another user's process needs CAP_SYS_NICE, "
+                   "which tunerd does not have" if e == errno.EPERM else "")
             raise Failed(f"migrate_pages(pid {t.pid}, {format_cpulist(old)} -> "
-                         f"{format_cpulist(new)}) failed: {os.strerror(e)}", pid=t.pid)
+                         f"{format_cpulist(new)}) failed: {os.strerror(e)}{why}", pid=t.pid)
         after = self.pages_per_node(t.pid)
         outside = sum(n for node, n in before.items() if node not in new)
         return max(0, outside - sum(n for node, n in after.items() if node not in new))
@@ -753,3 +744,26 @@ class Binder:
             return orig.cpuset_child.remove()
         except OSError:
             return False
+
+
+def _checked_cpus(t: Target, cpus: frozenset[int], online: frozenset[int],
+                  allowed: frozenset[int], base: CpusetCgroup | None,
+                  notes: list[str]) -> frozenset[int]:
+    """``cpus`` inside what the process may use (online, its cgroup cpuset)."""
+    where = f"cgroup cpuset {base.path}" if base else "online CPUs"
+    if not cpus:
+        raise UsageError("empty CPU list")
+    offline = cpus - online
+    if offline:
+        raise UsageError(
+            f"CPU {format_cpulist(offline)} is not online (online: "
+            f"{format_cpulist(online)})", cpus=format_cpulist(offline))
+    eff = cpus & allowed
+    if not eff:
+        raise UsageError(
+            f"CPUs {format_cpulist(cpus)} are outside what process {t.pid} may use: "
+            f"{where} allows {format_cpulist(allowed)}")
+    if eff != cpus:
+        notes.append(f"CPUs {format_cpulist(cpus - eff)} dropped: {where} allows "
+                     f"{format_cpulist(allowed)}")
+    return eff

@@ -262,7 +262,10 @@ class _Cache:
 
 
 class PodResourcesSource:
-    """The PodResources client with its cache, backoff and the pod join."""
+    """The PodResources client with its cache, backoff and the pod join (a daemon
+    service only for its status: it starts nothing)."""
+
+    name = "podresources"
 
     def __init__(self, socket_path: Path = DEFAULT_SOCKET, *,
                  proc_root: Path = Path("/proc"),
@@ -326,6 +329,22 @@ class PodResourcesSource:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        self.close()
+
+    def status(self) -> dict[str, Any]:
+        pods = len(self._cache.pods)
+        summary = (f"{self.lists_total} List call(s), {pods} pod(s) in the last answer"
+                   if self.lists_total else f"not asked yet ({self.socket_path})")
+        if self.last_error:
+            summary += f"; last error: {self.last_error}"
+        return {"summary": summary, "socket": str(self.socket_path),
+                "lists_total": self.lists_total, "errors_total": self.errors_total,
+                "last_error": self.last_error, "pods": pods}
 
     # -- the join --------------------------------------------------------------------
     def _identity(self, pid: int, uid: str) -> tuple[str, str] | None:

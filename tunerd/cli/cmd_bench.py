@@ -40,7 +40,9 @@ def workload_options(f: F) -> F:
                      help="Noisy neighbour: a CPU hog runs during every run (exclusive "
                           "placements move it off their CPUs)."),
         click.option("--python", "python", metavar="PATH", default=None,
-                     help="Interpreter of the built-in workload [default: tunerctl's own]."),
+                     help="Interpreter of the built-in workload [default: the first with "
+                          "torch of python3 on PATH, the config's job_python, tunerctl's "
+                          "own]."),
         click.option("--steps", type=click.IntRange(2, 1_000_000), default=None,
                      help=f"Batches of the built-in workload per run [default: {DEFAULT_STEPS}; "
                           f"--quick: {QUICK_STEPS}]."),
@@ -140,7 +142,7 @@ def workload_command(cmd: tuple[str, ...], python: str | None,
 def resolve_workload(command: list[str], python: str | None, steps: int | None, quick: bool,
                      path_env: dict[str, str]) -> tuple[list[str], Any, str, dict[str, str]]:
     """(command, interpreter, workload name, environment): CMD as given, or the built-in
-    workload in --python's interpreter (which must have torch) with its step count."""
+    workload in its interpreter (which must have torch) with its step count."""
     from tunerd.bench import builtin_command
     from tunerd.bench.workload import NAME
 
@@ -228,7 +230,8 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
     placement). Arms can also differ in training settings (num_workers, pin_memory, amp,
     compile), which reach the command through tunerd.torch's environment overrides.
     Without CMD the built-in workload runs (the guide's example: nn.Linear(1024, 1024),
-    AMP, gradient accumulation, a DataLoader with workers), in --python's interpreter.
+    AMP, gradient accumulation, a DataLoader with workers), in --python's interpreter
+    (default: found as doctor finds the training Python; the report says which).
     A command reports its figure of merit by printing
     `TUNERD_METRIC <name> <value> [higher|lower]` or through tunerd.torch.StepReporter;
     otherwise wall time is compared.

@@ -113,6 +113,12 @@ def _human_jobs(r: dict[str, Any]) -> str:
     if replay_only:
         out.append("* placed on the replayed topology only: nothing applied "
                    "(`tunerctl --json jobs` has each explanation)")
+    why = [f"  {j['pid']}: {j['why']}" for j in r.get("jobs") or [] if j.get("why")]
+    alone = [f"  {x['pid']}: {x['why']}" for x in r.get("left_alone") or []]
+    if why:
+        out += ["", "taken as (by the daemon's intake):", *why]
+    if alone:
+        out += ["", "matched a rule but left alone:", *alone]
     leases = r.get("leases") or []
     if leases:
         lrows = [("LEASE", "USER", "GPUS", "CPUS", "PID", "TAG", "EXCLUSIVE")]

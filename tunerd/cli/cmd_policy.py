@@ -44,8 +44,11 @@ def _human_check(report: dict[str, Any]) -> str:
 @click.option("--gpu-model", "gpu_model", help="Match as a node with this GPU model.")
 @click.option("--gpus", type=click.IntRange(0, 1024),
               help="Number of GPUs of --gpu-model (default 1).")
+@click.option("--explain", is_flag=True,
+              help="Also list, for every key of the effective policy, the file:line that "
+                   "set it and the files it overrode (as `policy show --explain`).")
 def check(paths: tuple[Path, ...], snapshot: Path | None, hostname: str | None,
-          gpu_model: str | None, gpus: int | None) -> int:
+          gpu_model: str | None, gpus: int | None, explain: bool) -> int:
     """Validate policy files offline (no daemon needed). Exit 1 on any error.
 
     PATHs are files or directories (default /etc/tunerd/policies); each directory is
@@ -71,7 +74,14 @@ def check(paths: tuple[Path, ...], snapshot: Path | None, hostname: str | None,
         facts = NodeFacts(hostname=facts.hostname,
                           gpu_models=(gpu_model or "unknown GPU",) * count)
     report = check_paths(targets, facts)
-    ctx.emit(report, _human_check)
+
+    def human(r: dict[str, Any]) -> str:
+        text = _human_check(r)
+        if explain and r.get("provenance") is not None:
+            text += "\n\n" + _human_explain({"provenance": r["provenance"]})
+        return text
+
+    ctx.emit(report, human)
     return 1 if any(f["errors"] for f in report["files"]) else 0
 
 

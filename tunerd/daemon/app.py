@@ -57,6 +57,8 @@ class Daemon:
                  pidlock: PidLock | None = None) -> None:
         self.server = server
         self.services = services
+        # refuses a valid policy on every reload (config reload_rebinds_running = false)
+        self.reload_guard: Callable[[Policy], str | None] | None = None
         self.policy = policy
         self.errors = errors
         self.notifier = notifier
@@ -77,6 +79,7 @@ class Daemon:
         ``guard`` may refuse a valid policy (``reload --no-rebind-running``): it returns
         why, and the old policy stays, as for a bad one, without counting as an error.
         """
+        guard = guard if guard is not None else self.reload_guard
         async with self._reloading:
             self.notifier.reloading()
             try:
@@ -93,6 +96,8 @@ class Daemon:
             refused = guard(new) if guard is not None else None
             if refused is not None:
                 log.warning("reload refused: %s", refused)
+                self.errors.record("reload", f"reload refused, keeping the previous policy: "
+                                   f"{refused}", level="warning")
                 self.notifier.send("READY=1")
                 return {"reloaded": False, "error": refused, "refused": True,
                         "in_force": self.policy.policy.sources if self.policy.policy else []}

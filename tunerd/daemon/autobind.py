@@ -17,7 +17,6 @@ does not even subscribe to exec events.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import statistics
@@ -28,21 +27,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
+from tunerd.daemon.intake import Intake, JobContext, bounded_int, request
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import user_name
+from tunerd.daemon.peer import Peer
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
-from tunerd.daemon.router import Peer
+from tunerd.daemon.placer import Placer, Reservation
 from tunerd.errors import NoSuchProcess, TunerdError
 from tunerd.logutil import acting_for
 from tunerd.placement import Placement, mems_of
-from tunerd.text import bounded_int
-from tunerd.topology.visible import gpus_from_env
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
 
@@ -70,21 +67,18 @@ def _cut(cmdline: str, width: int = 80) -> str:
     return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
 
 
-def _int_env(env: dict[str, str], name: str) -> int | None:
-    return bounded_int(env.get(name), 0, 1 << 20)  # 5,000 digits: ignored, no ValueError
-
-
 class AutoBinder:
     name = "autobind"
 
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
-                 mover: ExclusiveMover, errors: ErrorLog, *,
+                 mover: ExclusiveMover, errors: ErrorLog, intake: Intake, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = jobs
+        self.intake = intake
         self.pidwatch = pidwatch
         self.mover = mover
         self.errors = errors
@@ -100,6 +94,12 @@ class AutoBinder:
         self.partial = 0  # bound, but a limit or memory step was left out
         self.last_error: str | None = None
         self._pending: dict[int, asyncio.Task[None]] = {}
+        # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
+        self.left_alone: dict[int, str] = {}
+        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        # descendants and left-alone processes a rescan need not look at again (until
+        # they exec: an exec event looks at them afresh)
+        self._settled: set[int] = set()
         self._scanning = False  # True while binding processes that ran before the rules
         # pid -> start time of processes whose binding failed: not retried (a /proc
         # scan or an overrun rescan would otherwise repeat the same error forever)
@@ -158,6 +158,7 @@ class AutoBinder:
                 "latency_ms": latency, "matched": self.matched, "failed": self.failed,
                 "partial": self.partial, "last_error": self.last_error,
                 "bound_at_start": len(at_start),
+                "left_alone": self.left_alone_now(),
                 "bound": [{"pid": b.pid, "rule": b.rule,
                            "cpus": format_cpulist(b.placement.cpus or frozenset()),
                            "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
@@ -166,6 +167,12 @@ class AutoBinder:
                            "latency_ms": None if b.bound_at is None else
                            round((b.bound_at - b.exec_seen) * 1000, 3)}
                           for b in self.bound.values()]}
+
+    def left_alone_now(self) -> list[dict[str, Any]]:
+        """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
+        that set their own affinity) and that still run, with why."""
+        return [{"pid": p, "why": w} for p, w in sorted(self.left_alone.items())
+                if procfs.read_start_time(p, self.proc) is not None][:100]
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> tuple[RuleMatch, float] | None:
@@ -193,27 +200,31 @@ class AutoBinder:
         self._pending[m.pid] = task
 
     def rescan(self) -> None:
+        for hook in self.rescan_hooks:
+            hook()
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
-            if pid != me and pid not in self.bound:
+            if pid != me and pid not in self.bound and pid not in self._settled:
                 self.on_exec(pid)
 
     def preview(self, m: RuleMatch) -> Placement:
         """Where ``m`` would be bound, computed as a bind would, changing nothing
         (``tunerctl plan --policy-dir``). Raises what placing raises."""
-        ppid = procfs.Process(m.pid, self.proc).stat().ppid
-        return self._place(m, self._group(m, ppid))
+        ctx = self.intake.describe(m.pid, env=m.env, argv=m.cmdline.split(" "))
+        return self._place(m, ctx, self._group(m, ctx))
 
     # -- binding ---------------------------------------------------------------
-    def _group(self, m: RuleMatch, ppid: int) -> str:
+    def _group(self, m: RuleMatch, ctx: JobContext) -> str:
+        if ctx.group:
+            return f"{m.rule.name}/{ctx.group}"
         run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
         if run_id:
-            return f"{m.rule.name}/{run_id}"
-        return f"{m.rule.name}/ppid {ppid}"
+            return f"{m.rule.name}/{run_id[:64]}"
+        return f"{m.rule.name}/ppid {ctx.ppid}"
 
     def _workers(self, m: RuleMatch) -> int:
         """DataLoader workers per rank: the job's own setting first, then the rule's."""
-        env_n = _int_env(m.env, "TUNERD_NUM_WORKERS")
+        env_n = bounded_int(m.env, "TUNERD_NUM_WORKERS", [], hi=4096)
         if env_n is not None:
             return env_n
         if m.rule.workers is not None:
@@ -221,123 +232,132 @@ class AutoBinder:
         n = m.rule.torch.num_workers
         return n if n is not None else 0
 
-    def _place(self, m: RuleMatch, group: str) -> Placement:
+    def _place(self, m: RuleMatch, ctx: JobContext, group: str) -> Placement:
         rule = m.rule
-        topo = self.placer.topo
-        alloc = read_allocation(m.pid, m.env, topo, online=self.placer.host.cpus)
-        enclosing = self.placer.enclosing_cpus(m.pid)
-        if enclosing is not None:  # under a `tunerctl run` lease: stay inside it
-            cpus = enclosing if alloc.cpus is None else (alloc.cpus & enclosing or alloc.cpus)
-            alloc = dataclasses.replace(alloc, cpus=cpus,
-                                        scheduler=alloc.scheduler or "tunerctl run")
-        gpu_ids = gpus_from_env(topo, m.env, allowed=scheduler_gpus(m.pid, topo, m.env))
+        gpu_ids = ctx.gpus
+        what = f"rule {rule.name}"
         if rule.cpus is not None:
-            return self.placer.place(PlaceRequest(
-                cpus=rule.cpus, gpu_ids=gpu_ids or None, allocation=alloc,
-                what=f"rule {rule.name}"))
-        exclusive = rule.exclusive or rule.placement == "exclusive"
-        req = PlaceRequest(
-            gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
-            gpu_ids=gpu_ids or None, mode=rule.placement, exclusive=exclusive,
-            allocation=alloc, workers=self._workers(m), rank=_int_env(m.env, "LOCAL_RANK"),
-            ranks=_int_env(m.env, "LOCAL_WORLD_SIZE"), group=group,
-            ignore_busy_gpus=bool(gpu_ids), what=f"rule {rule.name}")
-        return self.placer.place(req)
+            return self.placer.place(request(ctx, cpus=rule.cpus, gpu_ids=gpu_ids or None,
+                                             rank=None, ranks=None, group=None, what=what))
+        return self.placer.place(request(
+            ctx, gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
+            gpu_ids=gpu_ids or None, mode=rule.placement,
+            exclusive=rule.exclusive or rule.placement == "exclusive",
+            workers=self._workers(m), group=group, ignore_busy_gpus=bool(gpu_ids), what=what))
+
+    def _look(self, m: RuleMatch) -> JobContext | None:
+        """The intake's view of a match; None where there is nothing to do."""
+        pid = m.pid
+        try:
+            ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "))
+        except TunerdError as err:
+            self.matched += 1
+            log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
+            return None  # gone (or unreadable) before we got to it
+        # a process seen before (a rescan, or another exec of it) is no new match
+        if self._failed.get(pid) == ctx.start_time:
+            return None
+        prev = self.bound.get(pid)
+        if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
+            return None  # the same process exec'd again (sh -> python): keep its place
+        if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
+            self._left_alone(ctx)
+            self._settle(ctx)
+            return None
+        if m.rule.rank and ctx.role not in ("rank", "descendant"):
+            return None
+        log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
+        return ctx
+
+    def _settle(self, ctx: JobContext) -> None:
+        if len(self._settled) > 100_000:
+            self._settled.clear()
+        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled.discard):
+            self._settled.add(ctx.pid)
+
+    def _left_alone(self, ctx: JobContext) -> None:
+        if len(self.left_alone) > 1000:
+            self.left_alone.clear()
+        if ctx.pid not in self.left_alone:
+            log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
+        self.left_alone[ctx.pid] = ctx.why
+
+    async def _after_parent(self, m: RuleMatch, ctx: JobContext) -> JobContext:
+        """A descendant whose rank is being bound right now (a /proc rescan finds both):
+        wait for that, then look again, so that it is narrowed into the rank's CPUs."""
+        parent = self._pending.get(ctx.ppid)
+        if ctx.parent_cpus is not None or parent is None:
+            return ctx
+        await asyncio.wait([parent], timeout=5)
+        return self.intake.describe(ctx.pid, env=m.env, argv=m.cmdline.split(" "))
+
+    async def _narrow(self, m: RuleMatch, ctx: JobContext) -> None:
+        """A descendant of a bound rank (worker, forkserver, compile helper): never a
+        rank; kept inside its rank's CPUs (narrowed where it ran outside them)."""
+        cpus = ctx.parent_cpus
+        mask = ctx.allocation.mask
+        if cpus is not None:
+            self._settle(ctx)
+        if cpus is None or (mask is not None and mask <= cpus):
+            return
+        self.matched += 1
+        await self.jobs.bind(ctx.pid, peer=self.peer, placement=Placement(
+            cpus=cpus, mems=None, explanation=f"worker of rank {ctx.parent_rank}: "
+                                              "kept inside the rank's CPUs"),
+            origin="worker", name=m.rule.name, cmdline=m.cmdline, partial=True,
+            why=ctx.why)
+        log.info("rule %s: pid %d (%s) narrowed to rank %s's CPUs %s", m.rule.name, ctx.pid,
+                 ctx.comm, ctx.parent_rank, format_cpulist(cpus))
+
+    def _adopt(self, m: RuleMatch, ctx: JobContext, group: str, seen: float,
+               at_start: bool) -> bool:
+        """A process bound by a rule before a daemon restart keeps its place."""
+        job = self.jobs.record(ctx.pid)
+        if job is None or job.start_time != ctx.start_time:
+            return False
+        if job.origin != "rule":
+            log.debug("pid %d matches rule %s but is bound by %s; left alone", ctx.pid,
+                      m.rule.name, job.origin)
+            return True
+        if ctx.pid not in self.bound:
+            cpus = job.cpu_set()
+            placed = Placement(cpus=cpus, mems=mems_of(self.placer.topo, cpus),
+                               gpus=job.gpus, explanation=job.explanation or "")
+            self._hold(m, ctx, group, placed, seen, at_start)
+            return True
+        return False
 
     async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
         pid = m.pid
         acting_for(m.uid)  # its own task: what it logs counts against the process's owner
         try:
-            try:  # one read of /proc/PID/stat: the start time, and the parent for _group
-                stat = procfs.Process(pid, self.proc).stat()
-            except TunerdError:
-                self.matched += 1
-                return  # gone (or unreadable) before we got to it
-            start = stat.start_time
-            # a process seen before (a rescan, or another exec of it) is no new match
-            if self._failed.get(pid) == start:
+            ctx = self._look(m)
+            if ctx is None:
                 return
-            prev = self.bound.get(pid)
-            if prev is not None and prev.start_time == start and prev.rule == m.rule.name:
-                return  # the same process exec'd again (sh -> python): keep its place
-            job = self.jobs.record(pid)
-            if job is not None and job.get("start_time") not in (None, start):
-                job = None
-            if job is not None and job.get("origin") != "rule":
-                log.debug("pid %d matches rule %s but is bound by %s; left alone", pid,
-                          m.rule.name, job.get("origin"))
+            if ctx.role == "descendant":
+                await self._narrow(m, await self._after_parent(m, ctx))
+                return
+            group = self._group(m, ctx)
+            if self._adopt(m, ctx, group, seen, at_start):
                 return
             self.matched += 1
             refused = rule_reach_refused(m.rule, m.uid)  # the one gate (tunerd.daemon.gate)
             if refused is not None:
                 log.debug("pid %d: %s; not bound", pid, refused)
                 return
-            group = self._group(m, stat.ppid)
-            exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
-            if job is not None and prev is None:  # bound before a daemon restart: adopt
-                from tunerd.cpulist import parse_cpulist
-
-                cpus = parse_cpulist(str(job.get("cpus") or ""))
-                placed = Placement(cpus=cpus, mems=mems_of(self.placer.topo, cpus),
-                                   gpus=tuple(job.get("gpus") or ()),
-                                   explanation=str(job.get("explanation") or ""))
-                self._hold(m, start, group, placed, seen, at_start, exclusive)
-                return
-            placed = self._place(m, group)
+            placed = self._place(m, ctx, group)
             # reserve before the first await so concurrent ranks see these CPUs taken
-            rb = self._hold(m, start, group, placed, seen, at_start, exclusive)
+            rb = self._hold(m, ctx, group, placed, seen, at_start)
             if rb is None:
                 return
             if not placed.applicable:
                 log.info("rule %s: pid %d placed on the replayed topology (GPUs %s, CPUs %s); "
                          "%s", m.rule.name, pid, placed.gpus,
                          format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
-                self.jobs.note_unapplied(pid, start, placed, origin="rule", name=m.rule.name,
-                                         cmdline=m.cmdline)
+                self.jobs.note_unapplied(pid, ctx.start_time, placed, origin="rule",
+                                         name=m.rule.name, cmdline=m.cmdline)
                 return
-            t_bind = time.monotonic()
-            # CPUs first: thread affinity is quick, while memory nodes need a cpuset
-            # cgroup (and page migration) -- the process should not run on the
-            # wrong CPUs while that is set up
-            nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
-            nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
-            res = await self.jobs.bind(pid, peer=self.peer,
-                                       placement=Placement(
-                                           cpus=placed.cpus, mems=None, gpus=placed.gpus,
-                                           explanation=placed.explanation),
-                                       nofile=nofile, origin="rule", name=m.rule.name,
-                                       cmdline=m.cmdline, partial=True,
-                                       persist_after=True)  # bind first, persist after
-            rb.bound_at = time.monotonic()
-            self.latencies_ms.append((rb.bound_at - seen) * 1000)
-            rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
-                         **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
-            notes = list(res.get("notes") or [])
-            mems = self.placer.bindable_mems(placed.mems)
-            if mems:
-                res2 = await self.jobs.bind(pid, peer=self.peer,
-                                            placement=Placement(cpus=None, mems=mems),
-                                            origin="rule", name=m.rule.name, partial=True)
-                notes += [n for n in res2.get("notes") or [] if n not in notes]
-            owner = user_name(m.uid)
-            log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms",
-                     m.rule.name, pid, _cut(m.cmdline), owner,
-                     ", already running at start" if at_start else "",
-                     format_cpulist(placed.cpus or frozenset()),
-                     ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000)
-            left_out = [n for n in notes if "not set" in n]
-            if left_out:
-                # the rule asked for more than the daemon may do (a limit without
-                # CAP_SYS_RESOURCE): the CPUs are bound, the rest is an error until the
-                # process ends, so `tunerctl status` exits 1 and an operator hears of it
-                self.partial += 1
-                self.errors.record("autobind", f"rule {m.rule.name}, pid {pid}: bound to CPUs "
-                                   f"{format_cpulist(placed.cpus or frozenset())}, but "
-                                   + "; ".join(left_out), key=f"partial:{pid}")
-                self.pidwatch.watch(pid, start, "rule-partial", self._partial_exited)
-            if m.rule.exclusive and m.rule.exclusive_scope:
-                self.mover.move_off(f"rule:{pid}:{start}", m.rule.exclusive_scope,
-                                    placed.cpus or frozenset(), pid, 0)
+            await self._apply(m, ctx, rb, placed, seen, at_start)
         except NoSuchProcess:
             self._forget(pid)  # exited before we got to it: the normal case for short jobs
         except TunerdError as err:
@@ -348,16 +368,65 @@ class AutoBinder:
         finally:
             self._pending.pop(pid, None)
 
-    def _hold(self, m: RuleMatch, start: int, group: str, placed: Placement, seen: float,
-              at_start: bool, exclusive: bool) -> RuleBound | None:
-        rb = RuleBound(pid=m.pid, start_time=start, rule=m.rule.name, group=group, uid=m.uid,
-                       placement=placed, exec_seen=seen, at_start=at_start)
+    async def _apply(self, m: RuleMatch, ctx: JobContext, rb: RuleBound, placed: Placement,
+                     seen: float, at_start: bool) -> None:
+        pid = ctx.pid
+        t_bind = time.monotonic()
+        # CPUs first: thread affinity is quick, while memory nodes need a cpuset
+        # cgroup (and page migration) -- the process should not run on the
+        # wrong CPUs while that is set up
+        nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+        nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
+        res = await self.jobs.bind(pid, peer=self.peer, placement=Placement(
+            cpus=placed.cpus, mems=None, gpus=placed.gpus, explanation=placed.explanation),
+            nofile=nofile, origin="rule", name=m.rule.name, cmdline=m.cmdline, partial=True,
+            why=ctx.why, persist_after=True)  # bind first, persist after
+        rb.bound_at = time.monotonic()
+        self.latencies_ms.append((rb.bound_at - seen) * 1000)
+        rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
+                     **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
+        notes = list(res.get("notes") or [])
+        mems = self.placer.bindable_mems(placed.mems)
+        if mems:
+            res2 = await self.jobs.bind(pid, peer=self.peer,
+                                        placement=Placement(cpus=None, mems=mems),
+                                        origin="rule", name=m.rule.name, partial=True)
+            notes += [n for n in res2.get("notes") or [] if n not in notes]
+        log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms"
+                 " (%s)", m.rule.name, pid, _cut(m.cmdline), user_name(m.uid),
+                 ", already running at start" if at_start else "",
+                 format_cpulist(placed.cpus or frozenset()),
+                 ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000, ctx.why)
+        self._partial(m, ctx, placed, notes)
+        if m.rule.exclusive and m.rule.exclusive_scope:
+            self.mover.move_off(f"rule:{pid}:{ctx.start_time}", m.rule.exclusive_scope,
+                                placed.cpus or frozenset(), pid, 0)
+
+    def _partial(self, m: RuleMatch, ctx: JobContext, placed: Placement,
+                 notes: list[str]) -> None:
+        left_out = [n for n in notes if "not set" in n]
+        if not left_out:
+            return
+        # the rule asked for more than the daemon may do (a limit without
+        # CAP_SYS_RESOURCE): the CPUs are bound, the rest is an error until the
+        # process ends, so `tunerctl status` exits 1 and an operator hears of it
+        self.partial += 1
+        self.errors.record("autobind", f"rule {m.rule.name}, pid {ctx.pid}: bound to CPUs "
+                           f"{format_cpulist(placed.cpus or frozenset())}, but "
+                           + "; ".join(left_out), key=f"partial:{ctx.pid}")
+        self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
+
+    def _hold(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
+              seen: float, at_start: bool) -> RuleBound | None:
+        exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
+        rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
+                       uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
         self.bound[m.pid] = rb
         self.placer.reserve(Reservation(
             key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
-            pid=m.pid, group=group))
-        if not self.pidwatch.watch(m.pid, start, "rule", self._exited):
+            pid=m.pid, group=group, job=ctx.job_key))
+        if not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
             return None
         return rb

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import Any
 
-from tunerd import procfs
-from tunerd.allocation import read_allocation, scheduler_gpus
 from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
-from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.intake import Intake, JobContext, request
+from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
-from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
+from tunerd.daemon.peer import host_pid
+from tunerd.daemon.placer import Placer, Reservation
+from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, NoSuchProcess, UsageError
+from tunerd.errors import Failed, UsageError
 from tunerd.placement import Placement
-from tunerd.topology.visible import gpus_from_env, gpus_from_nvml, out_of_range_notes
+from tunerd.topology.visible import gpus_from_nvml
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 
@@ -37,14 +38,18 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
 
 
 class BindCommands:
-    def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService) -> None:
+    def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService,
+                 intake: Intake,
+                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.jobs = jobs
+        self._left_alone = left_alone
         self.placer = placer
         self.leases = leases
         self.gate = leases.gate
+        self.intake = intake
         jobs.on_exit(self._exited)
 
-    def _exited(self, pid: int, rec: dict[str, Any]) -> None:
+    def _exited(self, pid: int, rec: Binding) -> None:
         self.placer.release(f"bind:{pid}")
         self.gate.drop(f"bind:{pid}")
 
@@ -54,80 +59,107 @@ class BindCommands:
         router.add("jobs", self.list_jobs)
 
     async def bind(self, req: Request) -> dict[str, Any]:
-        pid = req.arg("pid", int)
+        pid = host_pid(req.peer, req.arg("pid", int))
         cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
         nofile = req.arg("nofile", int, None)
-        ncpus = req.arg("ncpus", int, None)
         exclusive = req.arg("exclusive", bool, False)
+        ncpus = req.arg("ncpus", int, None)
         notes: list[str] = []
-        if exclusive:  # a reservation: the one gate of alloc and run (tunerd.daemon.gate)
-            self.jobs.authorize(pid, req.peer)
-            self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")
         if not req.peer.is_root:
             nofile = self.gate.cap_nofile(req.peer.uid, pid, nofile, notes) or nofile
-        placement: Placement | None
-        if (cpus is None and mems is None) or gpus is not None:
-            self.jobs.authorize(pid, req.peer)  # before anything is reserved
-            placed = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None else None,
-                                     exclusive, ncpus, notes)
+        seen: list[JobContext] = []
+
+        def admit() -> None:
+            """A reservation: the one gate of alloc and run (tunerd.daemon.gate); runs
+            once the process is pinned and its owner checked, before anything moves."""
+            if exclusive:
+                self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")
+
+        def place() -> tuple[Placement | None, str | None]:
+            """Near its GPUs; runs once the process is pinned and its owner checked."""
+            admit()
+            placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
+                                          else None, exclusive, ncpus)
+            seen.extend([ctx] if ctx is not None else [])
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
-                    raise UsageError("; ".join([NO_PLACEMENT, *notes]))
+                    # with what was ignored on the way (a 5,000-digit LOCAL_RANK)
+                    raise UsageError("; ".join([NO_PLACEMENT, *notes,
+                                                *(ctx.notes if ctx is not None else ())]))
                 notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
-                placement = None
-            else:
-                placement = Placement(
-                    cpus=cpus if cpus is not None else placed.cpus,
-                    mems=mems if mems is not None else placed.mems, gpus=placed.gpus,
-                    explanation=placed.explanation)
-                notes += [n for n in placed.notes if not n.startswith("topology replay")]
+                return None, None
+            notes.extend(n for n in placed.notes if not n.startswith("topology replay"))
+            return Placement(cpus=cpus if cpus is not None else placed.cpus,
+                             mems=mems if mems is not None else placed.mems,
+                             gpus=placed.gpus, explanation=placed.explanation), \
+                ctx.why if ctx is not None else None
+
+        placing: Placement | Placing
+        if (cpus is None and mems is None) or gpus is not None:
+            placing = place
         else:
-            placement = Placement.given(cpus, mems, explanation="as given on the command line")
-        result = await self.jobs.bind(pid, peer=req.peer, placement=placement, nofile=nofile,
+            def given() -> tuple[Placement | None, str | None]:
+                admit()
+                return Placement.given(cpus, mems,
+                                       explanation="as given on the command line"), None
+
+            placing = given
+        result = await self.jobs.bind(pid, peer=req.peer, placement=placing, nofile=nofile,
                                       origin="cli")
-        if exclusive and placement is not None and placement.cpus and not result.get("dry_run"):
-            self.placer.reserve(Reservation(
-                key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
-                gpus=placement.gpus, cpus=placement.cpus, exclusive=True, pid=pid))
-            self.gate.hold(f"bind:{pid}", req.peer.uid)
+        if result.get("cpus") and not result.get("dry_run"):
+            if seen:
+                self._reserve(pid, result, seen[0], exclusive)
+            elif exclusive:
+                self.placer.reserve(Reservation(
+                    key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
+                    gpus=(), cpus=parse_cpulist(result["cpus"]), exclusive=True, pid=pid))
+            if exclusive:
+                self.gate.hold(f"bind:{pid}", req.peer.uid)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
+    def _reserve(self, pid: int, result: dict[str, Any], ctx: JobContext,
+                 exclusive: bool) -> None:
+        """An exclusive bind holds its CPUs; a rank or Slurm task holds them against
+        the other ranks/tasks of its job (they split the allocation)."""
+        group = request(ctx).group
+        if not exclusive and group is None:
+            return
+        self.placer.reserve(Reservation(
+            key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
+                                      f"{' --exclusive' if exclusive else ''})",
+            # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
+            # inside the job may take that GPU: the job's own processes use it)
+            gpus=tuple(result.get("gpus") or ()) if exclusive else (),
+            cpus=parse_cpulist(result["cpus"]),
+            exclusive=exclusive, pid=pid, group=group, job=ctx.job_key))
+
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
-                   ncpus: int | None, notes: list[str] | None = None) -> Placement | None:
+                   ncpus: int | None) -> tuple[Placement | None, JobContext | None]:
         """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
 
         A process bound already keeps its place (None) unless --gpus names GPUs.
         """
         topo = self.placer.topo
         if gpus is None and self.jobs.is_bound(pid):
-            return None
-        env = procfs.read_environ(pid)
-        if env is None:
-            if not os.path.exists(os.path.join(procfs.PROC, str(pid))):
-                raise NoSuchProcess(f"no process with pid {pid}", pid=pid)
-            raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
-        if notes is not None:
-            notes += out_of_range_notes(env)  # hostile numbers: ignored, said so
+            return None, None
+        ctx = self.intake.describe(pid)
         how = "--gpus"
         if gpus is None:
-            gpus = gpus_from_env(topo, env, allowed=scheduler_gpus(pid, topo, env))
-            how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+            gpus, how = ctx.gpus, ctx.gpus_how
             if not gpus:
-                gpus = gpus_from_nvml(pid)
+                gpus = tuple(gpus_from_nvml(pid) or ())
                 how = "NVML (GPUs it has contexts on)"
         if not gpus:
-            return None
+            return None, ctx
         known = {g.index for g in topo.gpus}
         unknown = [g for g in gpus if g not in known]
         if unknown:
             raise UsageError(
                 f"{NO_PLACEMENT} for GPU {','.join(map(str, unknown))}: not on this node "
                 f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
-        alloc = read_allocation(pid, env, topo, online=self.placer.host.cpus)
-        placed = self.placer.place(PlaceRequest(
-            gpu_ids=tuple(gpus), exclusive=exclusive, allocation=alloc, ncpus=ncpus,
-            ignore_busy_gpus=True, what=f"process {pid}"))
+        placed = self.placer.place(request(ctx, gpu_ids=tuple(gpus), exclusive=exclusive,
+                                           ncpus=ncpus, ignore_busy_gpus=True))
         if not placed.applicable:
             raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
                          f"{','.join(map(str, gpus))}; would bind CPUs "
@@ -136,10 +168,10 @@ class BindCommands:
         return Placement(cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
                          gpus=placed.gpus,
                          explanation=f"GPUs from {how}; {placed.explanation}",
-                         notes=placed.notes)
+                         notes=placed.notes), ctx
 
     async def unbind(self, req: Request) -> dict[str, Any]:
-        pid = req.arg("pid", int)
+        pid = host_pid(req.peer, req.arg("pid", int))
         out = await self.jobs.unbind(pid, peer=req.peer)
         self.placer.release(f"bind:{pid}")
         self.gate.drop(f"bind:{pid}")
@@ -148,4 +180,5 @@ class BindCommands:
     async def list_jobs(self, req: Request) -> dict[str, Any]:
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
-                "leases": seen.redact(req.peer, self.leases.list_leases())}
+                "leases": seen.redact(req.peer, self.leases.list_leases()),
+                "left_alone": seen.redact(req.peer, self._left_alone())}

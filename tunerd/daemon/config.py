@@ -39,6 +39,9 @@ class DaemonConfig:
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     max_connections_per_user: int = 128  # open control connections per non-root uid
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
+    # a reload binds the matching processes already running; false: refuse a policy that
+    # would bind other users' running processes (as `tunerctl reload --no-rebind-running`)
+    reload_rebinds_running: bool = True
     # -- host settings: roots the tuners read and write (tests point them at a temp tree)
     proc_root: Path = Path("/proc")
     sys_root: Path = Path("/sys")
@@ -146,6 +149,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                                  _count(1)),
     "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",
                     _bool),
+    "reload_rebinds_running": ("false: a reload refuses a policy binding others' running "
+                               "processes", _bool),
     "proc_root": ("/proc the host-setting tuners use (tests: a temporary tree)", _path),
     "sys_root": ("/sys the host-setting tuners use", _path),
     "etc_root": ("/etc the host-setting tuners use (nccl.conf)", _path),

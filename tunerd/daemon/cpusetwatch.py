@@ -62,8 +62,9 @@ class CpusetWatch:
 
     def __init__(self, jobs: Jobs, rebind: Rebind, *, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, inotify: bool = True) -> None:
         self._jobs = jobs
+        self._use_inotify = inotify  # False: the poll alone (cgroupfs without inotify)
         self._on_change = on_change  # the kubelet changed a cpuset (PodResources: List again)
         self._rebind = rebind
         self.proc = proc_root
@@ -83,6 +84,9 @@ class CpusetWatch:
 
     # -- service ---------------------------------------------------------------------
     async def start(self) -> None:
+        if not self._use_inotify:
+            self._task = asyncio.ensure_future(self._run())
+            return
         try:
             from inotify_simple import INotify
 

@@ -150,7 +150,10 @@ class ExclusiveMover:
             except OSError as err:
                 entry["threads"].pop(tkey, None)
                 if isinstance(err, PermissionError):
-                    raise PermissionDenied(f"cannot move thread {tkey}: {err.strerror}") from err
+                    raise PermissionDenied(
+                        f"cannot move thread {tkey}: {err.strerror} (EPERM: setting the CPUs "
+                        "of another user's thread needs CAP_SYS_NICE, which tunerd does not "
+                        "have)") from err
         self._save()
         log.info("exclusive %s: moved %d thread(s) in %s off CPUs %s", key, moved, scope,
                  format_cpulist(cpus))

@@ -68,7 +68,11 @@ class TopologyWatch:
             self._timer.cancel()
 
     def status(self) -> dict[str, Any]:
-        return {"listening": self._monitor is not None, "rereads": self.rereads}
+        out: dict[str, Any] = {"listening": self._monitor is not None, "rereads": self.rereads}
+        if self.rereads:  # said in `tunerctl status` only once it happened
+            out["summary"] = (f"topology re-read {self.rereads} time(s) after CPU/memory "
+                              f"hotplug: {_describe(self.topology)}")
+        return out
 
     def _on_uevent(self) -> None:
         seen = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,12 +24,13 @@ from typing import Any
 
 from tunerd import procfs
 from tunerd.binding import Binder, Originals, Target
-from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.keyedlocks import KeyedLocks
+from tunerd.daemon.peer import Peer, require_owner
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.router import Peer, require_owner
+from tunerd.daemon.records import Binding
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.placement import Placement
 
@@ -36,12 +38,26 @@ __all__ = ["ExitCallback", "JobRegistry"]
 
 log = logging.getLogger("tunerd.jobs")
 
-ExitCallback = Callable[[int, dict[str, Any]], None]
+ExitCallback = Callable[[int, Binding], None]
+# computes the placement (and why) once the process is pinned and its owner checked
+Placing = Callable[[], "tuple[Placement | None, str | None]"]
 
-# fields of a record shown by `tunerctl jobs` (besides the live ones)
-_PUBLIC = ("pid", "start_time", "uid", "name", "cmdline", "cpus", "mems", "gpus", "nofile",
-           "origin", "lease", "bound_at", "explanation", "notes")
 _FORGET_RETRIES = 5  # tries to rmdir a child cpuset still busy right after an exit
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What a caller of ``bind`` asks for."""
+
+    placement: Placement | None
+    nofile: int | None
+    origin: str
+    name: str | None
+    lease: str | None
+    cmdline: str | None
+    partial: bool
+    why: str | None
+    persist_after: bool = False  # bind first, save right after (a rule's just-exec'd process)
 
 
 @dataclass
@@ -69,13 +85,13 @@ class JobRegistry:
                  mover: ExclusiveMover | None = None) -> None:
         self.binder = binder
         self.mover = mover
-        self._records = records
+        self._records = records  # the runtime store's section: JSON of self._bindings
+        self._bindings: dict[int, Binding] = {}
         self._save = save
         self.pidwatch = pidwatch
         self.errors = errors
         self.dry_run = dry_run
         self.proc = proc_root
-        self._originals: dict[int, Originals] = {}  # pid -> parsed record["originals"]
         self._callbacks: list[ExitCallback] = []
         self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
@@ -86,21 +102,22 @@ class JobRegistry:
     async def start(self) -> None:
         """Re-adopt bindings saved by a previous daemon; drop those whose process is gone."""
         changed = False
-        for key, rec in list(self._records.items()):
+        for key, raw in list(self._records.items()):
             try:
-                pid, st = int(rec["pid"]), int(rec["start_time"])
-            except (KeyError, TypeError, ValueError):
+                rec = Binding.from_json(raw)
+            except ValueError:
                 log.error("dropping malformed binding record %r", key)
                 del self._records[key]
                 changed = True
                 continue
-            if not self.pidwatch.watch(pid, st, "jobs", self._exited):
-                log.info("pid %d exited while tunerd was down; dropping its binding", pid)
+            if not self.pidwatch.watch(rec.pid, rec.start_time, "jobs", self._exited):
+                log.info("pid %d exited while tunerd was down; dropping its binding", rec.pid)
                 del self._records[key]
-                self._forget(rec)
+                self._forget(rec.originals)
                 changed = True
                 continue
-            log.info("re-adopted binding of pid %d (cpus %s)", pid, rec.get("cpus"))
+            self._bindings[rec.pid] = rec
+            log.info("re-adopted binding of pid %d (cpus %s)", rec.pid, rec.cpus)
         if changed:
             self._save_quietly()
         for d in self.binder.sweep_stale_cpusets():
@@ -114,9 +131,9 @@ class JobRegistry:
             self._save_quietly()
 
     def status(self) -> dict[str, Any]:
-        n = len(self._records)
+        n = len(self._bindings)
         out: dict[str, Any] = {"summary": f"{n} process{'es' if n != 1 else ''} bound",
-                               "bound": n, "pids": sorted(int(k) for k in self._records)}
+                               "bound": n, "pids": sorted(self._bindings)}
         if self._unapplied:
             out["summary"] += f", {len(self._unapplied)} placed on the replayed topology only"
             out["not_applied"] = sorted(self._unapplied)
@@ -127,17 +144,25 @@ class JobRegistry:
         self._callbacks.append(callback)
 
     def is_bound(self, pid: int) -> bool:
-        return str(pid) in self._records
+        return pid in self._bindings
 
-    def record(self, pid: int) -> dict[str, Any] | None:
-        rec = self._records.get(str(pid))
-        return dict(rec) if rec is not None else None
+    def record(self, pid: int) -> Binding | None:
+        return self._bindings.get(pid)
+
+    def rank_cpus(self, pid: int) -> tuple[int, frozenset[int]] | None:
+        """(start time, CPUs) of ``pid`` where tunerd placed it itself (bind, rule):
+        the intake's test for "descends from a bound rank" (a `run` lease's process
+        is an enclosing lease instead)."""
+        b = self._bindings.get(pid)
+        if b is None or b.origin == "run" or not b.cpus:
+            return None
+        return b.start_time, b.cpu_set()
 
     def jobs(self, live: bool = True) -> list[dict[str, Any]]:
         """Bound processes (and replay-only placements), with live name and threads."""
         out = []
-        for rec in sorted(self._records.values(), key=lambda r: int(r["pid"])):
-            job = {k: rec.get(k) for k in _PUBLIC}
+        for rec in sorted(self._bindings.values(), key=lambda r: r.pid):
+            job = rec.public()
             job["applied"] = True
             if live:
                 self._live(job)
@@ -168,15 +193,11 @@ class JobRegistry:
                 job["name"] = st.comm
 
     # -- binding ---------------------------------------------------------------
-    def authorize(self, pid: int, peer: Peer) -> None:
-        """Raise PermissionDenied unless ``peer`` may bind ``pid`` (root, or its owner)."""
-        if not peer.is_root:
-            require_owner(peer, pid, *self.binder.owner(pid))
-
-    async def bind(self, pid: int, *, peer: Peer, placement: Placement | None,
+    async def bind(self, pid: int, *, peer: Peer, placement: Placement | Placing | None,
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
                    lease: str | None = None, cmdline: str | None = None,
-                   partial: bool = False, persist_after: bool = False) -> dict[str, Any]:
+                   partial: bool = False, why: str | None = None,
+                   persist_after: bool = False) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
         what this call did. ``cmdline``: its command line where the caller read it
         already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
@@ -186,133 +207,142 @@ class JobRegistry:
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
         or memory-node step the daemon may not do is left out with a note (the CPU
-        binding stays), instead of failing the whole bind.
+        binding stays), instead of failing the whole bind. Ownership is checked here,
+        once, on the process pinned by pidfd; a ``placement`` given as a callable
+        (returning the placement and why) is computed only after that check.
         """
         t0 = time.perf_counter()
         async with self._lock(pid):
             target = self.binder.pin(pid)
             try:
-                return await self._bind(target, t0, peer=peer, placement=placement,
-                                        nofile=nofile, origin=origin, name=name, lease=lease,
-                                        cmdline=cmdline, partial=partial,
-                                        persist_after=persist_after)
+                require_owner(peer, pid, target.uid, target.euid)
+                if callable(placement):
+                    placement, why = placement()
+                ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
+                           persist_after)
+                return await self._bind(target, t0, ask)
             finally:
                 target.close()
 
-    async def _bind(self, target: Target, t0: float, *, peer: Peer,
-                    placement: Placement | None, nofile: int | None, origin: str,
-                    name: str | None, lease: str | None, cmdline: str | None,
-                    partial: bool, persist_after: bool = False) -> dict[str, Any]:
-        pid, key = target.pid, str(target.pid)
-        require_owner(peer, pid, target.uid, target.euid)
-        cpus = placement.cpus if placement is not None else None
-        mems = placement.mems if placement is not None else None
-        prev = self._records.get(key)
-        if prev is not None and int(prev["start_time"]) != target.start_time:
-            self._drop(key)  # an earlier process with this pid: long gone
-            self._forget(prev)
-            prev = None
-        previous: Originals | None = None
-        if prev is not None:
-            previous = self._originals.get(pid)  # parsed once, not on every re-bind
-            if previous is None or previous.start_time != target.start_time:
-                previous = Originals.from_json(prev["originals"])
-            # keep what was bound before unless changed now
-            if cpus is None and prev.get("cpus"):
-                cpus = parse_cpulist(prev["cpus"])
-            if mems is None and prev.get("mems"):
-                mems = parse_cpulist(prev["mems"])
-        plan = self.binder.prepare(target, cpus=cpus, mems=mems, nofile=nofile,
-                                   previous=previous, partial=partial)
+    def _previous(self, target: Target) -> Binding | None:
+        prev = self._bindings.get(target.pid)
+        if prev is not None and prev.start_time != target.start_time:
+            self._drop(target.pid)  # an earlier process with this pid: long gone
+            self._forget(prev.originals)
+            return None
+        return prev
+
+    async def _bind(self, target: Target, t0: float, ask: _Ask) -> dict[str, Any]:
+        pid = target.pid
+        prev = self._previous(target)
+        p = ask.placement
+        cpus = p.cpus if p is not None else None
+        mems = p.mems if p is not None else None
+        if prev is not None:  # keep what was bound before unless changed now
+            cpus = cpus if cpus is not None else (prev.cpu_set() or None)
+            mems = mems if mems is not None else prev.mem_set()
+        plan = self.binder.prepare(target, cpus=cpus, mems=mems, nofile=ask.nofile,
+                                   previous=prev.originals if prev else None,
+                                   partial=ask.partial)
         if self.dry_run:
             return {"pid": pid, "dry_run": True, "cpus": _fmt(plan.cpus),
-                    "mems": _fmt(plan.mems), "nofile": nofile,
+                    "mems": _fmt(plan.mems), "nofile": ask.nofile,
                     "notes": [*plan.notes, "dry run: nothing was changed"],
                     "elapsed_ms": _ms(t0)}
-        originals_on_disk = prev is not None and plan.originals == previous
+        on_disk = prev is not None and plan.originals == prev.originals
         moved = self.mover.originals_of(pid) if self.mover is not None and prev is None else {}
-        gpus = placement.gpus if placement is not None and placement.gpus else None
-        record: dict[str, Any] = {
-            "pid": pid, "start_time": target.start_time, "uid": target.uid,
-            "name": name if name is not None else (prev or {}).get("name") or self._comm(pid),
-            "cmdline": prev["cmdline"] if prev is not None else self._cmdline(pid, cmdline),
-            "cpus": _fmt(plan.cpus), "mems": _fmt(plan.mems),
-            "gpus": list(gpus) if gpus else list((prev or {}).get("gpus") or []),
-            "nofile": nofile if nofile is not None else (prev or {}).get("nofile"),
-            "origin": origin if prev is None or origin != "cli" else prev.get("origin", origin),
-            "lease": lease if lease is not None else (prev or {}).get("lease"),
-            "bound_at": time.time(),
-            "explanation": (placement.explanation if placement is not None
-                            and placement.explanation else (prev or {}).get("explanation")),
-            "notes": [],
-            "originals": (prev["originals"] if prev is not None and originals_on_disk
-                          else _before_moves(plan.originals, moved).to_json()),
-        }
-        n_threads_saved = len(plan.originals.threads)
-        child_saved = plan.originals.cpuset_child
-        self._records[key] = record
-        t_save = time.perf_counter()
-        if not originals_on_disk and not persist_after:
-            # The originals are written before anything changes (the runtime store:
-            # tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
-            # process anyway). A failed write refuses the bind: nothing changed.
-            try:
-                self._save()
-            except TunerdError:
-                if prev is not None:
-                    self._records[key] = prev
-                else:
-                    self._records.pop(key, None)
-                raise
-        save_ms = _ms(t_save)
-        try:
-            if plan.cpuset is not None or plan.migrate_from is not None:
-                # moving pages can take long for a big process: keep the loop serving
-                result = await asyncio.get_running_loop().run_in_executor(
-                    None, self.binder.apply, plan)
-            else:
-                result = self.binder.apply(plan)
-        except BaseException:
-            if prev is not None:
-                self._records[key] = prev
-            else:
-                self._records.pop(key, None)
-            if not originals_on_disk:
-                self._save_quietly()
-            raise
+        rec = self._new_record(target, ask, plan, prev,
+                               prev.originals if prev is not None and on_disk
+                               else _before_moves(plan.originals, moved))
+        save_ms = self._save_first(rec, prev, on_disk or ask.persist_after)
+        result = await self._apply(plan, rec, prev, on_disk)
         if target.exited():  # exited during an executor apply: the exit handler may have run
-            self._records.pop(key, None)
+            self._bindings.pop(pid, None)
+            self._records.pop(str(pid), None)
             self._save_soon()
             raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
         # what the bind really did (a partial bind may have left out mems or nofile)
-        record["mems"] = _fmt(result.mems) if result.mems is not None else (
-            None if plan.cpuset is None and mems is not None else record["mems"])
-        if result.nofile_new is None and nofile is not None:
-            record["nofile"] = (prev or {}).get("nofile")
-        record["notes"] = list(result.notes)
-        originals = _before_moves(plan.originals, moved)
-        # threads born meanwhile, or a memory-node step left out (its child cpuset gone)
-        if (len(plan.originals.threads) != n_threads_saved
-                or plan.originals.cpuset_child != child_saved):
-            record["originals"] = originals.to_json()
-        self._originals[pid] = originals
+        rec = dataclasses.replace(
+            rec, mems=_fmt(result.mems) if result.mems is not None else (
+                None if plan.cpuset is None and mems is not None else rec.mems),
+            nofile=rec.nofile if result.nofile_new is not None or ask.nofile is None
+            else (prev.nofile if prev else None),
+            notes=tuple(result.notes), originals=_before_moves(plan.originals, moved))
+        self._put(rec)
         if moved and self.mover is not None:
             self.mover.disown(pid)  # the binding's originals hold the masks from before
         self._unapplied.pop(pid, None)
         self.binds_total += 1
-        if persist_after and not originals_on_disk:
+        if ask.persist_after and not on_disk:
             self._save_quietly()  # bound first: now its originals
         self._save_soon()
         if prev is None:
             self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)
-        reply = {k: record.get(k) for k in _PUBLIC}
+        reply = rec.public()
         reply.update(result.to_json())
-        reply["gpus"] = record["gpus"]
-        reply["rebind"] = prev is not None
-        reply["apply_ms"] = reply.pop("elapsed_ms")
-        reply["save_ms"] = round(save_ms, 3)
-        reply["elapsed_ms"] = round(_ms(t0), 3)
+        reply.update(gpus=list(rec.gpus), rebind=prev is not None,
+                     apply_ms=reply.pop("elapsed_ms"), save_ms=round(save_ms, 3),
+                     elapsed_ms=round(_ms(t0), 3))
         return reply
+
+    def _new_record(self, target: Target, ask: _Ask, plan: Any, prev: Binding | None,
+                    originals: Originals) -> Binding:
+        p = ask.placement
+        gpus = tuple(p.gpus) if p is not None and p.gpus else (prev.gpus if prev else ())
+        return Binding(
+            pid=target.pid, start_time=target.start_time, uid=target.uid,
+            name=ask.name if ask.name is not None else (
+                prev.name if prev and prev.name else self._comm(target.pid)),
+            cmdline=prev.cmdline if prev is not None else self._cmdline(target.pid,
+                                                                        ask.cmdline),
+            cpus=_fmt(plan.cpus), mems=_fmt(plan.mems), gpus=gpus,
+            nofile=ask.nofile if ask.nofile is not None else (prev.nofile if prev else None),
+            origin=ask.origin if prev is None or ask.origin != "cli" else prev.origin,
+            lease=ask.lease if ask.lease is not None else (prev.lease if prev else None),
+            bound_at=time.time(),
+            explanation=(p.explanation if p is not None and p.explanation
+                         else (prev.explanation if prev else None)),
+            why=ask.why if ask.why is not None else (prev.why if prev else None),
+            originals=originals)
+
+    def _put(self, rec: Binding) -> None:
+        self._bindings[rec.pid] = rec
+        self._records[str(rec.pid)] = rec.to_json()
+
+    def _restore(self, pid: int, prev: Binding | None) -> None:
+        if prev is not None:
+            self._put(prev)
+        else:
+            self._bindings.pop(pid, None)
+            self._records.pop(str(pid), None)
+
+    def _save_first(self, rec: Binding, prev: Binding | None, on_disk: bool) -> float:
+        """Keep the record, and save the originals before anything changes (the runtime
+        store: tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
+        process anyway). A failed write refuses the bind: nothing changed."""
+        self._put(rec)
+        t_save = time.perf_counter()
+        if not on_disk:
+            try:
+                self._save()
+            except TunerdError:
+                self._restore(rec.pid, prev)
+                raise
+        return _ms(t_save)
+
+    async def _apply(self, plan: Any, rec: Binding, prev: Binding | None,
+                     on_disk: bool) -> Any:
+        try:
+            if plan.cpuset is not None or plan.migrate_from is not None:
+                # moving pages can take long for a big process: keep the loop serving
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, self.binder.apply, plan)
+            return self.binder.apply(plan)
+        except BaseException:
+            self._restore(rec.pid, prev)
+            if not on_disk:
+                self._save_quietly()
+            raise
 
     def note_unapplied(self, pid: int, start_time: int, placement: Placement, *,
                        origin: str, name: str, cmdline: str | None = None) -> None:
@@ -330,15 +360,14 @@ class JobRegistry:
     async def unbind(self, pid: int, *, peer: Peer) -> dict[str, Any]:
         """Restore what bind changed and forget the process."""
         async with self._lock(pid):
-            key = str(pid)
-            rec = self._records.get(key)
+            rec = self._bindings.get(pid)
             target = self.binder.pin(pid)  # NoSuchProcess if it is gone
             try:
                 require_owner(peer, pid, target.uid, target.euid)
-                if rec is None or int(rec["start_time"]) != target.start_time:
+                if rec is None or rec.start_time != target.start_time:
                     raise Failed(f"process {pid} is not bound by tunerd", pid=pid)
-                summary = self.binder.restore(target, Originals.from_json(rec["originals"]))
-                self._drop(key)
+                summary = self.binder.restore(target, rec.originals)
+                self._drop(pid)
             finally:
                 target.close()
             notes = summary.setdefault("notes", [])
@@ -354,22 +383,22 @@ class JobRegistry:
     def _lock(self, pid: int) -> contextlib.AbstractAsyncContextManager[None]:
         return self._locks.hold(pid)
 
-    def _drop(self, key: str) -> dict[str, Any] | None:
+    def _drop(self, pid: int) -> Binding | None:
         """Forget a record and stop watching its process (state not saved)."""
-        rec = self._records.pop(key, None)
-        self._originals.pop(int(key), None)
-        self.pidwatch.unwatch(int(key), "jobs")
-        self._locks.pop(int(key), None)
+        rec = self._bindings.pop(pid, None)
+        self._records.pop(str(pid), None)
+        self.pidwatch.unwatch(pid, "jobs")
+        self._locks.pop(pid, None)
         return rec
 
     def _exited(self, pid: int) -> None:
-        rec = self._records.pop(str(pid), None)
-        self._originals.pop(pid, None)
+        rec = self._bindings.pop(pid, None)
+        self._records.pop(str(pid), None)
         self._locks.pop(pid, None)
         log.info("bound process %d exited", pid)
         if rec is None:
             return
-        self._forget(rec)
+        self._forget(rec.originals)
         # Deferred: a record of a dead process is harmless if a crash loses this save
         # (a restarted daemon drops records whose pid and start time no longer match).
         self._save_soon()
@@ -380,16 +409,12 @@ class JobRegistry:
                 log.exception("exit callback for pid %d failed", pid)
                 self.errors.record("jobs", f"exit callback for pid {pid} failed: {err!r}")
 
-    def _forget(self, rec: dict[str, Any], tries: int = _FORGET_RETRIES) -> None:
+    def _forget(self, orig: Originals, tries: int = _FORGET_RETRIES) -> None:
         """Remove the child cpuset of a process that exited (retried while still busy)."""
-        try:
-            orig = Originals.from_json(rec["originals"])
-        except (KeyError, TypeError, ValueError):
-            return
         if self.binder.forget(orig) or tries <= 0:
             return
         try:
-            asyncio.get_running_loop().call_later(0.2, self._forget, rec, tries - 1)
+            asyncio.get_running_loop().call_later(0.2, self._forget, orig, tries - 1)
         except RuntimeError:  # no loop (start-up sweep outside the loop): next start
             pass
 

@@ -26,26 +26,31 @@ import functools
 import logging
 import os
 import pwd
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunerd import procfs
-from tunerd.allocation import cvd_names, read_allocation
+from tunerd.allocation import Allocation, cvd_names
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover, parse_scope
 from tunerd.daemon.gate import LeaseLimits, ReservationGate
+from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry
+from tunerd.daemon.peer import Peer
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, PlaceRequest, Reservation
-from tunerd.daemon.router import Peer
+from tunerd.daemon.records import Lease
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 from tunerd.placement import Placement
 
 __all__ = ["LeaseLimits", "LeaseService", "lease_env", "user_name"]
 
 log = logging.getLogger("tunerd.leases")
+
+JOB_CHECK_S = 10.0  # how often leases made inside a scheduler job check that it still runs
 
 
 @functools.lru_cache(maxsize=1024)
@@ -68,11 +73,12 @@ class LeaseService:
 
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
                  mover: ExclusiveMover, section: dict[str, Any], save: Callable[[], None],
-                 errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
+                 errors: ErrorLog, intake: Intake, *, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None],
                  gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
+        self.intake = intake
         self.jobs = jobs
         self.pidwatch = pidwatch
         self.mover = mover
@@ -86,17 +92,28 @@ class LeaseService:
         section.setdefault("leases", {})
         section.setdefault("moved", {})
         self.section = section
-        self.leases: dict[str, dict[str, Any]] = section["leases"]
-        self._save = save
+        self.leases: dict[str, Lease] = {}
+        for lid, raw in list(section["leases"].items()):
+            try:
+                self.leases[lid] = Lease.from_json(raw)
+            except ValueError as err:
+                log.error("dropping lease %r: %s", lid, err)
+        self._store_save = save
+        self._jobs_timer: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None
+
+    def _save(self) -> None:
+        """Write the typed leases into the runtime store's section, then save it."""
+        self.section["leases"] = {lid: r.to_json() for lid, r in self.leases.items()}
+        self._store_save()
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
-        dropped = 0
+        dropped = self._ended_jobs(save=False)
         for lid, rec in list(self.leases.items()):
-            pid = rec.get("pid")
+            pid = rec.pid
             if pid is not None and not self.pidwatch.watch(
-                    pid, rec.get("start_time"), f"lease:{lid}", self._holder_exited):
+                    pid, rec.start_time, f"lease:{lid}", self._holder_exited):
                 log.info("lease %s: holder pid %d exited while tunerd was down; dropped",
                          lid, pid)
                 self._drop(lid, save=False)
@@ -110,14 +127,45 @@ class LeaseService:
         if dropped:
             self._save_quietly()
         self._schedule_expiry()
+        self._schedule_job_check()
 
     async def stop(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
+        if self._jobs_timer is not None:
+            self._jobs_timer.cancel()
+
+    # -- leases die with their scheduler job ------------------------------------
+    def _ended_jobs(self, save: bool = True) -> int:
+        """Release leases whose scheduler job ended (its cgroup is gone), whatever
+        their tag: at start (the job may have ended while tunerd was down) and on a
+        timer. Returns how many were released."""
+        gone = [lid for lid, r in self.leases.items()
+                if r.job_cgroup and not os.path.isdir(r.job_cgroup)]
+        for lid in gone:
+            log.info("lease %s released: its job (%s) ended", lid, self.leases[lid].job)
+            self._drop(lid, save=False)
+        if gone and save:
+            self._save_quietly()
+        return len(gone)
+
+    def _schedule_job_check(self) -> None:
+        self._jobs_timer = None
+        if any(r.job_cgroup for r in self.leases.values()):
+            self._jobs_timer = asyncio.get_running_loop().call_later(
+                JOB_CHECK_S, self._job_check)
+
+    def _job_check(self) -> None:
+        self._ended_jobs()
+        self._schedule_job_check()
+
+    def rescan(self) -> None:
+        """A /proc rescan happened (autobind): check the leases' jobs now too."""
+        self._ended_jobs()
 
     def status(self) -> dict[str, Any]:
         n = len(self.leases)
-        gpus = sorted(g for r in self.leases.values() for g in r["gpus"])
+        gpus = sorted(g for r in self.leases.values() for g in r.gpus)
         return {"summary": f"{n} lease(s)" + (f" holding GPU(s) {','.join(map(str, gpus))}"
                                               if gpus else ""),
                 "leases": n}
@@ -125,21 +173,21 @@ class LeaseService:
     # -- queries -------------------------------------------------------------
     def list_leases(self) -> list[dict[str, Any]]:
         return [self._public(r) for r in sorted(self.leases.values(),
-                                                key=lambda r: int(r["id"][1:]))]
+                                                key=lambda r: int(r.id[1:]))]
 
-    def _holder(self, rec: dict[str, Any]) -> str:
-        who = f"lease {rec['id']} ({rec['user']}"
-        if rec.get("pid"):
-            who += f", pid {rec['pid']}"
-            if rec.get("cmd"):
-                who += f" {os.path.basename(rec['cmd'][0])}"
-        return who + ")"
+    def _holder(self, rec: Lease) -> str:
+        who = f"lease {rec.id} ({rec.user}"
+        if rec.pid:
+            who += f", pid {rec.pid}"
+            if rec.cmd:
+                who += f" {os.path.basename(rec.cmd[0])}"
+        return who + (f", {rec.job}" if rec.job else "") + ")"
 
-    def _reservation(self, rec: dict[str, Any]) -> Reservation:
-        return Reservation(key=f"lease:{rec['id']}", holder=self._holder(rec),
-                           gpus=tuple(rec["gpus"]), cpus=parse_cpulist(rec["cpus"]),
-                           exclusive=bool(rec.get("exclusive")), soft=True,
-                           pid=rec.get("pid"))
+    def _reservation(self, rec: Lease) -> Reservation:
+        return Reservation(key=f"lease:{rec.id}", holder=self._holder(rec),
+                           gpus=tuple(rec.gpus), cpus=parse_cpulist(rec.cpus),
+                           exclusive=bool(rec.exclusive), soft=True,
+                           pid=rec.pid, job=rec.job)
 
     # -- alloc / run / release ----------------------------------------------
     def _check(self, peer: Peer, gpus: int, ncpus: int | None, exclusive: bool,
@@ -156,56 +204,60 @@ class LeaseService:
 
     def held_by(self, uid: int) -> int:
         """Leases ``uid`` holds (the gate counts them with its other reservations)."""
-        return sum(1 for r in self.leases.values() if r["uid"] == uid)
+        return sum(1 for r in self.leases.values() if r.uid == uid)
 
-    def _environ(self, pid: int) -> dict[str, str]:
-        """The caller's environment (up to 1 MiB): read once per request, used for its
-        allocation and for naming its GPUs."""
-        return procfs.read_environ(pid, self.proc) or {}
+    def _describe(self, peer: Peer) -> JobContext:
+        """The caller, read once by the intake: its allocation, its job, its
+        environment (to name its GPUs the way it sees them)."""
+        return self.intake.describe(peer.pid)
 
-    def _request(self, peer: Peer, env: dict[str, str], *, gpus: int, ncpus: int | None,
+    @staticmethod
+    def _request(ctx: JobContext, *, gpus: int, ncpus: int | None,
                  cpus: frozenset[int] | None, exclusive: bool, workers: int) -> PlaceRequest:
-        alloc = read_allocation(peer.pid, env, self.placer.topo, online=self.placer.host.cpus)
-        return PlaceRequest(gpus=gpus, ncpus=ncpus, cpus=cpus, exclusive=exclusive,
-                            allocation=alloc, workers=workers, what="lease")
+        # job=None: a job's own leases are busy for its next lease (only its steps and
+        # ranks may use what its exclusive lease holds)
+        return request(ctx, gpus=gpus, ncpus=ncpus, cpus=cpus, exclusive=exclusive,
+                       workers=workers, rank=None, ranks=None, group=None, job=None,
+                       what="lease")
 
-    def _new_record(self, peer: Peer, placed: Placement, *, exclusive: bool,
-                    scope: str | None, origin: str, pid: int | None = None,
-                    cmd: list[str] | None = None, tag: str | None = None) -> dict[str, Any]:
+    def _new_record(self, peer: Peer, placed: Placement, ctx: JobContext, *,
+                    exclusive: bool, scope: str | None, origin: str, pid: int | None = None,
+                    cmd: list[str] | None = None, tag: str | None = None) -> Lease:
         lid = f"L{self.section['next_id']}"
         self.section["next_id"] += 1
         now = time.time()
         ttl = self._limits().alloc_ttl
-        return {
-            "id": lid, "uid": peer.uid, "user": user_name(peer.uid), "origin": origin,
-            "pid": pid, "start_time": procfs.read_start_time(pid, self.proc) if pid else None,
-            "cmd": cmd, "tag": tag, "created": now,
-            "expires": now + ttl if pid is None and ttl > 0 else None,
-            "exclusive": exclusive, "scope": scope,
-            "gpus": list(placed.gpus), "gpu_uuids": list(placed.gpu_uuids),
-            "cpus": format_cpulist(placed.cpus or frozenset()),
-            "mems": format_cpulist(placed.mems or frozenset()),
-            "explanation": placed.explanation, "applied": placed.applicable,
-            "notes": list(placed.notes),
-        }
+        return Lease(
+            id=lid, uid=peer.uid, user=user_name(peer.uid), origin=origin,
+            pid=pid, start_time=procfs.read_start_time(pid, self.proc) if pid else None,
+            cmd=cmd, tag=tag, created=now,
+            expires=now + ttl if pid is None and ttl > 0 else None,
+            exclusive=exclusive, scope=scope,
+            gpus=tuple(placed.gpus), gpu_uuids=tuple(placed.gpu_uuids),
+            cpus=format_cpulist(placed.cpus or frozenset()),
+            mems=format_cpulist(placed.mems or frozenset()),
+            explanation=placed.explanation, applied=placed.applicable,
+            notes=list(placed.notes), job=ctx.job_key, job_cgroup=job_dir(ctx.allocation))
 
-    def _name_gpus(self, rec: dict[str, Any], env: dict[str, str]) -> None:
+    def _name_gpus(self, rec: Lease, env: Mapping[str, str]) -> None:
         """CUDA_VISIBLE_DEVICES for the lease in the caller's own numbering."""
         names = cvd_names(self.placer.topo, env)
-        if names and rec["gpus"] and all(g in names for g in rec["gpus"]):
-            cvd = ",".join(names[g] for g in rec["gpus"])
-            if cvd != ",".join(str(g) for g in rec["gpus"]):
-                rec["cvd"] = cvd
+        if names and rec.gpus and all(g in names for g in rec.gpus):
+            cvd = ",".join(names[g] for g in rec.gpus)
+            if cvd != ",".join(str(g) for g in rec.gpus):
+                rec.cvd = cvd
 
-    def _commit(self, rec: dict[str, Any]) -> None:
+    def _commit(self, rec: Lease) -> None:
         """Keep a new lease: reserve its place and save; nothing is kept if the save fails."""
-        self.leases[rec["id"]] = rec
+        self.leases[rec.id] = rec
+        if rec.job_cgroup and self._jobs_timer is None:
+            self._schedule_job_check()
         self.placer.reserve(self._reservation(rec))
         try:
             self._save()
         except TunerdError as err:
-            self.leases.pop(rec["id"], None)
-            self.placer.release(f"lease:{rec['id']}")
+            self.leases.pop(rec.id, None)
+            self.placer.release(f"lease:{rec.id}")
             raise Failed(f"lease not made: {err.message}") from err
 
     async def alloc(self, peer: Peer, *, gpus: int, ncpus: int | None,
@@ -213,23 +265,22 @@ class LeaseService:
                     scope: str | None = None, tag: str | None = None,
                     workers: int = 0) -> dict[str, Any]:
         self._check(peer, gpus, ncpus, exclusive, scope)
-        env = self._environ(peer.pid)
-        placed = self.placer.place(self._request(peer, env, gpus=gpus, ncpus=ncpus,
-                                                 cpus=cpus, exclusive=exclusive,
-                                                 workers=workers))
-        rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="alloc",
-                               tag=tag)
-        self._name_gpus(rec, env)
+        ctx = self._describe(peer)
+        placed = self.placer.place(self._request(ctx, gpus=gpus, ncpus=ncpus, cpus=cpus,
+                                                 exclusive=exclusive, workers=workers))
+        rec = self._new_record(peer, placed, ctx, exclusive=exclusive, scope=scope,
+                               origin="alloc", tag=tag)
+        self._name_gpus(rec, ctx.env)
         self._commit(rec)
         try:
             await self._exclusive(rec, None, peer)
         except BaseException:
-            self._drop(rec["id"])  # nothing half-made: no lease without its exclusivity
+            self._drop(rec.id)  # nothing half-made: no lease without its exclusivity
             raise
         self._save_or_note(rec)
         self._schedule_expiry()
-        log.info("lease %s for %s: GPUs %s CPUs %s", rec["id"], rec["user"], rec["gpus"],
-                 rec["cpus"])
+        log.info("lease %s for %s: GPUs %s CPUs %s", rec.id, rec.user, rec.gpus,
+                 rec.cpus)
         return self._public(rec)
 
     async def run(self, peer: Peer, *, gpus: int, ncpus: int | None,
@@ -244,16 +295,15 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} (the caller) is gone", pid=pid)
         if uid != peer.uid and not peer.is_root:
             raise PermissionDenied(f"process {pid} is not yours", pid=pid)
-        env = self._environ(pid)
-        placed = self.placer.place(self._request(peer, env, gpus=gpus, ncpus=ncpus,
-                                                 cpus=cpus, exclusive=exclusive,
-                                                 workers=workers))
-        rec = self._new_record(peer, placed, exclusive=exclusive, scope=scope, origin="run",
-                               pid=pid, cmd=cmd[:8], tag=tag)
-        self._name_gpus(rec, env)
-        lid = rec["id"]
+        ctx = self._describe(peer)
+        placed = self.placer.place(self._request(ctx, gpus=gpus, ncpus=ncpus, cpus=cpus,
+                                                 exclusive=exclusive, workers=workers))
+        rec = self._new_record(peer, placed, ctx, exclusive=exclusive, scope=scope,
+                               origin="run", pid=pid, cmd=cmd[:8], tag=tag)
+        self._name_gpus(rec, ctx.env)
+        lid = rec.id
         self._commit(rec)
-        if not self.pidwatch.watch(pid, rec["start_time"], f"lease:{lid}",
+        if not self.pidwatch.watch(pid, rec.start_time, f"lease:{lid}",
                                    self._holder_exited):
             self._drop(lid)
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
@@ -272,11 +322,11 @@ class LeaseService:
                     if "CAP_SYS_NICE" not in err.message:
                         raise
                     # a process may set its own CPUs: tunerctl does, before it execs
-                    rec["notes"].append(f"{err.message}; tunerctl binds itself to CPUs "
-                                        f"{rec['cpus']} before it runs the command")
+                    rec.notes.append(f"{err.message}; tunerctl binds itself to CPUs "
+                                        f"{rec.cpus} before it runs the command")
                 else:
-                    rec["cpus_bound"] = job.get("cpus")
-                    rec["notes"].extend(job.get("notes") or [])
+                    rec.cpus_bound = job.get("cpus")
+                    rec.notes.extend(job.get("notes") or [])
             await self._exclusive(rec, pid, peer)
         except BaseException:
             self._drop(lid)
@@ -284,21 +334,21 @@ class LeaseService:
         self._save_or_note(rec)
         return self._public(rec)
 
-    async def _exclusive(self, rec: dict[str, Any], pid: int | None, peer: Peer) -> None:
-        if not (rec["exclusive"] and rec["scope"]):
+    async def _exclusive(self, rec: Lease, pid: int | None, peer: Peer) -> None:
+        if not (rec.exclusive and rec.scope):
             return
-        if not rec["applied"]:
-            rec["notes"].append(f"exclusive scope {rec['scope']}: nothing moved (not applied)")
+        if not rec.applied:
+            rec.notes.append(f"exclusive scope {rec.scope}: nothing moved (not applied)")
             return
-        res = self.mover.move_off(f"lease:{rec['id']}", rec["scope"],
-                                  parse_cpulist(rec["cpus"]), pid, peer.uid)
-        rec["moved"] = res["moved"]
-        rec["notes"].extend(res["notes"])
+        res = self.mover.move_off(f"lease:{rec.id}", rec.scope,
+                                  parse_cpulist(rec.cpus), pid, peer.uid)
+        rec.moved = res["moved"]
+        rec.notes.extend(res["notes"])
 
     async def release_tagged(self, peer: Peer, tag: str) -> dict[str, Any]:
         """Release every lease with ``tag`` that ``peer`` may release (all, for root)."""
-        tagged = [lid for lid, r in self.leases.items() if r.get("tag") == tag]
-        mine = [lid for lid in tagged if peer.is_root or self.leases[lid]["uid"] == peer.uid]
+        tagged = [lid for lid, r in self.leases.items() if r.tag == tag]
+        mine = [lid for lid in tagged if peer.is_root or self.leases[lid].uid == peer.uid]
         if tagged and not mine:
             raise PermissionDenied(
                 f"the {len(tagged)} lease(s) tagged {tag!r} belong to other users; uid "
@@ -320,14 +370,14 @@ class LeaseService:
         if rec is None:
             known = ", ".join(sorted(self.leases)) or "none"
             raise Failed(f"no lease {lid!r} (current leases: {known})", lease=lid)
-        if not peer.is_root and rec["uid"] != peer.uid:
+        if not peer.is_root and rec.uid != peer.uid:
             raise PermissionDenied(
-                f"lease {lid} belongs to {rec['user']} (uid {rec['uid']}); uid {peer.uid} "
+                f"lease {lid} belongs to {rec.user} (uid {rec.uid}); uid {peer.uid} "
                 "may only release its own leases", lease=lid)
-        pid = rec.get("pid")
+        pid = rec.pid
         if pid:
             job = self.jobs.record(pid)
-            if job is not None and job.get("lease") == lid:
+            if job is not None and job.lease == lid:
                 try:
                     await self.jobs.unbind(pid, peer=peer)
                 except TunerdError as err:
@@ -346,7 +396,7 @@ class LeaseService:
 
     def _holder_exited(self, pid: int) -> None:
         for lid, rec in list(self.leases.items()):
-            if rec.get("pid") == pid:
+            if rec.pid == pid:
                 log.info("lease %s released: holder pid %d exited", lid, pid)
                 self._drop(lid)
 
@@ -355,8 +405,8 @@ class LeaseService:
         if rec is None:
             return
         self.placer.release(f"lease:{lid}")
-        if rec.get("pid"):
-            self.pidwatch.unwatch(rec["pid"], f"lease:{lid}")
+        if rec.pid:
+            self.pidwatch.unwatch(rec.pid, f"lease:{lid}")
         if f"lease:{lid}" in self.mover.moved:
             self.mover.restore(f"lease:{lid}")
         if save:
@@ -370,19 +420,19 @@ class LeaseService:
         else:
             self.errors.resolve("leases", "save")
 
-    def _save_or_note(self, rec: dict[str, Any]) -> None:
+    def _save_or_note(self, rec: Lease) -> None:
         try:
             self._save()
         except TunerdError as err:
             self.errors.record("leases", err.message, key="save")
-            rec["notes"].append(f"runtime state not saved: {err.message}")
+            rec.notes.append(f"runtime state not saved: {err.message}")
 
     # -- expiry of alloc leases ---------------------------------------------------
     def _schedule_expiry(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
-        due = [r["expires"] for r in self.leases.values() if r.get("expires")]
+        due = [r.expires for r in self.leases.values() if r.expires]
         if not due:
             return
         delay = max(0.0, min(due) - time.time())
@@ -391,40 +441,55 @@ class LeaseService:
     def _expire(self) -> None:
         self._expiry = None
         now = time.time()
-        gone = [lid for lid, r in self.leases.items() if r.get("expires") and r["expires"] <= now]
+        gone = [lid for lid, r in self.leases.items() if r.expires and r.expires <= now]
         for lid in gone:
             rec = self.leases[lid]
-            log.info("lease %s of %s expired (alloc_ttl); released", lid, rec["user"])
+            log.info("lease %s of %s expired (alloc_ttl); released", lid, rec.user)
             self._drop(lid, save=False)
         if gone:
             self._save_quietly()
         self._schedule_expiry()
 
-    def _public(self, rec: dict[str, Any]) -> dict[str, Any]:
-        out = dict(rec)
+    def _public(self, rec: Lease) -> dict[str, Any]:
+        out = rec.to_json()
+        out.pop("job_cgroup", None)
         out["env"] = lease_env(rec)
-        if rec.get("cvd"):  # the job's own numbering of its GPUs (Slurm renumbers them)
-            out["env"]["CUDA_VISIBLE_DEVICES"] = rec["cvd"]
-        out["lease"] = rec["id"]
+        if rec.cvd:  # the job's own numbering of its GPUs (Slurm renumbers them)
+            out["env"]["CUDA_VISIBLE_DEVICES"] = rec.cvd
+        out["lease"] = rec.id
         return out
 
 
-def lease_env(rec: dict[str, Any]) -> dict[str, str]:
+def job_dir(alloc: Allocation) -> str | None:
+    """The cgroup directory of the scheduler job ``alloc`` is in (Slurm's .../job_N, a
+    Kubernetes pod's .../pod<uid>): while it exists the job runs. None outside one,
+    and where the ids came only from the (user-writable) environment."""
+    d = alloc.cgroup_dir
+    if d is None:
+        return None
+    if alloc.slurm_job and alloc.job_from_cgroup:
+        m = re.search(rf"^(.*/job_{re.escape(alloc.slurm_job)})(?:/|$)", d)
+        return m.group(1) if m else None
+    m = re.search(r"^(.*kubepods[^/]*/(?:[^/]*/)?[^/]*pod[0-9a-f_-]{8,}[^/]*)(?:/|$)", d)
+    return m.group(1) if m else None
+
+
+def lease_env(rec: Lease) -> dict[str, str]:
     """Environment a job in this lease should run with (printed by alloc, set by run).
 
     CUDA_VISIBLE_DEVICES lists GPU *indices* in PCI bus order (NVML's and
     nvidia-smi's numbering), hence CUDA_DEVICE_ORDER=PCI_BUS_ID; the UUIDs are
     in TUNERD_GPU_UUIDS for containers that renumber devices.
     """
-    gpus = rec["gpus"]
-    ncpus = len(parse_cpulist(rec["cpus"]))
+    gpus = rec.gpus
+    ncpus = len(rec.cpu_set())
     return {
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "TUNERD_LEASE": rec["id"],
-        "TUNERD_CPUS": rec["cpus"],
-        "TUNERD_MEMS": rec["mems"],
-        "TUNERD_GPU_UUIDS": ",".join(rec.get("gpu_uuids") or []),
+        "TUNERD_LEASE": rec.id,
+        "TUNERD_CPUS": rec.cpus,
+        "TUNERD_MEMS": rec.mems,
+        "TUNERD_GPU_UUIDS": ",".join(rec.gpu_uuids),
         # one process per GPU is the usual layout: split the CPUs between them
         "OMP_NUM_THREADS": str(max(1, ncpus // max(1, len(gpus)))),
     }

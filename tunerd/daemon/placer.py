@@ -16,9 +16,11 @@ work):
 2. Housekeeping CPUs, grown to whole cores (their SMT siblings too), are never
    given out; neither are CPUs another job holds exclusively.
 3. Ranks of one job split the allowed CPUs (``LOCAL_WORLD_SIZE``), with or
-   without GPUs, and each rank's share counts its DataLoader workers: a share
-   that cannot hold a rank and its workers is pooled with the next ranks' (they
-   share those CPUs) rather than crowding a rank and its workers onto one core.
+   without GPUs, and each rank's share counts its DataLoader workers: on a node
+   without a scheduler, a share that cannot hold a rank and its workers is pooled
+   with the next ranks' (they share those CPUs) rather than crowding a rank and its
+   workers onto one core; inside a scheduler's allocation the ranks split it all
+   the same (disjoint shares: the allocation is all the job has).
 4. On a replayed topology (``tunerd --topology``) a placement naming CPUs or
    memory nodes this machine lacks is marked not applicable, and says so.
 """
@@ -94,6 +96,7 @@ class PlaceRequest:
     rank: int | None = None  # LOCAL_RANK
     ranks: int | None = None  # LOCAL_WORLD_SIZE: ranks splitting the allocation
     group: str | None = None  # job the rank belongs to (siblings avoid each other)
+    job: str | None = None  # scheduler job ("slurm:12"): its own exclusive leases never block it
     ignore_busy_gpus: bool = False  # bind: the process already uses these GPUs
     what: str = "job"  # for messages: "lease", "rule torch-training", ...
 
@@ -108,6 +111,7 @@ class Reservation:
     soft: bool = False  # other placements avoid these CPUs while they can (leases)
     pid: int | None = None  # the process that holds it (a `run` lease: children inherit)
     group: str | None = None
+    job: str | None = None  # scheduler job it was made in ("slurm:12")
 
 
 class Placer:
@@ -153,8 +157,10 @@ class Placer:
     def release(self, key: str) -> Reservation | None:
         return self._res.pop(key, None)
 
-    def busy_gpus(self) -> dict[int, str]:
-        return {g: r.holder for r in self._res.values() for g in self._held_gpus(r)}
+    def busy_gpus(self, job: str | None = None) -> dict[int, str]:
+        """GPUs held, and by whom (``job``: not those the same scheduler job holds)."""
+        return {g: r.holder for r in self._res.values() for g in self._held_gpus(r)
+                if job is None or r.job != job}
 
     def _held_gpus(self, r: Reservation) -> tuple[int, ...]:
         """A rule-bound process holds the GPUs seen from outside only (tunerd.daemon.gate)."""
@@ -162,13 +168,18 @@ class Placer:
             return verified_gpus(r.pid, r.gpus, nvml_gpus=gpus_from_nvml, proc_root=self.proc)
         return r.gpus
 
-    def exclusive_cpus(self, soft: bool = False, group: str | None = None) -> dict[int, str]:
+    def exclusive_cpus(self, soft: bool = False, group: str | None = None,
+                       job: str | None = None) -> dict[int, str]:
         """CPUs no other placement may take (``soft``: also every lease's).
 
         ``group``: the ranks of that job hold their CPUs against each other too.
+        ``job``: what that scheduler job holds itself (its own exclusive lease) does
+        not count against it.
         """
         out: dict[int, str] = {}
         for r in self._res.values():
+            if job is not None and r.job == job and (group is None or r.group != group):
+                continue
             if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
                 for c in r.cpus:
                     out.setdefault(c, r.holder)
@@ -186,6 +197,13 @@ class Placer:
             if p in holders:
                 return holders[p].cpus
             p = procfs.read_ppid(p, self.proc)
+        return None
+
+    def lease_of(self, pid: int) -> tuple[str, frozenset[int]] | None:
+        """(lease id, CPUs) of the `tunerctl run` lease process ``pid`` holds, if any."""
+        for r in self._res.values():
+            if r.pid == pid and r.key.startswith("lease:"):
+                return r.key[6:], r.cpus
         return None
 
     def bindable_mems(self, mems: frozenset[int] | None) -> frozenset[int] | None:
@@ -210,7 +228,7 @@ class Placer:
         alloc = req.allocation
         hk = self.housekeeping()
         allowed = self._allowed_cpus(alloc, hk, notes)
-        busy = {} if req.ignore_busy_gpus else self.busy_gpus()
+        busy = {} if req.ignore_busy_gpus else self.busy_gpus(req.job)
         if alloc is not None and alloc.gpus is not None:
             outside = {g.index: f"outside {alloc.describe()}" for g in topo.gpus
                        if g.index not in alloc.gpus}
@@ -235,8 +253,8 @@ class Placer:
         exclusive = req.exclusive or req.mode == "exclusive"
         count, share_notes, pooled = self._count(req, allowed, hk)
         notes += share_notes
-        held = self.exclusive_cpus(group=None if pooled else req.group)
-        soft = {**self.exclusive_cpus(soft=True), **held}
+        held = self.exclusive_cpus(group=None if pooled else req.group, job=req.job)
+        soft = {**self.exclusive_cpus(soft=True, job=req.job), **held}
         preq = PlacementRequest(gpus=req.gpus if req.gpu_ids is None else len(req.gpu_ids),
                                 cpus=count, mode=req.mode, exclusive=exclusive,
                                 gpu_ids=req.gpu_ids)
@@ -256,7 +274,7 @@ class Placer:
                     raise
                 # more ranks than CPUs to split: share with the job's other ranks
                 p = place_on_topology(topo, preq, busy_gpus=busy,
-                                      exclusive_cpus=self.exclusive_cpus(),
+                                      exclusive_cpus=self.exclusive_cpus(job=req.job),
                                       housekeeping=hk, allowed_cpus=allowed)
                 notes.append("shares CPUs with other ranks of the same job: not enough "
                              "free CPUs to give each its own")
@@ -324,9 +342,14 @@ class Placer:
             if count > smt:  # whole cores: a rank never shares a core with the next one
                 count -= count % smt
             need = 1 + max(0, req.workers)
-            if count < need:
+            if count < need and not (alloc is not None and alloc.scheduler):
                 rank = req.rank if req.rank is not None else 0
                 return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
+            if count < need:  # a scheduler's allocation is split, never pooled
+                notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
+                             f"{count} CPU(s) of {alloc.describe() if alloc else '?'}; its "
+                             f"{req.workers} DataLoader worker(s) share them")
+                return count, notes, None
             notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
                          f"{count} CPUs (room for the rank and {req.workers} DataLoader "
                          f"worker(s))")
@@ -402,7 +425,7 @@ class Placer:
             notes.append(f"CPUs {format_cpulist(cpus - inside)} left out: outside "
                          f"{alloc.describe() if alloc else 'the allocation'}")
             cpus = inside
-        held = self.exclusive_cpus()
+        held = self.exclusive_cpus(job=req.job)
         taken = sorted(c for c in cpus if c in held)
         if taken:
             raise PlacementError(
@@ -411,7 +434,7 @@ class Placer:
                 held_cpus={str(c): held[c] for c in taken})
         gpus: tuple[int, ...] = tuple(req.gpu_ids or ())
         if req.gpus and not gpus:
-            busy = self.busy_gpus()
+            busy = self.busy_gpus(req.job)
             p = place_on_topology(topo, PlacementRequest(gpus=req.gpus), busy_gpus=busy,
                                   allowed_cpus=None)
             gpus = p.gpus

@@ -49,8 +49,10 @@ def policy_dir_hash(policy_dir: Path) -> str:
 
 
 def _read_regular(path: Path) -> bytes:
-    """The file's bytes; a FIFO, device or directory is never opened for reading (a
-    FIFO would block the thread: O_NONBLOCK, and fstat before any read)."""
+    """The file's bytes; a FIFO, device or directory is never read (O_NONBLOCK, and
+    fstat before any read: a FIFO would block the thread). Symlinks are followed, as
+    the loader follows them: a ConfigMap's entries are symlinks through ``..data``
+    (so not safefs.read_regular, which refuses symlinks)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:

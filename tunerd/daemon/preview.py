@@ -102,6 +102,7 @@ class PolicyPreview:
             return None
         shown = ", ".join(f"pid {r['pid']} ({r['user']}, rule {r['rule']})" for r in rows[:5])
         more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
-        return (f"refused (--no-rebind-running): the new policy would bind "
+        return (f"refused (no rebinding of running processes: --no-rebind-running or config "
+                f"reload_rebinds_running = false): the new policy would bind "
                 f"{len(rows)} running process(es) of other users: {shown}{more}; "
                 f"`tunerctl plan --policy-dir {self.policy.policy_dir}` lists them")

@@ -12,34 +12,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tunerd.daemon.peer import Peer
 from tunerd.errors import PermissionDenied, UsageError
 
-__all__ = ["Handler", "Peer", "Request", "Router", "require_owner"]
+__all__ = ["Handler", "Peer", "Request", "Router"]
 
 T = TypeVar("T")
 _MISSING: Any = object()
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Credentials of the socket peer, from SO_PEERCRED (never from the message)."""
-
-    pid: int
-    uid: int
-    gid: int
-
-    @property
-    def is_root(self) -> bool:
-        return self.uid == 0
-
-
-def require_owner(peer: Peer, pid: int, uid: int, euid: int) -> None:
-    """Non-root peers may act only on processes they own (real ``uid`` or effective
-    ``euid`` of process ``pid``); PermissionDenied otherwise."""
-    if not peer.is_root and peer.uid not in (uid, euid):
-        raise PermissionDenied(
-            f"process {pid} belongs to uid {uid}; uid {peer.uid} may only act on its own "
-            "processes", pid=pid)
 
 
 @dataclass

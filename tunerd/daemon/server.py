@@ -42,7 +42,8 @@ from collections.abc import Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
-from tunerd.daemon.router import Peer, Request, Router
+from tunerd.daemon.peer import Peer
+from tunerd.daemon.router import Request, Router
 from tunerd.errors import Failed, TunerdError, UsageError
 from tunerd.logutil import acting_for
 from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id

@@ -266,6 +266,7 @@ def _no_constant(name: str) -> Any:
 # (``_Fragments``), so a save re-encodes only the records that changed.
 _RECORD_MAPS: dict[str, Any] = {"bindings": None, "leases": {"leases": None, "moved": None}}
 FULL_CHECK_S = 5.0  # every record is compared in full at a save at least this often
+SMALL_MAP = 16  # maps of records this small are compared in full at every save
 
 
 def _dumps(value: Any) -> bytes:
@@ -277,9 +278,11 @@ class _Records(dict[Any, Any]):
 
     A record stored, deleted or handed out (``[]``, ``get``, ``setdefault``, ``pop``)
     since a save is *suspect*: the next save compares it in full with what it wrote.
-    Iterating over the values (``values``, ``items``, ``copy``) makes every record
-    suspect. The others get a shallow check (the same object, the same top-level
-    values), and all are compared in full every FULL_CHECK_S at the latest.
+    The others get a shallow check (the same object, the same top-level values):
+    iterating (``values``, ``items``: the job list, read every monitor cycle and by
+    the cpuset watch) marks nothing. A map of at most SMALL_MAP records (the
+    exclusive moves, whose entries are changed deep inside) is always compared in
+    full, and every map is at a save at least every FULL_CHECK_S.
     """
 
     __slots__ = ("suspect",)
@@ -328,17 +331,6 @@ class _Records(dict[Any, Any]):
         self.suspect = None
         super().clear()
 
-    def values(self) -> Any:
-        self.suspect = None
-        return super().values()
-
-    def items(self) -> Any:
-        self.suspect = None
-        return super().items()
-
-    def copy(self) -> dict[Any, Any]:
-        self.suspect = None
-        return dict(super().items())
 
     def __ior__(self, other: Any) -> _Records:  # type: ignore[misc]
         self.update(other)
@@ -365,7 +357,8 @@ class _Fragments:
                 for k in [k for k in d if k not in records]:
                     del d[k]
         tracked = records if isinstance(records, _Records) else None
-        suspect = tracked.suspect if tracked is not None and not full else None
+        suspect = (tracked.suspect if tracked is not None and not full
+                   and len(records) > SMALL_MAP else None)
         get = dict.__getitem__
         keys = sorted(dict.keys(records))
         if suspect is None:

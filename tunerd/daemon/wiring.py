@@ -38,6 +38,7 @@ from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import ReservationGate
 from tunerd.daemon.host import HostSettings
 from tunerd.daemon.hotplug import TopologyWatch
+from tunerd.daemon.intake import Intake
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
@@ -111,12 +112,14 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
     gate = ReservationGate(policy.lease_limits, policy.default_nofile)
+    intake = Intake(topology, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
-                          limits=policy.lease_limits, default_nofile=policy.default_nofile,
-                          gate=gate)
-    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors,
+                          intake, limits=policy.lease_limits,
+                          default_nofile=policy.default_nofile, gate=gate)
+    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
                           default_nofile=policy.default_nofile, gate=gate,
                           use_connector=cfg.watch_execs)
+    autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
     host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
@@ -178,11 +181,12 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     def topology_changed(new: Topology) -> None:
         """CPUs or memory hot-plugged: place on the node as it is now."""
         placer.topo, placer.host = new, HostCapacity.read()
+        intake.topo, intake.online = new, placer.host.cpus
         topology_cmds.topology = new
 
     hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch, hotplug]
+                               policywatch, hotplug, pods]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
@@ -208,7 +212,13 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     preview.register(router)
     CoreCommands(daemon.status, daemon.reload, policy,
                  refuse_rebind=preview.refuse_rebind).register(router)
-    BindCommands(jobs, placer, leases).register(router)
+    if not cfg.reload_rebinds_running:
+        def refuse_for_root(p: Policy) -> str | None:  # SIGHUP comes from root
+            return preview.refuse_rebind(p, 0)
+
+        daemon.reload_guard = refuse_for_root
+    BindCommands(jobs, placer, leases, intake,
+                 left_alone=autobind.left_alone_now).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)

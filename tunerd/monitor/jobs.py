@@ -75,7 +75,7 @@ MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoad
 # last sample, so the sampler's cost stays flat however many processes are bound
 # (620 bound sleeps cost 41-58 ms/s of daemon CPU when every job was read every
 # second; issue 15). A new job is read at once, the others round-robin.
-JOBS_PER_CYCLE = 24
+JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 
 

@@ -59,7 +59,8 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
     whether it ``applies`` to ``facts`` (default: this host, no GPUs known) and,
     if not, the ``reason``; ``warnings`` holds what the daemon would warn about
     (no file matching this node). ``effective`` is the merged policy, when there
-    is exactly one set and no error; otherwise None.
+    is exactly one set and no error; otherwise None; ``provenance`` then says where each
+    of its keys came from (as ``policy show --explain``).
     """
     facts = facts if facts is not None else NodeFacts()
     sets: list[list[Path]] = []
@@ -82,6 +83,7 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
     if loose:
         sets.append(loose)
     effective: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
     warnings: list[str] = []
     for files in sets:
         reports = load_set(files)
@@ -91,6 +93,7 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
             warnings += policy.warnings
             if len(sets) == 1 and not rows:
                 effective = policy.to_dict()
+                provenance = policy.provenance
         why = {s["file"]: s["reason"] for s in policy.skipped} if policy is not None else {}
         for r in reports:
             row: dict[str, Any] = {"file": str(r.path), "name": r.name, "errors": r.errors}
@@ -99,4 +102,5 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
                 if not row["applies"] and str(r.path) in why:
                     row["reason"] = why[str(r.path)]
             rows.append(row)
-    return {"files": rows, "effective": effective, "warnings": warnings}
+    return {"files": rows, "effective": effective, "provenance": provenance,
+            "warnings": warnings}

@@ -1,6 +1,6 @@
 """The policy file format, declared once: validation, normalization and JSON Schema.
 
-The README's "Policies" section documents the format for operators. After merging,
+docs/policies.md documents the format for operators. After merging,
 every section is present (``SECTION_DEFAULTS`` gives each one's empty value) and
 ``tunerd.policy.typed`` turns the result into typed values.
 """
@@ -145,6 +145,8 @@ JOB_MATCH = Table({
     "env": Table(values=Str(what="a glob over the variable's value", allow_empty=True,
                             max_len=1024), key=_ENV_NAME),
     "user": StrList(Str(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?", what="a user name", max_len=64)),
+    "rank": Bool(description="the process is a rank of a training job (torchrun, srun, "
+                             "mpirun, deepspeed, accelerate), by its environment and tree"),
 }, description="every key given must match the process")
 
 # training-side settings of the processes a rule bound (tunerd.torch applies them); their

@@ -143,6 +143,7 @@ class JobSpec:
     cmdline: tuple[str, ...] = ()  # globs over the joined command line (any may match)
     env: Mapping[str, str] = field(default_factory=_no_map)  # var -> glob, all must match
     users: tuple[str, ...] = ()  # user names (or uids as strings)
+    rank: bool = False  # only ranks of a training job (by environment and process tree)
     placement: str = "gpu-local"  # gpu-local | node | socket | exclusive | core-complex | none
     cpus: frozenset[int] | None = None  # explicit CPUs instead of the placement
     gpus: int | None = None
@@ -200,6 +201,7 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         cmdline=tuple(match.get("cmdline", ())),
         env=_frozen_map(match.get("env")),
         users=tuple(match.get("user", ())),
+        rank=bool(match.get("rank", False)),
         placement=raw.get("placement", "gpu-local"),
         cpus=_opt_cpus(raw.get("cpus")),
         gpus=raw.get("gpus"),

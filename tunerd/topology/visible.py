@@ -19,8 +19,7 @@ from collections.abc import Iterable, Mapping
 from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
 
-__all__ = ["gpus_from_env", "gpus_from_nvml", "out_of_range_notes", "parse_gpu_list",
-           "visible_gpus"]
+__all__ = ["gpus_from_env", "gpus_from_nvml", "parse_gpu_list", "visible_gpus"]
 
 MAX_GPU_INDEX = 1 << 16  # CUDA_VISIBLE_DEVICES entries beyond it name no GPU
 MAX_LOCAL_RANK = 1 << 20  # LOCAL_RANK beyond it is ignored (as if unset)
@@ -62,18 +61,6 @@ def parse_gpu_list(text: str) -> list[int] | None:
         return sorted(parse_cpulist(text))
     except CpuListError:
         return None
-
-
-def out_of_range_notes(env: Mapping[str, str]) -> list[str]:
-    """A note for each launcher variable set to something that is no number in range
-    (ignored by gpus_from_env and placement), e.g. a 5,000-digit LOCAL_RANK."""
-    out = []
-    for var, hi in (("LOCAL_RANK", MAX_LOCAL_RANK), ("LOCAL_WORLD_SIZE", MAX_LOCAL_RANK)):
-        v = env.get(var)
-        if v is not None and v.strip() and bounded_int(v, 0, hi) is None:
-            shown = v if len(v) <= 20 else f"{v[:12]}... ({len(v)} characters)"
-            out.append(f"{var}={shown!r} ignored: not a number from 0 to {hi}")
-    return out
 
 
 def gpus_from_env(topo: Topology, env: Mapping[str, str],

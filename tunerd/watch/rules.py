@@ -6,7 +6,15 @@ A rule matches when every key it gives matches (README, "Policies"):
   NUL-separated arguments joined by single spaces (``python -u train.py --lr 3``);
 * ``match.env`` -- every listed variable is set and its value matches the glob
   (``LOCAL_RANK = "*"`` means "is set");
-* ``match.user`` -- the real uid is one of the named users (names or numbers).
+* ``match.user`` -- the real uid is one of the named users (names or numbers);
+* ``match.rank = true`` -- the process is a rank of a training job: it carries a
+  rank identity (LOCAL_RANK from torchrun, ``python -m torch.distributed.run``,
+  deepspeed or accelerate; OMPI_COMM_WORLD_LOCAL_RANK; MPI_LOCALRANKID;
+  SLURM_LOCALID of an srun task), whatever its script is called, and it is no
+  launcher (torchrun agent, mpirun, srun, slurmstepd) or wrapper (numactl, taskset,
+  env, nsys, a shell). The daemon's intake (tunerd.daemon.intake) then tells ranks
+  from their descendants (workers inherit the variables). ``cmdline``/``env``/
+  ``user`` only narrow it.
 
 Matching runs for every exec on the host, so the order of work is chosen by
 cost: the command line (one bounded read, globs compiled once per policy) first,
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from tunerd import procfs
 from tunerd.policy.typed import JobSpec, TorchSettings
 from tunerd.watch.globs import Glob, GlobSet
+from tunerd.watch.launchers import RANK_VARS, is_launcher, wrapper_name
 
 __all__ = ["CMDLINE_MATCH_BYTES", "ENVIRON_MATCH_BYTES", "JobRule", "RuleMatch", "RuleSet"]
 
@@ -51,6 +60,7 @@ class JobRule:
     cmdline: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     users: tuple[str, ...] = ()
+    rank: bool = False  # ranks of a training job only (by environment and tree)
     placement: str = "gpu-local"
     cpus: frozenset[int] | None = None
     gpus: int | None = None
@@ -76,7 +86,7 @@ class JobRule:
                 log.warning("job rule %r: user %r does not exist on this node", spec.name, u)
         env = tuple(sorted(spec.env.items()))
         return cls(
-            name=spec.name, cmdline=spec.cmdline, env=env, users=spec.users,
+            name=spec.name, cmdline=spec.cmdline, env=env, users=spec.users, rank=spec.rank,
             placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
             exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
             workers=spec.workers, torch=spec.torch,
@@ -164,7 +174,9 @@ class RuleSet:
                 continue
             if rule.users and uid not in rule.uids:
                 continue
-            if c.env:
+            if rule.rank and not self._rank_candidate(cmdline):
+                continue
+            if c.env or rule.rank:
                 if env is None:
                     env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
                     if env is None:
@@ -172,9 +184,17 @@ class RuleSet:
                 if not all((val := env.get(var)) is not None and glob.match(val)
                            for var, glob in c.env):
                     continue
+                if rule.rank and not any(v in env for v in RANK_VARS):
+                    continue
             if env is None:  # binding needs LOCAL_RANK / CUDA_VISIBLE_DEVICES
                 env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
             if uid is None:
                 uid = procfs.read_uid(pid, self.proc)
             return RuleMatch(rule, pid, cmdline, uid, env or {})
         return None
+
+    @staticmethod
+    def _rank_candidate(cmdline: str) -> bool:
+        """Cheap part of ``match.rank``: a wrapper or a launcher is never a rank."""
+        argv = cmdline.split(" ", 8)
+        return not (wrapper_name(argv) or is_launcher(argv))

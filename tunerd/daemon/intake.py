@@ -1,0 +1,343 @@
+"""The intake: one look at a process for everything placement needs (a ``JobContext``).
+
+``bind``, ``[[job]]`` rules and ``run``/``alloc`` all start here, so a process is read
+once: its stat (parent, start time), command line, environment, the allocation it
+lives in (``tunerd.allocation``: cgroup cpuset, Slurm job/step/task ids -- from the
+cgroup path where Slurm made one, the environment being the job owner's to write --,
+its GPUs), its rank identity and its place in the process tree.
+
+Real training jobs are trees inside an allocation::
+
+    launcher (slurmstepd, torchrun agent, mpirun/orted, deepspeed, accelerate)
+      -> [wrappers: numactl, taskset, env, nsys, sh ...]  never bound
+        -> rank (LOCAL_RANK / OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID)  placed
+          -> its DataLoader workers, forkserver, compile helpers: descendants, never ranks
+
+``role`` says which of these a process is, and ``why`` says how it was told.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tunerd import procfs
+from tunerd.allocation import Allocation, read_allocation, scheduler_gpus
+from tunerd.daemon.placer import PlaceRequest
+from tunerd.errors import NoSuchProcess, TunerdError
+from tunerd.topology.model import Topology
+from tunerd.topology.visible import gpus_from_env
+from tunerd.watch.launchers import WRAPPERS, is_launcher, wrapper_name
+from tunerd.watch.launchers import _base as _base
+
+__all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request"]
+
+ANCESTOR_DEPTH = 8  # how far up the tree to look for a rank, a lease, a launcher
+MAX_RANK = 1 << 16  # a local rank or world size above this is no rank number
+
+# rank identity: (variable, local world size variable, what sets it)
+_RANK_VARS = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun/deepspeed/accelerate"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Intel MPI"),
+    ("SLURM_LOCALID", None, "a Slurm task"),
+)
+
+
+def bounded_int(env: Mapping[str, str], name: str, notes: list[str],
+                hi: int = MAX_RANK) -> int | None:
+    """``env[name]`` as a number in 0..hi; anything else is ignored with a note."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    text = raw.strip()
+    if text.isdigit() and len(text) <= 6 and int(text) <= hi:
+        return int(text)
+    shown = text[:16] + ("..." if len(text) > 16 else "")
+    notes.append(f"{name}={shown!r} ignored ({len(text)} characters): not a number in 0-{hi}")
+    return None
+
+
+@dataclass(frozen=True)
+class RankId:
+    """Which rank of its job a process is, from its launcher's environment."""
+
+    local_rank: int
+    local_world: int | None
+    source: str  # "LOCAL_RANK=1 (torchrun/deepspeed/accelerate)"
+    group: str  # the ranks that split one allocation: "torch:RUNID", "slurm:12.0"
+    slurm_task: bool = False  # the rank is a Slurm task itself (its grant is per task)
+    var: str = "LOCAL_RANK"  # the variable it was told by
+
+
+@dataclass(frozen=True)
+class Ancestor:
+    pid: int
+    comm: str
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything placement needs to know about one process, read once."""
+
+    pid: int
+    start_time: int
+    ppid: int
+    uid: int | None
+    comm: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    allocation: Allocation
+    gpus: tuple[int, ...]  # GPUs it uses by its environment (CUDA_VISIBLE_DEVICES/rank)
+    gpus_how: str
+    rank: RankId | None
+    role: str  # "rank" | "descendant" | "wrapper" | "launcher" | "process"
+    why: str  # how the role was told, for `tunerctl jobs` and `policy show`
+    parent_rank: int | None = None  # the bound rank this process descends from
+    parent_cpus: frozenset[int] | None = None  # ... and that rank's CPUs
+    lease: str | None = None  # the `tunerctl run` lease it runs inside
+    enclosing: frozenset[int] | None = None  # CPUs of that lease, or of a bound launcher
+    self_affined: bool = False  # it set its own affinity (numactl, taskset)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def cmdline(self) -> str:
+        return " ".join(self.argv)
+
+    @property
+    def job_key(self) -> str | None:
+        """The scheduler job the process belongs to ("slurm:12"), if any."""
+        a = self.allocation
+        return f"slurm:{a.slurm_job}" if a.slurm_job else None
+
+    @property
+    def group(self) -> str | None:
+        return self.rank.group if self.rank is not None else None
+
+
+# bound(pid) -> (start time, CPUs) of a process tunerd placed as a rank, or None
+BoundLookup = Callable[[int], "tuple[int, frozenset[int]] | None"]
+# lease(pid) -> (lease id, CPUs) of a `run` lease held by pid, or None
+LeaseLookup = Callable[[int], "tuple[str, frozenset[int]] | None"]
+
+
+class Intake:
+    """Turns a pid into a ``JobContext`` (see the module docstring)."""
+
+    def __init__(self, topo: Topology, online: frozenset[int], *, bound: BoundLookup,
+                 lease: LeaseLookup, proc_root: str = procfs.PROC) -> None:
+        self.topo = topo
+        self.online = online
+        self._bound = bound
+        self._lease = lease
+        self.proc = proc_root
+
+    def describe(self, pid: int, env: Mapping[str, str] | None = None,
+                 argv: list[str] | None = None) -> JobContext:
+        """Read process ``pid`` (raises NoSuchProcess when it is gone)."""
+        p = procfs.Process(pid, self.proc)
+        st = p.stat()
+        if env is None:
+            env = procfs.read_environ(pid, self.proc)
+            if env is None:
+                raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
+        if argv is None:
+            argv = p.cmdline(4096)
+        notes: list[str] = []
+        alloc = read_allocation(pid, env, self.topo, proc_root=Path(self.proc),
+                                online=self.online)
+        rank = _rank_of(env, alloc, st.ppid, notes)
+        gpus, how = self._gpus(pid, env, rank)
+        role, why = "process", "no rank identity in its environment"
+        if is_launcher(argv, st.comm):
+            role, why = "launcher", f"{_base(argv[0]) if argv else st.comm} starts ranks"
+        elif wrapper_name(argv, st.comm):
+            role, why = "wrapper", f"{wrapper_name(argv, st.comm)} only starts the next process"
+        elif rank is not None:
+            role, why = "rank", f"{rank.source}, group {rank.group}"
+        ctx = JobContext(pid=pid, start_time=st.start_time, ppid=st.ppid,
+                         uid=_uid(p), comm=st.comm, argv=tuple(argv), env=env,
+                         allocation=alloc, gpus=gpus, gpus_how=how, rank=rank, role=role,
+                         why=why, notes=tuple(notes))
+        return self._tree(ctx)
+
+    def _gpus(self, pid: int, env: Mapping[str, str],
+              rank: RankId | None) -> tuple[tuple[int, ...], str]:
+        # the scheduler's grant bounds them: Slurm's, else the pod's (PodResources)
+        gpus = gpus_from_env(self.topo, env, allowed=scheduler_gpus(pid, self.topo, env))
+        return tuple(gpus or ()), "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+
+    def _tree(self, ctx: JobContext) -> JobContext:
+        """Walk up: the bound rank it descends from, the lease or bound launcher it runs
+        in, and whether it set its own affinity (a mask narrower than its parent's)."""
+        changes: dict[str, object] = {}
+        ppid = ctx.ppid
+        for depth in range(ANCESTOR_DEPTH):
+            if ppid <= 1 or ppid == ctx.pid:
+                break
+            try:
+                st = procfs.Process(ppid, self.proc).stat()
+            except TunerdError:
+                break
+            lease = self._lease(ppid)
+            if lease is not None and "lease" not in changes:
+                changes.update(lease=lease[0], enclosing=lease[1])
+            bound = self._bound(ppid)
+            if bound is not None and bound[0] == st.start_time and ctx.role != "launcher":
+                changes.update(self._under_bound(ctx, ppid, st.comm, bound[1]))
+                break
+            if depth == 0 and ctx.role == "rank":
+                changes.update(_self_affinity(ctx, ppid, st.comm))
+            if st.comm == "slurmstepd":
+                break
+            ppid = st.ppid
+        if ctx.role == "rank" and "parent_rank" not in changes and ctx.rank is not None \
+                and self._same_rank_above(ctx):
+            changes.update(role="descendant",
+                           why=f"{ctx.rank.source} inherited from its parent {ctx.ppid}, "
+                               "which is that rank")
+        return replace(ctx, **changes) if changes else ctx  # type: ignore[arg-type]
+
+    def _under_bound(self, ctx: JobContext, ppid: int, comm: str,
+                     cpus: frozenset[int]) -> dict[str, object]:
+        """``ctx`` has a bound ancestor ``ppid``. A launcher or wrapper tunerd bound (a
+        Slurm task -- torchrun, a batch script -- bound by the TaskProlog), or a
+        process that is a rank of another kind (a Slurm task that starts LOCAL_RANK
+        ranks itself), encloses its ranks: they split its CPUs. Anything else is that
+        rank's descendant."""
+        try:
+            argv = procfs.Process(ppid, self.proc).cmdline(4096)
+        except TunerdError:
+            argv = []
+        encloses = is_launcher(argv, comm) or wrapper_name(argv, comm) is not None
+        if not encloses and ctx.rank is not None:
+            penv = procfs.read_environ(ppid, self.proc) or {}
+            prank = _rank_of(penv, ctx.allocation, -1, [])
+            encloses = prank is None or prank.var != ctx.rank.var
+        if encloses:
+            return {"enclosing": cpus}
+        out: dict[str, object] = {"parent_rank": ppid, "parent_cpus": cpus}
+        if ctx.role in ("rank", "process"):
+            out.update(role="descendant", why=f"descends from rank {ppid}, bound by tunerd")
+        return out
+
+    def _same_rank_above(self, ctx: JobContext) -> bool:
+        """A spawn/forkserver helper or a rank's own subprocess: its parent (not a
+        launcher or wrapper) has the same rank identity."""
+        assert ctx.rank is not None
+        try:
+            argv = procfs.Process(ctx.ppid, self.proc).cmdline(4096)
+            comm = procfs.read_comm(ctx.ppid, self.proc) or ""
+        except TunerdError:
+            return False
+        if is_launcher(argv, comm) or wrapper_name(argv, comm):
+            return False
+        penv = procfs.read_environ(ctx.ppid, self.proc) or {}
+        prank = _rank_of(penv, ctx.allocation, -1, [])
+        return prank is not None and prank.local_rank == ctx.rank.local_rank \
+            and prank.var == ctx.rank.var
+
+
+def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
+    """The PlaceRequest for ``ctx`` (``kw``: the caller's own asks, PlaceRequest fields).
+
+    The allocation is narrowed to what the job tree says: a `tunerctl run` lease
+    above the process; a Slurm task's own CPUs where Slurm bound the task to fewer
+    than the step's (tasks Slurm gave disjoint CPUs keep disjoint CPUs); the CPUs a
+    launcher was started on, which its ranks split (a grant per Slurm task is then the
+    pool of all its ranks, not each rank's count).
+    """
+    a = ctx.allocation
+    cpus, ncpus, scheduler = a.cpus, a.ncpus, a.scheduler
+    if ctx.enclosing is not None:  # under a `tunerctl run` lease: stay inside it
+        cpus = ctx.enclosing if cpus is None else (cpus & ctx.enclosing or cpus)
+        scheduler = scheduler or ("tunerctl run" if ctx.lease else "its launcher's binding")
+    if a.current is not None and not ctx.self_affined and (a.slurm or ctx.rank is not None):
+        # Slurm bound the task (or the launcher was started) on fewer CPUs: stay there
+        cpus = (cpus & a.current if cpus is not None else a.current) or cpus
+    if ctx.rank is not None and not ctx.rank.slurm_task:
+        ncpus = None  # a grant per Slurm task is split by the ranks the task starts
+    rank = ctx.rank
+    group = ctx.group or (f"slurm:{a.slurm_job}.{a.slurm_step}"
+                          if a.job_from_cgroup and a.slurm_step else None)
+    alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler)
+    base: dict[str, Any] = dict(
+        allocation=alloc, rank=rank.local_rank if rank else None,
+        ranks=rank.local_world if rank else None, group=group, job=ctx.job_key,
+        what=f"process {ctx.pid}")
+    base.update(kw)
+    return PlaceRequest(**base)
+
+
+def _self_affinity(ctx: JobContext, ppid: int, parent_comm: str) -> dict[str, object]:
+    """A rank whose mask is narrower than its parent's, where the parent is not
+    slurmstepd (Slurm's task/affinity binds tasks itself): it, or a numactl/taskset
+    it was exec'd through, chose its CPUs."""
+    if parent_comm == "slurmstepd" or ctx.allocation.mask is None:
+        return {}
+    try:
+        pmask = frozenset(os.sched_getaffinity(ppid))
+    except OSError:
+        return {}
+    if ctx.allocation.mask < pmask:
+        return {"self_affined": True,
+                "why": ctx.why + "; set its own affinity (numactl/taskset): left as it is"}
+    return {}
+
+
+def _rank_of(env: Mapping[str, str], alloc: Allocation, ppid: int,
+             notes: list[str]) -> RankId | None:
+    for var, size_var, who in _RANK_VARS:
+        if var not in env:
+            continue
+        rank = bounded_int(env, var, notes)
+        if rank is None:
+            continue
+        world = bounded_int(env, size_var, notes) if size_var else None
+        if var == "SLURM_LOCALID":
+            if not alloc.slurm_job or alloc.gpus == ():
+                notes.append("a Slurm task without GPUs: left to Slurm's own CPU binding")
+                continue
+            world = _tasks_on_node(env, notes)
+            if alloc.slurm_task is not None and alloc.job_from_cgroup:
+                rank = alloc.slurm_task
+            return RankId(rank, world, f"Slurm task {rank} of {world or '?'}",
+                          f"slurm:{alloc.slurm_job}.{alloc.slurm_step or '?'}",
+                          slurm_task=True, var=var)
+        if var == "LOCAL_RANK":
+            run = env.get("TORCHELASTIC_RUN_ID") or (
+                f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+                if env.get("MASTER_PORT") else f"ppid {ppid}")
+        else:
+            run = f"ppid {ppid}"
+        inside = f"slurm:{alloc.slurm_job}.{alloc.slurm_step}/" if alloc.slurm_job else ""
+        return RankId(rank, world, f"{var}={rank} ({who})", f"{inside}{who.split('/')[0]}:"
+                      f"{run[:64]}", var=var)
+    return None
+
+
+def _tasks_on_node(env: Mapping[str, str], notes: list[str]) -> int | None:
+    """Tasks of the step on this node: SLURM_STEP_TASKS_PER_NODE looks like "2",
+    "2(x3)" or "4,2" (SLURM_NODEID picks the entry)."""
+    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in text.split(",")[:64]:
+        num, _, rep = part.partition("(x")
+        if not (num.isdigit() and len(num) <= 6):
+            return None
+        times = rep.rstrip(")")
+        n = int(times) if times.isdigit() and len(times) <= 6 else 1
+        counts.extend([int(num)] * min(n, 4096))
+    node = bounded_int(env, "SLURM_NODEID", notes) or 0
+    return counts[node] if node < len(counts) else (counts[0] if counts else None)
+
+
+def _uid(p: procfs.Process) -> int | None:
+    try:
+        return p.uids()[0]
+    except TunerdError:
+        return None
+
