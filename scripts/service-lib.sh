@@ -145,14 +145,20 @@ stop_daemon() {
     echo "stopped tunerd (pid $1)"
 }
 
-# start_daemon: in the background, detached from this terminal, log to LOG_FILE
+# start_daemon: in the background, detached from this terminal, log to LOG_FILE:
+# tunerd --log-file rotates it by size (10 MiB x 4 files at most) and keeps it 0600
+# (it holds command lines); what is printed before logging starts goes there too
 start_daemon() {
     mkdir -p "$(dirname "$LOG_FILE")"
+    (umask 077; : >>"$LOG_FILE")
+    chmod 0600 "$LOG_FILE"
     # shellcheck disable=SC2046 # the flags are words on purpose (paths have no spaces)
     if command -v setsid >/dev/null 2>&1; then
-        setsid nohup "$PREFIX/bin/tunerd" $(daemon_flags) >>"$LOG_FILE" 2>&1 </dev/null &
+        setsid nohup "$PREFIX/bin/tunerd" $(daemon_flags) --log-file "$LOG_FILE" \
+            >>"$LOG_FILE" 2>&1 </dev/null &
     else
-        nohup "$PREFIX/bin/tunerd" $(daemon_flags) >>"$LOG_FILE" 2>&1 </dev/null &
+        nohup "$PREFIX/bin/tunerd" $(daemon_flags) --log-file "$LOG_FILE" \
+            >>"$LOG_FILE" 2>&1 </dev/null &
     fi
 }
 

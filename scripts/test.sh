@@ -76,4 +76,4 @@ fi
 
 echo "== ruff"; .venv/bin/ruff check .
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -49,8 +49,8 @@ def test_site_file_wins_over_the_bundled_ones_and_explain_says_so(
     assert (got["file"], got["line"], got["value"]) == (str(site), 5, 65536)
     assert [(Path(o["file"]).name, o["line"], o["value"]) for o in got["overrode"]] == [
         ("00-base.toml", 7, 1048576), ("00-default.toml", 10, 1048576)]
-    rule = r.json()["provenance"]['job["torch-training"].match.cmdline']
-    assert Path(rule["file"]).name == "00-base.toml" and rule["line"] == 20
+    rule = r.json()["provenance"]['job["torch-training"].match.rank']
+    assert Path(rule["file"]).name == "00-base.toml" and rule["line"] == 24
     human = d.ctl("policy", "show", "--explain").out
     assert f"limits.nofile = 65536\n    set by    {site}:5 (policy 'site')\n" in human, human
     assert f"    overrode  {pdir / '00-base.toml'}:7 = 1048576\n" in human

@@ -283,3 +283,31 @@ def test_client_refuses_a_server_run_by_another_user(base: Path, unpriv_user: tu
     finally:
         if where == "sticky":
             shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"], ["--topology", "DGX"]])
+def test_a_second_daemon_on_the_same_runtime_dir_leaves_the_first_reachable(
+        daemon: DaemonProc, extra: list[str]) -> None:
+    """Issue 16, found 11: a second tunerd (the README's `tunerd --dry-run`, `--topology
+    FILE`) took over the socket and removed it on exit."""
+    import subprocess
+    import sys
+
+    from tests.helpers import FIXTURES, REPO
+
+    extra = [str(FIXTURES / "topologies" / "dgx-h100.json") if a == "DGX" else a
+             for a in extra]
+    assert daemon.proc is not None
+    before = os.lstat(daemon.socket)
+    second = subprocess.run(
+        [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(daemon.policy_dir),
+         "--runtime-dir", str(daemon.runtime_dir), "--state-dir", str(daemon.state_dir),
+         "--metrics-listen", "off", *extra],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert second.returncode == 1, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {daemon.proc.pid}" in lines[0], second.stderr
+    after = os.lstat(daemon.socket)  # the same socket, never unlinked or replaced
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    assert (daemon.runtime_dir / "tunerd.pid").read_text().strip() == str(daemon.proc.pid)
+    assert daemon.ctl("--json", "status").rc in (0, 1)

@@ -168,3 +168,39 @@ def test_the_user_behind_a_local_connection_is_found(
         assert socket_owner((seen[0], 1), here) is None
     finally:
         srv.close()
+
+
+def _dribble(conn: Connection, port: int) -> None:
+    """As the test user: a request line one byte every 3 s; reports when the server
+    closed the connection (seconds after connecting)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    t0 = time.monotonic()
+    line = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 100
+    s.settimeout(3.0)
+    closed_after = None
+    for b in line:
+        try:
+            s.sendall(bytes([b]))
+            if s.recv(1) == b"":  # waits up to 3 s: closed by the server
+                closed_after = time.monotonic() - t0
+                break
+        except TimeoutError:
+            continue
+        except OSError:
+            closed_after = time.monotonic() - t0
+            break
+    s.close()
+    conn.send(closed_after)
+    conn.recv()
+
+
+def test_a_byte_every_3_s_client_is_dropped_within_the_request_deadline(
+        daemon_factory: Any, unpriv_user: tuple[int, int]) -> None:
+    """Issue 16, found 8: the 10 s limit was per recv(), so a byte every 3 s held a
+    handler for ever. Now 10 s from accept to the end of the reply."""
+    d: DaemonProc = daemon_factory(args=["--metrics-listen", "127.0.0.1:0"]).start()
+    port = d.ctl("--json", "status").json()["services"]["monitor"]["metrics_port"]
+    with forked_as(*unpriv_user, _dribble, port) as conn:
+        closed_after = recv(conn, 60)
+    print(f"\nmetrics: a byte-every-3-s client was dropped after {closed_after} s")
+    assert closed_after is not None and closed_after <= REQUEST_TIMEOUT + 0.5, closed_after

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import DaemonProc, run_as, write_policy
+from tests.helpers import DaemonProc, run_as, wait_for, write_policy
 from tests.security_helpers import chown_tree, error_lines, wait_exit
 from tunerd.daemon.state import (
     DurableStore,
@@ -531,6 +531,8 @@ def test_daemon_refuses_to_start_on_damaged_originals_without_backup(
         daemon_factory, tmp_path: Path, damage: str) -> None:
     d, swappiness = _tree_daemon(daemon_factory, tmp_path)
     d.start()
+    # the originals are saved before the write: once it shows, both files are there
+    wait_for(lambda: swappiness.read_text().strip() == "10", 10, "the policy applied")
     d.kill9()
     for name in ("state.json", "state.json.bak"):
         (d.state_dir / name).unlink()

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tunerd.cpulist import format_cpulist
 from tunerd.cpuset import CHILD_PREFIX, CpusetCgroup, find_cpuset
+from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
 from tunerd.topology.visible import parse_gpu_list, visible_gpus
 
@@ -108,7 +109,7 @@ def _cvd_within(topo: Topology, cvd: str, job: tuple[int, ...]) -> tuple[int, ..
     indices below len(job) are positions in it.
     """
     items = [x.strip() for x in cvd.split(",") if x.strip()]
-    if all(x.isdigit() for x in items):
+    if all(x.isdigit() and len(x) <= 6 for x in items):  # 5,000 digits: no ValueError
         ids = [int(x) for x in items]
         if all(i in job for i in ids):
             return tuple(ids)
@@ -178,9 +179,9 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     if gpus is not None and cvd is not None and cvd.strip() not in ("", "NoDevFiles"):
         gpus = _cvd_within(topo, cvd, gpus)
     ncpus: int | None = None
-    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if env.get("SLURM_JOB_ID") and per_task.isdigit() and int(per_task) > 0:
-        ncpus = int(per_task)
+    per_task = bounded_int(env.get("SLURM_CPUS_PER_TASK"), 1, 1 << 20)
+    if env.get("SLURM_JOB_ID") and per_task is not None:
+        ncpus = per_task
     scheduler = None
     m = _SLURM_CGROUP.search(cg.path) if cg is not None else None
     job, step, task = _slurm_ids(env, m)

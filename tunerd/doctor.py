@@ -24,6 +24,7 @@ from typing import Any
 from tunerd import isolated, nvml
 from tunerd.procfs import read_text, read_value
 from tunerd.text import plural
+from tunerd.tuners.nccl import match_ifnames
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 NOFILE_MIN = 65536
@@ -631,18 +632,6 @@ def nccl_ifname(env: Env) -> tuple[str | None, str]:
             return val.strip(), f"{env.etc_root}/nccl.conf"
     return None, ""
 
-
-def match_ifnames(spec: str, names: list[str]) -> list[str]:
-    """NCCL's syntax: "a,b" prefixes, "=a,b" exact names, "^a" excludes (prefix or exact)."""
-    exclude = spec.startswith("^")
-    s = spec[1:] if exclude else spec
-    exact = s.startswith("=")
-    pats = [p for p in (s[1:] if exact else s).split(",") if p]
-
-    def hit(n: str) -> bool:
-        return any(n == p if exact else n.startswith(p) for p in pats)
-
-    return [n for n in names if hit(n) != exclude]
 
 
 def check_nccl_mtu(env: Env) -> Check:

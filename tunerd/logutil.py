@@ -8,12 +8,122 @@ resource too, and 30 MB of identical tracebacks hide the one line that matters.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import logging.handlers
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-__all__ = ["RepeatFilter"]
+from tunerd.text import safe
+
+__all__ = ["LOG_FILE_BACKUPS", "LOG_FILE_BYTES", "EscapeFilter", "PrivateRotatingFileHandler",
+           "RepeatFilter", "UserRateFilter", "acting_for"]
+
+# --log-file (no journald): at most LOG_FILE_BYTES * (1 + LOG_FILE_BACKUPS) on disk
+LOG_FILE_BYTES = 10 << 20
+LOG_FILE_BACKUPS = 3
+
+
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """Size-rotated log file (FILE, FILE.1 ... FILE.N), mode 0600: it holds command
+    lines and other users' process names, which /proc may hide from them (hidepid).
+    Opened without following a symlink."""
+
+    def __init__(self, path: str, max_bytes: int = LOG_FILE_BYTES,
+                 backups: int = LOG_FILE_BACKUPS) -> None:
+        super().__init__(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8",
+                         delay=False)
+
+    def _open(self):  # type: ignore[no-untyped-def]  # logging's own untyped hook
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file from an older install: 0644 before
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+# the uid whose request (or exec, for a rule) the code running now serves; set in a
+# context of its own per request by the control server, per match by the autobinder
+_acting_uid: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "tunerd_acting_uid", default=None)
+
+
+def acting_for(uid: int | None) -> None:
+    """Log lines from here on (in this context) are caused by ``uid``."""
+    _acting_uid.set(uid)
+
+
+class UserRateFilter(logging.Filter):
+    """At most ``burst`` lines per ``window`` seconds caused by one non-root uid.
+
+    What a user's requests make the daemon log (a lease made and released, a rule
+    bound) is one distinct line each, which the repeat filter cannot stop: a loop of
+    6,000 allocs would be 12,000 lines. Past the burst, one line says the uid's lines
+    are being suppressed, and the first line let through in a later window says how
+    many were. At most ``max_users`` uids are tracked (least recent out).
+    """
+
+    def __init__(self, burst: int = 20, window: float = 60.0, max_users: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window = window
+        self.max_users = max_users
+        self.clock = clock
+        self._users: OrderedDict[int, list[float]] = OrderedDict()  # [start, passed, dropped]
+        self.dropped_total = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        uid = _acting_uid.get()
+        if uid is None or uid == 0:
+            return True
+        now = self.clock()
+        ent = self._users.get(uid)
+        if ent is None or now - ent[0] >= self.window:
+            dropped = int(ent[2]) if ent is not None else 0
+            self._users[uid] = [now, 1, 0]
+            self._users.move_to_end(uid)
+            if len(self._users) > self.max_users:
+                self._users.popitem(last=False)
+            if dropped:
+                self._amend(record, f" [uid {uid}: {dropped} line(s) suppressed in the "
+                                    f"previous {self.window:g} s]")
+            return True
+        self._users.move_to_end(uid)
+        if ent[1] < self.burst:
+            ent[1] += 1
+            return True
+        ent[2] += 1
+        self.dropped_total += 1
+        if ent[2] == 1:  # say once that the rest of this window is not logged
+            self._amend(record, f" [uid {uid}: {self.burst} lines in {self.window:g} s: "
+                                "further lines its requests cause are suppressed for now]")
+            return True
+        return False
+
+    @staticmethod
+    def _amend(record: logging.LogRecord, note: str) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return
+        record.msg, record.args = text + note, None
+
+
+class EscapeFilter(logging.Filter):
+    """Control characters in a message (a tag, a command line, a process name a user
+    chose) are escaped visibly (tunerd.text.safe): no user can forge a log line with a
+    newline, or send ESC sequences to whoever reads the log on a terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # a bad format string is the handler's problem, not ours
+            return True
+        clean = safe(text)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
 
 
 class RepeatFilter(logging.Filter):

@@ -31,8 +31,17 @@ from tunerd.errors import (
 )
 
 __all__ = [
+    "MAX_CMD",
+    "MAX_CMD_ARG",
+    "MAX_CMD_ARGS",
+    "MAX_INT_DIGITS",
     "MAX_MESSAGE",
+    "MAX_NAME",
+    "MAX_TAG",
     "ExitCode",
+    "bounded_command",
+    "bounded_str",
+    "command_record",
     "decode",
     "encode",
     "error_from_reply",
@@ -116,6 +125,69 @@ def _finite(text: str) -> float:
 
 _INF = float("inf")
 
+# Bounds on what a client may send (docs/security-limits.md). A whole message is at
+# most MAX_MESSAGE; integers fit 64 bits (a 5,000-digit number is refused before
+# Python converts it); user-chosen strings that the daemon keeps or shows have their
+# own limits, checked by bounded_str.
+MAX_INT_DIGITS = 19  # |n| < 10**19: every value the daemon takes fits an int64
+MAX_TAG = 128  # alloc/run --tag
+MAX_NAME = 128  # names: rules, policies, process names shown
+# `tunerctl run` sends the daemon a record of its command (for jobs/leases/the log;
+# it exec()s its own argv, which these limits do not touch): the first 8 words
+MAX_CMD_ARGS = 8  # words of the command as recorded
+MAX_CMD_ARG = 512  # bytes of one word of it
+MAX_CMD = 1024  # bytes of the whole record
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text) - (text[0] in "+-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits is out of range "
+                         f"(at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def bounded_str(what: str, value: str, limit: int) -> str:
+    """``value`` if it is at most ``limit`` bytes (UTF-8); a UsageError naming ``what``
+    and both sizes otherwise."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise UsageError(f"{what} is {size} bytes, longer than the limit of {limit} "
+                         "(docs/security-limits.md)")
+    return value
+
+
+def command_record(argv: list[str]) -> list[str]:
+    """What tunerctl sends as the record of ``argv``: within the limits bounded_command
+    checks (words cut with "...")."""
+    out: list[str] = []
+    total = 0
+    for word in argv[:MAX_CMD_ARGS]:
+        b = word.encode("utf-8", "surrogateescape")
+        if len(b) > MAX_CMD_ARG:
+            word = b[:MAX_CMD_ARG - 3].decode("utf-8", "ignore") + "..."
+        if total + len(word.encode("utf-8", "surrogateescape")) > MAX_CMD:
+            break
+        total += len(word.encode("utf-8", "surrogateescape"))
+        out.append(word)
+    return out
+
+
+def bounded_command(cmd: list[str]) -> list[str]:
+    """A `tunerctl run` command within MAX_CMD_ARGS words, MAX_CMD_ARG bytes a word and
+    MAX_CMD bytes in all; a UsageError otherwise."""
+    if len(cmd) > MAX_CMD_ARGS:
+        raise UsageError(f"the command has {len(cmd)} words, more than the limit of "
+                         f"{MAX_CMD_ARGS} (docs/security-limits.md)")
+    total = 0
+    for i, word in enumerate(cmd):
+        bounded_str(f"word {i} of the command", word, MAX_CMD_ARG)
+        total += len(word.encode("utf-8", "surrogatepass"))
+    if total > MAX_CMD:
+        raise UsageError(f"the command is {total} bytes, longer than the limit of {MAX_CMD} "
+                         "(docs/security-limits.md)")
+    return cmd
+
 
 def encode(obj: dict[str, Any]) -> bytes:
     """One message line. Raises ValueError for NaN/Infinity (not JSON) and TypeError for
@@ -130,7 +202,8 @@ def decode(line: bytes) -> dict[str, Any]:
     deep enough to exhaust the parser's recursion (``[`` x 100,000).
     """
     try:
-        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite)
+        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite,
+                         parse_int=_bounded_int)
     except RecursionError:
         raise UsageError("malformed message: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity

@@ -201,8 +201,11 @@ def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | Non
         argv = argv[1:]
     if not argv:
         raise click.UsageError("run: missing COMMAND")
-    r = ctx.call("run", command=argv, **_request(gpus, ncpus, cpus, workers, exclusive,
-                                                 exclusive_scope, tag))
+    from tunerd.protocol import command_record
+
+    # the daemon keeps a bounded record of the command; the exec below runs all of it
+    r = ctx.call("run", command=command_record(argv),
+                 **_request(gpus, ncpus, cpus, workers, exclusive, exclusive_scope, tag))
     ctx.client().close()
     env = _env(r, uuids)
     os.environ.update(env)

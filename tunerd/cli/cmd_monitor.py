@@ -103,7 +103,10 @@ def metrics() -> int:
     if ctx.as_json:
         ctx.emit({"text": text})
     else:
-        click.echo(text, nl=False)
+        from tunerd.text import safe
+
+        # label values are user text (job names): no control character reaches the terminal
+        click.echo("".join(safe(line) + "\n" for line in text.splitlines()), nl=False)
     return 0
 
 

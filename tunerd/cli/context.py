@@ -53,7 +53,11 @@ class CliContext:
 
             click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
             return
-        text = human(result)
+        from tunerd.text import safe_tree
+
+        # every string a user may have chosen (tags, names, command lines) is shown with
+        # its control characters escaped: nothing reaches the terminal raw
+        text = human(safe_tree(result))
         if text:
             click.echo(text)
 
@@ -74,5 +78,7 @@ def report_error(err: TunerdError, as_json: bool) -> None:
 
         click.echo(f"tunerctl: error: {unreachable_message(err.message)}", err=True)
     else:
-        click.echo(f"tunerctl: error: {err.message}", err=True)
+        from tunerd.text import safe
+
+        click.echo(f"tunerctl: error: {safe(err.message)}", err=True)
     sys.stderr.flush()

@@ -182,7 +182,8 @@ def _jobs(sample: dict[str, Any], state: TopState | None = None) -> RenderableTy
         loc = j.get("locality_ratio")
         rate = (j.get("torch") or {}).get("samples_per_s")
         cells: list[RenderableType] = [
-            str(j["pid"]), Text(str(j.get("name") or "-")), j.get("cpus") or "-",
+            # user text as Text: rich never parses a process name ("[/x]") as markup
+            str(j["pid"]), Text(str(j.get("name") or "-")), Text(str(j.get("cpus") or "-")),
             ",".join(str(g) for g in j.get("gpus") or []) or "-",
             cpu, str(j.get("workers") or 0), fmt_bytes(j.get("rss_bytes")),
             Text(fmt_pct(loc), style="red" if loc is not None and loc < 0.8 else ""),
@@ -196,7 +197,9 @@ def _jobs(sample: dict[str, Any], state: TopState | None = None) -> RenderableTy
 def render(reply: dict[str, Any], state: TopState | None = None) -> RenderableType:
     """One frame. With ``state`` (the live view): jobs sorted as chosen, a CPU history
     sparkline per job, and the key line (or the help) at the bottom."""
-    sample = reply.get("sample") or {}
+    from tunerd.text import safe_tree
+
+    sample = safe_tree(reply.get("sample") or {})  # control characters escaped
     host = sample.get("host") or {}
     psi = host.get("psi") or {}
 

@@ -21,7 +21,7 @@ from tunerd import __version__
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.policyholder import PolicyHolder
-from tunerd.daemon.runtime import remove_pidfile, write_pidfile
+from tunerd.daemon.runtime import PidLock, remove_pidfile, write_pidfile
 from tunerd.daemon.server import ControlServer
 from tunerd.errors import PolicyError, TunerdError
 from tunerd.policy import Policy
@@ -53,7 +53,8 @@ class Daemon:
     def __init__(self, *, server: ControlServer, services: list[Service],
                  policy: PolicyHolder, errors: ErrorLog, notifier: Notifier,
                  on_policy: list[tuple[str, PolicyListener]], dry_run: bool,
-                 replay: Path | None, pidfile: Path | None = None) -> None:
+                 replay: Path | None, pidfile: Path | None = None,
+                 pidlock: PidLock | None = None) -> None:
         self.server = server
         self.services = services
         # refuses a valid policy on every reload (config reload_rebinds_running = false)
@@ -65,6 +66,7 @@ class Daemon:
         self.dry_run = dry_run
         self.replay = replay
         self.pidfile = pidfile
+        self.pidlock = pidlock  # held since before the socket was touched (wiring)
         self.started_at = time.time()
         self._stop = asyncio.Event()
         self._reloading = asyncio.Lock()
@@ -178,7 +180,7 @@ class Daemon:
         return 0
 
     def _write_pidfile(self) -> None:
-        if self.pidfile is None:
+        if self.pidfile is None or self.pidlock is not None:  # the lock wrote it
             return
         try:
             write_pidfile(self.pidfile)
@@ -187,6 +189,9 @@ class Daemon:
                                key="pidfile")
 
     def _remove_pidfile(self) -> None:
+        if self.pidlock is not None:
+            self.pidlock.release()
+            return
         if self.pidfile is None:
             return
         remove_pidfile(self.pidfile)

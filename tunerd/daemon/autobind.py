@@ -38,6 +38,7 @@ from tunerd.daemon.peer import Peer
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, Reservation
 from tunerd.errors import NoSuchProcess, TunerdError
+from tunerd.logutil import acting_for
 from tunerd.placement import Placement, mems_of
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
@@ -335,6 +336,7 @@ class AutoBinder:
 
     async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
         pid = m.pid
+        acting_for(m.uid)  # its own task: what it logs counts against the process's owner
         try:
             ctx = self._look(m)
             if ctx is None:

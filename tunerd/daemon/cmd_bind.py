@@ -13,6 +13,7 @@ from tunerd.daemon.peer import host_pid
 from tunerd.daemon.placer import Placer, Reservation
 from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Request, Router
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import Failed, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
@@ -82,7 +83,9 @@ class BindCommands:
             seen.extend([ctx] if ctx is not None else [])
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
-                    raise UsageError(NO_PLACEMENT)
+                    # with what was ignored on the way (a 5,000-digit LOCAL_RANK)
+                    raise UsageError("; ".join([NO_PLACEMENT, *notes,
+                                                *(ctx.notes if ctx is not None else ())]))
                 notes.append("CPUs and memory nodes unchanged: " + NO_PLACEMENT)
                 return None, None
             notes.extend(n for n in placed.notes if not n.startswith("topology replay"))
@@ -175,5 +178,7 @@ class BindCommands:
         return out
 
     async def list_jobs(self, req: Request) -> dict[str, Any]:
-        return {"jobs": self.jobs.jobs(), "leases": self.leases.list_leases(),
-                "left_alone": self._left_alone()}
+        seen = ProcVisibility()  # hidepid: others' command lines stay hidden
+        return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
+                "leases": seen.redact(req.peer, self.leases.list_leases()),
+                "left_alone": seen.redact(req.peer, self._left_alone())}

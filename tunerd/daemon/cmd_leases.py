@@ -7,7 +7,14 @@ from typing import Any
 from tunerd.daemon.cmd_bind import ids_arg
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.router import Request, Router
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import UsageError
+from tunerd.protocol import MAX_TAG, bounded_command, bounded_str
+
+
+def _tag(req: Request) -> str | None:
+    tag = req.arg("tag", str, None)
+    return None if tag is None else bounded_str(f"{req.cmd}: --tag", tag, MAX_TAG)
 
 
 class LeaseCommands:
@@ -42,7 +49,7 @@ class LeaseCommands:
             "cpus": cpus,
             "exclusive": req.arg("exclusive", bool, False),
             "scope": req.arg("exclusive_scope", str, None),
-            "tag": req.arg("tag", str, None),
+            "tag": _tag(req),
             "workers": workers,
         }
 
@@ -55,14 +62,15 @@ class LeaseCommands:
         cmd = req.arg("command", list, [])
         if not all(isinstance(c, str) for c in cmd):
             raise UsageError("run: 'command' must be a list of strings")
+        bounded_command(cmd)  # a record for jobs/leases: bounded (docs/security-limits.md)
         return await self.leases.run(req.peer, cmd=cmd, **self._common(req))
 
     async def release(self, req: Request) -> dict[str, Any]:
         """Release one lease (``lease``) or every lease with ``tag`` the caller may release."""
-        tag = req.arg("tag", str, None)
+        tag = _tag(req)
         if tag is not None:
             return await self.leases.release_tagged(req.peer, tag)
         return await self.leases.release(req.peer, req.arg("lease", str))
 
     async def list_leases(self, req: Request) -> list[dict[str, Any]]:
-        return self.leases.list_leases()
+        return ProcVisibility().redact(req.peer, self.leases.list_leases())  # hidepid

@@ -9,6 +9,7 @@ from typing import Any
 from tunerd import procfs
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.router import Request, Router
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import NoSuchProcess, PermissionDenied
 from tunerd.monitor.reports import parse_report
 from tunerd.monitor.service import Monitor
@@ -93,7 +94,12 @@ class MonitorCommands:
     async def top(self, req: Request) -> dict[str, Any]:
         """The latest sample and the bound jobs, for `tunerctl top`."""
         m = self.monitor
-        return {"sample": m.latest, "jobs": m.job_records(), "interval": m.interval}
+        seen = ProcVisibility()  # hidepid: others' command lines stay hidden
+        sample = m.latest
+        if sample and sample.get("jobs") and not seen.sees_all(req.peer)[0]:
+            sample = {**sample, "jobs": seen.redact(req.peer, sample["jobs"])}
+        return {"sample": sample, "jobs": seen.redact(req.peer, m.job_records()),
+                "interval": m.interval}
 
     async def advise(self, req: Request) -> dict[str, Any]:
         from tunerd.advise import advise as run_rules

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tunerd.errors import TunerdError
-from tunerd.logutil import RepeatFilter
+from tunerd.logutil import (
+    LOG_FILE_BACKUPS,
+    LOG_FILE_BYTES,
+    EscapeFilter,
+    PrivateRotatingFileHandler,
+    RepeatFilter,
+    UserRateFilter,
+)
 from tunerd.protocol import ExitCode, exit_code
 
 if TYPE_CHECKING:
@@ -31,9 +38,13 @@ class JournalFormatter(logging.Formatter):
         return "\n".join(f"<{pri}>{record.name}: {line}" for line in msg.splitlines())
 
 
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
+def setup_logging(level: str, log_file: Path | None = None) -> None:
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if log_file is not None:  # without journald: rotated by size, bounded on disk
+        handler = PrivateRotatingFileHandler(str(log_file))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    elif os.environ.get("JOURNAL_STREAM"):
         handler.setFormatter(JournalFormatter("%(message)s"))
     else:
         handler.setFormatter(
@@ -41,7 +52,9 @@ def setup_logging(level: str) -> None:
         )
     # repeated identical errors (a connection flood, a stream of bad requests) must
     # not flood the log: a few per minute, then a count
+    handler.addFilter(EscapeFilter())  # first: the filters after it see the escaped text
     handler.addFilter(RepeatFilter())
+    handler.addFilter(UserRateFilter())  # what one user's requests cause: 20 lines a minute
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -95,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default off)")
     p.add_argument("--log-level", choices=LOG_LEVELS,
                    help=f"log verbosity, to stderr (default {d.log_level})")
+    p.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="log to FILE (mode 0600) instead of stderr, rotated by size: at most "
+                        f"{LOG_FILE_BYTES >> 20} MiB x {LOG_FILE_BACKUPS + 1} files "
+                        "(for init systems without journald)")
     return p.parse_args(argv)
 
 
@@ -116,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     except TunerdError as err:
         print(f"tunerd: error: {err.message}", file=sys.stderr)
         return int(ExitCode.USAGE)
-    setup_logging(cfg.log_level)
+    try:
+        setup_logging(cfg.log_level, args.log_file)
+    except OSError as err:
+        print(f"tunerd: error: --log-file {args.log_file}: {err.strerror or err}",
+              file=sys.stderr)
+        return int(ExitCode.USAGE)
     from tunerd.daemon.server import raise_nofile_limit
 
     raise_nofile_limit()  # a connection, a pidfd, a watcher: each one fd

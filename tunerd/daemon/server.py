@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import logging
 import os
@@ -44,6 +45,7 @@ from typing import Any
 from tunerd.daemon.peer import Peer
 from tunerd.daemon.router import Request, Router
 from tunerd.errors import Failed, TunerdError, UsageError
+from tunerd.logutil import acting_for
 from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id
 
 log = logging.getLogger("tunerd.server")
@@ -424,14 +426,18 @@ class _Connection:
                 continue
             # run the handler right here up to its first real wait: most requests
             # (status, ping, jobs, bind) never wait, and then no task is needed
+            # in a context of its own that names the peer: the log lines it causes
+            # count against that uid's rate limit (tunerd.logutil.UserRateFilter)
+            ctx = contextvars.copy_context()
+            ctx.run(acting_for, self.peer.uid)
             coro = self._server.handle(self.peer, line)
             try:
-                first = coro.send(None)
+                first = ctx.run(coro.send, None)
             except StopIteration as done:
                 self.last = time.monotonic()
                 self._send(done.value)
                 continue
-            task = self._loop.create_task(_finish(_Resumed(coro, first)))
+            task = ctx.run(self._loop.create_task, _finish(_Resumed(coro, first)))
             self._task = task
             task.add_done_callback(self._done)
             return

@@ -48,6 +48,7 @@ from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.policywatch import PolicyWatch
 from tunerd.daemon.preview import PolicyPreview
 from tunerd.daemon.router import Peer, Router
+from tunerd.daemon.runtime import PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.monitor.facts import FleetFacts
@@ -74,6 +75,16 @@ def build(cfg: DaemonConfig) -> Daemon:
     errors = ErrorLog()
     # owned by root (or by us, unprivileged), writable by nobody else: refused otherwise
     prepare_dir(cfg.runtime_dir, 0o755, "runtime dir")
+    # one daemon per runtime dir: locked before its state or socket is touched
+    pidlock = PidLock.acquire(cfg.runtime_dir / "tunerd.pid")
+    try:
+        return _build(cfg, errors, pidlock)
+    except BaseException:
+        pidlock.release()
+        raise
+
+
+def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     prepare_dir(cfg.state_dir, 0o700, "state dir")
     # host originals: durable (fsync, backup copy); per-process state: tmpfs, no fsync
     durable = DurableStore(cfg.state_path)
@@ -191,7 +202,7 @@ def build(cfg: DaemonConfig) -> Daemon:
                                ("fleet", fleet_changed),
                                ("nccl-file", nccl_file.policy_changed)],
                     dry_run=cfg.dry_run, replay=cfg.topology,
-                    pidfile=cfg.runtime_dir / "tunerd.pid")
+                    pidfile=cfg.runtime_dir / "tunerd.pid", pidlock=pidlock)
 
     def settings_for(pid: int) -> dict[str, Any]:
         rb = autobind.bound.get(pid)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd import __version__, isolated, nvml
+from tunerd.tuners.nccl import match_ifnames
 
 __all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "PcieLink",
            "Versions", "match_ifnames", "node_class", "policy_hash", "probe_torch_isolated",
@@ -103,18 +104,6 @@ def policy_hash(data: Mapping[str, Any]) -> str:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-
-def match_ifnames(spec: str, names: Sequence[str]) -> list[str]:
-    """NCCL's syntax: "a,b" prefixes, "=a,b" exact names, "^a" excludes (as doctor)."""
-    exclude = spec.startswith("^")
-    s = spec[1:] if exclude else spec
-    exact = s.startswith("=")
-    pats = [p for p in (s[1:] if exact else s).split(",") if p]
-
-    def hit(n: str) -> bool:
-        return any(n == p if exact else n.startswith(p) for p in pats)
-
-    return [n for n in names if hit(n) != exclude]
 
 
 def read_nics(nccl_ifname: str | None) -> list[NicFact]:

@@ -4,7 +4,9 @@ prometheus_client's own ``start_http_server`` starts one thread per connection a
 waits for a request without end, so any local user can hold the daemon's threads by
 the thousand (one half-sent request line each). This server keeps its use bounded:
 
-- a request has ``REQUEST_TIMEOUT`` seconds to arrive and be answered;
+- a request has ``REQUEST_TIMEOUT`` seconds from accept to the end of its reply, in
+  all (not per recv(): a client sending a byte every 3 s is dropped at the deadline,
+  its socket shut down by one reaper thread);
 - at most ``PER_CLIENT`` connections at a time per client: per local user (the uid
   that owns the connecting socket, asked of the kernel's sock_diag as ``ss`` does) for
   a connection from this host, per address otherwise; root is not limited;
@@ -22,6 +24,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from socketserver import ThreadingMixIn
@@ -99,6 +102,12 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self._open: Counter[Hashable] = Counter()
         self._keys: dict[int, Hashable] = {}  # id(request) -> its client key
         self.refused_total = 0
+        # id(request) -> (deadline, socket): one reaper thread shuts down the late ones
+        self._deadlines: dict[int, tuple[float, socket.socket]] = {}
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._reaper: threading.Thread | None = None
+        self.dropped_late_total = 0
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         try:
@@ -115,14 +124,48 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             else:
                 self._open[key] += 1
                 self._keys[id(request)] = key
+                self._deadlines[id(request)] = (time.monotonic() + REQUEST_TIMEOUT, request)
+                self._start_reaper()
+                self._wake.notify()
                 refused = False
         if refused:
             log.debug("metrics: refused a connection from %s (%s over its limit)",
                       client_address, key)
         return not refused
 
+    def _start_reaper(self) -> None:
+        """(lock held) The thread that ends requests at their deadline, started once."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="tunerd-metrics-deadline",
+                                            daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        with self._lock:
+            while not self._closing:
+                now = time.monotonic()
+                late = [(k, s) for k, (t, s) in self._deadlines.items() if t <= now]
+                for k, sock in late:
+                    del self._deadlines[k]
+                    self.dropped_late_total += 1
+                    try:  # the handler's blocked recv()/send() returns; it then ends
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                nxt = min((t for t, _ in self._deadlines.values()), default=None)
+                self._wake.wait(None if nxt is None else max(nxt - now, 0.01))
+
+    def server_close(self) -> None:
+        wake = getattr(self, "_wake", None)  # None: the bind in __init__ failed
+        if wake is not None:
+            with wake:
+                self._closing = True
+                wake.notify()
+        super().server_close()
+
     def _release(self, request: Any) -> None:
         with self._lock:
+            self._deadlines.pop(id(request), None)
             key = self._keys.pop(id(request), None)
             if key is not None:
                 self._open[key] -= 1

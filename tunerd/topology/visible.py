@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
 
 __all__ = ["gpus_from_env", "gpus_from_nvml", "parse_gpu_list", "visible_gpus"]
+
+MAX_GPU_INDEX = 1 << 16  # CUDA_VISIBLE_DEVICES entries beyond it name no GPU
+MAX_LOCAL_RANK = 1 << 20  # LOCAL_RANK beyond it is ignored (as if unset)
 
 
 def visible_gpus(topo: Topology, cvd: str) -> list[int]:
@@ -34,9 +38,10 @@ def visible_gpus(topo: Topology, cvd: str) -> list[int]:
         item = item.strip()
         if not item:
             continue
-        if item.isdigit():
-            if int(item) in indices:
-                out.append(int(item))
+        if item.isdigit():  # bounded: a 5,000-digit entry is no GPU, not a ValueError
+            n = bounded_int(item, 0, MAX_GPU_INDEX)
+            if n is not None and n in indices:
+                out.append(n)
             continue
         # a UUID or a unique prefix of one (CUDA accepts "GPU-8a3f" style prefixes)
         hits = [i for u, i in by_uuid.items() if u.startswith(item) or u == f"GPU-{item}"]
@@ -73,11 +78,11 @@ def gpus_from_env(topo: Topology, env: Mapping[str, str],
         visible = list(allowed)
     else:
         visible = [int(g.index) for g in topo.gpus]
-    rank_s = env.get("LOCAL_RANK")
-    if rank_s is not None and rank_s.strip().isdigit():
+    rank = bounded_int(env.get("LOCAL_RANK"), 0, MAX_LOCAL_RANK)  # out of range: ignored
+    if rank is not None:
         if not visible:
             return ()
-        return (visible[int(rank_s) % len(visible)],)
+        return (visible[rank % len(visible)],)
     if cvd is not None:
         return tuple(visible)
     return None

@@ -11,7 +11,7 @@ removing the block gives back the exact original file even after a crash:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,3 +162,16 @@ class NcclTuner:
     def mentions(self, key: str, desired: Mapping[str, NcclValue]) -> bool:
         return key.partition(":")[2] in desired
 
+
+def match_ifnames(spec: str, names: Sequence[str]) -> list[str]:
+    """NCCL_SOCKET_IFNAME's syntax: "a,b" prefixes, "=a,b" exact names, "^a" excludes
+    (prefix or exact): which of ``names`` NCCL would use (doctor, the fleet facts)."""
+    exclude = spec.startswith("^")
+    s = spec[1:] if exclude else spec
+    exact = s.startswith("=")
+    pats = [p for p in (s[1:] if exact else s).split(",") if p]
+
+    def hit(n: str) -> bool:
+        return any(n == p if exact else n.startswith(p) for p in pats)
+
+    return [n for n in names if hit(n) != exclude]
