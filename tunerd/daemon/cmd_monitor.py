@@ -67,8 +67,7 @@ def _self_affined(entry: dict[str, Any]) -> dict[str, Any]:
                "rank near its GPU (and split the allocation between ranks), start it "
                "without numactl/taskset or --numa-binding.",
         "docs": []}
-    return {"pid": pid, "name": procfs.read_comm(pid) or None, "samples": 0,
-            "findings": [finding]}
+    return {"pid": pid, "name": entry.get("comm"), "samples": 0, "findings": [finding]}
 
 
 class MonitorCommands:
@@ -107,7 +106,10 @@ class MonitorCommands:
         m = self.monitor
         pid = req.arg("pid", int, None)
         latest = {j["pid"]: j for j in (m.latest or {}).get("jobs") or [] if "error" not in j}
-        own = {a["pid"]: a for a in self.left_alone() if a.get("self_affined")}
+        # hidepid: another user's command name stays hidden, as `tunerctl jobs` does
+        own = {a["pid"]: a for a in ProcVisibility().redact(req.peer, [
+            {**a, "uid": procfs.read_uid(a["pid"]), "comm": procfs.read_comm(a["pid"])}
+            for a in self.left_alone() if a.get("self_affined")])}
         if pid is not None and pid not in latest and pid in own:
             return {"jobs": [_self_affined(own[pid])], "interval": m.interval}
         if pid is not None and pid not in latest:
