@@ -247,7 +247,9 @@ def test_every_getter_on_a_real_process_agrees_with_psutil() -> None:
             assert p.io_counters().rchar == ps.io_counters().read_chars >= 1 << 20
             # stat and statm read the same per-CPU-batched counters a moment apart
             assert abs(p.rss() - ps.memory_info().rss) < 1 << 20
-            assert p.ctx_switches() == tuple(ps.num_ctx_switches())
+            # a live process: its threads may switch between our read and psutil's
+            ours, theirs = p.ctx_switches(), tuple(ps.num_ctx_switches())
+            assert all(abs(a - b) <= 3 for a, b in zip(ours, theirs, strict=True)), (ours, theirs)
             boot = psutil.boot_time()
             assert abs(boot + p.start_time() / procfs.CLK_TCK - ps.create_time()) < 0.05
             user, system = p.cpu_times()
