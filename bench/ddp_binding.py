@@ -4,9 +4,9 @@ The job of issue 11: ``torchrun --nproc-per-node 2`` of contrib/examples/ddp_tra
 (gloo, CPU, nn.Linear(1024, 1024), DataLoader num_workers=1 per rank). The real
 daemon runs throughout with the bundled ``torch-training`` rule of policies/00-base.toml
 (only the rule: 00-base.toml's vm.numa_balancing would change a host setting). The two
-arms run the same file under two names: ``ddp_train.py`` matches the rule
-(``*train*.py*`` with LOCAL_RANK set) and is bound as each rank execs;
-``ddp_unbound.py`` matches nothing and runs as it is. Arms alternate (A B B A ...),
+arms run the same file under two names, and only the bound arm's environment carries the
+token the rule is narrowed to: ``ddp_train.py``'s ranks are bound as they exec;
+``ddp_unbound.py``'s match nothing and run as they are. Arms alternate (A B B A ...),
 one warm-up pair first; while a run goes, the daemon's ``jobs`` are polled to show
 which CPUs each rank got, and to check that the arms are what they claim.
 
@@ -83,10 +83,12 @@ def main() -> int:
     d: Daemon | None = None
     try:
         d = Daemon(bundled_torch_rule(token, "ddp-bench"))
-        env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO),
-               "TUNERD_BENCH_TOKEN": token}
+        base_env = {"TUNERD_SOCKET": str(d.socket), "PYTHONPATH": str(REPO)}
         for i, (label, warm) in enumerate(interleave(args.runs, 1)):
             arm = "unbound" if label == "A" else "bound"
+            # the bundled rule takes ranks by their environment and tree, whatever the
+            # script is called: only the bound arm carries the token the rule is narrowed to
+            env = {**base_env, "TUNERD_BENCH_TOKEN": token} if arm == "bound" else base_env
             argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-port", str(port + i % 50), str(scripts[arm]),
                     "--steps", str(args.steps)] + (["--helpers"] if args.helpers else [])

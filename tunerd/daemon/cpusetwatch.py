@@ -93,6 +93,8 @@ class CpusetWatch:
     # -- service ---------------------------------------------------------------------
     async def start(self) -> None:
         self._changed.update(self._bound())
+        if self._changed:
+            self._dirty.set()  # processes bound before a restart: track them at once
         if not self._use_inotify:
             self._task = asyncio.ensure_future(self._run())
             return
@@ -128,8 +130,9 @@ class CpusetWatch:
 
     # -- events ----------------------------------------------------------------------
     def changed(self, pid: int) -> None:
-        """``pid``'s binding was stored, replaced or removed: look at it next round."""
+        """``pid``'s binding was stored, replaced or removed: look at it now."""
         self._changed.add(pid)
+        self._dirty.set()
 
     def _on_inotify(self) -> None:
         try:
@@ -140,8 +143,10 @@ class CpusetWatch:
 
     async def _run(self) -> None:
         while True:
+            # poll only while a cgroup is watched: an idle daemon sleeps until a bind
+            timeout = self.poll_interval if self._cgroups else None
             try:
-                await asyncio.wait_for(self._dirty.wait(), self.poll_interval)
+                await asyncio.wait_for(self._dirty.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
             self._dirty.clear()
