@@ -4,11 +4,22 @@ Daemon CPU time comes from /proc/DAEMONPID/stat (utime + stime):
 
 * idle for ~10 s with a [[job]] rule loaded (watcher subscribed): target 0;
 * a burst of ~1,000 unrelated execs/s (/bin/true via posix_spawn) for ~5 s,
-  once with the rule (watcher on) and once with no rules (watcher off: the
-  daemon does not subscribe at all) -- the baseline. The burst generator's
-  own CPU time (itself + its children) is printed for scale.
+  with each of three daemons in turn, in the same run:
 
-    python bench/exec_overhead.py [--idle 10] [--burst 5] [--rate 1000] [--json FILE]
+  - ``bench rule``: a rule whose command-line glob never matches (plus an env
+    key): the watcher reads each command line and rejects it;
+  - ``bundled rule``: the bundled ``torch-training`` rule of policies/00-base.toml
+    (``match.rank = true``, no command-line glob: every exec on the host is looked
+    at by its environment), narrowed by one more env key, a random token of this
+    run, so that on a shared machine it binds nobody's real training ranks (the
+    token costs one more variable name to look for, nothing else);
+  - ``watcher off``: no rules; the daemon does not subscribe at all -- the baseline.
+
+  The burst generator's own CPU time (itself + its children) is printed for scale.
+  ``--rounds N`` repeats the three arms N times (interleaved) and prints medians.
+
+    python bench/exec_overhead.py [--idle 10] [--burst 5] [--rate 1000] [--rounds 1]
+                                  [--json FILE]
 """
 
 from __future__ import annotations
@@ -16,10 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import secrets
+import statistics
 import time
 from typing import Any
 
-from _leases_common import Daemon, cpu_seconds, write_json
+from _leases_common import Daemon, bundled_torch_rule, cpu_seconds, write_json
 
 RULE_POLICY = ('[policy]\nname = "bench"\n\n[[job]]\nname = "bench"\n'
                'match.cmdline = ["*tunerd_bench_never_matches_*"]\n'
@@ -66,52 +79,82 @@ def phase(d: Daemon, seconds: float, rate: int | None) -> dict[str, Any]:
     return out
 
 
+def arm(policy: str, a: argparse.Namespace, watched: bool) -> dict[str, Any]:
+    """One daemon: idle, then a burst; with the watcher's counters when it watches."""
+    res: dict[str, Any] = {}
+    d = Daemon(policy)
+    try:
+        if not watched:
+            res["idle"] = phase(d, a.idle, None)
+            res["burst"] = phase(d, a.burst, a.rate)
+            return res
+        ev0 = d.status()["services"]["autobind"]["watcher"]["events"]
+        res["idle"] = phase(d, a.idle, None)
+        ev1 = d.status()["services"]["autobind"]["watcher"]["events"]
+        st0 = d.status()["services"]["autobind"]["watcher"]
+        res["burst"] = phase(d, a.burst, a.rate)
+        st = d.status()["services"]["autobind"]
+        res["burst"]["events_seen"] = st["watcher"]["events"] - ev1
+        res["burst"]["batches"] = st["watcher"]["batches"] - st0["batches"]
+        res["idle"]["events_seen"] = ev1 - ev0
+        res["watcher"] = st["watcher"]
+        res["matched"] = st["matched"]
+    finally:
+        d.stop()
+    return res
+
+
+ARMS = ("bench_rule", "bundled_rule", "watcher_off")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--idle", type=float, default=10.0)
     ap.add_argument("--burst", type=float, default=5.0)
     ap.add_argument("--rate", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json")
     a = ap.parse_args()
-    res: dict[str, Any] = {}
-    d = Daemon(RULE_POLICY)
-    try:
-        ev0 = d.status()["services"]["autobind"]["watcher"]["events"]
-        res["idle_watcher_on"] = phase(d, a.idle, None)
-        ev1 = d.status()["services"]["autobind"]["watcher"]["events"]
-        res["burst_watcher_on"] = phase(d, a.burst, a.rate)
-        st = d.status()["services"]["autobind"]["watcher"]
-        res["burst_watcher_on"]["events_seen"] = st["events"] - ev1
-        res["idle_watcher_on"]["events_seen"] = ev1 - ev0
-        res["watcher"] = st
-    finally:
-        d.stop()
-    d = Daemon(NO_RULES)
-    try:
-        res["idle_watcher_off"] = phase(d, a.idle, None)
-        res["burst_watcher_off"] = phase(d, a.burst, a.rate)
-    finally:
-        d.stop()
+    policies = {"bench_rule": RULE_POLICY,
+                "bundled_rule": bundled_torch_rule(secrets.token_hex(16)),
+                "watcher_off": NO_RULES}
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in ARMS}
+    for _ in range(a.rounds):
+        for name in ARMS:
+            rounds[name].append(arm(policies[name], a, name != "watcher_off"))
+    load = os.getloadavg()
 
-    on, off = res["burst_watcher_on"], res["burst_watcher_off"]
-    print(f"exec watcher ({res['watcher']['mode']}, kernel event filter "
-          f"{res['watcher']['kernel_event_filter']}):")
-    for name in ("idle_watcher_on", "idle_watcher_off"):
-        r = res[name]
-        seen = (f"; {r['events_seen']} exec events from other processes on the host"
-                if "events_seen" in r else "")
-        print(f"  {name:18s}: daemon CPU {r['daemon_cpu_s'] * 1000:.0f} ms over "
-              f"{r['wall_s']:.0f} s ({r['daemon_core_pct']:.2f}% of a core){seen}")
-    for name, r in (("burst_watcher_on", on), ("burst_watcher_off", off)):
-        print(f"  {name:18s}: {r['execs']} execs at {r['rate_per_s']:.0f}/s: daemon CPU "
-              f"{r['daemon_cpu_s'] * 1000:.0f} ms = {r['daemon_core_pct']:.2f}% of a core; "
-              f"generator {100 * r['generator_cpu_s'] / r['wall_s']:.0f}% of a core")
-    print(f"  exec events the daemon handled during the burst: {on.get('events_seen')} "
-          f"(host-wide, incl. other users' execs) with {res['watcher']['batches']} batch pauses")
-    extra = on["daemon_core_pct"] - off["daemon_core_pct"]
-    print(f"  watcher cost during the burst: {extra:+.2f}% of a core "
-          f"({1e6 * max(on['daemon_cpu_s'] - off['daemon_cpu_s'], 0) / max(on['execs'], 1):.1f}"
-          " us per exec)")
+    def med(name: str, ph: str, key: str) -> float:
+        return statistics.median(r[ph][key] for r in rounds[name])
+
+    res: dict[str, Any] = {"rounds": rounds, "loadavg": load, "median": {
+        name: {ph: {k: med(name, ph, k) for k in rounds[name][0][ph]
+                    if isinstance(rounds[name][0][ph][k], (int, float))}
+               for ph in ("idle", "burst")} for name in ARMS}}
+    w = rounds["bench_rule"][-1]["watcher"]
+    print(f"exec watcher ({w['mode']}, kernel event filter {w['kernel_event_filter']}); "
+          f"{a.rounds} round(s), medians; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}:")
+    off = res["median"]["watcher_off"]["burst"]
+    for name in ARMS:
+        m = res["median"][name]
+        i, b = m["idle"], m["burst"]
+        seen = (f"; {i['events_seen']:.0f} exec events from other processes"
+                if "events_seen" in i else "")
+        print(f"  {name:12s} idle : daemon CPU {1000 * i['daemon_cpu_s'] / i['wall_s']:5.1f} "
+              f"ms/s{seen}")
+        line = (f"  {name:12s} burst: {b['execs']:.0f} execs at {b['rate_per_s']:.0f}/s: "
+                f"daemon CPU {1000 * b['daemon_cpu_s'] / b['wall_s']:5.1f} ms/s")
+        if name != "watcher_off":
+            extra = max(b["daemon_cpu_s"] - off["daemon_cpu_s"] * b["wall_s"] / off["wall_s"],
+                        0)
+            line += (f" ({1e6 * extra / max(b['execs'], 1):.1f} us per exec over watcher "
+                     f"off; {b['events_seen']:.0f} events, {b['batches']:.0f} batch pauses)")
+        else:
+            line += (f"; generator {100 * b['generator_cpu_s'] / b['wall_s']:.0f}% of a core")
+        print(line)
+    bound = sum(r["matched"] for name in ARMS[:2] for r in rounds[name])
+    print(f"  processes the rules matched (must be 0): {bound}")
     write_json(a.json, res)
     return 0
 

@@ -111,3 +111,42 @@ def test_local_rank_after_a_huge_environment_is_found() -> None:
         assert m is not None and m.env["LOCAL_RANK"] == "3"
         used = read_chars() - before
         assert used <= CMDLINE_MATCH_BYTES + ENVIRON_MATCH_BYTES + (8 << 10) + SLACK, used
+
+
+RANK_RULE = (JobSpec(name="torch-training", rank=True),)  # the bundled rule's match
+
+
+def test_the_rank_rule_rejects_an_unrelated_exec_by_its_environment_alone() -> None:
+    """Every exec on the host is looked at under the bundled rule: one bounded read
+    of environ, no command line (8 KiB here, so a read of it would show) and no
+    status read for a process without a rank identity."""
+    rules = RuleSet.from_policy(RANK_RULE)
+    huge = {f"MODULE_{i}": "m" * 2000 for i in range(200)}  # ~400 KiB
+    with sleeper(["a" * 8192], {"X": "LOCAL_RANK"}) as plain, \
+            sleeper(["a" * 8192], huge) as big:
+        env_bytes = len(procfs.read_bytes(f"/proc/{plain.pid}/environ"))
+        before = read_chars()
+        assert rules.match(plain.pid) is None
+        assert read_chars() - before <= env_bytes + SLACK
+        before = read_chars()
+        assert rules.match(big.pid) is None
+        # head and tail of environ, and stat for its size
+        assert read_chars() - before <= ENVIRON_MATCH_BYTES + (2 << 10) + SLACK
+
+
+def test_every_rank_identity_is_found_and_look_alikes_are_not_ranks() -> None:
+    rules = RuleSet.from_policy(RANK_RULE)
+    narrowed = RuleSet.from_policy((JobSpec(name="t", rank=True,
+                                            env=MappingProxyType({"TOKEN": "abc"})),))
+    pad = {f"MODULE_{i}": "m" * 2000 for i in range(200)}  # the identity in the tail
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                "SLURM_LOCALID"):
+        with sleeper([], {var: "1"}) as p, sleeper([], {**pad, var: "0"}) as tail, \
+                sleeper([], {var: "1", "TOKEN": "abc"}) as tok:
+            for pid in (p.pid, tail.pid, tok.pid):
+                m = rules.match(pid)
+                assert m is not None and var in m.env, (var, pid)
+            assert narrowed.match(p.pid) is None and narrowed.match(tok.pid) is not None
+    # names that only contain an identity, or values that spell one: no rank
+    with sleeper([], {"XLOCAL_RANK": "1", "V": "LOCAL_RANK=1", "TOKEN": "abc"}) as fake:
+        assert rules.match(fake.pid) is None and narrowed.match(fake.pid) is None

@@ -49,6 +49,7 @@ __all__ = [
     "PAGE_SIZE",
     "PF_KTHREAD",
     "PROC",
+    "EnvPieces",
     "IoCounters",
     "Process",
     "Stat",
@@ -66,6 +67,7 @@ __all__ = [
     "read_cmdline_prefix",
     "read_comm",
     "read_environ",
+    "read_environ_raw",
     "read_ppid",
     "read_start_time",
     "read_text",
@@ -141,12 +143,6 @@ def _read_once(path: str, size: int = SMALL_READ) -> bytes:
         return os.read(fd, size)
     finally:
         os.close(fd)
-
-
-def _read_prefix(fd: int, limit: int) -> tuple[bytes, bool]:
-    """Up to ``limit`` bytes from ``fd`` and whether there is more after them."""
-    raw = os.read(fd, limit + 1)  # cmdline/environ reads loop over pages: one read is all
-    return (raw[:limit], True) if len(raw) > limit else (raw, False)
 
 
 # -- parsing ------------------------------------------------------------------------
@@ -256,6 +252,51 @@ def _parse_environ(raw: bytes, cut_head: bool, cut_tail: bool,
         k, sep, v = item.partition(b"=")
         if sep and k:
             into.setdefault(k.decode("utf-8", "replace"), v.decode("utf-8", "replace"))
+
+
+# (bytes, cut_head, cut_tail) read from /proc/PID/environ: one piece for an environment
+# within the bound, the head and the tail of a larger one
+EnvPieces = list[tuple[bytes, bool, bool]]
+
+
+def parse_environ_pieces(pieces: EnvPieces) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for raw, cut_head, cut_tail in pieces:
+        _parse_environ(raw, cut_head, cut_tail, out)
+    return out
+
+
+def _environ_pieces(fd: int, limit: int, bounds: Callable[[], tuple[int, int]]
+                    ) -> EnvPieces:
+    """At most ``limit`` bytes of an environment (Process.environ): the first half
+    first (most environments fit, and a larger one never costs more than ``limit``
+    bytes of reading in all); ``bounds()`` gives (env_start, env_end) from stat."""
+    half = limit // 2
+    raw = os.read(fd, half + 1)
+    if len(raw) <= half:
+        return [(raw, False, False)]
+    start, end = bounds()
+    size = end - start
+    if start == 0:  # size unknown: the start, up to the limit
+        raw += os.read(fd, limit + 1 - len(raw))
+        return [(raw[:limit], False, len(raw) > limit)]
+    if size <= limit:
+        return [(raw + os.pread(fd, max(size - len(raw), 0), len(raw)), False, False)]
+    # one byte more in front: if it is the NUL ending an entry, the first entry of
+    # the tail is whole
+    tail = os.pread(fd, half + 1, size - half - 1)
+    head = (raw[:half], False, True)
+    return [head, (tail[1:], False, False)] if tail[:1] == b"\0" else [head, (tail, True, False)]
+
+
+def _env_bounds(st: Stat) -> tuple[int, int]:
+    return st.env_start, st.env_end
+
+
+def _cmdline_text(raw: bytes, limit: int) -> tuple[str, bool]:
+    cut = len(raw) > limit
+    raw = raw[:limit] if cut else raw.rstrip(b"\0")
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace"), cut
 
 
 # -- the error boundary ---------------------------------------------------------------
@@ -430,12 +471,10 @@ class Process:
         """
         fd = os.open(f"{self._base}/cmdline", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            raw, cut = _read_prefix(fd, limit)
+            raw = os.read(fd, limit + 1)  # cmdline reads loop over pages: one read is all
         finally:
             os.close(fd)
-        if not cut:
-            raw = raw.rstrip(b"\0")
-        return raw.replace(b"\0", b" ").decode("utf-8", "replace"), cut
+        return _cmdline_text(raw, limit)
 
     def cmdline_text(self, limit: int = ARG_READ_MAX) -> str:
         """:meth:`cmdline_prefix` without the flag."""
@@ -460,36 +499,16 @@ class Process:
         what must not be lost. The size comes from stat fields 50-51, which need
         ptrace access (root has it); without them only the start is read.
         """
-        out: dict[str, str] = {}
-        half = limit // 2
+        return parse_environ_pieces(self.environ_raw(limit))
+
+    @_boundary
+    def environ_raw(self, limit: int = ARG_READ_MAX) -> EnvPieces:
+        """What :meth:`environ` parses: the bytes read, unparsed (see EnvPieces)."""
         fd = os.open(f"{self._base}/environ", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # the first half first: most environments fit, and a larger one never
-            # costs more than ``limit`` bytes of reading in all
-            raw = os.read(fd, half + 1)
-            if len(raw) <= half:
-                _parse_environ(raw, False, False, out)
-                return out
-            st = self.stat()
-            size = st.env_end - st.env_start
-            if st.env_start == 0:  # size unknown: the start, up to the limit
-                raw += os.read(fd, limit + 1 - len(raw))
-                _parse_environ(raw[:limit], False, len(raw) > limit, out)
-            elif size <= limit:
-                _parse_environ(raw + os.pread(fd, size - len(raw), len(raw)), False, False,
-                               out)
-            else:
-                _parse_environ(raw[:half], False, True, out)
-                # one byte more in front: if it is the NUL ending an entry, the first
-                # entry of the tail is whole
-                tail = os.pread(fd, half + 1, size - half - 1)
-                if tail[:1] == b"\0":
-                    _parse_environ(tail[1:], False, False, out)
-                else:
-                    _parse_environ(tail, True, False, out)
+            return _environ_pieces(fd, limit, lambda: _env_bounds(self.stat()))
         finally:
             os.close(fd)
-        return out
 
     # -- threads, files, limits, memory ---------------------------------------------------
     @_boundary
@@ -599,18 +618,45 @@ def read_cmdline(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX) -> str |
     return _or_none(lambda: p.cmdline_prefix(limit)[0])
 
 
+# The exec watcher calls these two for every exec on the host: no Process object, no
+# error mapping (any OSError is "gone or unreadable"), the fewest syscalls.
 def read_cmdline_prefix(pid: int, proc: str = PROC,
                         limit: int = ARG_READ_MAX) -> tuple[str, bool] | None:
     """(command line cut after ``limit`` bytes, whether it was cut), or None."""
-    p = Process(pid, proc)
-    return _or_none(lambda: p.cmdline_prefix(limit))
+    try:
+        fd = os.open(f"{proc}/{pid}/cmdline", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _cmdline_text(raw, limit)
+
+
+def read_environ_raw(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
+                     ) -> EnvPieces | None:
+    """The bytes :func:`read_environ` parses (at most ``limit``), or None if gone."""
+    try:
+        fd = os.open(f"{proc}/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _environ_pieces(fd, limit, lambda: _env_bounds(parse_stat(
+            _read_once(f"{proc}/{pid}/stat"))))
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_environ(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
                  ) -> dict[str, str] | None:
     """The environment the process was exec'd with (see Process.environ), or None."""
-    p = Process(pid, proc)
-    return _or_none(lambda: p.environ(limit))
+    pieces = read_environ_raw(pid, proc, limit)
+    return None if pieces is None else parse_environ_pieces(pieces)
 
 
 def read_comm(pid: int, proc: str = PROC) -> str | None:

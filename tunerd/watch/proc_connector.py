@@ -305,7 +305,10 @@ class ExecWatcher(Generic[T]):
     (``burst_wakeups`` events in a row each closer than ``burst_gap`` to the last) it
     sleeps ``batch_window`` before reading again, so the kernel queues the burst in
     the 4 MiB receive buffer and the next reads return at once, without a wake-up
-    each. One job ending as the next starts (an exit and an exec together) is no burst.
+    each; while each pause finds ``burst_wakeups`` or more events queued the burst
+    goes on and the thread pauses again (one wake-up per ``batch_window`` under a
+    sustained storm, not one per event); a pause that finds fewer ends it. One job
+    ending as the next starts (an exit and an exec together) is no burst.
     """
 
     def __init__(self, on_exec: Callable[[T], None], on_rescan: Callable[[], None], *,
@@ -406,15 +409,25 @@ class ExecWatcher(Generic[T]):
                         struct.pack("ll", sec, int((STOP_CHECK_S - sec) * 1e6)))
         buf = bytearray(4096)
         recv_into = sock.recv_into
+        unpack_what = struct.Struct("I").unpack_from
+        unpack_tgid = struct.Struct("i").unpack_from
         select = self.select
         last = 0.0
         close_wakes = 0
         draining = False  # after a batch pause: read what queued up without blocking
+        drained = 0  # events read in this drain
         while self._running:
             try:
                 n = recv_into(buf, 0, socket.MSG_DONTWAIT if draining else 0)
             except BlockingIOError:  # drained, or the receive timeout: see the stop flag
+                if draining and drained >= self.burst_wakeups:
+                    # the burst goes on: pause again rather than wake for each event
+                    drained = 0
+                    self.batches += 1
+                    time.sleep(self.batch_window)
+                    continue
                 draining = False
+                last = time.monotonic()
                 continue
             except OSError as err:
                 if err.errno == errno.ENOBUFS:
@@ -427,12 +440,9 @@ class ExecWatcher(Generic[T]):
                 log.error("proc connector read failed: %s", err)
                 time.sleep(0.1)
                 continue
-            if n < _MSG_MIN:
+            if n < _MSG_MIN or unpack_what(buf, _OFF_WHAT)[0] != PROC_EVENT_EXEC:
                 continue
-            what, = struct.unpack_from("I", buf, _OFF_WHAT)
-            if what != PROC_EVENT_EXEC:
-                continue
-            tgid, = struct.unpack_from("i", buf, _OFF_TGID)
+            tgid = unpack_tgid(buf, _OFF_TGID)[0]
             self.events += 1
             try:
                 value = select(tgid)
@@ -443,6 +453,7 @@ class ExecWatcher(Generic[T]):
                 self.selected += 1
                 self._to_loop(self._deliver, value)
             if draining:
+                drained += 1
                 continue
             # a burst: let the kernel queue the next events, then take them in a row
             now = time.monotonic()
@@ -450,6 +461,7 @@ class ExecWatcher(Generic[T]):
             last = now
             if self.batch_window > 0 and close_wakes >= self.burst_wakeups:
                 close_wakes = 0
+                drained = 0
                 self.batches += 1
                 time.sleep(self.batch_window)
                 draining = True

@@ -16,9 +16,14 @@ A rule matches when every key it gives matches (README, "Policies"):
   from their descendants (workers inherit the variables). ``cmdline``/``env``/
   ``user`` only narrow it.
 
-Matching runs for every exec on the host, so the order of work is chosen by
-cost: the command line (one bounded read, globs compiled once per policy) first,
-environ (a larger read) only after a command line matched.
+Matching runs for every exec on the host, so the no-match path is one file read
+and no parsing: when every rule has a command-line glob, the command line (one
+bounded read, globs compiled once per policy) rejects unrelated commands; when
+every rule needs the environment (``match.rank``, ``match.env``: the bundled rule),
+the raw bytes of environ are searched for the variable names the rules need
+(``LOCAL_RANK=`` ...) before anything is decoded, and the command line is read only
+for a process that has them. Both are necessary conditions (a name found in the
+middle of another entry only costs the full check), never a different answer.
 
 Bounds. Only the first ``CMDLINE_MATCH_BYTES`` (4 KiB, one page: all that
 /proc/PID/cmdline showed before Linux 4.2) of a command line are read and
@@ -125,6 +130,28 @@ class _Compiled:
     rule: JobRule
     cmd: GlobSet | None
     env: tuple[tuple[str, Glob], ...]
+    # ``NAME=`` of each variable the rule needs set: all must be in the raw environ
+    env_needles: tuple[bytes, ...]
+
+    @property
+    def needs_env(self) -> bool:
+        return bool(self.env) or self.rule.rank
+
+    def env_possible(self, blob: bytes) -> bool:
+        """Whether the raw environ bytes can satisfy the rule's env and rank keys."""
+        return (all(n in blob for n in self.env_needles)
+                and (not self.rule.rank or any(n in blob for n in _RANK_NEEDLES)))
+
+
+def _needles(names: Iterable[str]) -> tuple[bytes, ...]:
+    """``NAME=`` as bytes for each name, those implied by another one left out (if
+    ``OMPI_COMM_WORLD_LOCAL_RANK=`` is there, so is ``LOCAL_RANK=``). A name that
+    would decode differently from its bytes (U+FFFD) is not looked for."""
+    out = {n.encode() + b"=" for n in names if "\ufffd" not in n}
+    return tuple(sorted(n for n in out if not any(n != m and m in n for m in out)))
+
+
+_RANK_NEEDLES = _needles(RANK_VARS)  # any one of them: a rank identity
 
 
 class RuleSet:
@@ -135,7 +162,8 @@ class RuleSet:
         self.proc = proc
         self._compiled = [
             _Compiled(r, GlobSet(r.cmdline) if r.cmdline else None,
-                      tuple((var, Glob(g)) for var, g in r.env))
+                      tuple((var, Glob(g)) for var, g in r.env),
+                      _needles(var for var, _ in r.env))
             for r in rules]
         # A rule without a cmdline glob must look at every exec; otherwise the
         # globs of every rule together reject unrelated commands at once.
@@ -143,6 +171,8 @@ class RuleSet:
         if rules and all(c.cmd is not None for c in self._compiled):
             self._any_cmd = GlobSet(g for r in rules for g in r.cmdline)
         self._need_uid = any(r.users for r in self.rules)
+        # every rule needs variables set: the raw environ rejects what lacks them
+        self._env_gate = bool(rules) and all(c.needs_env for c in self._compiled)
 
     @classmethod
     def from_policy(cls, jobs: Iterable[JobSpec], proc: str = procfs.PROC) -> RuleSet:
@@ -155,17 +185,30 @@ class RuleSet:
     def match(self, pid: int) -> RuleMatch | None:
         """The first rule matching process ``pid``, or None (also when it is gone).
 
-        Reads at most CMDLINE_MATCH_BYTES of the command line, and
-        ENVIRON_MATCH_BYTES of the environment only once a command line matched.
+        Reads at most CMDLINE_MATCH_BYTES of the command line and ENVIRON_MATCH_BYTES
+        of the environment; an unrelated exec costs one of the two (module docstring).
         """
         if not self.rules:
             return None
-        got = procfs.read_cmdline_prefix(pid, self.proc, CMDLINE_MATCH_BYTES)
-        if got is None or not got[0]:  # gone, or a kernel thread
-            return None
+        got = None
+        if self._any_cmd is not None:
+            got = procfs.read_cmdline_prefix(pid, self.proc, CMDLINE_MATCH_BYTES)
+            if got is None or not got[0] or not self._any_cmd.match(*got):
+                return None  # gone, a kernel thread, or no glob matches
+        pieces: procfs.EnvPieces | None = None
+        blob = b""
+        if self._env_gate:
+            pieces = procfs.read_environ_raw(pid, self.proc, ENVIRON_MATCH_BYTES)
+            if pieces is None:
+                return None  # gone
+            blob = pieces[0][0] if len(pieces) == 1 else b"\0".join(p[0] for p in pieces)
+            if not any(c.env_possible(blob) for c in self._compiled):
+                return None
+        if got is None:
+            got = procfs.read_cmdline_prefix(pid, self.proc, CMDLINE_MATCH_BYTES)
+            if got is None or not got[0]:  # gone, or a kernel thread
+                return None
         cmdline, cut = got
-        if self._any_cmd is not None and not self._any_cmd.match(cmdline, cut):
-            return None
         uid = procfs.read_uid(pid, self.proc) if self._need_uid else None
         env: dict[str, str] | None = None
         for c in self._compiled:
@@ -176,18 +219,25 @@ class RuleSet:
                 continue
             if rule.rank and not self._rank_candidate(cmdline):
                 continue
-            if c.env or rule.rank:
-                if env is None:
-                    env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
-                    if env is None:
+            if c.needs_env:
+                if pieces is None:
+                    pieces = procfs.read_environ_raw(pid, self.proc, ENVIRON_MATCH_BYTES)
+                    if pieces is None:
                         return None  # gone
+                    blob = (pieces[0][0] if len(pieces) == 1
+                            else b"\0".join(p[0] for p in pieces))
+                if not c.env_possible(blob):
+                    continue
+                if env is None:
+                    env = procfs.parse_environ_pieces(pieces)
                 if not all((val := env.get(var)) is not None and glob.match(val)
                            for var, glob in c.env):
                     continue
                 if rule.rank and not any(v in env for v in RANK_VARS):
                     continue
             if env is None:  # binding needs LOCAL_RANK / CUDA_VISIBLE_DEVICES
-                env = procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
+                env = (procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
+                       if pieces is None else procfs.parse_environ_pieces(pieces))
             if uid is None:
                 uid = procfs.read_uid(pid, self.proc)
             return RuleMatch(rule, pid, cmdline, uid, env or {})
