@@ -117,7 +117,7 @@ class AutoBinder:
         self.rules = rules
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self._matched, self.rescan, select=self.match,
-                                       use_connector=self.use_connector)
+                                       use_connector=self.use_connector, skip_exited=True)
             self.watcher.start()
         elif not self.rules and self.watcher is not None:
             self.watcher.stop()

@@ -38,6 +38,7 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -60,6 +61,7 @@ log = logging.getLogger("tunerd.watch")
 T = TypeVar("T")
 STOP_CHECK_S = 0.5  # the watcher thread's receive timeout: how soon it sees stop()
 SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while exec events are watched
+BURST_GOES_ON = 2  # execs a batch pause must find for the next pause to follow at once
 
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC = 1
@@ -90,6 +92,8 @@ _BPF_JEQ_K = 0x05 | 0x10 | 0x00
 _BPF_JEQ_X = 0x05 | 0x10 | 0x08
 _BPF_RET_K = 0x06 | 0x00
 _ACCEPT = 0xFFFFFFFF
+_U32 = struct.Struct("I")
+_I32 = struct.Struct("i")
 
 
 class ProcEvent(NamedTuple):
@@ -195,8 +199,11 @@ def build_filter(events: int) -> bytes:
 class ProcConnector:
     """A non-blocking netlink socket subscribed to proc-connector events."""
 
-    def __init__(self, events: int = PROC_EVENT_EXEC, rcvbuf: int = 4 << 20) -> None:
-        self.events = events
+    def __init__(self, events: int = PROC_EVENT_EXEC, rcvbuf: int = 4 << 20,
+                 filter_events: int | None = None) -> None:
+        self.events = events  # what the kernel is asked for (its own event filter)
+        # what the BPF filter lets through at first (set_filter changes it)
+        self.filter_events = events if filter_events is None else filter_events
         self.rcvbuf = rcvbuf
         self.kernel_filter = False  # the proc connector's own event filter is in use
         self._sock: socket.socket | None = None
@@ -221,10 +228,7 @@ class ProcConnector:
             except OSError:  # not CAP_NET_ADMIN: the plain limit still works
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
             # attach the filter before bind so no unfiltered message is ever queued
-            prog = build_filter(self.events)
-            self._filter_buf = ctypes.create_string_buffer(prog, len(prog))
-            fprog = struct.pack("HL", len(prog) // 8, ctypes.addressof(self._filter_buf))
-            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            self._attach(sock, self.filter_events)
             sock.bind((0, CN_IDX_PROC))
             self._sock = sock
             self._subscribe(PROC_CN_MCAST_LISTEN)
@@ -232,6 +236,24 @@ class ProcConnector:
             sock.close()
             self._sock = None
             raise ConnectorUnavailable(err.errno, f"proc connector: {err.strerror}") from err
+
+    def _attach(self, sock: socket.socket, events: int) -> None:
+        prog = build_filter(events)
+        fbuf = ctypes.create_string_buffer(prog, len(prog))
+        fprog = struct.pack("HL", len(prog) // 8, ctypes.addressof(fbuf))
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)  # the kernel copies it
+        self._filter_buf = fbuf
+
+    def set_filter(self, events: int) -> bool:
+        """Let only ``events`` (of those subscribed) through from now on; True if done."""
+        if self._sock is None:
+            return False
+        try:
+            self._attach(self._sock, events & self.events)
+        except OSError as err:
+            log.warning("proc connector: cannot change the BPF filter: %s", err.strerror)
+            return False
+        return True
 
     def _subscribe(self, op: int) -> None:
         """Send LISTEN or IGNORE to the proc connector."""
@@ -302,12 +324,12 @@ class ExecWatcher(Generic[T]):
     (measured on the 2-CPU dev VM: ~170 us of CPU per wake-up of an idle loop, whose
     epoll_wait arms a timer each time, against ~40 us for a thread blocked in a read).
     The thread blocks in a read of the connector socket; in a burst
-    (``burst_wakeups`` events in a row each closer than ``burst_gap`` to the last) it
+    (``burst_wakeups`` events in a row closer than ``burst_gap`` on average) it
     sleeps ``batch_window`` before reading again, so the kernel queues the burst in
     the 4 MiB receive buffer and the next reads return at once, without a wake-up
-    each; while each pause finds ``burst_wakeups`` or more events queued the burst
-    goes on and the thread pauses again (one wake-up per ``batch_window`` under a
-    sustained storm, not one per event); a pause that finds fewer ends it. One job
+    each; while each pause finds BURST_GOES_ON (2) or more execs queued the burst goes
+    on and the thread pauses again (one wake-up per ``batch_window`` under a sustained
+    storm, not one per event); a pause that finds fewer ends it. One job
     ending as the next starts (an exit and an exec together) is no burst.
     """
 
@@ -315,7 +337,8 @@ class ExecWatcher(Generic[T]):
                  select: Callable[[int], T | None] | None = None,
                  scan_interval: float = 2.0, use_connector: bool = True,
                  rcvbuf: int = 4 << 20, batch_window: float = 0.01,
-                 burst_gap: float = 0.002, burst_wakeups: int = 3) -> None:
+                 burst_gap: float = 0.002, burst_wakeups: int = 3,
+                 skip_exited: bool = False) -> None:
         self.on_exec = on_exec
         self.select: Callable[[int], T | None] = select or (lambda pid: pid)  # type: ignore[assignment,return-value]
         self.rcvbuf = rcvbuf
@@ -323,6 +346,11 @@ class ExecWatcher(Generic[T]):
         self.burst_gap = burst_gap
         self.burst_wakeups = burst_wakeups
         self.batches = 0  # bursts the thread let the kernel queue (batch_window each)
+        # in a batch, drop the execs of processes that exited before they were read:
+        # for a ``select`` that returns None for a process that is gone
+        self.skip_exited = skip_exited
+        self.exited_unread = 0
+        self.wakeups = 0  # blocking reads that returned a message (one wake-up each)
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
         self.use_connector = use_connector
@@ -341,7 +369,10 @@ class ExecWatcher(Generic[T]):
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.use_connector:
-            conn = ProcConnector(PROC_EVENT_EXEC, self.rcvbuf)
+            # exits too from the kernel (its event filter), the BPF filter passes them
+            # only while a burst is read in batches (skip_exited)
+            conn = ProcConnector(PROC_EVENT_EXEC | PROC_EVENT_EXIT if self.skip_exited
+                                 else PROC_EVENT_EXEC, self.rcvbuf, filter_events=PROC_EVENT_EXEC)
             try:
                 conn.open()
             except ConnectorUnavailable as err:
@@ -401,7 +432,9 @@ class ExecWatcher(Generic[T]):
     def _run(self, conn: ProcConnector) -> None:
         """Blocking reads, one message each: ~40 us of CPU per exec on the dev VM, where
         poll(2) plus non-blocking reads cost ~115 us. A receive timeout (STOP_CHECK_S)
-        lets the thread see ``stop()``; it arms a timer only while the socket is idle."""
+        lets the thread see ``stop()``; it arms a timer only while the socket is idle.
+        In a burst (``burst_wakeups`` events closer than ``burst_gap`` on average) the
+        thread reads in batches instead (:meth:`_batches`)."""
         sock = conn.sock()
         sock.setblocking(True)
         sec = int(STOP_CHECK_S)
@@ -409,62 +442,109 @@ class ExecWatcher(Generic[T]):
                         struct.pack("ll", sec, int((STOP_CHECK_S - sec) * 1e6)))
         buf = bytearray(4096)
         recv_into = sock.recv_into
-        unpack_what = struct.Struct("I").unpack_from
-        unpack_tgid = struct.Struct("i").unpack_from
-        select = self.select
-        last = 0.0
-        close_wakes = 0
-        draining = False  # after a batch pause: read what queued up without blocking
-        drained = 0  # events read in this drain
+        unpack_what = _U32.unpack_from
+        unpack_tgid = _I32.unpack_from
+        take = self._take
+        # the times of the last burst_wakeups events: a burst when they all came within
+        # burst_wakeups * burst_gap
+        recent = deque([-1e9] * max(self.burst_wakeups, 1), maxlen=max(self.burst_wakeups, 1))
+        span = self.burst_gap * self.burst_wakeups
         while self._running:
             try:
-                n = recv_into(buf, 0, socket.MSG_DONTWAIT if draining else 0)
-            except BlockingIOError:  # drained, or the receive timeout: see the stop flag
-                if draining and drained >= self.burst_wakeups:
-                    # the burst goes on: pause again rather than wake for each event
-                    drained = 0
-                    self.batches += 1
-                    time.sleep(self.batch_window)
-                    continue
-                draining = False
-                last = time.monotonic()
+                n = recv_into(buf)
+            except BlockingIOError:  # the receive timeout: see the stop flag
                 continue
             except OSError as err:
-                if err.errno == errno.ENOBUFS:
-                    self.overruns += 1
-                    log.warning("proc connector overrun: events were lost; rescanning /proc")
-                    self._to_loop(self._rescan)
-                    continue
-                if not self._running:
+                if not self._read_failed(err):
                     return
-                log.error("proc connector read failed: %s", err)
-                time.sleep(0.1)
                 continue
+            self.wakeups += 1
             if n < _MSG_MIN or unpack_what(buf, _OFF_WHAT)[0] != PROC_EVENT_EXEC:
-                continue
-            tgid = unpack_tgid(buf, _OFF_TGID)[0]
+                continue  # an exit queued while batches were read
             self.events += 1
-            try:
-                value = select(tgid)
-            except Exception:  # one bad event must never stop the watcher
-                log.exception("exec filter failed for pid %d", tgid)
-                value = None
-            if value is not None:
-                self.selected += 1
-                self._to_loop(self._deliver, value)
-            if draining:
-                drained += 1
-                continue
-            # a burst: let the kernel queue the next events, then take them in a row
+            take(unpack_tgid(buf, _OFF_TGID)[0])
             now = time.monotonic()
-            close_wakes = close_wakes + 1 if now - last < self.burst_gap else 0
-            last = now
-            if self.batch_window > 0 and close_wakes >= self.burst_wakeups:
-                close_wakes = 0
-                drained = 0
+            if self.batch_window > 0 and now - recent[0] < span:
+                self._batches(conn, recv_into, buf)
+                recent.extend([-1e9] * len(recent))
+            else:
+                recent.append(now)
+
+    def _batches(self, conn: ProcConnector, recv_into: Callable[..., int],
+                 buf: bytearray) -> None:
+        """A burst: sleep ``batch_window`` while the kernel queues its events, take them
+        in a row, again while each pause finds BURST_GOES_ON or more.
+
+        With ``skip_exited``, the exits of thread-group leaders are let through the BPF
+        filter meanwhile: an exec whose process exited in the same batch is dropped
+        unread (a process that is gone never matches), instead of a failed open of its
+        /proc/PID at ~10 us each (most commands of a storm live ~1 ms)."""
+        unpack_what = _U32.unpack_from
+        unpack_tgid = _I32.unpack_from
+        take = self._take
+        exits = self.skip_exited and conn.set_filter(PROC_EVENT_EXEC | PROC_EVENT_EXIT)
+        try:
+            while self._running:
                 self.batches += 1
                 time.sleep(self.batch_window)
-                draining = True
+                pending: dict[int, bool] = {}  # exec'd in this batch, in order
+                execs = 0
+                while True:
+                    try:
+                        n = recv_into(buf, 0, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    except OSError as err:
+                        if not self._read_failed(err):
+                            return
+                        continue
+                    if n < _MSG_MIN:
+                        continue
+                    what = unpack_what(buf, _OFF_WHAT)[0]
+                    tgid = unpack_tgid(buf, _OFF_TGID)[0]
+                    if what == PROC_EVENT_EXEC:
+                        execs += 1
+                        if exits:
+                            pending.pop(tgid, None)  # exec'd again: once, as it is now
+                            pending[tgid] = True
+                        else:
+                            take(tgid)
+                    elif what == PROC_EVENT_EXIT and pending.pop(tgid, False):
+                        self.exited_unread += 1
+                self.events += execs
+                for tgid in pending:
+                    take(tgid)
+                if execs < BURST_GOES_ON:
+                    # the burst is over. A pause that found one costs one wake-up, as
+                    # that one would have in a blocking read: only 0 or 1 end it
+                    return
+        finally:
+            if exits:
+                conn.set_filter(PROC_EVENT_EXEC)
+
+    def _take(self, tgid: int) -> None:
+        """``select`` one exec'd process; a value it keeps goes to ``on_exec`` on the loop."""
+        try:
+            value = self.select(tgid)
+        except Exception:  # one bad event must never stop the watcher
+            log.exception("exec filter failed for pid %d", tgid)
+            return
+        if value is not None:
+            self.selected += 1
+            self._to_loop(self._deliver, value)
+
+    def _read_failed(self, err: OSError) -> bool:
+        """A failed read of the connector; False when the thread is to stop."""
+        if err.errno == errno.ENOBUFS:
+            self.overruns += 1
+            log.warning("proc connector overrun: events were lost; rescanning /proc")
+            self._to_loop(self._rescan)
+            return True
+        if not self._running:
+            return False
+        log.error("proc connector read failed: %s", err)
+        time.sleep(0.1)
+        return True
 
     def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -498,4 +578,5 @@ class ExecWatcher(Generic[T]):
         return {"mode": self.mode, "reason": self.reason, "events": self.events,
                 "selected": self.selected, "batches": self.batches,
                 "overruns": self.overruns, "rescans": self.scans,
+                "exited_unread": self.exited_unread, "wakeups": self.wakeups,
                 "kernel_event_filter": bool(self._conn and self._conn.kernel_filter)}
