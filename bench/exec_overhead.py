@@ -102,6 +102,8 @@ def arm(policy: str, a: argparse.Namespace, watched: bool) -> dict[str, Any]:
         st = d.status()["services"]["autobind"]
         res["burst"]["events_seen"] = st["watcher"]["events"] - ev1
         res["burst"]["batches"] = st["watcher"]["batches"] - st0["batches"]
+        for key in ("wakeups", "exited_unread"):  # counters of this watcher, if it has them
+            res["burst"][key] = st["watcher"].get(key, 0) - st0.get(key, 0)
         res["idle"]["events_seen"] = ev1 - ev0
         res["watcher"] = st["watcher"]
         res["matched"] = st["matched"]
@@ -155,7 +157,9 @@ def main() -> int:
             extra = max(b["daemon_cpu_s"] - off["daemon_cpu_s"] * b["wall_s"] / off["wall_s"],
                         0)
             line += (f" ({1e6 * extra / max(b['execs'], 1):.1f} us per exec over watcher "
-                     f"off; {b['events_seen']:.0f} events, {b['batches']:.0f} batch pauses)")
+                     f"off; {b['events_seen']:.0f} events, {b['batches']:.0f} batch pauses, "
+                     f"{b['wakeups']:.0f} single wake-ups, {b['exited_unread']:.0f} exited "
+                     "unread)")
         else:
             line += (f"; generator {100 * b['generator_cpu_s'] / b['wall_s']:.0f}% of a core")
         print(line)

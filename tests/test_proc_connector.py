@@ -15,6 +15,7 @@ from tunerd.watch.proc_connector import (
     ExecWatcher,
     ProcConnector,
     ProcEvent,
+    QueueReader,
     build_filter,
     kernel_has_event_filter,
 )
@@ -297,3 +298,25 @@ def test_in_a_burst_only_execs_that_already_exited_go_unread() -> None:
     assert live in seen, w.status()
     assert w.batches >= 1 and w.exited_unread >= 1, w.status()
     assert len(set(pids) - seen) <= w.exited_unread, w.status()  # none lost otherwise
+
+
+@ROOT
+@pytest.mark.parametrize("mmsg", [True, False], ids=["recvmmsg", "recv"])
+def test_the_queue_reader_returns_every_queued_event(mmsg: bool) -> None:
+    conn = ProcConnector(PROC_EVENT_EXEC)
+    conn.open()
+    try:
+        reader = QueueReader(conn.sock())
+        assert (reader._mmsg is not None) or not mmsg  # glibc has recvmmsg
+        if not mmsg:
+            reader._mmsg = None
+        pids = []
+        for _ in range(150):  # more than one recvmmsg call's 64 slots
+            p = subprocess.Popen(["/bin/true"])
+            p.wait()
+            pids.append(p.pid)
+        got = reader.read()
+        assert reader.read() == []  # nothing left, and no blocking
+    finally:
+        conn.close()
+    assert set(pids) <= {tgid for what, tgid in got if what == PROC_EVENT_EXEC}

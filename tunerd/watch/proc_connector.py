@@ -96,6 +96,7 @@ _ACCEPT = 0xFFFFFFFF
 _U32 = struct.Struct("I")
 _I32 = struct.Struct("i")
 _EVENT = struct.Struct("=I12xii")  # what, (cpu, timestamp), pid, tgid: from _OFF_WHAT
+_EVENT_AT = struct.Struct("=I32xI12xii")  # nlmsg len, what, pid, tgid: from the start
 
 
 class ProcEvent(NamedTuple):
@@ -313,6 +314,94 @@ class ProcConnector:
         self._sock = None
 
 
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32),
+                ("iov", ctypes.c_void_p), ("iovlen", ctypes.c_size_t),
+                ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class _MMsgHdr(ctypes.Structure):
+    _fields_ = [("hdr", _MsgHdr), ("len", ctypes.c_uint)]
+
+
+class QueueReader:
+    """Every message queued on a socket, without blocking: recvmmsg(2) through libc, up
+    to SLOTS messages a system call (Python's socket module has no recvmmsg), else one
+    recv(2) each. Raises Overrun after ENOBUFS, OSError for other failures."""
+
+    SLOTS = 64
+    SLOT = 256  # a proc connector message is ~76 bytes; longer ones arrive cut
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.buf = bytearray(self.SLOT)
+        self._mmsg: Any = None
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).recvmmsg
+        except (AttributeError, OSError):
+            return  # no recvmmsg in this libc: recv per message
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._mbuf = ctypes.create_string_buffer(self.SLOTS * self.SLOT)
+        self._iov = (_IOVec * self.SLOTS)()
+        self._msgs = (_MMsgHdr * self.SLOTS)()
+        base = ctypes.addressof(self._mbuf)
+        for i in range(self.SLOTS):
+            self._iov[i].base = base + i * self.SLOT
+            self._iov[i].len = self.SLOT
+            self._msgs[i].hdr.iov = ctypes.addressof(self._iov[i])
+            self._msgs[i].hdr.iovlen = 1
+        self._mmsg = fn
+        self._msgs_addr = ctypes.addressof(self._msgs)
+
+    def read(self) -> list[tuple[int, int]]:
+        """(what, tgid) of each queued event message."""
+        out: list[tuple[int, int]] = []
+        if self._mmsg is None:
+            buf = self.buf
+            recv_into = self.sock.recv_into
+            while True:
+                try:
+                    n = recv_into(buf, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return out
+                except OSError as err:
+                    if err.errno == errno.ENOBUFS:
+                        raise Overrun(err.errno, "proc connector receive queue overrun"
+                                      ) from err
+                    raise
+                if n >= _MSG_MIN:
+                    what, _, tgid = _EVENT.unpack_from(buf, _OFF_WHAT)
+                    out.append((what, tgid))
+        unpack = _EVENT_AT.unpack_from
+        mbuf = self._mbuf
+        slots, slot = self.SLOTS, self.SLOT
+        while True:
+            n = self._mmsg(self.fd, self._msgs_addr, slots, socket.MSG_DONTWAIT, None)
+            if n < 0:
+                code = ctypes.get_errno()
+                if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return out
+                if code == errno.EINTR:
+                    continue
+                if code == errno.ENOBUFS:
+                    raise Overrun(code, "proc connector receive queue overrun")
+                raise OSError(code, os.strerror(code))
+            for off in range(0, n * slot, slot):
+                length, what, _, tgid = unpack(mbuf, off)
+                if length >= _MSG_MIN:
+                    out.append((what, tgid))
+            if n < slots:  # the queue was emptied
+                return out
+
+
 class ExecWatcher(Generic[T]):
     """Calls ``on_exec(select(pid))`` on the asyncio loop for the execs ``select`` keeps.
 
@@ -468,13 +557,12 @@ class ExecWatcher(Generic[T]):
             take(unpack_tgid(buf, _OFF_TGID)[0])
             now = time.monotonic()
             if self.batch_window > 0 and now - recent[0] < span:
-                self._batches(conn, recv_into, buf)
+                self._batches(conn)
                 recent.extend([-1e9] * len(recent))
             else:
                 recent.append(now)
 
-    def _batches(self, conn: ProcConnector, recv_into: Callable[..., int],
-                 buf: bytearray) -> None:
+    def _batches(self, conn: ProcConnector) -> None:
         """A burst: sleep ``batch_window`` while the kernel queues its events, take them
         in a row, again while each pause finds BURST_GOES_ON or more, each pause twice
         the last up to BATCH_GROWTH batch windows. A wake-up costs 40-150 us of CPU
@@ -484,29 +572,28 @@ class ExecWatcher(Generic[T]):
         With ``skip_exited``, the exits of thread-group leaders are let through the BPF
         filter meanwhile: an exec whose process exited in the same batch is dropped
         unread (a process that is gone never matches), instead of a failed open of its
-        /proc/PID at ~10 us each (most commands of a storm live ~1 ms)."""
-        unpack_event = _EVENT.unpack_from
+        /proc/PID at ~10 us each (most commands of a storm live ~1 ms). The queue is
+        read with recvmmsg (QueueReader): one system call for up to 64 messages."""
         take = self._take
+        reader = QueueReader(conn.sock())
         exits = self.skip_exited and conn.set_filter(PROC_EVENT_EXEC | PROC_EVENT_EXIT)
         pause = self.batch_window
         try:
             while self._running:
                 self.batches += 1
                 time.sleep(pause)
+                try:
+                    queued = reader.read()
+                except Overrun as err:
+                    self._read_failed(err)
+                    continue
+                except OSError as err:
+                    if not self._read_failed(err):
+                        return
+                    continue
                 pending: dict[int, bool] = {}  # exec'd in this batch, in order
                 execs = 0
-                while True:
-                    try:
-                        n = recv_into(buf, 0, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        break
-                    except OSError as err:
-                        if not self._read_failed(err):
-                            return
-                        continue
-                    if n < _MSG_MIN:
-                        continue
-                    what, _, tgid = unpack_event(buf, _OFF_WHAT)
+                for what, tgid in queued:
                     if what == PROC_EVENT_EXEC:
                         execs += 1
                         if exits:
