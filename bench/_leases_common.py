@@ -122,7 +122,16 @@ class Daemon:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("tunerd did not start:\n" + (self.tmp / "log").read_text())
             time.sleep(0.05)
-        Client(str(self.socket)).call("status")
+        from tunerd.errors import DaemonUnreachable
+
+        while True:  # the socket file is there a moment before the daemon listens
+            try:
+                Client(str(self.socket)).call("status")
+                break
+            except DaemonUnreachable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         time.sleep(0.5)  # services started
 
     def __enter__(self) -> Daemon:

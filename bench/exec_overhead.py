@@ -16,7 +16,8 @@ Daemon CPU time comes from /proc/DAEMONPID/stat (utime + stime):
   - ``watcher off``: no rules; the daemon does not subscribe at all -- the baseline.
 
   The burst generator's own CPU time (itself + its children) is printed for scale.
-  ``--rounds N`` repeats the three arms N times (interleaved) and prints medians.
+  ``--rounds N`` repeats the three arms N times (interleaved) and prints the median
+  of each figure over the rounds (each round's arms against its own watcher-off).
 
     python bench/exec_overhead.py [--idle 10] [--burst 5] [--rate 1000] [--rounds 1]
                                   [--json FILE]
@@ -82,6 +83,7 @@ def phase(d: Daemon, seconds: float, rate: int | None) -> dict[str, Any]:
     time.sleep(0.3)  # let the daemon drain what is queued
     out["daemon_cpu_s"] = cpu_seconds(pid) - c0
     out["daemon_core_pct"] = 100 * out["daemon_cpu_s"] / out["wall_s"]
+    out["daemon_ms_per_s"] = 1000 * out["daemon_cpu_s"] / out["wall_s"]
     return out
 
 
@@ -131,6 +133,11 @@ def main() -> int:
         for name in ARMS:
             rounds[name].append(arm(policies[name], a, name != "watcher_off"))
     load = os.getloadavg()
+    for name in ARMS[:2]:  # per round, against the same round's watcher-off burst
+        for r, off_r in zip(rounds[name], rounds["watcher_off"], strict=True):
+            b = r["burst"]
+            extra = b["daemon_cpu_s"] - off_r["burst"]["daemon_ms_per_s"] / 1000 * b["wall_s"]
+            b["us_per_exec_over_off"] = 1e6 * max(extra, 0) / max(b["execs"], 1)
 
     def med(name: str, ph: str, key: str) -> float:
         return statistics.median(r[ph][key] for r in rounds[name])
@@ -143,20 +150,16 @@ def main() -> int:
     print(f"exec watcher ({w['mode']}, kernel event filter {w['kernel_event_filter']}); "
           f"{a.rounds} round(s), medians; load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}:")
-    off = res["median"]["watcher_off"]["burst"]
     for name in ARMS:
         m = res["median"][name]
         i, b = m["idle"], m["burst"]
         seen = (f"; {i['events_seen']:.0f} exec events from other processes"
                 if "events_seen" in i else "")
-        print(f"  {name:12s} idle : daemon CPU {1000 * i['daemon_cpu_s'] / i['wall_s']:5.1f} "
-              f"ms/s{seen}")
+        print(f"  {name:12s} idle : daemon CPU {i['daemon_ms_per_s']:5.1f} ms/s{seen}")
         line = (f"  {name:12s} burst: {b['execs']:.0f} execs at {b['rate_per_s']:.0f}/s: "
-                f"daemon CPU {1000 * b['daemon_cpu_s'] / b['wall_s']:5.1f} ms/s")
+                f"daemon CPU {b['daemon_ms_per_s']:5.1f} ms/s")
         if name != "watcher_off":
-            extra = max(b["daemon_cpu_s"] - off["daemon_cpu_s"] * b["wall_s"] / off["wall_s"],
-                        0)
-            line += (f" ({1e6 * extra / max(b['execs'], 1):.1f} us per exec over watcher "
+            line += (f" ({b['us_per_exec_over_off']:.1f} us per exec over watcher "
                      f"off; {b['events_seen']:.0f} events, {b['batches']:.0f} batch pauses, "
                      f"{b['wakeups']:.0f} single wake-ups, {b['exited_unread']:.0f} exited "
                      "unread)")
