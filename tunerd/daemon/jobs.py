@@ -60,6 +60,7 @@ class _Ask:
     partial: bool
     why: str | None
     persist_after: bool = False  # bind first, save right after (a rule's just-exec'd process)
+    originals: Originals | None = None  # masks from before a fast bind set the CPUs already
 
 
 @dataclass
@@ -213,12 +214,16 @@ class JobRegistry:
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
                    lease: str | None = None, cmdline: str | None = None,
                    partial: bool = False, why: str | None = None,
-                   persist_after: bool = False) -> dict[str, Any]:
+                   persist_after: bool = False,
+                   originals: Originals | None = None) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
         what this call did. ``cmdline``: its command line where the caller read it
         already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
         ``persist_after``: bind first, save the record right after (a process that
         just exec'd, bound by a rule: no write between the exec and its affinity).
+        ``originals``: the masks the process had before its CPUs were set already
+        (a rule's fast bind in the exec watcher, ``tunerd.daemon.autobind``): recorded
+        as its originals, where /proc now shows the new mask.
 
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
@@ -235,7 +240,7 @@ class JobRegistry:
                 if callable(placement):
                     placement, why = placement()
                 ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
-                           persist_after)
+                           persist_after, originals)
                 return await self._bind(target, t0, ask)
             finally:
                 target.close()
@@ -259,7 +264,7 @@ class JobRegistry:
             mems = mems if mems is not None else prev.mem_set()
         plan = self.binder.prepare(target, cpus=cpus, mems=mems, nofile=ask.nofile,
                                    previous=prev.originals if prev else None,
-                                   partial=ask.partial)
+                                   partial=ask.partial, originals=ask.originals)
         if self.dry_run:
             return {"pid": pid, "dry_run": True, "cpus": _fmt(plan.cpus),
                     "mems": _fmt(plan.mems), "nofile": ask.nofile,
