@@ -21,6 +21,7 @@ import logging
 import os
 import select
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from tunerd.watch.rules import RuleMatch, RuleSet
 __all__ = ["AutoBinder"]
 
 log = logging.getLogger("tunerd.autobind")
+
+WATCHER_NICE = -10  # the exec watcher thread's (see AutoBinder.watcher_nice)
 
 
 @dataclass
@@ -137,6 +140,10 @@ class AutoBinder:
         # thread; the loop records, watches and saves it after (False: all on the loop)
         self.bind_in_watcher = True
         self.bound_first = 0  # matches whose CPUs were set in the watcher's thread
+        # the watcher thread's nice value (it binds now: a wake-up that waits behind
+        # other runnable tasks delays every bind); None: left as the daemon's
+        self.watcher_nice: int | None = WATCHER_NICE
+        self._watcher_tid: int | None = None
         self.left_to_loop: dict[str, int] = {}  # ... and why the others were not
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
@@ -223,6 +230,8 @@ class AutoBinder:
         short (a bounded read of the command line, compiled globs). A match carries the
         time it was seen, from which exec-to-bound latency is counted, and is bound
         right here (``_bind_now``: bind first, persist after, on the loop)."""
+        if self._watcher_tid is None:
+            self._tune_watcher_thread()
         self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
         m = self.rules.match(pid)
         if m is None:
@@ -230,6 +239,16 @@ class AutoBinder:
         seen = time.monotonic()
         fast = self._bind_now(m) if self.bind_in_watcher else None
         return m, seen, fast
+
+    def _tune_watcher_thread(self) -> None:
+        """Once, in the watcher's thread: its own nice value (Linux: per thread)."""
+        self._watcher_tid = threading.get_native_id()
+        if self.watcher_nice is None:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, self._watcher_tid, self.watcher_nice)
+        except OSError as err:  # no CAP_SYS_NICE: as it is
+            log.debug("exec watcher thread keeps its nice value: %s", err)
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found

@@ -143,19 +143,19 @@ class Intake:
         self._bound = bound
         self._lease = lease
         self.proc = proc_root
-        # (pid, start time) -> (when, its ancestors' stats from itself up; argv, env):
-        # quick looks only (see PARENT_TTL_S)
-        self._chains: dict[tuple[int, int], tuple[float, list[Up]]] = {}
-        self._parents: dict[tuple[int, int], tuple[float, list[str], Mapping[str, str]]] = {}
+        # pid -> (its start time, when; its ancestors' stats from itself up / its argv
+        # and environment): quick looks only (see PARENT_TTL_S)
+        self._chains: dict[int, tuple[int, float, list[Up]]] = {}
+        self._parents: dict[int, tuple[int, float, list[str], Mapping[str, str]]] = {}
         self._cache_lock = threading.Lock()
 
     def exec_seen(self, pid: int) -> None:
-        """``pid`` exec'd: what a quick look kept of it as a parent is no longer so."""
-        if self._parents or self._chains:
+        """``pid`` exec'd: what a quick look kept of it as a parent is no longer so
+        (called for every exec on the host: two dict lookups)."""
+        if pid in self._parents or pid in self._chains:
             with self._cache_lock:
-                for d in (self._parents, self._chains):
-                    for key in [k for k in d if k[0] == pid]:
-                        del d[key]
+                self._parents.pop(pid, None)
+                self._chains.pop(pid, None)
 
     def describe(self, pid: int, env: Mapping[str, str] | None = None,
                  argv: list[str] | None = None, *, uid: int | None = None,
@@ -224,31 +224,31 @@ class Intake:
         for up in walk:
             out.append(up)
             if len(out) == 1:
-                hit = self._chains.get((up[0], up[1].start_time))
-                if hit is not None and time.monotonic() - hit[0] < PARENT_TTL_S:
-                    return [up, *hit[1][1:]]
+                hit = self._chains.get(up[0])
+                if hit is not None and hit[0] == up[1].start_time \
+                        and time.monotonic() - hit[1] < PARENT_TTL_S:
+                    return [up, *hit[2][1:]]
         if out:
             with self._cache_lock:
                 if len(self._chains) > 256:
                     self._chains.clear()
-                self._chains[(out[0][0], out[0][1].start_time)] = (time.monotonic(), out)
+                self._chains[out[0][0]] = (out[0][1].start_time, time.monotonic(), out)
         return out
 
     def _parent(self, ppid: int, start: int | None,
                 quick: bool) -> tuple[list[str], Mapping[str, str]]:
         """A parent's command line and environment (quick: as read within PARENT_TTL_S
         for the same pid + start time). Raises TunerdError where it is gone."""
-        key = (ppid, start if start is not None else -1)
-        hit = self._parents.get(key) if quick and start is not None else None
-        if hit is not None and time.monotonic() - hit[0] < PARENT_TTL_S:
-            return hit[1], hit[2]
+        hit = self._parents.get(ppid) if quick and start is not None else None
+        if hit is not None and hit[0] == start and time.monotonic() - hit[1] < PARENT_TTL_S:
+            return hit[2], hit[3]
         argv = procfs.Process(ppid, self.proc).cmdline(4096)
         env = procfs.read_environ(ppid, self.proc) or {}
         if quick and start is not None:
             with self._cache_lock:
                 if len(self._parents) > 256:
                     self._parents.clear()
-                self._parents[key] = (time.monotonic(), argv, env)
+                self._parents[ppid] = (start, time.monotonic(), argv, env)
         return argv, env
 
     def _tree(self, ctx: JobContext, quick: bool = False) -> JobContext:
