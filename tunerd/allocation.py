@@ -161,7 +161,7 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     env = env or {}
     host_online = online if online is not None else _host_online(sys_root)
     cpus: frozenset[int] | None = None
-    cg, eff = _cpuset_of(pid, proc_root, sys_root, CPUSET_TTL_S if quick else 0.0)
+    cg, eff, cg_text = _cpuset_of(pid, proc_root, sys_root, CPUSET_TTL_S if quick else 0.0)
     if cg is not None:
         here = topo.online_cpus() if not topo.replayed else host_online
         if eff and eff != here:
@@ -174,7 +174,9 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     if mask and mask != (cpus if cpus is not None else host_online):
         current = mask
     gpus = slurm_gpus(topo, env)
-    pod = _pod_gpus(pid, topo) if gpus is None else None
+    # a pod's cgroup path names kubepods: no need to ask the pod source otherwise
+    in_pod = cg_text is None or "kubepods" in cg_text
+    pod = _pod_gpus(pid, topo) if gpus is None and in_pod else None
     if pod is not None:
         gpus = pod[0]
     granted = gpus
@@ -254,26 +256,27 @@ _cpusets: dict[tuple[str, str, str], tuple[float, CpusetCgroup | None, frozenset
 _cpusets_lock = threading.Lock()
 
 
-def _cpuset_of(pid: int, proc_root: Path, sys_root: Path,
-               ttl: float) -> tuple[CpusetCgroup | None, frozenset[int]]:
-    """The scheduler's cpuset of ``pid`` and its effective CPUs (empty: unreadable),
-    from the cache where read less than ``ttl`` seconds ago."""
+def _cpuset_of(pid: int, proc_root: Path, sys_root: Path, ttl: float
+               ) -> tuple[CpusetCgroup | None, frozenset[int], str | None]:
+    """The scheduler's cpuset of ``pid``, its effective CPUs (empty: unreadable), from
+    the cache where read less than ``ttl`` seconds ago; and /proc/PID/cgroup's text
+    where read (``ttl`` > 0)."""
     if ttl <= 0:
         cg = _scheduler_cpuset(pid, proc_root, sys_root)
         try:
-            return cg, cg.effective_cpus() if cg is not None else frozenset()
+            return cg, cg.effective_cpus() if cg is not None else frozenset(), None
         except OSError:
-            return cg, frozenset()
+            return cg, frozenset(), None
     try:
         with open(f"{proc_root}/{pid}/cgroup", "rb") as f:
             text = f.read(8192).decode(errors="replace")
     except OSError:
-        return None, frozenset()
+        return None, frozenset(), None
     key = (str(proc_root), str(sys_root), text)
     now = time.monotonic()
     hit = _cpusets.get(key)
     if hit is not None and now - hit[0] < ttl:
-        return hit[1], hit[2]
+        return hit[1], hit[2], text
     cg = _scheduler_cpuset(pid, proc_root, sys_root)
     try:
         eff = cg.effective_cpus() if cg is not None else frozenset()
@@ -283,7 +286,7 @@ def _cpuset_of(pid: int, proc_root: Path, sys_root: Path,
         if len(_cpusets) > 256:
             _cpusets.clear()
         _cpusets[key] = (now, cg, eff)
-    return cg, eff
+    return cg, eff, text
 
 
 def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:

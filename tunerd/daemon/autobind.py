@@ -10,6 +10,16 @@ TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else same parent) split the CPUs using
 LOCAL_WORLD_SIZE. It is bound through the JobRegistry with ``origin="rule"``;
 a limit the daemon may not set is left out with a note, never the CPUs.
 
+Bind first, persist after: a match is looked at (a quick intake), placed,
+reserved and its CPUs set in the exec watcher's own thread, right after the rule
+matched, with every thread's mask read just before (``_bind_now``). The loop then
+records the binding with those originals, watches the process, saves the state and
+does the rest (fd limit, memory nodes, exclusive moves, the log line: ``_finish``).
+A process that exits meanwhile leaves nothing recorded and its reservation goes; if
+the loop's part fails, the masks are put back. Anything but the plain case (a
+wrapper, a descendant, a process seen before, a gate refusal, a replayed topology,
+an error) is left to the loop's bind, as before.
+
 The watcher only runs while the policy has rules: with none, the daemon
 does not even subscribe to exec events.
 """
