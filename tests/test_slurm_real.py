@@ -348,3 +348,47 @@ echo "SRUN_RC=$?"
     assert out["SRUN_RC"] == "0", text
     assert "tunerd: bound near GPU" in text and "not bound" not in text, text
     assert parse_cpulist(out["STEP_MASK"]) <= parse_cpulist(out["STEP_CPUSET"]), text
+
+
+def test_two_jobs_at_once_with_two_gpu_tasks_per_step(slurm: SlurmCluster,  # noqa: F811
+                                                      tunerd: DaemonProc) -> None:
+    """Two jobs running at the same time, each one step of two GPU tasks bound by the
+    TaskProlog: every task stays inside its own job's cpuset and the jobs' tasks share
+    no CPU, although each job's GPU is local to the *other* job's CPU.
+
+    What this 2-CPU node allows: four tasks on two CPUs cannot be disjoint both within
+    each step and across the jobs, and the two gres GPUs allow one per job (two jobs of
+    ``--gres=gpu:2`` cannot run at once). So each job is ``-n2 -c1 --overcommit
+    --gres=gpu:1``: one CPU and one GPU per job, both tasks on that GPU and that CPU
+    (tasks of a step on disjoint CPUs: test_two_tasks_of_a_step_stay_on_different_cpus).
+    A holder job takes the first CPU while job A starts, so that job A gets the last
+    CPU with GPU 0 (local to the first) and job B the first CPU with GPU 1 (local to the
+    last): placing near the GPU alone would put each job on the other's CPU.
+    """
+    task = job_script(slurm, "two-gpu-tasks", 'probe "T${SLURM_LOCALID}_"\n'
+                      'echo "T${SLURM_LOCALID}_PID=$$"\n'
+                      'echo "T${SLURM_LOCALID}_GPUS=$SLURM_STEP_GPUS"\n'
+                      "exec sleep 300\n")
+    step = f"srun --quiet -n2 -c1 --overcommit --gres=gpu:1 {task}\n"
+    holder = slurm.sbatch("sleep 300\n", "-c1")
+    slurm.wait_job_running(holder)
+    jobs = [slurm.sbatch(step, "-n2", "-c1", "--overcommit", "--gres=gpu:1")]
+    slurm.wait_output(jobs[0], "T1_PID=")
+    slurm.cancel(holder)  # its CPU, the first, is job B's
+    jobs.append(slurm.sbatch(step, "-n2", "-c1", "--overcommit", "--gres=gpu:1"))
+    for j in jobs:  # both tasks of both jobs started (and bound: the prolog runs first)
+        slurm.wait_output(j, "T0_GPUS=")
+        slurm.wait_output(j, "T1_GPUS=")
+    outs = [kv(j.output.read_text()) for j in jobs]
+    steps = [parse_cpulist(o["T0_STEP_CPUSET"]) for o in outs]
+    lo, hi = min(steps[0] | steps[1]), max(steps[0] | steps[1])
+    # what Slurm did: one CPU each, job A the last with GPU 0, job B the first with GPU 1
+    assert steps == [{hi}, {lo}] and [o["T0_GPUS"] for o in outs] == ["0", "1"], outs
+    for j, o, cpus in zip(jobs, outs, steps, strict=True):
+        text = j.output.read_text()
+        for t in ("T0", "T1"):
+            pid = int(o[f"{t}_PID"])
+            assert f"tunerd: bound near GPU {o['T0_GPUS']}: bound pid {pid} " in text, text
+            mask = parse_cpulist(cpus_allowed(pid) or "")
+            # read now, with both jobs running: inside its own job (so off the other's)
+            assert mask == cpus == parse_cpulist(o[f"{t}_MASK"]), (j.jobid, t, o)
