@@ -30,15 +30,17 @@ from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.keyedlocks import KeyedLocks
 from tunerd.daemon.peer import Peer, require_owner
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.records import Binding
+from tunerd.daemon.records import Binding, Hold
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.placement import Placement
 
-__all__ = ["ChangeCallback", "ExitCallback", "JobRegistry"]
+__all__ = ["AdoptCallback", "ChangeCallback", "ExitCallback", "JobRegistry"]
 
 log = logging.getLogger("tunerd.jobs")
 
 ExitCallback = Callable[[int, Binding], None]
+# told each binding re-adopted at start (its owner restores what it held: a reservation)
+AdoptCallback = Callable[[Binding], None]
 # told the pid whose binding was stored, replaced or removed (read it back with record())
 ChangeCallback = Callable[[int], None]
 # computes the placement (and why) once the process is pinned and its owner checked
@@ -96,6 +98,7 @@ class JobRegistry:
         self.dry_run = dry_run
         self.proc = proc_root
         self._callbacks: list[ExitCallback] = []
+        self._adopt_callbacks: list[AdoptCallback] = []
         self._change_callbacks: list[ChangeCallback] = []
         self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
@@ -126,6 +129,8 @@ class JobRegistry:
             self._bindings[rec.pid] = rec
             self._changed(rec.pid)
             log.info("re-adopted binding of pid %d (cpus %s)", rec.pid, rec.cpus)
+            for cb in self._adopt_callbacks:
+                cb(rec)
         if changed:
             self._save_quietly()
         for d in self.binder.sweep_stale_cpusets():
@@ -150,6 +155,22 @@ class JobRegistry:
     # -- queries -------------------------------------------------------------
     def on_exit(self, callback: ExitCallback) -> None:
         self._callbacks.append(callback)
+
+    def on_adopt(self, callback: AdoptCallback) -> None:
+        """``callback(binding)`` for each binding re-adopted at start (before the
+        rules' /proc scan places anything)."""
+        self._adopt_callbacks.append(callback)
+
+    def set_hold(self, pid: int, hold: Hold | None) -> None:
+        """Keep with pid's binding what the placer holds for it, so that a restarted
+        daemon reserves it again (saved with the bind's own deferred save)."""
+        rec = self._bindings.get(pid)
+        if rec is None or rec.hold == hold:
+            return
+        rec = dataclasses.replace(rec, hold=hold)
+        self._bindings[pid] = rec
+        self._records[str(pid)] = rec.to_json()
+        self._save_soon()
 
     def on_change(self, callback: ChangeCallback) -> None:
         """``callback(pid)`` whenever pid's binding is stored, replaced or removed (bind,
@@ -326,7 +347,7 @@ class JobRegistry:
             explanation=(p.explanation if p is not None and p.explanation
                          else (prev.explanation if prev else None)),
             why=ask.why if ask.why is not None else (prev.why if prev else None),
-            originals=originals)
+            hold=prev.hold if prev is not None else None, originals=originals)
 
     def _put(self, rec: Binding) -> None:
         self._bindings[rec.pid] = rec
