@@ -92,7 +92,9 @@ def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
     return {"daemon_side_ms": st["latency_ms"],
             "exec_to_bound_ms": summary(lat), "never_bound": missed,
             "spaced_exec_to_bound_ms": summary(spaced), "spaced_never_bound": spaced_missed,
-            "watcher": st["watcher"]}
+            "watcher": st["watcher"], "failed": st["failed"], "last_error": st["last_error"],
+            "bound_in_watcher": st.get("bound_in_watcher"),
+            "left_to_loop": st.get("left_to_loop")}
 
 
 def main() -> int:
@@ -131,9 +133,14 @@ def main() -> int:
             s = r[key]
             print(f"  {name}, {series:12s}: median {s['median']:.2f} ms  p95 {s['p95']:.2f} ms"
                   f"  p99 {s['p99']:.2f} ms  max {s['max']:.2f} ms  never bound {r[miss]}")
+        if r["failed"]:
+            print(f"  {name}: {r['failed']} bind(s) failed, the last: {r['last_error']}")
         s = r["daemon_side_ms"]
-        print(f"  {name}, inside the daemon (exec event handled -> bound, n={s['n']}): "
-              f"median {s['median']:.2f} ms  p99 {s['p99']:.2f} ms")
+        print(f"  {name}, inside the daemon (exec event handled -> bound, n={s['n']}, "
+              f"{r['bound_in_watcher']} in the watcher's thread, others: {r['left_to_loop']}): "
+              f"median {s['median']:.2f} ms  p99 {s['p99']:.2f} ms"
+              + (f"; steps (median ms): {s['bind_first_steps_median']}"
+                 if s.get("bind_first_steps_median") else ""))
     b = res["baseline_self_pin_ms"]
     print(f"  baseline (launcher pins itself): median {b['median']:.3f} ms  p95 {b['p95']:.3f} "
           f"ms  p99 {b['p99']:.3f} ms")

@@ -71,8 +71,12 @@ def test_matching_process_is_bound_automatically(tmp_path: Path, daemon_factory)
     try:
         wait_for(lambda: cpus_allowed(ranked.pid) == str(target), 10,
                  "the ranked process to be bound", detail=d.log)
-        with open(f"/proc/{ranked.pid}/limits") as f:
-            assert any(line.startswith("Max open files") and "4096" in line for line in f)
+
+        def nofile_set() -> bool:  # bind first: the fd limit follows the CPUs
+            with open(f"/proc/{ranked.pid}/limits") as f:
+                return any(line.startswith("Max open files") and "4096" in line for line in f)
+
+        wait_for(nofile_set, 5, "the rule's fd limit", detail=d.log)
         jobs = d.ctl("--json", "jobs").json()["jobs"]
         rec = [j for j in jobs if j["pid"] == ranked.pid]
         assert rec and rec[0]["origin"] == "rule" and rec[0]["name"] == "trainer"

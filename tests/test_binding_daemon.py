@@ -242,12 +242,18 @@ def test_restart_readopts_live_bindings_and_drops_dead_ones(daemon_factory) -> N
         # the re-adopted binding still restores exactly, and exits are still seen
         assert d.ctl("unbind", str(live.pid)).rc == 0
         assert snapshot(live.pid) == before
-        bind_json(d, str(live.pid), "--cpus", ONE)
+        bind_json(d, str(live.pid), "--cpus", ONE, "--exclusive")
         d.stop()
         d.start()
         assert jobs_pids(d) == [live.pid]
+
+        def held() -> str:
+            return str(d.ctl("--json", "status").json()["services"]["placer"]["exclusive_cpus"])
+
+        assert held() == ONE  # an exclusive bind holds its CPUs again after a restart
         live.kill()
         wait_for(lambda: jobs_pids(d) == [], 10, "the re-adopted job to be dropped")
+        assert held() == ""  # ... until its process ends
 
 
 def test_status_counts_bound_processes(daemon: DaemonProc) -> None:

@@ -12,9 +12,11 @@ cpuset, the job's GPUs, the CPU count Slurm granted the task.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 from tests.helpers import DaemonProc, wait_for
 from tests.leases_helpers import cpus_allowed, leases_of, unique_sleeper
 from tests.slurm_helpers import (
+    Job,
     SlurmCluster,
     hung_socket,
     running_tunerd,
@@ -348,3 +351,72 @@ echo "SRUN_RC=$?"
     assert out["SRUN_RC"] == "0", text
     assert "tunerd: bound near GPU" in text and "not bound" not in text, text
     assert parse_cpulist(out["STEP_MASK"]) <= parse_cpulist(out["STEP_CPUSET"]), text
+
+
+@contextlib.contextmanager
+def srun_in_background(slurm: SlurmCluster, name: str,  # noqa: F811
+                       *args: str) -> Iterator[Job]:
+    """``srun ARGS`` running while the block runs (its tasks' output in a file); ended
+    by PID after it (srun passes the SIGTERM to its tasks)."""
+    out = slurm.root / "jobs" / f"{name}.out"
+    p = subprocess.Popen(["srun", "--quiet", f"--output={out}", *args], env=slurm.env,
+                         cwd=slurm.root / "jobs", stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield Job(0, out)  # (an interactive job: its id is in its output)
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def test_two_jobs_at_once_with_two_gpu_tasks_per_step(slurm: SlurmCluster,  # noqa: F811
+                                                      tunerd: DaemonProc) -> None:
+    """Two jobs running at the same time, each one step of two GPU tasks bound by the
+    TaskProlog: every task stays inside its own job's cpuset and the jobs' tasks share
+    no CPU, although each job's GPU is local to the *other* job's CPU.
+
+    What this 2-CPU node allows: four tasks on two CPUs cannot be disjoint both within
+    each step and across the jobs, and the two gres GPUs allow one per job (two jobs of
+    ``--gres=gpu:2`` cannot run at once). So each job is ``srun -n2 -c1 --overcommit
+    --gres=gpu:1``: one CPU and one GPU per job, both tasks on that GPU and that CPU
+    (tasks of a step on disjoint CPUs: test_two_tasks_of_a_step_stay_on_different_cpus).
+    A holder job takes the first CPU while job A starts, so that job A gets another CPU
+    with GPU 0 (local to the first CPU) and job B the first CPU with GPU 1 (local to the
+    last): placing near the GPU alone would put each job on the other's CPU.
+    """
+    online = parse_cpulist(Path("/sys/devices/system/cpu/online").read_text())
+    lo, hi = min(online), max(online)  # GPU 0's CPU, GPU 1's (slurm_helpers.start_tunerd)
+    task = job_script(slurm, "two-gpu-tasks", 'probe "T${SLURM_LOCALID}_"\n'
+                      'echo "T${SLURM_LOCALID}_PID=$$"\n'
+                      'echo "T${SLURM_LOCALID}_GPUS=$SLURM_STEP_GPUS"\n'
+                      "exec sleep 300\n")
+    step = ("-n2", "-c1", "--overcommit", "--gres=gpu:1", str(task))
+    holder = slurm.sbatch("sleep 300\n", "-c1")
+    slurm.wait_job_running(holder)
+    with srun_in_background(slurm, "job-a", *step) as job_a:
+        slurm.wait_output(job_a, "T1_GPUS=")
+        slurm.cancel(holder)  # its CPU, the first, is job B's
+        with srun_in_background(slurm, "job-b", *step) as job_b:
+            jobs = [job_a, job_b]
+            for j in jobs:  # both tasks of both jobs started (and bound: the prolog is first)
+                slurm.wait_output(j, "T0_GPUS=")
+                slurm.wait_output(j, "T1_GPUS=")
+            outs = [kv(j.output.read_text()) for j in jobs]
+            masks = {(j, t): parse_cpulist(cpus_allowed(int(o[f"{t}_PID"])) or "")
+                     for j, o in enumerate(outs) for t in ("T0", "T1")}  # both jobs running
+    steps = [parse_cpulist(o["T0_STEP_CPUSET"]) for o in outs]
+    # what Slurm did: job A off GPU 0's CPU, job B off GPU 1's, neither on the other's
+    assert [o["T0_GPUS"] for o in outs] == ["0", "1"], outs
+    assert lo not in steps[0] and hi not in steps[1] and not steps[0] & steps[1], outs
+    for j, (o, cpus) in enumerate(zip(outs, steps, strict=True)):
+        text = jobs[j].output.read_text()
+        for t in ("T0", "T1"):
+            pid = int(o[f"{t}_PID"])
+            assert f"tunerd: bound near GPU {o['T0_GPUS']}: bound pid {pid} " in text, text
+            # inside its own job's cpuset, so off the other job's
+            assert masks[j, t] <= cpus and masks[j, t] == parse_cpulist(o[f"{t}_MASK"]), \
+                (j, t, masks, o)

@@ -6,6 +6,7 @@ The same scripts under a real slurmd: tests/test_slurm_real.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, CliResult, DaemonProc, run_ctl
+from tests.helpers import REPO, CliResult, DaemonProc, run_ctl, wait_for
 from tests.leases_helpers import (
     DGX_H100,
     cpus_allowed,
@@ -34,6 +35,8 @@ from tests.slurm_helpers import (
     install_scripts,
     write_script_conf,
 )
+from tunerd.binding import Originals
+from tunerd.daemon.records import Binding, Hold
 
 pytestmark = pytest.mark.root
 
@@ -113,6 +116,59 @@ def test_task_prolog_binds_each_task_near_its_gpu(tmp_path: Path, scripts: Path,
     finally:
         kill(t0)
         kill(t1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_tasks_of_a_step_keep_their_cpus_across_a_daemon_restart(
+        tmp_path: Path, scripts: Path, daemon_factory) -> None:
+    """Three tasks of one step, all on GPU 0 (local to CPU ``lo``), bound by the
+    TaskProlog: task 0 takes ``lo``, task 1 is kept off it (``hi``). The daemon restarts,
+    task 1 ends, task 2 is bound: it takes the room task 1 left (its restored hold ended
+    with it), not task 0's CPU -- the restored binding of task 0 holds its CPU against
+    the step's other tasks. (Three disjoint tasks need 3 CPUs; this machine has 2, so
+    the third finds room once one ends.)"""
+    snap, lo, hi = snapshot_with_gpus_here(tmp_path / "snap.json")
+    d = daemon_factory(args=["--topology", str(snap)]).start()
+    configure(scripts, d.socket)
+    # the tasks' own environment: what the intake reads (a Slurm task of job 4243 step 0)
+    step = {"SLURM_JOB_ID": "4243", "SLURM_STEP_ID": "0", "SLURM_STEP_GPUS": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "3"}
+    tasks = [spawn(["sleep", "60"], env={**step, "SLURM_LOCALID": str(i)}) for i in range(3)]
+
+    def prolog(i: int) -> str | None:
+        r, _ = run_script(scripts, PROLOG, task_env(tasks[i].pid, i, **step))
+        assert r.returncode == 0 and "bound near GPU 0" in r.stderr, r.stderr
+        return cpus_allowed(tasks[i].pid)
+
+    try:
+        assert [prolog(0), prolog(1)] == [str(lo), str(hi)]
+        d.stop()
+        d.start()
+        for t in tasks[:2]:
+            assert f"pid {t.pid}: reservation restored (CPUs " in d.log()
+        kill(tasks[1])
+        wait_for(lambda: f"bound process {tasks[1].pid} exited" in d.log(), 10,
+                 "task 1's exit noticed")
+        assert prolog(2) == str(hi), d.log()[-3000:]  # not lo: task 0 holds it
+        assert cpus_allowed(tasks[0].pid) == str(lo)
+    finally:
+        for t in tasks:
+            kill(t)
+
+
+def test_a_binding_saved_without_a_hold_loads() -> None:
+    """State written by a daemon that kept no holds (or a damaged hold): the binding
+    loads (its originals matter for unbind), only without a reservation to restore."""
+    orig = Originals(pid=7, start_time=1, process_cpus=frozenset({0}))
+    rec = Binding(pid=7, start_time=1, originals=orig, cpus="1",
+                  hold=Hold(group="slurm:4243.0", job="slurm:4243", uid=1000))
+    raw = rec.to_json()
+    assert Binding.from_json(raw) == rec
+    for hold in (None, "x", {"group": 5, "exclusive": False}, {"group": "g"}):
+        old = {k: v for k, v in raw.items() if k != "hold"}
+        if hold is not None:
+            old["hold"] = hold
+        assert Binding.from_json(old) == dataclasses.replace(rec, hold=None)
 
 
 def test_task_prolog_never_fails_the_task(tmp_path: Path, scripts: Path,

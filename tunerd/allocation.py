@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunerd.cpulist import format_cpulist
@@ -62,6 +64,8 @@ class Allocation:
     slurm_step: str | None = None  # step id ("0", "batch", "extern")
     slurm_task: int | None = None  # task id, from a .../task_N cgroup where Slurm makes one
     job_from_cgroup: bool = False  # the Slurm ids come from the cgroup (not the user's env)
+    # the scheduler's GPU grant before CUDA_VISIBLE_DEVICES narrows it (scheduler_gpus)
+    granted: tuple[int, ...] | None = field(default=None, compare=False)
 
     @property
     def confined(self) -> bool:
@@ -145,22 +149,20 @@ def cvd_names(topo: Topology, env: Mapping[str, str]) -> dict[int, str]:
 
 def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
                     proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys"),
-                    online: frozenset[int] | None = None) -> Allocation:
+                    online: frozenset[int] | None = None, quick: bool = False) -> Allocation:
     """The allocation process ``pid`` lives in (its cgroup, mask and environment).
 
     A process that tunerd itself moved into a child cpuset counts from the
     cpuset it was in before (the scheduler's). ``online``: this machine's online CPUs
-    when the caller knows them (saves two reads on the bind path).
+    when the caller knows them (saves two reads on the bind path). ``quick``: the
+    cgroup's cpuset as read for another process of it within CPUSET_TTL_S will do (a
+    rule's bind in the exec watcher).
     """
     env = env or {}
     host_online = online if online is not None else _host_online(sys_root)
     cpus: frozenset[int] | None = None
-    cg = _scheduler_cpuset(pid, proc_root, sys_root)
+    cg, eff, cg_text = _cpuset_of(pid, proc_root, sys_root, CPUSET_TTL_S if quick else 0.0)
     if cg is not None:
-        try:
-            eff = cg.effective_cpus()
-        except OSError:
-            eff = frozenset()
         here = topo.online_cpus() if not topo.replayed else host_online
         if eff and eff != here:
             cpus = eff
@@ -172,9 +174,12 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     if mask and mask != (cpus if cpus is not None else host_online):
         current = mask
     gpus = slurm_gpus(topo, env)
-    pod = _pod_gpus(pid, topo) if gpus is None else None
+    # a pod's cgroup path names kubepods: no need to ask the pod source otherwise
+    in_pod = cg_text is None or "kubepods" in cg_text
+    pod = _pod_gpus(pid, topo) if gpus is None and in_pod else None
     if pod is not None:
         gpus = pod[0]
+    granted = gpus
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None and cvd is not None and cvd.strip() not in ("", "NoDevFiles"):
         gpus = _cvd_within(topo, cvd, gpus)
@@ -196,7 +201,7 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     return Allocation(cpus=cpus, current=current, mask=mask or None, gpus=gpus, ncpus=ncpus,
                       scheduler=scheduler, cgroup_dir=str(cg.dir) if cg is not None else None,
                       slurm_job=job, slurm_step=step, slurm_task=task,
-                      job_from_cgroup=m is not None)
+                      job_from_cgroup=m is not None, granted=granted)
 
 
 def _slurm_ids(env: Mapping[str, str],
@@ -240,6 +245,48 @@ def _pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
         if got is not None:
             return got
     return None
+
+
+# /proc/PID/cgroup text -> (when, the scheduler's cpuset, its effective CPUs), for a
+# short while: the ranks of one job (and the bursts of one launcher) live in one cgroup,
+# whose cpuset files are then read once, not per exec. The kernel still confines a mask
+# to the cgroup as it is, should a scheduler change it within CPUSET_TTL_S.
+CPUSET_TTL_S = 1.0
+_cpusets: dict[tuple[str, str, str], tuple[float, CpusetCgroup | None, frozenset[int]]] = {}
+_cpusets_lock = threading.Lock()
+
+
+def _cpuset_of(pid: int, proc_root: Path, sys_root: Path, ttl: float
+               ) -> tuple[CpusetCgroup | None, frozenset[int], str | None]:
+    """The scheduler's cpuset of ``pid``, its effective CPUs (empty: unreadable), from
+    the cache where read less than ``ttl`` seconds ago; and /proc/PID/cgroup's text
+    where read (``ttl`` > 0)."""
+    if ttl <= 0:
+        cg = _scheduler_cpuset(pid, proc_root, sys_root)
+        try:
+            return cg, cg.effective_cpus() if cg is not None else frozenset(), None
+        except OSError:
+            return cg, frozenset(), None
+    try:
+        with open(f"{proc_root}/{pid}/cgroup", "rb") as f:
+            text = f.read(8192).decode(errors="replace")
+    except OSError:
+        return None, frozenset(), None
+    key = (str(proc_root), str(sys_root), text)
+    now = time.monotonic()
+    hit = _cpusets.get(key)
+    if hit is not None and now - hit[0] < ttl:
+        return hit[1], hit[2], text
+    cg = _scheduler_cpuset(pid, proc_root, sys_root)
+    try:
+        eff = cg.effective_cpus() if cg is not None else frozenset()
+    except OSError:
+        eff = frozenset()
+    with _cpusets_lock:
+        if len(_cpusets) > 256:
+            _cpusets.clear()
+        _cpusets[key] = (now, cg, eff)
+    return cg, eff, text
 
 
 def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:

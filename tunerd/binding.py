@@ -298,13 +298,16 @@ class Binder:
     # -- validation --------------------------------------------------------------
     def prepare(self, t: Target, *, cpus: frozenset[int] | None = None,
                 mems: frozenset[int] | None = None, nofile: int | None = None,
-                previous: Originals | None = None, partial: bool = False) -> Plan:
+                previous: Originals | None = None, partial: bool = False,
+                originals: Originals | None = None) -> Plan:
         """Validate a bind and read the originals; changes nothing.
 
         ``previous``: the originals saved by an earlier bind of the same process
         (a re-bind keeps them, and stays inside the cpuset the process had first).
         ``partial``: a limit the daemon may not set (no CAP_SYS_RESOURCE) is left out
         with a note instead of failing the whole bind.
+        ``originals``: masks read (``read_originals``) just before the CPUs were set
+        already (a rule's fast bind in the exec watcher): kept as the first bind's.
         """
         notes: list[str] = []
         if cpus is None and mems is None and nofile is None:
@@ -330,7 +333,11 @@ class Binder:
                 if not partial or (cpus is None and mems is None):
                     raise
                 notes.append(f"fd limit not set: {err.message}")
-        orig = self._originals(t, previous, old_nofile)
+        if originals is not None and previous is None:
+            orig = originals.copy()
+            orig.nofile = old_nofile
+        else:
+            orig = self._originals(t, previous, old_nofile)
         if plan_cpuset is not None and orig.cpuset_child is None:
             orig.cpuset_base, orig.cpuset_child = base, plan_cpuset
         if cpus is not None or plan_cpuset is not None:
@@ -376,6 +383,10 @@ class Binder:
         notes.append(f"new allocations not confined to nodes {format_cpulist(mems)}: "
                      f"{why}; existing pages moved with migrate_pages(2)")
         return None, frozenset(), nodes - mems
+
+    def read_originals(self, t: Target) -> Originals:
+        """Every thread's CPU mask now (before a bind changes them)."""
+        return self._originals(t, None, None)
 
     def _originals(self, t: Target, previous: Originals | None,
                    old_nofile: tuple[int, int] | None) -> Originals:

@@ -10,6 +10,16 @@ TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else same parent) split the CPUs using
 LOCAL_WORLD_SIZE. It is bound through the JobRegistry with ``origin="rule"``;
 a limit the daemon may not set is left out with a note, never the CPUs.
 
+Bind first, persist after: a match is looked at (a quick intake), placed,
+reserved and its CPUs set in the exec watcher's own thread, right after the rule
+matched, with every thread's mask read just before (``_bind_now``). The loop then
+records the binding with those originals, watches the process, saves the state and
+does the rest (fd limit, memory nodes, exclusive moves, the log line: ``_finish``).
+A process that exits meanwhile leaves nothing recorded and its reservation goes; if
+the loop's part fails, the masks are put back. Anything but the plain case (a
+wrapper, a descendant, a process seen before, a gate refusal, a replayed topology,
+an error) is left to the loop's bind, as before.
+
 The watcher only runs while the policy has rules: with none, the daemon
 does not even subscribe to exec events.
 """
@@ -19,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunerd import procfs
+from tunerd.binding import Originals, Plan, Target
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
@@ -47,6 +60,8 @@ __all__ = ["AutoBinder"]
 
 log = logging.getLogger("tunerd.autobind")
 
+WATCHER_NICE = -10  # the exec watcher thread's (see AutoBinder.watcher_nice)
+
 
 @dataclass
 class RuleBound:
@@ -60,6 +75,30 @@ class RuleBound:
     at_start: bool = False  # already running when the rule came into force
     bound_at: float | None = None
     timing: dict[str, Any] | None = None
+    # a pidfd of it, where bound in the exec watcher's thread: there, before placing,
+    # a rank of the same job that exited and whose exit the loop has not handled yet
+    # no longer holds its CPUs (closed under the placer's lock when forgotten)
+    pidfd: int = -1
+
+
+@dataclass
+class _Fast:
+    """What the exec watcher's thread did for a match, for the loop to finish.
+
+    ``target`` set: the CPUs are bound already (reservation made, ``originals`` read
+    just before); the loop records, watches and saves it. Otherwise ``ctx`` is only
+    the intake's look, which the loop's bind reuses."""
+
+    ctx: JobContext
+    group: str | None = None
+    placed: Placement | None = None
+    target: Target | None = None
+    originals: Originals | None = None
+    bound_at: float = 0.0
+    ns: dict[str, int] | None = None  # perf_counter_ns per step, for the timing
+
+
+Found = tuple[RuleMatch, float, "_Fast | None"]
 
 
 def _cut(cmdline: str, width: int = 80) -> str:
@@ -86,7 +125,7 @@ class AutoBinder:
         self.use_connector = use_connector
         self.proc = proc_root
         self.rules = RuleSet([])
-        self.watcher: ExecWatcher[tuple[RuleMatch, float]] | None = None
+        self.watcher: ExecWatcher[Found] | None = None
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.matched = 0
@@ -107,6 +146,18 @@ class AutoBinder:
         self._failed: dict[int, int] = {}
         # exec event handled -> CPUs bound, as the daemon sees it (the last 1000)
         self.latencies_ms: deque[float] = deque(maxlen=1000)
+        # bind first: a rule match is placed and its CPUs set in the exec watcher's
+        # thread; the loop records, watches and saves it after (False: all on the loop)
+        self.bind_in_watcher = True
+        self.bound_first = 0  # matches whose CPUs were set in the watcher's thread
+        # the watcher thread's nice value (it binds now: a wake-up that waits behind
+        # other runnable tasks delays every bind); None: left as the daemon's
+        self.watcher_nice: int | None = WATCHER_NICE
+        self._watcher_tid: int | None = None
+        self.left_to_loop: dict[str, int] = {}  # ... and why the others were not
+        # ... and how long each step of that took (intake, place, bind; the handoff to
+        # the loop after), the last 1000
+        self.steps_ms: deque[dict[str, float]] = deque(maxlen=1000)
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -142,7 +193,8 @@ class AutoBinder:
     def status(self) -> dict[str, Any]:
         w = self.watcher.status() if self.watcher else {"mode": "off"}
         n = len(self.rules.rules)
-        at_start = [b for b in self.bound.values() if b.at_start]
+        bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
+        at_start = [b for b in bound if b.at_start]
         summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
@@ -152,12 +204,18 @@ class AutoBinder:
         if self.failed:
             summary += f"; {self.failed} failed"
         lat = sorted(self.latencies_ms)
-        latency = {"n": len(lat), "median": round(statistics.median(lat), 3),
+        latency: dict[str, Any] = {"n": len(lat), "median": round(statistics.median(lat), 3),
                    "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
                    "max": round(lat[-1], 3)} if lat else {"n": 0}
+        steps = list(self.steps_ms)
+        if steps:
+            latency["bind_first_steps_median"] = {
+                k: round(statistics.median(s[k] for s in steps if k in s), 3)
+                for k in steps[-1]}
         return {"summary": summary, "rules": [r.name for r in self.rules.rules], "watcher": w,
                 "latency_ms": latency, "matched": self.matched, "failed": self.failed,
                 "partial": self.partial, "last_error": self.last_error,
+                "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
                 "bound_at_start": len(at_start),
                 "left_alone": self.left_alone_now(),
                 "bound": [{"pid": b.pid, "rule": b.rule,
@@ -167,7 +225,7 @@ class AutoBinder:
                            "at_start": b.at_start,
                            "latency_ms": None if b.bound_at is None else
                            round((b.bound_at - b.exec_seen) * 1000, 3)}
-                          for b in self.bound.values()]}
+                          for b in bound]}
 
     def left_alone_now(self) -> list[dict[str, Any]]:
         """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
@@ -177,15 +235,37 @@ class AutoBinder:
                 if procfs.read_start_time(p, self.proc) is not None][:100]
 
     # -- events ----------------------------------------------------------------
-    def match(self, pid: int) -> tuple[RuleMatch, float] | None:
+    def match(self, pid: int) -> Found | None:
         """For every exec on the host, in the watcher's thread: keep the no-match path
         short (a bounded read of the command line, compiled globs). A match carries the
-        time it was seen, from which exec-to-bound latency is counted."""
+        time it was seen, from which exec-to-bound latency is counted, and is bound
+        right here (``_bind_now``: bind first, persist after, on the loop)."""
+        if self._watcher_tid is None:
+            self._tune_watcher_thread()
+        self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
         m = self.rules.match(pid)
-        return None if m is None else (m, time.monotonic())
+        if m is None:
+            return None
+        seen = time.monotonic()
+        fast = self._bind_now(m) if self.bind_in_watcher else None
+        return m, seen, fast
 
-    def _matched(self, found: tuple[RuleMatch, float]) -> None:
-        self.on_match(*found)
+    def _tune_watcher_thread(self) -> None:
+        """Once, in the watcher's thread: its own nice value (Linux: per thread)."""
+        self._watcher_tid = threading.get_native_id()
+        if self.watcher_nice is None:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, self._watcher_tid, self.watcher_nice)
+        except OSError as err:  # no CAP_SYS_NICE: as it is
+            log.debug("exec watcher thread keeps its nice value: %s", err)
+
+    def _matched(self, found: Found) -> None:
+        m, seen, fast = found
+        if fast is not None and fast.target is not None:
+            self._pending[m.pid] = asyncio.ensure_future(self._finish(m, seen, fast))
+            return
+        self.on_match(m, seen, fast.ctx if fast is not None else None)
 
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
@@ -193,12 +273,14 @@ class AutoBinder:
         if m is not None:
             self.on_match(m)
 
-    def on_match(self, m: RuleMatch, seen: float | None = None) -> None:
-        """A process a rule matched: bind it (on the loop)."""
+    def on_match(self, m: RuleMatch, seen: float | None = None,
+                 ctx: JobContext | None = None) -> None:
+        """A process a rule matched: bind it (on the loop). ``ctx``: the intake's look
+        taken in the watcher's thread already."""
         if m.pid in self._pending:
             return
         task = asyncio.ensure_future(self._bind(m, seen if seen is not None
-                                                else time.monotonic(), self._scanning))
+                                                else time.monotonic(), self._scanning, ctx))
         self._pending[m.pid] = task
 
     def rescan(self) -> None:
@@ -247,11 +329,13 @@ class AutoBinder:
             exclusive=rule.exclusive or rule.placement == "exclusive",
             workers=self._workers(m), group=group, ignore_busy_gpus=bool(gpu_ids), what=what))
 
-    def _look(self, m: RuleMatch) -> JobContext | None:
-        """The intake's view of a match; None where there is nothing to do."""
+    def _look(self, m: RuleMatch, ctx: JobContext | None = None) -> JobContext | None:
+        """The intake's view of a match (``ctx``: taken already); None where there is
+        nothing to do."""
         pid = m.pid
         try:
-            ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "))
+            if ctx is None:
+                ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "))
         except TunerdError as err:
             self.matched += 1
             log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
@@ -334,11 +418,12 @@ class AutoBinder:
             return True
         return False
 
-    async def _bind(self, m: RuleMatch, seen: float, at_start: bool) -> None:
+    async def _bind(self, m: RuleMatch, seen: float, at_start: bool,
+                    known: JobContext | None = None) -> None:
         pid = m.pid
         acting_for(m.uid)  # its own task: what it logs counts against the process's owner
         try:
-            ctx = self._look(m)
+            ctx = self._look(m, known)
             if ctx is None:
                 return
             if ctx.role == "descendant":
@@ -375,8 +460,156 @@ class AutoBinder:
         finally:
             self._pending.pop(pid, None)
 
+    # -- bind first: in the exec watcher's thread ------------------------------
+    def _bind_now(self, m: RuleMatch) -> _Fast | None:
+        """Look, place, reserve and set the CPUs of a just-exec'd match, in the watcher's
+        thread, before the loop hears of it (the loop records and saves it after:
+        ``_finish``). Everything that is not the plain case (wrappers, descendants, a
+        process bound or failed before, a gate refusal, a replayed topology, an error)
+        is left to the loop's bind, with the intake's look where it was taken."""
+        pid = m.pid
+        if (pid in self._pending or pid in self.bound or pid in self._failed
+                or self.jobs.record(pid) is not None or self.jobs.dry_run
+                or rule_reach_refused(m.rule, m.uid) is not None):
+            return self._to_loop("seen before, or refused", None)
+        ns = {"t0": time.perf_counter_ns()}
+        try:
+            # the pidfd first: what the intake reads next is of the process it holds
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return self._to_loop("gone", None)
+        try:
+            ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "), uid=m.uid,
+                                       quick=True)
+        except TunerdError:
+            os.close(pidfd)
+            return self._to_loop("gone", None)
+        ns["intake"] = time.perf_counter_ns()
+        target = Target(pid=pid, start_time=ctx.start_time, pidfd=pidfd,
+                        uid=ctx.uid if ctx.uid is not None else -1, euid=-1)
+        fast = self._place_now(m, ctx, target, ns)
+        if fast is None or fast.target is None:
+            target.close()
+        return fast
+
+    def _place_now(self, m: RuleMatch, ctx: JobContext, target: Target,
+                   ns: dict[str, int]) -> _Fast | None:
+        """``_bind_now`` once the intake looked: place, reserve, set the CPUs."""
+        pid = m.pid
+        if ctx.role not in ("rank", "process") or ctx.self_affined \
+                or (m.rule.rank and ctx.role != "rank"):
+            return self._to_loop(ctx.role, ctx)
+        group = self._group(m, ctx)
+        with self.placer.lock:  # place + reserve as one against the loop's placements
+            if pid in self.bound:
+                return self._to_loop("seen before, or refused", ctx)
+            self._release_exited(group)
+            try:
+                placed = self._place(m, ctx, group)
+            except TunerdError:
+                return self._to_loop("placing failed", ctx)  # the loop says why
+            if not placed.applicable or not placed.cpus:
+                return self._to_loop("not applicable here", ctx)
+            ns["place"] = time.perf_counter_ns()
+            self._reserve(m, ctx, group, placed, 0.0, False)
+        try:
+            orig = self.jobs.binder.read_originals(target)
+            self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
+                                        mems=None, nofile=None))
+        except Exception as err:  # gone, or not ours to set: the loop's bind says why
+            self.bound.pop(pid, None)
+            self.placer.release(f"rule:{pid}")
+            if isinstance(err, NoSuchProcess):
+                return self._to_loop("exited while being bound", None)
+            return self._to_loop(type(err).__name__, ctx)
+        orig.affinity_set = True
+        ns["bound"] = time.perf_counter_ns()
+        at = time.monotonic()
+        rb = self.bound.get(pid)
+        if rb is not None:
+            rb.pidfd = os.dup(target.pidfd)
+        return _Fast(ctx, group, placed, target, orig, at, ns)
+
+    def _to_loop(self, why: str, ctx: JobContext | None) -> _Fast | None:
+        """Not bound in the watcher's thread: counted by why, the look passed on."""
+        self.left_to_loop[why] = self.left_to_loop.get(why, 0) + 1
+        return None if ctx is None else _Fast(ctx)
+
+    def _release_exited(self, group: str) -> None:
+        """In the watcher's thread, under the placer's lock: ranks of ``group`` bound
+        here that exited (the loop's exit handling may lag behind a quick relaunch)
+        give their CPUs back now; the loop forgets them as usual."""
+        peers = [rb for rb in list(self.bound.values()) if rb.group == group and rb.pidfd >= 0]
+        if not peers:
+            return
+        poll = select.poll()
+        for rb in peers:
+            poll.register(rb.pidfd, select.POLLIN)
+        gone = {fd for fd, _ in poll.poll(0)}
+        for rb in peers:
+            if rb.pidfd in gone:
+                self.placer.release(f"rule:{rb.pid}")
+
+    def _close(self, rb: RuleBound | None) -> None:
+        if rb is not None and rb.pidfd >= 0:
+            with self.placer.lock:
+                os.close(rb.pidfd)
+                rb.pidfd = -1
+
+    async def _finish(self, m: RuleMatch, seen: float, fast: _Fast) -> None:
+        """On the loop, after ``_bind_now`` set the CPUs: watch the process, record the
+        binding with the originals read before, save, then the rest (fd limit, memory
+        nodes, exclusive moves, log line). Exited meanwhile: the reservation goes,
+        nothing is recorded; the rest failed: the CPUs are put back as they were."""
+        pid, ctx, target = m.pid, fast.ctx, fast.target
+        assert target is not None and fast.placed is not None
+        acting_for(m.uid)
+        rb = self.bound.get(pid)
+        self.bound_first += 1
+        self.latencies_ms.append((fast.bound_at - seen) * 1000)
+        ns = fast.ns or {}
+        steps = {f"{k}_ms": round((ns[k] - ns[prev]) / 1e6, 3)
+                 for prev, k in zip(("t0", "intake", "place"), ("intake", "place", "bound"),
+                                    strict=True) if k in ns and prev in ns}
+        steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
+        self.steps_ms.append(steps)
+        try:
+            self.matched += 1
+            if rb is None or not self.pidwatch.watch(pid, ctx.start_time, "rule", self._exited):
+                self._forget(pid)
+                return
+            rb.exec_seen = seen
+            rb.bound_at = fast.bound_at
+            rb.timing = {"bind_first_ms": round((fast.bound_at - seen) * 1000, 3), **steps}
+            await self._apply(m, ctx, rb, fast.placed, seen, False, fast.originals)
+        except NoSuchProcess:
+            self._forget(pid)
+        except Exception as err:
+            self._put_back(fast)
+            if isinstance(err, TunerdError):
+                self._failure(m, pid, err.message)
+            else:
+                log.exception("automatic binding of pid %d failed", pid)
+                self._failure(m, pid, repr(err))
+        finally:
+            target.close()
+            if self._pending.get(pid) is asyncio.current_task():
+                del self._pending[pid]
+
+    def _put_back(self, fast: _Fast) -> None:
+        """Undo a fast bind whose recording failed: every thread's mask as it was."""
+        if fast.target is None or fast.originals is None or self.jobs.is_bound(fast.ctx.pid):
+            return
+        try:
+            self.jobs.binder.restore(fast.target, fast.originals)
+        except TunerdError as err:
+            log.warning("pid %d: CPUs not put back after a failed bind: %s", fast.ctx.pid,
+                        err.message)
+
     async def _apply(self, m: RuleMatch, ctx: JobContext, rb: RuleBound, placed: Placement,
-                     seen: float, at_start: bool) -> None:
+                     seen: float, at_start: bool, originals: Originals | None = None) -> None:
+        """``originals``: the CPUs are set already (``_bind_now``), these are the masks
+        from before."""
         pid = ctx.pid
         t_bind = time.monotonic()
         # CPUs first: thread affinity is quick, while memory nodes need a cpuset
@@ -387,11 +620,14 @@ class AutoBinder:
         res = await self.jobs.bind(pid, peer=self.peer, placement=Placement(
             cpus=placed.cpus, mems=None, gpus=placed.gpus, explanation=placed.explanation),
             nofile=nofile, origin="rule", name=m.rule.name, cmdline=m.cmdline, partial=True,
-            why=ctx.why, persist_after=True)  # bind first, persist after
-        rb.bound_at = time.monotonic()
-        self.latencies_ms.append((rb.bound_at - seen) * 1000)
-        rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3),
+            why=ctx.why, persist_after=True, originals=originals)  # bind first, persist after
+        if originals is None:
+            rb.bound_at = time.monotonic()
+            self.latencies_ms.append((rb.bound_at - seen) * 1000)
+            rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3)}
+        rb.timing = {**(rb.timing or {}),
                      **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
+        assert rb.bound_at is not None
         notes = list(res.get("notes") or [])
         mems = self.placer.bindable_mems(placed.mems)
         if mems:
@@ -423,8 +659,8 @@ class AutoBinder:
                            + "; ".join(left_out), key=f"partial:{ctx.pid}")
         self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
 
-    def _hold(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
-              seen: float, at_start: bool) -> RuleBound | None:
+    def _reserve(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
+                 seen: float, at_start: bool) -> RuleBound:
         exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
         rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
                        uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
@@ -433,6 +669,11 @@ class AutoBinder:
             key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
             pid=m.pid, group=group, job=ctx.job_key))
+        return rb
+
+    def _hold(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
+              seen: float, at_start: bool) -> RuleBound | None:
+        rb = self._reserve(m, ctx, group, placed, seen, at_start)
         if not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
             return None
@@ -463,12 +704,14 @@ class AutoBinder:
 
     def _forget(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
+        self._close(rb)
         self.placer.release(f"rule:{pid}")
         if rb is not None:
             self.pidwatch.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
+        self._close(rb)
         self.placer.release(f"rule:{pid}")
         if rb is None:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +12,14 @@ from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.peer import host_pid
 from tunerd.daemon.placer import Placer, Reservation
-from tunerd.daemon.records import Binding
+from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import Failed, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
+
+log = logging.getLogger("tunerd.bind")
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 
@@ -48,6 +51,19 @@ class BindCommands:
         self.gate = leases.gate
         self.intake = intake
         jobs.on_exit(self._exited)
+        jobs.on_adopt(self._adopted)
+
+    def _adopted(self, rec: Binding) -> None:
+        """A binding re-adopted after a restart holds again what its bind held (a Slurm
+        task's CPUs against its step's other tasks, an exclusive bind's CPUs)."""
+        hold = rec.hold
+        if hold is None or not rec.cpus:
+            return
+        self.placer.reserve(_reservation(rec.pid, rec.cpu_set(), rec.gpus, hold))
+        if hold.exclusive and hold.uid is not None:
+            self.gate.hold(f"bind:{rec.pid}", hold.uid)
+        log.info("pid %d: reservation restored (CPUs %s%s)", rec.pid, rec.cpus,
+                 f", group {hold.group}" if hold.group else ", exclusive")
 
     def _exited(self, pid: int, rec: Binding) -> None:
         self.placer.release(f"bind:{pid}")
@@ -107,32 +123,25 @@ class BindCommands:
         result = await self.jobs.bind(pid, peer=req.peer, placement=placing, nofile=nofile,
                                       origin="cli")
         if result.get("cpus") and not result.get("dry_run"):
-            if seen:
-                self._reserve(pid, result, seen[0], exclusive)
-            elif exclusive:
-                self.placer.reserve(Reservation(
-                    key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind --exclusive)",
-                    gpus=(), cpus=parse_cpulist(result["cpus"]), exclusive=True, pid=pid))
-            if exclusive:
-                self.gate.hold(f"bind:{pid}", req.peer.uid)
+            self._reserve(pid, result, seen[0] if seen else None, exclusive, req.peer.uid)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
-    def _reserve(self, pid: int, result: dict[str, Any], ctx: JobContext,
-                 exclusive: bool) -> None:
+    def _reserve(self, pid: int, result: dict[str, Any], ctx: JobContext | None,
+                 exclusive: bool, uid: int) -> None:
         """An exclusive bind holds its CPUs; a rank or Slurm task holds them against
-        the other ranks/tasks of its job (they split the allocation)."""
-        group = request(ctx).group
+        the other ranks/tasks of its job (they split the allocation). What it holds is
+        kept with its binding: a restarted daemon holds it again (``_adopted``)."""
+        if exclusive:
+            self.gate.hold(f"bind:{pid}", uid)
+        group = request(ctx).group if ctx is not None else None
         if not exclusive and group is None:
             return
-        self.placer.reserve(Reservation(
-            key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
-                                      f"{' --exclusive' if exclusive else ''})",
-            # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
-            # inside the job may take that GPU: the job's own processes use it)
-            gpus=tuple(result.get("gpus") or ()) if exclusive else (),
-            cpus=parse_cpulist(result["cpus"]),
-            exclusive=exclusive, pid=pid, group=group, job=ctx.job_key))
+        hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
+                    exclusive=exclusive, uid=uid)
+        gpus = tuple(result.get("gpus") or ()) if ctx is not None else ()
+        self.placer.reserve(_reservation(pid, parse_cpulist(result["cpus"]), gpus, hold))
+        self.jobs.set_hold(pid, hold)
 
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
                    ncpus: int | None) -> tuple[Placement | None, JobContext | None]:
@@ -182,3 +191,16 @@ class BindCommands:
         return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
                 "leases": seen.redact(req.peer, self.leases.list_leases()),
                 "left_alone": seen.redact(req.peer, self._left_alone())}
+
+
+def _reservation(pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
+                 hold: Hold) -> Reservation:
+    """An exclusive bind holds its CPUs (and GPUs); a rank or Slurm task holds its CPUs
+    against the other ranks/tasks of its job (they split the allocation)."""
+    return Reservation(
+        key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
+                                  f"{' --exclusive' if hold.exclusive else ''})",
+        # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
+        # inside the job may take that GPU: the job's own processes use it)
+        gpus=gpus if hold.exclusive else (), cpus=cpus, exclusive=hold.exclusive, pid=pid,
+        group=hold.group, job=hold.job)

@@ -19,7 +19,9 @@ Real training jobs are trees inside an allocation::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,11 @@ from tunerd.watch.launchers import _base as _base
 __all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request"]
 
 ANCESTOR_DEPTH = 8  # how far up the tree to look for a rank, a lease, a launcher
+# a quick look (a rule's bind in the exec watcher) takes a parent's ancestry, command
+# line and environment as read for a sibling less than this long ago: the ranks of one
+# launcher, or the burst of one script, share them. Keyed by the parent's pid and start
+# time, and dropped when that pid execs (``exec_seen``).
+PARENT_TTL_S = 2.0
 MAX_RANK = 1 << 16  # a local rank or world size above this is no rank number
 
 # rank identity: (variable, local world size variable, what sets it)
@@ -118,6 +125,8 @@ class JobContext:
         return self.rank.group if self.rank is not None else None
 
 
+Up = tuple[int, procfs.Stat]  # an ancestor: its pid and stat
+
 # bound(pid) -> (start time, CPUs) of a process tunerd placed as a rank, or None
 BoundLookup = Callable[[int], "tuple[int, frozenset[int]] | None"]
 # lease(pid) -> (lease id, CPUs) of a `run` lease held by pid, or None
@@ -134,10 +143,26 @@ class Intake:
         self._bound = bound
         self._lease = lease
         self.proc = proc_root
+        # pid -> (its start time, when; its ancestors' stats from itself up / its argv
+        # and environment): quick looks only (see PARENT_TTL_S)
+        self._chains: dict[int, tuple[int, float, list[Up]]] = {}
+        self._parents: dict[int, tuple[int, float, list[str], Mapping[str, str]]] = {}
+        self._cache_lock = threading.Lock()
+
+    def exec_seen(self, pid: int) -> None:
+        """``pid`` exec'd: what a quick look kept of it as a parent is no longer so
+        (called for every exec on the host: two dict lookups)."""
+        if pid in self._parents or pid in self._chains:
+            with self._cache_lock:
+                self._parents.pop(pid, None)
+                self._chains.pop(pid, None)
 
     def describe(self, pid: int, env: Mapping[str, str] | None = None,
-                 argv: list[str] | None = None) -> JobContext:
-        """Read process ``pid`` (raises NoSuchProcess when it is gone)."""
+                 argv: list[str] | None = None, *, uid: int | None = None,
+                 quick: bool = False) -> JobContext:
+        """Read process ``pid`` (raises NoSuchProcess when it is gone). ``uid``: its
+        real uid, read already. ``quick``: a rule's bind in the exec watcher, where
+        what a parent and a cgroup were a moment ago will do (PARENT_TTL_S)."""
         p = procfs.Process(pid, self.proc)
         st = p.stat()
         if env is None:
@@ -148,9 +173,9 @@ class Intake:
             argv = p.cmdline(4096)
         notes: list[str] = []
         alloc = read_allocation(pid, env, self.topo, proc_root=Path(self.proc),
-                                online=self.online)
+                                online=self.online, quick=quick)
         rank = _rank_of(env, alloc, st.ppid, notes)
-        gpus, how = self._gpus(pid, env, rank)
+        gpus, how = self._gpus(pid, env, rank, alloc)
         role, why = "process", "no rank identity in its environment"
         if is_launcher(argv, st.comm):
             role, why = "launcher", f"{_base(argv[0]) if argv else st.comm} starts ranks"
@@ -159,29 +184,81 @@ class Intake:
         elif rank is not None:
             role, why = "rank", f"{rank.source}, group {rank.group}"
         ctx = JobContext(pid=pid, start_time=st.start_time, ppid=st.ppid,
-                         uid=_uid(p), comm=st.comm, argv=tuple(argv), env=env,
+                         uid=uid if uid is not None else _uid(p), comm=st.comm,
+                         argv=tuple(argv), env=env,
                          allocation=alloc, gpus=gpus, gpus_how=how, rank=rank, role=role,
                          why=why, notes=tuple(notes))
-        return self._tree(ctx)
+        return self._tree(ctx, quick)
 
-    def _gpus(self, pid: int, env: Mapping[str, str],
-              rank: RankId | None) -> tuple[tuple[int, ...], str]:
-        # the scheduler's grant bounds them: Slurm's, else the pod's (PodResources)
-        gpus = gpus_from_env(self.topo, env, allowed=scheduler_gpus(pid, self.topo, env))
+    def _gpus(self, pid: int, env: Mapping[str, str], rank: RankId | None,
+              alloc: Allocation | None = None) -> tuple[tuple[int, ...], str]:
+        # the scheduler's grant bounds them: Slurm's, else the pod's (PodResources), as
+        # the allocation read them
+        granted = alloc.granted if alloc is not None else scheduler_gpus(pid, self.topo, env)
+        gpus = gpus_from_env(self.topo, env, allowed=granted)
         return tuple(gpus or ()), "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
 
-    def _tree(self, ctx: JobContext) -> JobContext:
-        """Walk up: the bound rank it descends from, the lease or bound launcher it runs
-        in, and whether it set its own affinity (a mask narrower than its parent's)."""
-        changes: dict[str, object] = {}
+    def _walk(self, ctx: JobContext) -> Iterator[Up]:
+        """``ctx``'s parent, its parent, ... (up to ANCESTOR_DEPTH, to pid 1 or
+        slurmstepd), read as the walk goes."""
         ppid = ctx.ppid
-        for depth in range(ANCESTOR_DEPTH):
+        for _ in range(ANCESTOR_DEPTH):
             if ppid <= 1 or ppid == ctx.pid:
-                break
+                return
             try:
                 st = procfs.Process(ppid, self.proc).stat()
             except TunerdError:
-                break
+                return
+            yield ppid, st
+            if st.comm == "slurmstepd":
+                return
+            ppid = st.ppid
+
+    def _ancestors(self, ctx: JobContext, quick: bool) -> Iterable[Up]:
+        """The walk up (``_walk``). Quick: the parent's stat read now, the rest as read
+        for a sibling within PARENT_TTL_S."""
+        walk = self._walk(ctx)
+        if not quick:
+            return walk
+        out: list[Up] = []
+        for up in walk:
+            out.append(up)
+            if len(out) == 1:
+                hit = self._chains.get(up[0])
+                if hit is not None and hit[0] == up[1].start_time \
+                        and time.monotonic() - hit[1] < PARENT_TTL_S:
+                    return [up, *hit[2][1:]]
+        if out:
+            with self._cache_lock:
+                if len(self._chains) > 256:
+                    self._chains.clear()
+                self._chains[out[0][0]] = (out[0][1].start_time, time.monotonic(), out)
+        return out
+
+    def _parent(self, ppid: int, start: int | None,
+                quick: bool) -> tuple[list[str], Mapping[str, str]]:
+        """A parent's command line and environment (quick: as read within PARENT_TTL_S
+        for the same pid + start time). Raises TunerdError where it is gone."""
+        hit = self._parents.get(ppid) if quick and start is not None else None
+        if hit is not None and hit[0] == start and time.monotonic() - hit[1] < PARENT_TTL_S:
+            return hit[2], hit[3]
+        argv = procfs.Process(ppid, self.proc).cmdline(4096)
+        env = procfs.read_environ(ppid, self.proc) or {}
+        if quick and start is not None:
+            with self._cache_lock:
+                if len(self._parents) > 256:
+                    self._parents.clear()
+                self._parents[ppid] = (start, time.monotonic(), argv, env)
+        return argv, env
+
+    def _tree(self, ctx: JobContext, quick: bool = False) -> JobContext:
+        """Walk up: the bound rank it descends from, the lease or bound launcher it runs
+        in, and whether it set its own affinity (a mask narrower than its parent's)."""
+        changes: dict[str, object] = {}
+        first: Up | None = None
+        for depth, (ppid, st) in enumerate(self._ancestors(ctx, quick)):
+            if depth == 0:
+                first = (ppid, st)
             lease = self._lease(ppid)
             if lease is not None and "lease" not in changes:
                 changes.update(lease=lease[0], enclosing=lease[1])
@@ -191,11 +268,8 @@ class Intake:
                 break
             if depth == 0 and ctx.role == "rank":
                 changes.update(_self_affinity(ctx, ppid, st.comm))
-            if st.comm == "slurmstepd":
-                break
-            ppid = st.ppid
         if ctx.role == "rank" and "parent_rank" not in changes and ctx.rank is not None \
-                and self._same_rank_above(ctx):
+                and self._same_rank_above(ctx, first, quick):
             changes.update(role="descendant",
                            why=f"{ctx.rank.source} inherited from its parent {ctx.ppid}, "
                                "which is that rank")
@@ -224,18 +298,21 @@ class Intake:
             out.update(role="descendant", why=f"descends from rank {ppid}, bound by tunerd")
         return out
 
-    def _same_rank_above(self, ctx: JobContext) -> bool:
+    def _same_rank_above(self, ctx: JobContext, parent: Up | None = None,
+                         quick: bool = False) -> bool:
         """A spawn/forkserver helper or a rank's own subprocess: its parent (not a
         launcher or wrapper) has the same rank identity."""
         assert ctx.rank is not None
         try:
-            argv = procfs.Process(ctx.ppid, self.proc).cmdline(4096)
-            comm = procfs.read_comm(ctx.ppid, self.proc) or ""
+            if parent is not None and parent[0] == ctx.ppid:
+                comm, start = parent[1].comm, parent[1].start_time
+            else:
+                comm, start = procfs.read_comm(ctx.ppid, self.proc) or "", None
+            argv, penv = self._parent(ctx.ppid, start, quick)
         except TunerdError:
             return False
         if is_launcher(argv, comm) or wrapper_name(argv, comm):
             return False
-        penv = procfs.read_environ(ctx.ppid, self.proc) or {}
         prank = _rank_of(penv, ctx.allocation, -1, [])
         return prank is not None and prank.local_rank == ctx.rank.local_rank \
             and prank.var == ctx.rank.var

@@ -30,15 +30,17 @@ from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.keyedlocks import KeyedLocks
 from tunerd.daemon.peer import Peer, require_owner
 from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.records import Binding
+from tunerd.daemon.records import Binding, Hold
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.placement import Placement
 
-__all__ = ["ChangeCallback", "ExitCallback", "JobRegistry"]
+__all__ = ["AdoptCallback", "ChangeCallback", "ExitCallback", "JobRegistry"]
 
 log = logging.getLogger("tunerd.jobs")
 
 ExitCallback = Callable[[int, Binding], None]
+# told each binding re-adopted at start (its owner restores what it held: a reservation)
+AdoptCallback = Callable[[Binding], None]
 # told the pid whose binding was stored, replaced or removed (read it back with record())
 ChangeCallback = Callable[[int], None]
 # computes the placement (and why) once the process is pinned and its owner checked
@@ -60,6 +62,7 @@ class _Ask:
     partial: bool
     why: str | None
     persist_after: bool = False  # bind first, save right after (a rule's just-exec'd process)
+    originals: Originals | None = None  # masks from before a fast bind set the CPUs already
 
 
 @dataclass
@@ -95,6 +98,7 @@ class JobRegistry:
         self.dry_run = dry_run
         self.proc = proc_root
         self._callbacks: list[ExitCallback] = []
+        self._adopt_callbacks: list[AdoptCallback] = []
         self._change_callbacks: list[ChangeCallback] = []
         self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
@@ -125,6 +129,8 @@ class JobRegistry:
             self._bindings[rec.pid] = rec
             self._changed(rec.pid)
             log.info("re-adopted binding of pid %d (cpus %s)", rec.pid, rec.cpus)
+            for cb in self._adopt_callbacks:
+                cb(rec)
         if changed:
             self._save_quietly()
         for d in self.binder.sweep_stale_cpusets():
@@ -149,6 +155,22 @@ class JobRegistry:
     # -- queries -------------------------------------------------------------
     def on_exit(self, callback: ExitCallback) -> None:
         self._callbacks.append(callback)
+
+    def on_adopt(self, callback: AdoptCallback) -> None:
+        """``callback(binding)`` for each binding re-adopted at start (before the
+        rules' /proc scan places anything)."""
+        self._adopt_callbacks.append(callback)
+
+    def set_hold(self, pid: int, hold: Hold | None) -> None:
+        """Keep with pid's binding what the placer holds for it, so that a restarted
+        daemon reserves it again (saved with the bind's own deferred save)."""
+        rec = self._bindings.get(pid)
+        if rec is None or rec.hold == hold:
+            return
+        rec = dataclasses.replace(rec, hold=hold)
+        self._bindings[pid] = rec
+        self._records[str(pid)] = rec.to_json()
+        self._save_soon()
 
     def on_change(self, callback: ChangeCallback) -> None:
         """``callback(pid)`` whenever pid's binding is stored, replaced or removed (bind,
@@ -213,12 +235,16 @@ class JobRegistry:
                    nofile: int | None = None, origin: str = "cli", name: str | None = None,
                    lease: str | None = None, cmdline: str | None = None,
                    partial: bool = False, why: str | None = None,
-                   persist_after: bool = False) -> dict[str, Any]:
+                   persist_after: bool = False,
+                   originals: Originals | None = None) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
         what this call did. ``cmdline``: its command line where the caller read it
         already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
         ``persist_after``: bind first, save the record right after (a process that
         just exec'd, bound by a rule: no write between the exec and its affinity).
+        ``originals``: the masks the process had before its CPUs were set already
+        (a rule's fast bind in the exec watcher, ``tunerd.daemon.autobind``): recorded
+        as its originals, where /proc now shows the new mask.
 
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
@@ -235,7 +261,7 @@ class JobRegistry:
                 if callable(placement):
                     placement, why = placement()
                 ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
-                           persist_after)
+                           persist_after, originals)
                 return await self._bind(target, t0, ask)
             finally:
                 target.close()
@@ -259,7 +285,7 @@ class JobRegistry:
             mems = mems if mems is not None else prev.mem_set()
         plan = self.binder.prepare(target, cpus=cpus, mems=mems, nofile=ask.nofile,
                                    previous=prev.originals if prev else None,
-                                   partial=ask.partial)
+                                   partial=ask.partial, originals=ask.originals)
         if self.dry_run:
             return {"pid": pid, "dry_run": True, "cpus": _fmt(plan.cpus),
                     "mems": _fmt(plan.mems), "nofile": ask.nofile,
@@ -321,7 +347,7 @@ class JobRegistry:
             explanation=(p.explanation if p is not None and p.explanation
                          else (prev.explanation if prev else None)),
             why=ask.why if ask.why is not None else (prev.why if prev else None),
-            originals=originals)
+            hold=prev.hold if prev is not None else None, originals=originals)
 
     def _put(self, rec: Binding) -> None:
         self._bindings[rec.pid] = rec

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -126,6 +127,10 @@ class Placer:
         self.dry_run = dry_run
         self.proc = proc_root
         self._res: dict[str, Reservation] = {}
+        # place + reserve of a rule match run in the exec watcher's thread (bind first,
+        # tunerd.daemon.autobind): it holds this lock across both, and place/reserve/
+        # release take it, so a placement on the loop never sees half of another
+        self.lock = threading.RLock()
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
@@ -135,7 +140,7 @@ class Placer:
         pass
 
     def status(self) -> dict[str, Any]:
-        gpus = sorted({g for r in self._res.values() for g in r.gpus})
+        gpus = sorted({g for r in self._held() for g in r.gpus})
         excl = format_cpulist(frozenset(self.exclusive_cpus()))
         return {"summary": f"{len(self._res)} reservation(s)"
                            + (f", GPUs {format_cpulist(gpus)} held" if gpus else "")
@@ -152,14 +157,20 @@ class Placer:
 
     # -- reservations ----------------------------------------------------------
     def reserve(self, res: Reservation) -> None:
-        self._res[res.key] = res
+        with self.lock:
+            self._res[res.key] = res
 
     def release(self, key: str) -> Reservation | None:
-        return self._res.pop(key, None)
+        with self.lock:
+            return self._res.pop(key, None)
+
+    def _held(self) -> list[Reservation]:
+        """The reservations now (a copy: another thread may reserve meanwhile)."""
+        return list(self._res.values())
 
     def busy_gpus(self, job: str | None = None) -> dict[int, str]:
         """GPUs held, and by whom (``job``: not those the same scheduler job holds)."""
-        return {g: r.holder for r in self._res.values() for g in self._held_gpus(r)
+        return {g: r.holder for r in self._held() for g in self._held_gpus(r)
                 if job is None or r.job != job}
 
     def _held_gpus(self, r: Reservation) -> tuple[int, ...]:
@@ -177,7 +188,7 @@ class Placer:
         not count against it.
         """
         out: dict[int, str] = {}
-        for r in self._res.values():
+        for r in self._held():
             if job is not None and r.job == job and (group is None or r.group != group):
                 continue
             if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
@@ -187,7 +198,7 @@ class Placer:
 
     def enclosing_cpus(self, pid: int) -> frozenset[int] | None:
         """CPUs of the `tunerctl run` lease ``pid`` descends from, if any."""
-        holders = {r.pid: r for r in self._res.values() if r.pid and r.key.startswith("lease:")}
+        holders = {r.pid: r for r in self._held() if r.pid and r.key.startswith("lease:")}
         if not holders:
             return None
         p: int | None = pid
@@ -201,7 +212,7 @@ class Placer:
 
     def lease_of(self, pid: int) -> tuple[str, frozenset[int]] | None:
         """(lease id, CPUs) of the `tunerctl run` lease process ``pid`` holds, if any."""
-        for r in self._res.values():
+        for r in self._held():
             if r.pid == pid and r.key.startswith("lease:"):
                 return r.key[6:], r.cpus
         return None
@@ -221,6 +232,10 @@ class Placer:
     # -- deciding --------------------------------------------------------------
     def place(self, req: PlaceRequest) -> Placement:
         """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring)."""
+        with self.lock:
+            return self._place(req)
+
+    def _place(self, req: PlaceRequest) -> Placement:
         if req.mode not in MODES:
             raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
         topo = self.topo

@@ -17,7 +17,7 @@ from typing import Any
 from tunerd.binding import Originals
 from tunerd.cpulist import parse_cpulist
 
-__all__ = ["PUBLIC_BINDING", "Binding", "Lease"]
+__all__ = ["PUBLIC_BINDING", "Binding", "Hold", "Lease"]
 
 # fields of a binding shown by `tunerctl jobs` (besides the live ones)
 PUBLIC_BINDING = ("pid", "start_time", "uid", "name", "cmdline", "cpus", "mems", "gpus",
@@ -30,6 +30,34 @@ def _opt_str(v: Any) -> str | None:
 
 def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What a ``tunerctl bind`` holds in the placer beside its CPUs (a reservation,
+    restored with the binding after a daemon restart): the CPUs against the other
+    ranks/tasks of ``group`` (a Slurm step's tasks split the step), or against
+    everyone (``exclusive``, with the binding's GPUs)."""
+
+    group: str | None = None  # "slurm:12.0": the rank's job group
+    job: str | None = None  # scheduler job ("slurm:12")
+    exclusive: bool = False
+    uid: int | None = None  # who bound it (an exclusive bind counts against them)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> Hold | None:
+        """None for a record written before holds were kept, or a malformed one (the
+        binding is re-adopted all the same; only its reservation is not restored)."""
+        if not isinstance(d, dict):
+            return None
+        group, job, excl, uid = d.get("group"), d.get("job"), d.get("exclusive"), d.get("uid")
+        if not (isinstance(group, str | None) and isinstance(job, str | None)
+                and isinstance(excl, bool) and (uid is None or type(uid) is int)):
+            return None
+        return cls(group=group, job=job, exclusive=excl, uid=uid)
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,7 @@ class Binding:
     explanation: str | None = None
     notes: tuple[str, ...] = ()
     why: str | None = None  # how the intake told what the process is ("LOCAL_RANK=1 ...")
+    hold: Hold | None = None  # the reservation a `tunerctl bind` keeps (none: older records)
 
     def cpu_set(self) -> frozenset[int]:
         return parse_cpulist(self.cpus) if self.cpus else frozenset()
@@ -74,6 +103,8 @@ class Binding:
     def to_json(self) -> dict[str, Any]:
         d = self.public()
         d["originals"] = self.originals.to_json()
+        if self.hold is not None:
+            d["hold"] = self.hold.to_json()
         return d
 
     @classmethod
@@ -88,7 +119,8 @@ class Binding:
                 nofile=_opt_int(d.get("nofile")), origin=str(d.get("origin") or "cli"),
                 lease=_opt_str(d.get("lease")), bound_at=float(d.get("bound_at") or 0.0),
                 explanation=_opt_str(d.get("explanation")),
-                notes=tuple(str(n) for n in d.get("notes") or ()), why=_opt_str(d.get("why")))
+                notes=tuple(str(n) for n in d.get("notes") or ()), why=_opt_str(d.get("why")),
+                hold=Hold.from_json(d.get("hold")))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed binding record: {err!r}") from err
 

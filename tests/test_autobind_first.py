@@ -1,0 +1,112 @@
+"""Bind first, persist after: a rule's match gets its CPUs in the exec watcher's thread,
+before its binding is saved, and the saved binding holds the masks from before.
+
+Real daemon, real processes, read back from /proc and from the daemon's runtime dir.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.leases_helpers import (
+    autobind_status,
+    cpus_allowed,
+    kill,
+    rule_policy,
+    spawn,
+    unique_sleeper,
+)
+from tunerd.cpulist import format_cpulist, parse_cpulist
+
+pytestmark = pytest.mark.root
+
+HOST_CPUS = frozenset(os.sched_getaffinity(0))
+needs_two_cpus = pytest.mark.skipif(len(HOST_CPUS) < 2, reason="needs 2 CPUs to move between")
+
+
+def _saved(runtime_dir: Path, pid: int) -> bool:
+    """Whether a file of the runtime dir holds a record of ``pid`` (whatever its layout)."""
+    needle = f'"pid":{pid},'.encode()
+    for f in runtime_dir.iterdir():
+        if f.is_file():
+            try:
+                if needle in f.read_bytes():
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+@needs_two_cpus
+def test_cpus_are_set_before_the_binding_is_saved_and_originals_come_back(
+        tmp_path: Path, daemon_factory) -> None:
+    exe = unique_sleeper(tmp_path, f"bf_train_{os.getpid()}")
+    target = str(max(HOST_CPUS))
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "first"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'cpus = "{target}"\nnofile = 2048\n')
+    d = daemon_factory(policy_dir=pol).start()
+    p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+    try:
+        # poll both: once the record is on disk, the CPUs must be set already
+        seen_bound = seen_saved = False
+        deadline = time.monotonic() + 10
+        while not seen_saved and time.monotonic() < deadline:
+            seen_bound = seen_bound or cpus_allowed(p.pid) == target
+            if _saved(d.runtime_dir, p.pid):
+                seen_saved = True
+                assert cpus_allowed(p.pid) == target, "saved before the CPUs were set"
+            time.sleep(0.0002)
+        assert seen_saved, d.log
+        st = autobind_status(d)
+        assert st["bound_in_watcher"] >= 1, st
+        rb = [b for b in st["bound"] if b["pid"] == p.pid]
+        assert rb and rb[0]["timing"]["bind_first_ms"] is not None
+        # the rest of the rule follows the CPUs
+        wait_for(lambda: any(j["pid"] == p.pid and j["nofile"] == 2048
+                             for j in d.ctl("--json", "jobs").json()["jobs"]), 5,
+                 "the fd limit recorded", detail=d.log)
+        # the binding outlives the daemon with the masks from before the exec watcher
+        # set them (not the new ones /proc showed when the loop recorded it)
+        assert d.stop() == 0
+        assert cpus_allowed(p.pid) == target
+        d.start()
+        u = d.ctl("unbind", str(p.pid))
+        assert u.rc == 0, u.err
+        assert parse_cpulist(cpus_allowed(p.pid) or "") == HOST_CPUS
+    finally:
+        kill(p)
+
+
+@needs_two_cpus
+def test_a_match_that_exits_at_once_leaves_nothing_held(tmp_path: Path,
+                                                        daemon_factory) -> None:
+    """Bound in the watcher's thread, killed before the loop records it: no binding, no
+    reservation stays; the next rank gets the same CPUs."""
+    exe = unique_sleeper(tmp_path, f"bx_train_{os.getpid()}")
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "quick"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'exclusive = true\n')
+    d = daemon_factory(policy_dir=pol).start()
+    first: str | None = None
+    everything = format_cpulist(HOST_CPUS)
+    for _ in range(5):
+        p = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+        try:
+            wait_for(lambda pid=p.pid: cpus_allowed(pid) not in (None, everything), 10,
+                     "the rank to be bound", detail=d.log)
+            got = cpus_allowed(p.pid)
+        finally:
+            kill(p)
+        first = first or got
+        assert got == first  # an exited rank's exclusive CPUs were given back
+    wait_for(lambda: d.ctl("--json", "status").json()["services"]["placer"]["reservations"]
+             == 0, 5, "the reservations to go", detail=d.log)
+    assert d.ctl("--json", "jobs").json()["jobs"] == []
+    st = autobind_status(d)
+    assert st["bound"] == [] and st["failed"] == 0, st
