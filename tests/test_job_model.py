@@ -234,7 +234,9 @@ if __name__ == "__main__":
         p.start()
         kids.append(p.pid)
     rank = os.environ["LOCAL_RANK"]
-    (hold / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "workers": kids}))
+    tmp = hold / f".rank{rank}.json"  # written whole, then renamed: the test reads it
+    tmp.write_text(json.dumps({"pid": os.getpid(), "workers": kids}))
+    tmp.rename(hold / f"rank{rank}.json")
     while not (hold / "release").exists():
         time.sleep(0.05)
 """
