@@ -118,6 +118,28 @@ def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
     assert nic["receive_errors_total"] == 2 and nic["transmit_drop_total"] == 4
 
 
+def test_light_host_sample_rereads_cpus_and_repeats_the_rest(tmp_path: Path) -> None:
+    """sample(full=False): per-CPU times read anew (the job sampler needs them each
+    cycle), memory, PSI, disks and NICs as the last full sample had them; the next full
+    sample's rates span the time since the last full one."""
+    proc, sys_ = make_tree(tmp_path)
+    h = HostSampler(proc_root=proc, sys_root=sys_)
+    full = h.sample()
+    (proc / "stat").write_text(STAT_2)
+    (proc / "diskstats").write_text(DISK_2)
+    (proc / "pressure/cpu").write_text("some avg10=50.00 avg60=0 avg300=0 total=10\n")
+    light = h.sample(full=False)
+    assert {c["cpu"]: c for c in light["cpus"]}[0]["busy_ratio"] == pytest.approx(0.6)
+    for key in ("memory", "psi", "disks", "nics"):
+        assert light[key] == full[key], key
+    numa = {n["node"]: n for n in light["numa"]}
+    assert numa[1]["memory_total_bytes"] == 2 << 30 and numa[1]["busy_ratio"] == 1.0
+    again = h.sample()  # full: the new files
+    assert again["psi"]["cpu"]["some_avg10"] == 0.5
+    assert again["disks"][0]["read_bytes_total"] == 4000 * 512
+    assert again["disks"][0]["busy_ratio"] is not None
+
+
 def test_host_sampler_missing_sources_degrade_independently(tmp_path: Path) -> None:
     proc, _ = make_tree(tmp_path, psi=False)
     (proc / "diskstats").unlink()

@@ -33,6 +33,13 @@ from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
+# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers) are
+# read every HOST_FULL_SECONDS, and every cycle for WATCH_SECONDS after someone asked
+# for the live view (``tunerctl top``); per-CPU times every cycle. A scrape reads
+# values at most HOST_FULL_SECONDS old (their rates over that span).
+HOST_FULL_SECONDS = 5.0
+WATCH_SECONDS = 10.0
+
 
 class BoundJobs(Protocol):
     """What the monitor needs of the job registry."""
@@ -110,6 +117,9 @@ class Monitor:
         self.listen: tuple[str, int] | None = None
         self.gpu = GpuSampler()
         self.host = HostSampler()
+        self.host_full_every = max(1, round(HOST_FULL_SECONDS / self.interval))
+        self._host_cycles = 0  # host samples taken (the sampler thread's)
+        self._watched_until = 0.0  # monotonic: full host samples every cycle until then
         # numa_maps and per-thread states every ~10 s whatever the interval
         self.jobs = JobSampler(slow_every=max(1, round(10.0 / self.interval)),
                                node_cpus=self.host.node_cpus)
@@ -272,7 +282,11 @@ class Monitor:
         gpu = guarded("gpu", self.gpu.sample, {
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
-        host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
+        full = (self._host_cycles % self.host_full_every == 0
+                or time.monotonic() < self._watched_until)
+        self._host_cycles += 1
+        host = guarded("host", lambda: self.host.sample(full=full),
+                       {"unavailable": {"all": "sampler failed"}})
         jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
         ranks, ended = rank_sample(records, reports or {})
         self.fleet.sample()
@@ -285,6 +299,11 @@ class Monitor:
         }
 
     # -- reporting -----------------------------------------------------------
+    def watched(self) -> None:
+        """Someone reads the live view (``top``): full host samples every cycle for the
+        next WATCH_SECONDS (on the loop; the sampler thread reads one float)."""
+        self._watched_until = time.monotonic() + WATCH_SECONDS
+
     def binds_total(self) -> int:
         return int(self.bound.binds_total)
 
