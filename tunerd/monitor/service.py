@@ -209,6 +209,13 @@ class Monitor:
 
             threading.Thread(target=close, name="tunerd-metrics-stop", daemon=True).start()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # the job sampler's open /proc files, once the thread's last cycle is done
+        threading.Thread(target=self._close_sampler, name="tunerd-sampler-close",
+                         daemon=True).start()
+
+    def _close_sampler(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.jobs.close()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
