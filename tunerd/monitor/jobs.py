@@ -1,11 +1,11 @@
 """Per-job sampler: only the processes tunerd bound (never a sweep of every PID).
 
 Cheap sources are read every cycle (/proc/PID/stat — which also has the RSS —,
-/proc/PID/io, the fd count, prlimit); the costly ones every ``slow_every`` cycles,
-their last value carried between reads: numa_maps walks the page tables of the
-whole process, per-thread task/*/stat reads grow with the thread count, and
+/proc/PID/io, the fd count); the costly or rarely changing ones every ``slow_every``
+cycles, their last value carried between reads: numa_maps walks the page tables of
+the whole process, per-thread task/*/stat reads grow with the thread count,
 /proc/PID/status (context switches, uid) costs as much to generate as the other
-per-cycle files together (measured: ~25 us a read).
+per-cycle files together (measured: ~25 us a read), and the fd limit (prlimit).
 
 The per-cycle files of up to MAX_OPEN_JOBS jobs (stat, io, the main thread's
 children) stay open and are read again with pread(2) at offset 0, which makes procfs
@@ -128,6 +128,7 @@ class _JobState:
     reads: int = 0  # reads of this job so far (one per cycle, or per turn)
     workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
     kids: tuple[int, ...] = ()  # the job's own children (level 0) at the last read
+    nofile: tuple[int | None, int | None] = (None, None)  # RLIMIT_NOFILE, slow cadence
 
 
 class JobSampler:
@@ -277,6 +278,7 @@ class JobSampler:
             cur.numa, cur.runnable = prev.numa, prev.runnable
             cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
             cur.slow_count, cur.reads = prev.slow_count, prev.reads + 1
+            cur.nofile = prev.nofile
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
         if slow or files is None or prev is None:
             kids = self._children(proc)
@@ -308,6 +310,8 @@ class JobSampler:
             else:  # one NUMA node: every page is local, nothing to read
                 cur.numa = None
             cur.runnable = _optional(proc.runnable_threads)
+            # the fd limit changes rarely (prlimit from outside): read with the slow ones
+            cur.nofile = _optional(proc.nofile) or (None, None)
             with proc.oneshot():  # one status read for both
                 cur.uid = proc.uids()[0]
                 cur.ctx = proc.ctx_switches()
@@ -325,7 +329,7 @@ class JobSampler:
         locality = (sum(b for n, b in cur.numa.items() if n in mems) / numa_total
                     if cur.numa and mems and numa_total
                     else 1.0 if len(self.node_cpus) <= 1 else None)
-        soft, hard = _optional(proc.nofile) or (None, None)
+        soft, hard = cur.nofile
         gpus = [int(g) for g in rec.get("gpus") or []]
         utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
         return {
