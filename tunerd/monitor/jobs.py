@@ -228,17 +228,19 @@ class JobSampler:
                 if s is not None:
                     self._last[key] = s
             if s is not None:
-                if "error" not in s:
-                    s["torch"] = self._torch(s, reports, now)
+                if reports:
+                    if "error" not in s:
+                        s["torch"] = self._torch(s, reports, now)
+                elif s.get("torch") is not None:
+                    s["torch"] = None
                 out.append(s)
                 seen.add(key)
-        for key in list(self._state):
-            if key not in seen:
-                del self._state[key]
-        for key in list(self._last):
-            if key not in seen:
-                del self._last[key]
-        for key in [k for k in self._open if k not in seen]:
+        # jobs that ended (set differences: no Python loop over every job each cycle)
+        for key in self._state.keys() - seen:
+            del self._state[key]
+        for key in self._last.keys() - seen:
+            del self._last[key]
+        for key in self._open.keys() - seen:
             self._forget(key)
         return out
 
