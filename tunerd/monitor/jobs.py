@@ -87,6 +87,7 @@ MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoad
 JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 MAX_OPEN_JOBS = 64  # jobs whose per-cycle files stay open (3 fds each)
+Key = tuple[Any, Any]  # (pid, start time) of a job record
 
 
 class _OpenFiles:
@@ -146,6 +147,9 @@ class JobSampler:
         self._last: dict[tuple[Any, Any], dict[str, Any]] = {}  # the last sample per job
         self._turn = 0  # round-robin position among the jobs read before
         self._open: dict[tuple[Any, Any], _OpenFiles] = {}  # up to MAX_OPEN_JOBS jobs
+        self._records: list[dict[str, Any]] | None = None  # the list _index is of
+        self._index: tuple[list[Key], dict[Key, int]] = ([], {})
+        self._torch_set = False  # a sample's torch field was set from a report
 
     def close(self) -> None:
         """Close the files kept open (the sampler's thread, or after it stopped)."""
@@ -164,6 +168,14 @@ class JobSampler:
         if f is not None:
             f.close()
 
+    def _keys(self, records: list[dict[str, Any]]) -> tuple[list[Key], dict[Key, int]]:
+        """(pid, start time) of each record, and the index of each key: worked out again
+        only for a new list (the Monitor hands the same one while no binding changes)."""
+        if records is not self._records or len(records) != len(self._index[0]):
+            keys: list[Key] = [(r.get("pid"), r.get("start_time")) for r in records]
+            self._records, self._index = records, (keys, {k: i for i, k in enumerate(keys)})
+        return self._index
+
     def _pick(self, records: list[dict[str, Any]]) -> set[int]:
         """Indexes of the records to read this cycle: all of them up to the budget;
         beyond it, every job not read yet and the next ``jobs_per_cycle`` of the
@@ -171,8 +183,11 @@ class JobSampler:
         n = len(records)
         if n <= self.jobs_per_cycle:
             return set(range(n))
-        pick = {i for i, r in enumerate(records)
-                if (r.get("pid"), r.get("start_time")) not in self._last}
+        keys, index = self._keys(records)
+        if len(index) == n:  # (a set difference: no Python loop over every job)
+            pick = {index[k] for k in index.keys() - self._last.keys()}
+        else:  # the same job twice in the list
+            pick = {i for i, k in enumerate(keys) if k not in self._last}
         start = self._turn % n
         i, taken = start, 0
         while taken < self.jobs_per_cycle:
@@ -206,40 +221,37 @@ class JobSampler:
         cpu_busy = {c["cpu"]: c["busy_ratio"] for c in (host or {}).get("cpus") or []
                     if c.get("busy_ratio") is not None}
         now = time.time()
-        out = []
-        seen = set()
-        pick = self._pick(records)
-        for i, rec in enumerate(records):
-            key = (rec.get("pid"), rec.get("start_time"))
-            last = self._last.get(key)
-            if i not in pick and last is not None:
-                # not its turn: its last sample, the same dict (a copy of 620 of them
-                # each cycle was a third of the sampler's time; only ``torch`` changes)
-                s: dict[str, Any] | None = last
+        keys, _ = self._keys(records)
+        last = self._last
+        gone: set[Key] = set()  # read this cycle and found gone (or the pid reused)
+        for i in sorted(self._pick(records)):
+            rec, key = records[i], keys[i]
+            try:
+                s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
+            except NoSuchProcess:
+                s = None  # exited between the registry's snapshot and this read
+            except (TunerdError, ValueError, TypeError, KeyError) as err:
+                msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
+                s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
+            if s is None:
+                gone.add(key)
+                last.pop(key, None)
             else:
-                try:
-                    s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
-                except NoSuchProcess:
-                    self._forget(key)
-                    continue  # exited between the registry's snapshot and this read
-                except (TunerdError, ValueError, TypeError, KeyError) as err:
-                    msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
-                    s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
-                if s is not None:
-                    self._last[key] = s
-            if s is not None:
-                if reports:
-                    if "error" not in s:
-                        s["torch"] = self._torch(s, reports, now)
-                elif s.get("torch") is not None:
-                    s["torch"] = None
-                out.append(s)
-                seen.add(key)
+                last[key] = s
+        # the others: their last sample, the same dict (a copy of 620 of them each
+        # cycle was a third of the sampler's time; only ``torch`` changes)
+        out = [s for k in keys if (s := last.get(k)) is not None]
+        if reports or self._torch_set:
+            for s in out:
+                if "error" not in s:
+                    s["torch"] = self._torch(s, reports, now)
+            self._torch_set = bool(reports)
         # jobs that ended (set differences: no Python loop over every job each cycle)
+        seen = set(keys) - gone
         for key in self._state.keys() - seen:
             del self._state[key]
-        for key in self._last.keys() - seen:
-            del self._last[key]
+        for key in last.keys() - seen:
+            del last[key]
         for key in self._open.keys() - seen:
             self._forget(key)
         return out

@@ -70,6 +70,8 @@ def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
     from tunerd import procfs
     from tunerd.errors import TunerdError
 
+    if not reports:  # the common case: no job reports (no loop over 620 records)
+        return [], {}
     bound = {int(r["pid"]) for r in records if "pid" in r}
     ended: dict[int, Report] = {}
     live: list[Report] = []
