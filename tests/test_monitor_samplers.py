@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -116,6 +117,28 @@ def test_host_sampler_on_recorded_tree(tmp_path: Path) -> None:
     nic = {n["interface"]: n for n in s["nics"]}["ens1f0"]
     assert nic["receive_bytes_total"] == 68801557
     assert nic["receive_errors_total"] == 2 and nic["transmit_drop_total"] == 4
+
+
+def test_light_host_sample_rereads_cpus_and_repeats_the_rest(tmp_path: Path) -> None:
+    """sample(full=False): per-CPU times read anew (the job sampler needs them each
+    cycle), memory, PSI, disks and NICs as the last full sample had them; the next full
+    sample's rates span the time since the last full one."""
+    proc, sys_ = make_tree(tmp_path)
+    h = HostSampler(proc_root=proc, sys_root=sys_)
+    full = h.sample()
+    (proc / "stat").write_text(STAT_2)
+    (proc / "diskstats").write_text(DISK_2)
+    (proc / "pressure/cpu").write_text("some avg10=50.00 avg60=0 avg300=0 total=10\n")
+    light = h.sample(full=False)
+    assert {c["cpu"]: c for c in light["cpus"]}[0]["busy_ratio"] == pytest.approx(0.6)
+    for key in ("memory", "psi", "disks", "nics"):
+        assert light[key] == full[key], key
+    numa = {n["node"]: n for n in light["numa"]}
+    assert numa[1]["memory_total_bytes"] == 2 << 30 and numa[1]["busy_ratio"] == 1.0
+    again = h.sample()  # full: the new files
+    assert again["psi"]["cpu"]["some_avg10"] == 0.5
+    assert again["disks"][0]["read_bytes_total"] == 4000 * 512
+    assert again["disks"][0]["busy_ratio"] is not None
 
 
 def test_host_sampler_missing_sources_degrade_independently(tmp_path: Path) -> None:
@@ -372,3 +395,63 @@ def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -
     assert cols["torch_reserved_bytes"][-1] == 60 << 30
     [f] = [f for f in advise(rec, cols) if f.id == "gpu-memory-fragmentation"]
     assert f.evidence["reserved_over_allocated"] == 3.0
+
+
+FORKER = """
+import subprocess, sys, threading, time
+kids = []
+def spawn():
+    kids.append(subprocess.Popen(["sleep", "60"]))
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.startswith("thread"):
+        t = threading.Thread(target=spawn); t.start(); t.join()
+    elif line.startswith("main"):
+        spawn()
+    elif line.startswith("reap"):
+        for k in kids: k.kill(); k.wait()
+        kids.clear()
+    print("done", flush=True)
+"""
+
+
+def test_job_sampler_keeps_files_open_and_follows_workers_of_any_thread() -> None:
+    """The per-cycle files stay open between cycles (no new fd per read) and are closed
+    when the job ends; a worker that a non-main thread started is found at the job's
+    next slow read and followed after it, one the main thread started at the next
+    cycle; workers that exited are no longer counted."""
+    p = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+
+    def ask(what: str) -> None:
+        p.stdin.write(what + "\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        assert p.stdout.readline() == "done\n"  # type: ignore[union-attr]
+
+    try:
+        assert p.stdout.readline() == "ready\n"
+        rec = {"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "f",
+               "cpus": "0"}
+        js = JobSampler(slow_every=3)
+        fds = len(os.listdir("/proc/self/fd"))
+        [s] = js.sample([rec], {})  # the first read is a slow one
+        assert s["workers"] == 0
+        ask("thread")
+        counts = [js.sample([rec], {})[0]["workers"] for _ in range(4)]
+        assert counts[-1] == 1 and counts.index(1) <= 2  # at the slow read at the latest
+        opened = len(os.listdir("/proc/self/fd"))
+        assert opened > fds
+        ask("main")
+        assert js.sample([rec], {})[0]["workers"] == 2
+        ask("reap")
+        for _ in range(3):
+            assert js.sample([rec], {})[0]["workers"] == 0
+        assert len(os.listdir("/proc/self/fd")) == opened  # read again, not opened again
+        p.kill()
+        p.wait()
+        assert js.sample([rec], {}) == []  # gone: left out, its files closed
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        p.kill()
+        p.wait()

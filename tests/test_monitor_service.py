@@ -78,7 +78,7 @@ def test_gpu_series_from_replayed_nvml_pass_promtool(tmp_path: Path,
 def test_a_failing_sampler_does_not_stop_the_others(tmp_path: Path) -> None:
     mon = make_monitor(tmp_path)
 
-    def broken() -> dict[str, Any]:
+    def broken(full: bool = True) -> dict[str, Any]:
         raise RuntimeError("simulated bug in the host sampler")
 
     mon.host.sample = broken  # type: ignore[method-assign]

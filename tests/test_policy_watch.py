@@ -142,3 +142,43 @@ def test_sighup_still_reloads_and_a_plain_dir_edit_too(
     d.signal(signal.SIGHUP)
     wait_for(lambda: _names(d) == ["k8s-a"], 2.0, "the file removed (SIGHUP or watch)")
     assert any(p.is_dir() for p in cm.path.iterdir())  # untouched ConfigMap layout
+
+
+def test_missing_dir_is_watched_through_its_parent(tmp_path: Path) -> None:
+    """A policy dir that does not exist yet (two levels missing) is picked up within 1 s
+    of being made, from inotify events on its nearest existing ancestor, not by trying
+    every half second (the watcher in process; the directory and files real)."""
+    import asyncio
+    from typing import Any
+
+    from tunerd.daemon import policywatch
+    from tunerd.daemon.policywatch import PolicyWatch
+
+    target = tmp_path / "etc" / "policies"
+    reloads: list[float] = []
+
+    async def reload() -> dict[str, Any]:
+        reloads.append(time.monotonic())
+        return {}
+
+    async def scenario() -> float:
+        w = PolicyWatch(target, reload)
+        await w.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert w.status()["watching"] is False and not reloads
+            (tmp_path / "etc").mkdir()
+            await asyncio.sleep(0.1)
+            target.mkdir()
+            (target / "50-node.toml").write_text(POLICY.format(name="late", debug="INFO"))
+            t0 = time.monotonic()
+            while not reloads:
+                assert time.monotonic() - t0 < 1.0, "the new dir not seen within 1 s"
+                await asyncio.sleep(0.01)
+            assert w.status()["watching"] is True
+            return reloads[0] - t0
+        finally:
+            await w.stop()
+
+    assert policywatch.RETRY >= 2.0  # picked up by the events, not by the backstop
+    assert asyncio.run(scenario()) < 1.0

@@ -93,9 +93,12 @@ class CpusetCgroup:
                 return p
             d = d.parent
 
+    def effective_cpus_file(self) -> Path:
+        """The file :meth:`effective_cpus` reads (where the hierarchy has it)."""
+        return self._file("cpuset.effective_cpus", "cpuset.cpus", "cpuset.cpus.effective")
+
     def effective_cpus(self) -> frozenset[int]:
-        return read_ids(self._file("cpuset.effective_cpus", "cpuset.cpus",
-                                   "cpuset.cpus.effective"))
+        return read_ids(self.effective_cpus_file())
 
     def effective_mems(self) -> frozenset[int]:
         return read_ids(self._file("cpuset.effective_mems", "cpuset.mems",

@@ -93,6 +93,7 @@ class MonitorCommands:
     async def top(self, req: Request) -> dict[str, Any]:
         """The latest sample and the bound jobs, for `tunerctl top`."""
         m = self.monitor
+        m.watched()  # memory, disks, NICs sampled every cycle while top refreshes
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         sample = m.latest
         if sample and sample.get("jobs") and not seen.sees_all(req.peer)[0]:

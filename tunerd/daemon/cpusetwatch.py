@@ -14,9 +14,13 @@ levels). Two triggers, both cheap:
 - inotify ``IN_MODIFY`` on those directories: a write to any cpuset file in them
   (cgroupfs reports writes made through write(2), which is how the kubelet and runc
   change cpusets);
-- a poll every ``POLL_INTERVAL`` of the one effective file of each watched cgroup,
-  for changes no write in a watched directory shows (v2 ``cpuset.cpus.effective``
-  narrowed by a CPU going offline, or an ancestor above the watched ones).
+- a poll of the one effective file of each watched cgroup, for changes no write in a
+  watched directory shows: the kernel does not notify a change of an effective file
+  it makes itself (v1 ``cpuset.effective_cpus`` and v2 ``cpuset.cpus.effective``
+  narrowed by a CPU going offline). With inotify working the poll is a backstop every
+  ``SAFETY_POLL`` (CPU hotplug also wakes the watcher at once: :meth:`CpusetWatch.wake`,
+  wired to the topology watch's udev events); without inotify it runs every
+  ``POLL_INTERVAL``. (An idle daemon's 4 polls a second were ~0.3 ms/s of CPU.)
 
 On a change the placement is applied again inside the new set: the CPUs the job
 was bound to that are still allowed, or, when none is, as many CPUs of the new set
@@ -37,12 +41,14 @@ from typing import Any
 from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.cpuset import CpusetCgroup, find_cpuset
 from tunerd.errors import TunerdError
+from tunerd.procfs import read_text
 
 __all__ = ["CpusetWatch"]
 
 log = logging.getLogger("tunerd.cpusetwatch")
 
-POLL_INTERVAL = 0.25  # seconds; the 1 s bound holds with a poll alone
+POLL_INTERVAL = 0.25  # seconds, without inotify; the 1 s bound holds with a poll alone
+SAFETY_POLL = 1.0  # seconds, with inotify (writes notify; hotplug wakes the watcher)
 # lookup(pid) -> (start time, cpulist) of pid's binding where it is applied and has CPUs
 Lookup = Callable[[int], "tuple[int, str] | None"]
 # rebind(pid, cpus) re-applies inside the set
@@ -54,6 +60,23 @@ class _Watched:
     cgroup: CpusetCgroup
     effective: frozenset[int]
     pids: set[tuple[int, int]] = field(default_factory=set)
+    # the effective file and its last text: a poll compares text, parses on a change
+    file: Path | None = None
+    text: str | None = None
+    effective_now: frozenset[int] = frozenset()
+
+    def read(self) -> frozenset[int]:
+        """The cgroup's effective CPUs now (OSError: the cgroup is gone)."""
+        if self.file is None:
+            self.file = self.cgroup.effective_cpus_file()
+        try:
+            text = read_text(self.file)
+        except OSError:
+            self.file = None  # found again next time (v2: a controller enabled lower)
+            raise
+        if text != self.text:
+            self.text, self.effective_now = text, parse_cpulist(text)
+        return self.effective_now
 
 
 class CpusetWatch:
@@ -64,7 +87,8 @@ class CpusetWatch:
     def __init__(self, lookup: Lookup, rebind: Rebind, *,
                  bound: Callable[[], Iterable[int]] = tuple, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
-                 on_change: Callable[[], None] | None = None, inotify: bool = True) -> None:
+                 on_change: Callable[[], None] | None = None, inotify: bool = True,
+                 safety_poll: float = SAFETY_POLL) -> None:
         """``lookup``: a binding as it is now; ``bound``: the pids bound at start. After
         that the watcher looks only at pids it is told of (``changed``, wired to the
         registry's bind/unbind/exit events): a round costs nothing per binding."""
@@ -76,6 +100,7 @@ class CpusetWatch:
         self.proc = proc_root
         self.sys = sys_root
         self.poll_interval = poll_interval
+        self.safety_poll = max(safety_poll, poll_interval)
         self._cgroups: dict[Path, _Watched] = {}  # cgroup dir -> what is in it
         self._wanted: dict[tuple[int, int], frozenset[int]] = {}  # the CPUs asked for
         self._set_by_us: dict[tuple[int, int], str | None] = {}
@@ -134,6 +159,11 @@ class CpusetWatch:
         self._changed.add(pid)
         self._dirty.set()
 
+    def wake(self, *_: object) -> None:
+        """Look at the watched cgroups now (a CPU went on- or offline: the kernel changed
+        effective cpusets without a write anyone is notified of)."""
+        self._dirty.set()
+
     def _on_inotify(self) -> None:
         try:
             self._ino.read(timeout=0)
@@ -142,13 +172,17 @@ class CpusetWatch:
         self._dirty.set()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            # poll only while a cgroup is watched: an idle daemon sleeps until a bind
-            timeout = self.poll_interval if self._cgroups else None
-            try:
-                await asyncio.wait_for(self._dirty.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            # poll only while a cgroup is watched: an idle daemon sleeps until a bind.
+            # A timer that sets the event, not wait_for (a task and a future each round)
+            timer = None
+            if self._cgroups and not self._dirty.is_set():
+                every = self.poll_interval if self._ino is None else self.safety_poll
+                timer = loop.call_later(every, self._dirty.set)
+            await self._dirty.wait()
+            if timer is not None:
+                timer.cancel()
             self._dirty.clear()
             try:
                 await self.check()
@@ -165,7 +199,7 @@ class CpusetWatch:
                 await self._reapply(key, eff, t0)
         for w in list(self._cgroups.values()):
             try:
-                eff = w.cgroup.effective_cpus()
+                eff = w.read()
             except OSError:
                 continue  # the cgroup is gone: its processes' exits untrack it
             if eff == w.effective:

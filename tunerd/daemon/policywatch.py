@@ -31,7 +31,10 @@ __all__ = ["PolicyWatch", "policy_dir_hash"]
 log = logging.getLogger("tunerd.policywatch")
 
 SETTLE = 0.1  # seconds without a new event before reading the directory
-RETRY = 0.5  # seconds between tries to watch a directory that is missing
+# A missing directory: its nearest existing ancestor is watched for entries created or
+# moved in, and the directory tried again on each such event, else every RETRY
+# seconds (a backstop: a mount appearing shows no event). It was a try every 0.5 s.
+RETRY = 5.0
 
 
 def policy_dir_hash(policy_dir: Path) -> str:
@@ -86,6 +89,7 @@ class PolicyWatch:
         self.settle = settle
         self._ino: Any = None
         self._wd: int | None = None
+        self._parent_wd: int | None = None  # the nearest ancestor, while dir is missing
         self._hash: str | None = None
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -154,16 +158,59 @@ class PolicyWatch:
         except OSError:
             return
         for e in events:
+            if e.wd != self._wd:  # the ancestor's (or a watch already removed)
+                if e.wd == self._parent_wd and e.mask & flags.IGNORED:
+                    self._parent_wd = None  # the ancestor went too: found anew
+                continue
             if e.mask & (flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF):
                 self._wd = None  # the directory went away: watch it again when back
         self._changed.set()
 
+    def _watch_parent(self) -> None:
+        """Watch the nearest existing ancestor of the missing dir for new entries."""
+        from inotify_simple import flags
+
+        assert self.dir is not None and self._ino is not None
+        self._unwatch_parent()
+        d = self.dir.parent
+        while True:
+            try:
+                self._parent_wd = self._ino.add_watch(
+                    str(d), flags.CREATE | flags.MOVED_TO | flags.ONLYDIR)
+                return
+            except OSError:
+                if d == d.parent:
+                    return
+                d = d.parent
+
+    def _unwatch_parent(self) -> None:
+        if self._parent_wd is not None:
+            try:
+                self._ino.rm_watch(self._parent_wd)
+            except OSError:
+                pass  # removed with its directory
+            self._parent_wd = None
+
+    async def _wait_for_dir(self) -> None:
+        """Until the dir can be watched: tried on each entry made in its nearest existing
+        ancestor, and every RETRY seconds."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._watch_parent()
+            if self._add_watch():  # made before the parent watch was in place
+                break
+            self._changed.clear()
+            timer = loop.call_later(RETRY, self._changed.set)
+            await self._changed.wait()
+            timer.cancel()
+            if self._add_watch():
+                break
+        self._unwatch_parent()
+
     async def _run(self) -> None:
         while True:
             if self._wd is None:
-                await asyncio.sleep(RETRY)
-                if not self._add_watch():
-                    continue
+                await self._wait_for_dir()
             else:
                 await self._changed.wait()
             # settle: the kubelet's swap (or an editor) is several events in a row

@@ -188,6 +188,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         placer.topo, placer.host = new, HostCapacity.read()
         intake.topo, intake.online = new, placer.host.cpus
         topology_cmds.topology = new
+        cpusets.wake()  # effective cpusets change with the CPUs online, unnotified
 
     hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
     services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,

@@ -100,19 +100,23 @@ class History:
                 throttle[g["gpu"]] = int(g["throttle_reasons"])
 
         live = set()
+        rings = self.jobs
+        psi_io = _get(psi, "io", "some_avg10")
         for j in sample.get("jobs") or []:
             if "error" in j:
                 continue
             key = (j["pid"], j.get("start_time"))
             live.add(key)
-            ring = self.jobs.get(key)
+            ring = rings.get(key)
             if ring is None:
-                if len(self.jobs) >= MAX_JOB_RINGS:
+                if len(rings) >= MAX_JOB_RINGS:
                     self.dropped_jobs += 1
                     continue
-                ring = self.jobs[key] = Ring(JOB_FIELDS, self.capacity)
-            bits = [throttle[g] for g in j.get("gpus") or [] if g in throttle]
-            reserved, allocated = torch_totals(j.get("torch"))
+                ring = rings[key] = Ring(JOB_FIELDS, self.capacity)
+            bits = [throttle[g] for g in j.get("gpus") or [] if g in throttle] \
+                if throttle else None
+            reserved, allocated = torch_totals(j.get("torch")) if j.get("torch") \
+                else (None, None)
             ring.append((
                 t, j.get("cpu_cores"), j.get("cpu_ratio"), j.get("cpus_busy_ratio"),
                 j.get("ncpus"), j.get("threads"),
@@ -121,14 +125,13 @@ class History:
                 j.get("write_bytes_per_second"), j.get("gpu_memory_bytes"),
                 j.get("gpu_utilization_ratio"),
                 _or_bits(bits), reserved, allocated, iowait,
-                _get(psi, "io", "some_avg10"), disk_busy, j.get("workers"),
+                psi_io, disk_busy, j.get("workers"),
                 j.get("tree_cpu_ratio"), j.get("tree_runnable")))
-        for key in list(self.jobs):
-            if key not in live:
-                del self.jobs[key]
+        for key in rings.keys() - live:  # jobs that ended
+            del rings[key]
 
 
-def _or_bits(bits: list[int]) -> int | None:
+def _or_bits(bits: list[int] | None) -> int | None:
     if not bits:
         return None
     out = 0

@@ -10,6 +10,12 @@ The CPU, memory, disk and network counters come from psutil (``cpu_times``,
 sampler's proc root through ``psutil.PROCFS_PATH`` while they are read (tests use
 a recorded tree). What psutil has no call for stays here: memory per NUMA node
 (``/sys/devices/system/node/nodeN/meminfo``) and pressure stall information.
+
+Cost: a full sample is ~0.5-0.8 ms of CPU (psutil's parsers), most of it memory,
+PSI, disks and NICs. ``sample(full=False)`` re-reads the per-CPU times only (the job
+sampler needs them every cycle for each job's CPUs' busy share) and repeats the
+other parts from the last full sample; the Monitor asks for a full one every few
+seconds, and every cycle while someone watches (``tunerctl top``).
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ class HostSampler:
         self._prev_stat: dict[int, tuple[int, int, int]] = {}
         self._prev_disk: dict[str, tuple[int, int, int, int, int]] = {}
         self._prev_net: dict[str, tuple[int, ...]] = {}
+        self._whole_disks: tuple[frozenset[str], set[str]] | None = None  # see _whole
+        # the parts a light sample repeats: (out keys, unavailable entries, numa memory)
+        self._kept: tuple[dict[str, Any], dict[str, str], dict[int, dict[str, Any]]] | None = None
 
     def _read_node_cpus(self) -> dict[int, frozenset[int]]:
         nodes: dict[int, frozenset[int]] = {}
@@ -111,19 +120,39 @@ class HostSampler:
                     continue
         return dict(sorted(nodes.items()))
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self, full: bool = True) -> dict[str, Any]:
+        """One sample. ``full=False`` (after a first full one): the CPU part read anew,
+        memory, pressure, disks and NICs as the last full sample had them (their rates
+        are over the interval between the last two full samples)."""
+        out: dict[str, Any] = {"unavailable": {}}
+        self._part(out, "cpu", self._cpu, None)
+        if not full and self._kept is not None:
+            kept, unavailable, numa_mem = self._kept
+            out.update(kept)
+            out["unavailable"].update(unavailable)
+            for entry in out.get("numa") or []:
+                entry.update(numa_mem.get(entry["node"], {}))
+            return out
         now = time.monotonic()
         dt = None if self._prev_t is None else max(now - self._prev_t, 1e-6)
-        out: dict[str, Any] = {"unavailable": {}}
-        parts = (("cpu", self._cpu), ("memory", self._memory), ("pressure", self._psi),
-                 ("disks", self._disks), ("network", self._net))
-        for name, fn in parts:
-            try:
-                fn(out, dt)
-            except (OSError, ValueError, IndexError, AssertionError) as err:
-                out["unavailable"][name] = f"{type(err).__name__}: {err}"
+        before = set(out)
+        for name, fn in (("memory", self._memory), ("pressure", self._psi),
+                         ("disks", self._disks), ("network", self._net)):
+            self._part(out, name, fn, dt)
         self._prev_t = now
+        mem_keys = ("memory_total_bytes", "memory_free_bytes", "memory_used_bytes")
+        self._kept = ({k: v for k, v in out.items() if k not in before},
+                      {k: v for k, v in out["unavailable"].items() if k != "cpu"},
+                      {e["node"]: {k: e[k] for k in mem_keys if k in e}
+                       for e in out.get("numa") or []})
         return out
+
+    @staticmethod
+    def _part(out: dict[str, Any], name: str, fn: Any, dt: float | None) -> None:
+        try:
+            fn(out, dt)
+        except (OSError, ValueError, IndexError, AssertionError) as err:
+            out["unavailable"][name] = f"{type(err).__name__}: {err}"
 
     # -- parts ---------------------------------------------------------------
     def _cpu_ids(self, n: int) -> list[int]:
@@ -211,10 +240,7 @@ class HostSampler:
         # (reads, bytes read, writes, bytes written, io ms), as parse_diskstats has them
         cur = {dev: (c.read_count, c.read_bytes, c.write_count, c.write_bytes,
                      getattr(c, "busy_time", 0)) for dev, c in counters.items()}
-        try:  # whole disks only: partitions are summed into their disk by the kernel
-            whole = set(os.listdir(self.sys / "block"))
-        except OSError:
-            whole = set(cur)
+        whole = self._whole(frozenset(cur))
         prev, self._prev_disk = self._prev_disk, cur
         disks = []
         for dev, (rd, rbytes, wr, wbytes, io_ms) in sorted(cur.items()):
@@ -234,6 +260,17 @@ class HostSampler:
                 d["write_bytes_per_second"] = max(0, wbytes - p[3]) / dt
             disks.append(d)
         out["disks"] = disks
+
+    def _whole(self, devices: frozenset[str]) -> set[str]:
+        """The whole disks (partitions are summed into their disk by the kernel), from
+        SYS/block: listed again only when the devices in diskstats change."""
+        if self._whole_disks is None or self._whole_disks[0] != devices:
+            try:
+                whole = set(os.listdir(self.sys / "block"))
+            except OSError:
+                whole = set(devices)
+            self._whole_disks = (devices, whole)
+        return self._whole_disks[1]
 
     def _net(self, out: dict[str, Any], dt: float | None) -> None:
         with _psutil_root(self.proc):

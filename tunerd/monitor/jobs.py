@@ -1,13 +1,21 @@
 """Per-job sampler: only the processes tunerd bound (never a sweep of every PID).
 
 Cheap sources are read every cycle (/proc/PID/stat — which also has the RSS —,
-/proc/PID/io, the fd count, prlimit); the costly ones every ``slow_every`` cycles,
-their last value carried between reads: numa_maps walks the page tables of the
-whole process, per-thread task/*/stat reads grow with the thread count, and
+/proc/PID/io, the fd count); the costly or rarely changing ones every ``slow_every``
+cycles, their last value carried between reads: numa_maps walks the page tables of
+the whole process, per-thread task/*/stat reads grow with the thread count,
 /proc/PID/status (context switches, uid) costs as much to generate as the other
-per-cycle files together (measured: ~25 us a read).
+per-cycle files together (measured: ~25 us a read), and the fd limit (prlimit).
 
-Every read goes through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
+The per-cycle files of up to MAX_OPEN_JOBS jobs (stat, io, the main thread's
+children) stay open and are read again with pread(2) at offset 0, which makes procfs
+render them anew: an open of a /proc file costs more than its read (path walk, pid
+lookup), and an fd keeps naming the process it was opened for (after its exit a read
+fails with ESRCH, it never reads a new process that got the pid). The children of
+the job's other threads are listed on its slow reads (every ``slow_every`` cycles);
+between them a worker they had is followed while it is still the job's child.
+
+The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
 much per job (bench/procfs_readers.py), so it is not used here.
 
@@ -21,6 +29,7 @@ that blocks the sampler in open(); a message cannot.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +39,7 @@ from typing import Any
 from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.errors import NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.monitor.reports import Report
-from tunerd.procfs import CLK_TCK, PAGE_SIZE, PROC, Process
+from tunerd.procfs import CLK_TCK, PAGE_SIZE, PROC, SMALL_READ, Process, parse_io, parse_stat
 
 __all__ = ["JobSampler", "torch_from_report"]
 
@@ -77,6 +86,32 @@ MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoad
 # second; issue 15). A new job is read at once, the others round-robin.
 JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
+MAX_OPEN_JOBS = 64  # jobs whose per-cycle files stay open (3 fds each)
+Key = tuple[Any, Any]  # (pid, start time) of a job record
+
+
+class _OpenFiles:
+    """A job's per-cycle /proc files, opened once and read with pread(2) at offset 0."""
+
+    __slots__ = ("base", "fds", "pid")
+
+    def __init__(self, proc: str, pid: int) -> None:
+        self.pid = pid
+        self.base = f"{proc}/{pid}"
+        self.fds: dict[str, int] = {}
+
+    def read(self, name: str) -> bytes:
+        """``name`` under /proc/PID (OSError as os.open and os.pread raise it)."""
+        fd = self.fds.get(name)
+        if fd is None:
+            fd = os.open(f"{self.base}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            self.fds[name] = fd
+        return os.pread(fd, SMALL_READ, 0)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 @dataclass
@@ -93,6 +128,8 @@ class _JobState:
     slow_count: int = 0  # slow reads so far (numa_maps on every NUMA_EVERY-th)
     reads: int = 0  # reads of this job so far (one per cycle, or per turn)
     workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
+    kids: tuple[int, ...] = ()  # the job's own children (level 0) at the last read
+    nofile: tuple[int | None, int | None] = (None, None)  # RLIMIT_NOFILE, slow cadence
 
 
 class JobSampler:
@@ -109,6 +146,35 @@ class JobSampler:
         self.jobs_per_cycle = max(1, jobs_per_cycle)
         self._last: dict[tuple[Any, Any], dict[str, Any]] = {}  # the last sample per job
         self._turn = 0  # round-robin position among the jobs read before
+        self._open: dict[tuple[Any, Any], _OpenFiles] = {}  # up to MAX_OPEN_JOBS jobs
+        self._records: list[dict[str, Any]] | None = None  # the list _index is of
+        self._index: tuple[list[Key], dict[Key, int]] = ([], {})
+        self._torch_set = False  # a sample's torch field was set from a report
+
+    def close(self) -> None:
+        """Close the files kept open (the sampler's thread, or after it stopped)."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def _files(self, key: tuple[Any, Any], pid: int) -> _OpenFiles | None:
+        f = self._open.get(key)
+        if f is None and len(self._open) < MAX_OPEN_JOBS:
+            f = self._open[key] = _OpenFiles(self.proc, pid)
+        return f
+
+    def _forget(self, key: tuple[Any, Any]) -> None:
+        f = self._open.pop(key, None)
+        if f is not None:
+            f.close()
+
+    def _keys(self, records: list[dict[str, Any]]) -> tuple[list[Key], dict[Key, int]]:
+        """(pid, start time) of each record, and the index of each key: worked out again
+        only for a new list (the Monitor hands the same one while no binding changes)."""
+        if records is not self._records or len(records) != len(self._index[0]):
+            keys: list[Key] = [(r.get("pid"), r.get("start_time")) for r in records]
+            self._records, self._index = records, (keys, {k: i for i, k in enumerate(keys)})
+        return self._index
 
     def _pick(self, records: list[dict[str, Any]]) -> set[int]:
         """Indexes of the records to read this cycle: all of them up to the budget;
@@ -117,8 +183,11 @@ class JobSampler:
         n = len(records)
         if n <= self.jobs_per_cycle:
             return set(range(n))
-        pick = {i for i, r in enumerate(records)
-                if (r.get("pid"), r.get("start_time")) not in self._last}
+        keys, index = self._keys(records)
+        if len(index) == n:  # (a set difference: no Python loop over every job)
+            pick = {index[k] for k in index.keys() - self._last.keys()}
+        else:  # the same job twice in the list
+            pick = {i for i, k in enumerate(keys) if k not in self._last}
         start = self._turn % n
         i, taken = start, 0
         while taken < self.jobs_per_cycle:
@@ -152,37 +221,39 @@ class JobSampler:
         cpu_busy = {c["cpu"]: c["busy_ratio"] for c in (host or {}).get("cpus") or []
                     if c.get("busy_ratio") is not None}
         now = time.time()
-        out = []
-        seen = set()
-        pick = self._pick(records)
-        for i, rec in enumerate(records):
-            key = (rec.get("pid"), rec.get("start_time"))
-            last = self._last.get(key)
-            if i not in pick and last is not None:
-                # not its turn: its last sample, the same dict (a copy of 620 of them
-                # each cycle was a third of the sampler's time; only ``torch`` changes)
-                s: dict[str, Any] | None = last
+        keys, _ = self._keys(records)
+        last = self._last
+        gone: set[Key] = set()  # read this cycle and found gone (or the pid reused)
+        for i in sorted(self._pick(records)):
+            rec, key = records[i], keys[i]
+            try:
+                s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
+            except NoSuchProcess:
+                s = None  # exited between the registry's snapshot and this read
+            except (TunerdError, ValueError, TypeError, KeyError) as err:
+                msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
+                s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
+            if s is None:
+                gone.add(key)
+                last.pop(key, None)
             else:
-                try:
-                    s = self._one(rec, gpu_mem, gpu_util, cpu_busy)
-                except NoSuchProcess:
-                    continue  # exited between the registry's snapshot and this read
-                except (TunerdError, ValueError, TypeError, KeyError) as err:
-                    msg = err.message if isinstance(err, TunerdError) else f"{err!r}"
-                    s = {"pid": rec.get("pid"), "name": rec.get("name"), "error": msg}
-                if s is not None:
-                    self._last[key] = s
-            if s is not None:
+                last[key] = s
+        # the others: their last sample, the same dict (a copy of 620 of them each
+        # cycle was a third of the sampler's time; only ``torch`` changes)
+        out = [s for k in keys if (s := last.get(k)) is not None]
+        if reports or self._torch_set:
+            for s in out:
                 if "error" not in s:
                     s["torch"] = self._torch(s, reports, now)
-                out.append(s)
-                seen.add(key)
-        for key in list(self._state):
-            if key not in seen:
-                del self._state[key]
-        for key in list(self._last):
-            if key not in seen:
-                del self._last[key]
+            self._torch_set = bool(reports)
+        # jobs that ended (set differences: no Python loop over every job each cycle)
+        seen = set(keys) - gone
+        for key in self._state.keys() - seen:
+            del self._state[key]
+        for key in last.keys() - seen:
+            del last[key]
+        for key in self._open.keys() - seen:
+            self._forget(key)
         return out
 
     @staticmethod
@@ -200,32 +271,44 @@ class JobSampler:
              cpu_busy: dict[int, float]) -> dict[str, Any] | None:
         pid = int(rec["pid"])
         proc = Process(pid, self.proc)
-        st = proc.stat()
         want_start = rec.get("start_time")
+        key = (pid, want_start)
+        files = self._files(key, pid)
+        st = proc.stat() if files is None else parse_stat(self._read(proc, files, "stat"))
         if isinstance(want_start, int) and want_start != st.start_time:
             return None  # PID reused by another process: not our job any more
         try:
-            io = proc.io_counters()
+            io = (proc.io_counters() if files is None
+                  else parse_io(self._read(proc, files, "io").decode()))
             rb: int | None = io.read_bytes
             wb: int | None = io.write_bytes
         except PermissionDenied:
             rb = wb = None
         now = time.monotonic()
         ticks = st.utime + st.stime
-        key = (pid, want_start)
         prev = self._state.get(key)
         cur = _JobState(now, ticks, rb, wb)
-        workers = self._workers(proc, prev.workers if prev is not None else None, now,
-                                prev.t if prev is not None else None)
-        cur.workers = workers["ticks"]
         if prev is not None:
             cur.numa, cur.runnable = prev.numa, prev.runnable
             cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
             cur.slow_count, cur.reads = prev.slow_count, prev.reads + 1
+            cur.nofile = prev.nofile
+        slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
+        if slow or files is None or prev is None:
+            kids = self._children(proc)
+        else:  # the main thread's children, and the others' seen at the last slow read
+            try:
+                main = _ids(files.read(f"task/{pid}/children"))
+            except OSError:  # no CONFIG_PROC_CHILDREN; an exit shows at the next stat
+                main = []
+            kids = main + [k for k in prev.kids if k not in main]
+        workers = self._workers(proc, kids, prev.workers if prev is not None else None, now,
+                                prev.t if prev is not None else None)
+        cur.workers, cur.kids = workers["ticks"], workers["kids"]
         cpus = _cpuset(rec.get("cpus"))
         mems = _cpuset(rec.get("mems")) or frozenset(
             n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
-        if prev is None or cur.reads - cur.slow_at >= self.slow_every:
+        if slow:
             # jobs bound together would all take their costly reads in the same cycle;
             # offsetting by pid spreads them over the slow period (the first read is
             # still immediate). Counted in reads of this job, not cycles: a job read
@@ -241,6 +324,8 @@ class JobSampler:
             else:  # one NUMA node: every page is local, nothing to read
                 cur.numa = None
             cur.runnable = _optional(proc.runnable_threads)
+            # the fd limit changes rarely (prlimit from outside): read with the slow ones
+            cur.nofile = _optional(proc.nofile) or (None, None)
             with proc.oneshot():  # one status read for both
                 cur.uid = proc.uids()[0]
                 cur.ctx = proc.ctx_switches()
@@ -258,7 +343,7 @@ class JobSampler:
         locality = (sum(b for n, b in cur.numa.items() if n in mems) / numa_total
                     if cur.numa and mems and numa_total
                     else 1.0 if len(self.node_cpus) <= 1 else None)
-        soft, hard = _optional(proc.nofile) or (None, None)
+        soft, hard = cur.nofile
         gpus = [int(g) for g in rec.get("gpus") or []]
         utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
         return {
@@ -298,19 +383,32 @@ class JobSampler:
                               else int(st.state == "R")) + workers["runnable"],
         }
 
-    def _workers(self, proc: Process, prev: dict[int, tuple[int, int]] | None, now: float,
+    @staticmethod
+    def _read(proc: Process, files: _OpenFiles, name: str) -> bytes:
+        try:
+            return files.read(name)
+        except OSError as err:
+            raise proc._error(err) from err
+
+    @staticmethod
+    def _children(proc: Process) -> list[int]:
+        try:
+            return proc.children()
+        except TunerdError:
+            return []
+
+    def _workers(self, proc: Process, todo: list[int],
+                 prev: dict[int, tuple[int, int]] | None, now: float,
                  prev_t: float | None) -> dict[str, Any]:
-        """The job's child processes (two levels: a worker may fork its own helpers).
+        """The job's child processes (two levels: a worker may fork its own helpers),
+        from ``todo``, the job's children (a pid that is no longer its child is left out).
 
         One stat read per child per cycle; at most MAX_CHILDREN of them.
         """
         ticks: dict[int, tuple[int, int]] = {}
         runnable = rss = 0
         delta = 0
-        try:
-            todo = proc.children()
-        except TunerdError:
-            todo = []
+        kids: list[int] = []
         level = 0
         while todo and level < 2 and len(ticks) < MAX_CHILDREN:
             nxt: list[int] = []
@@ -320,6 +418,10 @@ class JobSampler:
                     cst = child.stat()
                 except TunerdError:
                     continue
+                if level == 0:
+                    if cst.ppid != proc.pid:
+                        continue  # exited and the pid reused, or re-parented
+                    kids.append(pid)
                 t = cst.utime + cst.stime
                 ticks[pid] = (cst.start_time, t)
                 old = prev.get(pid) if prev else None
@@ -336,8 +438,13 @@ class JobSampler:
         cores = (delta / CLK_TCK / (now - prev_t)
                  if prev is not None and prev_t is not None and now > prev_t else None)
         return {"n": len(ticks), "pids": sorted(ticks)[:64], "ticks": ticks,
+                "kids": tuple(kids),
                 "cores": cores if ticks else (0.0 if prev is not None else None),
                 "rss": rss, "runnable": runnable}
+
+
+def _ids(raw: bytes) -> list[int]:
+    return [int(x) for x in raw.split()]
 
 
 def _optional(getter: Any) -> Any:

@@ -41,11 +41,12 @@ class Ring:
 
     def append(self, row: Iterable[float | None]) -> None:
         """Store one row; ``None`` becomes NaN (not available). Wrong width is a bug."""
-        vals = [NAN if v is None else float(v) for v in row]
+        # array("d") converts ints, floats and bools itself (a str is a TypeError)
+        vals = array("d", [NAN if v is None else v for v in row])
         if len(vals) != self.width:
             raise ValueError(f"row has {len(vals)} values, ring has {self.width} fields")
         start = self._next * self.width
-        self._buf[start:start + self.width] = array("d", vals)
+        self._buf[start:start + self.width] = vals
         self._next = (self._next + 1) % self.capacity
         self._size = min(self._size + 1, self.capacity)
 

@@ -33,6 +33,13 @@ from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
+# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers) are
+# read every HOST_FULL_SECONDS, and every cycle for WATCH_SECONDS after someone asked
+# for the live view (``tunerctl top``); per-CPU times every cycle. A scrape reads
+# values at most HOST_FULL_SECONDS old (their rates over that span).
+HOST_FULL_SECONDS = 5.0
+WATCH_SECONDS = 10.0
+
 
 class BoundJobs(Protocol):
     """What the monitor needs of the job registry."""
@@ -63,6 +70,8 @@ def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
     from tunerd import procfs
     from tunerd.errors import TunerdError
 
+    if not reports:  # the common case: no job reports (no loop over 620 records)
+        return [], {}
     bound = {int(r["pid"]) for r in records if "pid" in r}
     ended: dict[int, Report] = {}
     live: list[Report] = []
@@ -110,6 +119,9 @@ class Monitor:
         self.listen: tuple[str, int] | None = None
         self.gpu = GpuSampler()
         self.host = HostSampler()
+        self.host_full_every = max(1, round(HOST_FULL_SECONDS / self.interval))
+        self._host_cycles = 0  # host samples taken (the sampler thread's)
+        self._watched_until = 0.0  # monotonic: full host samples every cycle until then
         # numa_maps and per-thread states every ~10 s whatever the interval
         self.jobs = JobSampler(slow_every=max(1, round(10.0 / self.interval)),
                                node_cpus=self.host.node_cpus)
@@ -199,6 +211,13 @@ class Monitor:
 
             threading.Thread(target=close, name="tunerd-metrics-stop", daemon=True).start()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # the job sampler's open /proc files, once the thread's last cycle is done
+        threading.Thread(target=self._close_sampler, name="tunerd-sampler-close",
+                         daemon=True).start()
+
+    def _close_sampler(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.jobs.close()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -272,7 +291,11 @@ class Monitor:
         gpu = guarded("gpu", self.gpu.sample, {
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
-        host = guarded("host", self.host.sample, {"unavailable": {"all": "sampler failed"}})
+        full = (self._host_cycles % self.host_full_every == 0
+                or time.monotonic() < self._watched_until)
+        self._host_cycles += 1
+        host = guarded("host", lambda: self.host.sample(full=full),
+                       {"unavailable": {"all": "sampler failed"}})
         jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
         ranks, ended = rank_sample(records, reports or {})
         self.fleet.sample()
@@ -285,6 +308,11 @@ class Monitor:
         }
 
     # -- reporting -----------------------------------------------------------
+    def watched(self) -> None:
+        """Someone reads the live view (``top``): full host samples every cycle for the
+        next WATCH_SECONDS (on the loop; the sampler thread reads one float)."""
+        self._watched_until = time.monotonic() + WATCH_SECONDS
+
     def binds_total(self) -> int:
         return int(self.bound.binds_total)
 
