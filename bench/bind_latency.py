@@ -1,6 +1,7 @@
 """End-to-end latency of `tunerctl bind` on a 64-thread process, next to Python baselines.
 
-Run as root from the repository root:  python bench/bind_latency.py [--runs 40] [--json FILE]
+Run as root from the repository root:
+    python bench/bind_latency.py [--runs 40] [--json FILE] [--before DIR]
 
 It starts a real tunerd (temporary dirs) and a child with 64 threads, then runs,
 interleaved and with the same interpreter:
@@ -8,6 +9,9 @@ interleaved and with the same interpreter:
   click  python -c "import click"
   bind   tunerctl bind PID --cpus A|B   (human output; alternating sets, so every call
          changes something; an untimed --json bind in between supplies the daemon's times)
+  before tunerctl bind from another checkout's tunerd (--before DIR, e.g. a
+         `git worktree add DIR main`), against this tree's daemon: a before/after pair
+         measured in one run
 `tunerctl` is the installed console script when there is one on PATH, else the same
 entry point the console script calls (python -c 'from tunerd.cli.main import main; main()').
 Daemon-side time is the reply's elapsed_ms (whole handler: pidfd pin, validation,
@@ -69,9 +73,9 @@ def wait_socket(sock: Path, proc: subprocess.Popen[bytes], log: Path,
         time.sleep(0.05)
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+def timed(argv: list[str], env: dict[str, str], cwd: Path = REPO) -> tuple[float, str]:
     t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
     dt = (time.perf_counter() - t0) * 1000
     if p.returncode != 0:
         raise SystemExit(f"{argv} failed ({p.returncode}): {p.stderr}")
@@ -82,7 +86,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--json", dest="json_out", type=Path)
+    ap.add_argument("--before", type=Path, metavar="DIR",
+                    help="also time `tunerctl bind` run from the tunerd package of this "
+                         "checkout (its own client, this tree's daemon)")
     args = ap.parse_args()
+    before: Path | None = args.before.resolve() if args.before else None
+    if before is not None and not (before / "tunerd" / "cli" / "main.py").is_file():
+        raise SystemExit(f"--before {before}: no tunerd/cli/main.py there")
     if os.geteuid() != 0:
         raise SystemExit("run as root (the daemon binds processes)")
 
@@ -97,6 +107,8 @@ def main() -> int:
     # An installed tunerctl runs from byte-compiled modules; PYTHONDONTWRITEBYTECODE
     # (set in some dev shells) would otherwise make every run compile tunerd from source.
     compileall.compile_dir(str(REPO / "tunerd"), quiet=1)
+    if before is not None:
+        compileall.compile_dir(str(before / "tunerd"), quiet=1)
     tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-bind-"))
     (tmp / "policies").mkdir()
     (tmp / "policies" / "00.toml").write_text('[policy]\nname = "bench"\n')
@@ -118,6 +130,14 @@ def main() -> int:
         as_json = [*ctl, "--socket", str(sock), "--json", "bind", str(child.pid), "--cpus"]
         timed([*as_json, sets[1]], env)  # warm-up (first bind also pins and saves originals)
         results: dict[str, list[float]] = {"pass": [], "click": [], "bind": []}
+        # the same entry point, run from the other checkout (cwd and PYTHONPATH: its
+        # tunerd is found first); human output, like the timed bind
+        old = [sys.executable, "-c", "from tunerd.cli.main import main; main()",
+               "--socket", str(sock), "bind", str(child.pid), "--cpus"]
+        old_env = {**env, "PYTHONPATH": str(before)} if before is not None else env
+        if before is not None:
+            results["before"] = []
+            timed([*old, sets[0]], old_env, cwd=before)  # warm-up
         daemon_ms: list[float] = []
         apply_ms: list[float] = []
         save_ms: list[float] = []
@@ -128,6 +148,9 @@ def main() -> int:
             # timed: the human-output command a user or prolog runs
             dt = timed([*human, sets[i % 2]], env)[0]
             results["bind"].append(dt)
+            if before is not None:
+                results["before"].append(timed([*old, sets[(i + 1) % 2]], old_env,
+                                               cwd=before)[0])
             # untimed: the same operation back to the other set, for the daemon's numbers
             reply: dict[str, Any] = json.loads(timed([*as_json, sets[(i + 1) % 2]], env)[1])
             daemon_ms.append(reply["elapsed_ms"])
@@ -149,8 +172,9 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     out_doc: dict[str, Any] = {
-        "tunerctl": how, "python": sys.executable, "threads": threads, "runs": args.runs,
-        "cpu_sets": sets,
+        "tunerctl": how, "before": str(before) if before else None,
+        "load_average": os.getloadavg(), "python": sys.executable, "threads": threads,
+        "runs": args.runs, "cpu_sets": sets,
         "wall_ms": {k: summary(v) for k, v in results.items()},
         "daemon_ms": summary(daemon_ms), "apply_ms": summary(apply_ms),
         "save_ms": summary(save_ms), "daemon_first_bind_ms": summary(first_ms),
@@ -158,6 +182,8 @@ def main() -> int:
     med = {k: v["median"] for k, v in out_doc["wall_ms"].items()}
     out_doc["ratio_bind_to_click"] = med["bind"] / med["click"]
     out_doc["ratio_bind_to_pass"] = med["bind"] / med["pass"]
+    if before is not None:
+        out_doc["ratio_before_to_click"] = med["before"] / med["click"]
     out_doc["targets_met"] = {
         "bind_median_le_1.3x_click": out_doc["ratio_bind_to_click"] <= 1.3,
         "daemon_median_le_1ms": out_doc["daemon_ms"]["median"] <= 1.0,
@@ -167,8 +193,11 @@ def main() -> int:
     print(f"target: {threads} threads, alternating cpus {sets[0]} / {sets[1]}, "
           f"{args.runs} runs each, interleaved")
     print(f"{'':28}{'median':>9}{'p95':>9}{'min':>9}  (ms)")
-    for k, label in (("pass", "python -c pass"), ("click", 'python -c "import click"'),
-                     ("bind", "tunerctl bind")):
+    rows = [("pass", "python -c pass"), ("click", 'python -c "import click"'),
+            ("bind", "tunerctl bind")]
+    if before is not None:
+        rows.append(("before", "tunerctl bind (--before)"))
+    for k, label in rows:
         s = out_doc["wall_ms"][k]
         print(f"{label:28}{s['median']:9.1f}{s['p95']:9.1f}{s['min']:9.1f}")
     for k, label in (("daemon_ms", "daemon side (elapsed_ms)"), ("apply_ms", "  of which apply"),
@@ -179,6 +208,10 @@ def main() -> int:
     print(f"bind / click = {out_doc['ratio_bind_to_click']:.2f}x (target <= 1.3x); "
           f"bind / pass = {out_doc['ratio_bind_to_pass']:.2f}x; daemon side median "
           f"{out_doc['daemon_ms']['median']:.3f} ms (target <= 1 ms)")
+    if before is not None:
+        print(f"before ({before}): bind / click = {out_doc['ratio_before_to_click']:.2f}x")
+    la = out_doc["load_average"]
+    print(f"load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(out_doc, indent=2))
     return 0

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from tunerd import __version__
+from tunerd.cli.types import Group
 from tunerd.errors import TunerdError
 from tunerd.protocol import ExitCode, exit_code
 
@@ -72,7 +73,15 @@ def with_json_option(cmd: click.Command) -> click.Command:
     return cmd
 
 
-class LazyGroup(click.Group):
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    # click.version_option's behaviour and text, without its two gettext calls (see
+    # tunerd.cli.types.Command: start-up time)
+    if value and not ctx.resilient_parsing:
+        click.echo(f"tunerctl, version {__version__}", color=ctx.color)
+        ctx.exit()
+
+
+class LazyGroup(Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
 
@@ -97,7 +106,8 @@ class LazyGroup(click.Group):
               show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for the daemon to accept and to answer each request;"
                    " on expiry exit 3 (env TUNERCTL_TIMEOUT).")
-@click.version_option(version=__version__, prog_name="tunerctl")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_show_version, help="Show the version and exit.")
 @click.pass_context
 def cli(ctx: click.Context, socket_path: str | None, as_json: bool, timeout: float) -> None:
     """Talk to the tunerd host-tuning daemon."""
