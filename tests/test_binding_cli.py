@@ -89,3 +89,9 @@ def test_every_command_makes_its_help_option_without_gettext() -> None:
         assert isinstance(cmd, (Command, Group)), f"{cmd.name}: a plain {type(cmd).__name__}"
         if isinstance(cmd, click.Group):
             todo += cmd.commands.values()
+
+
+def test_the_commands_that_exit_fast_exist() -> None:
+    from tunerd.cli.main import EXIT_FAST, LAZY_COMMANDS
+
+    assert {"bind", "unbind", "status"} <= EXIT_FAST <= set(LAZY_COMMANDS)
