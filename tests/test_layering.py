@@ -166,7 +166,7 @@ BIND_PATH = ("tunerd.cli.main", "tunerd.cli.cmd_bind", "tunerd.cpulist", "tunerd
 BIND_PATH_TUNERD = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
                     "tunerd.cli.context", "tunerd.cli.types", "tunerd.client",
                     "tunerd.cpulist", "tunerd.errors", "tunerd.protocol", "tunerd.text"}
-BIND_PATH_OTHERS = {"__future__", "_socket", "click", "collections.abc", "enum",
+BIND_PATH_OTHERS = {"__future__", "_socket", "click", "collections.abc", "enum", "functools",
                     "importlib", "json", "os", "struct", "sys", "time", "typing"}
 
 

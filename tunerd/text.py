@@ -10,6 +10,7 @@ move the cursor, retitle a window (OSC 2) or forge a log line.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __all__ = ["bounded_int", "plural", "safe", "safe_tree"]
@@ -24,20 +25,19 @@ def _escape(code: int) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-# code point -> its escape; filled on first use (_escape_all). Every character it holds is
-# one str.isprintable() is false for (Cc, and the Cf bidi overrides), so printable text,
-# nearly all of it, is returned as it is without the table (tunerctl start-up time).
-_TABLE: dict[int, str] = {}
+@functools.cache
+def _table() -> dict[int, str]:
+    """Code point -> its escape. Built whole on first use and then shared (threads of the
+    daemon never see half of it). Every character in it is one str.isprintable() is
+    false for (Cc, and the Cf bidi overrides), so printable text, nearly all of it,
+    needs no table: tunerctl start-up time."""
+    return {c: _escape(c) for r in (range(0x00, 0x20), range(0x7F, 0xA0),
+                                    range(0x202A, 0x202F), range(0x2066, 0x206A))
+            for c in r}
 
 
 def _escape_all(text: str) -> str:
-    if text.isprintable():
-        return text
-    if not _TABLE:
-        _TABLE.update((c, _escape(c)) for r in (range(0x00, 0x20), range(0x7F, 0xA0),
-                                                range(0x202A, 0x202F), range(0x2066, 0x206A))
-                      for c in r)
-    return text.translate(_TABLE)
+    return text if text.isprintable() else text.translate(_table())
 
 
 def safe(text: str, limit: int | None = None) -> str:

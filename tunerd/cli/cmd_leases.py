@@ -185,7 +185,7 @@ def _parse_list(text: str) -> set[int]:
 
 
 @click.command(cls=Command, context_settings={"ignore_unknown_options": True,
-                                 "allow_interspersed_args": False})
+                                              "allow_interspersed_args": False})
 @_common
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,

@@ -55,10 +55,10 @@ LAZY_COMMANDS: dict[str, str] = {
 # Commands that make one request, print the answer and return (what job prologs and
 # epilogs run): when one has returned there is nothing left for the interpreter's
 # teardown to do (no threads, temporary files, atexit handlers or open files of its
-# own), and that teardown -- freeing every module and object -- is about a seventh of a
-# `tunerctl bind` (bench/bind_latency.py). Run as a program (main() with no argv),
-# tunerctl then flushes its output and ends at once (_exit_now); other commands end
-# the usual way.
+# own), and that teardown -- freeing every module and object -- is 16-17 M of the
+# 154 M instructions of a `tunerctl bind` (bench/bind_latency.py --instructions). Run
+# as a program (main() with no argv), tunerctl then flushes its output and ends at once
+# (_exit_now); other commands end the usual way.
 EXIT_FAST = frozenset({"bind", "unbind", "jobs", "status", "reload", "alloc", "release",
                        "leases"})
 _exit_fast = [False]  # set by the root callback once click has resolved the command
