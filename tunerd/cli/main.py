@@ -100,6 +100,7 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
     # tunerd.cli.types.Command: start-up time)
     if value and not ctx.resilient_parsing:
         click.echo(f"tunerctl, version {__version__}", color=ctx.color)
+        _exit_fast[0] = True  # nothing else ran: no teardown needed (EXIT_FAST)
         ctx.exit()
 
 
