@@ -17,12 +17,13 @@ from tests.helpers import REPO, DaemonProc
 # counts is what tunerd adds to it. The result is printed with repr (json would be
 # loaded first and so not counted).
 PROBE = """
-import sys
+import atexit, sys, threading
 import click
 before = set(sys.modules)
 from tunerd.cli.main import main
 rc = main(sys.argv[1:])
-print(repr({"rc": rc, "new": sorted(set(sys.modules) - before)}))
+print(repr({"rc": rc, "new": sorted(set(sys.modules) - before),
+            "left": [threading.active_count(), atexit._ncallbacks()]}))
 """
 
 HEAVY = ("psutil", "rich", "pynvml", "pyudev", "prometheus_client", "torch",
@@ -40,11 +41,15 @@ BIND_LOADS = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
 
 
 def probe(*args: str) -> tuple[int, set[str]]:
-    """tunerctl ARGS run in a fresh interpreter: (exit status, modules it loaded)."""
+    """tunerctl ARGS run in a fresh interpreter: (exit status, modules it loaded).
+
+    It also checks what tunerctl.main.EXIT_FAST relies on: these commands leave no
+    thread running and no atexit handler behind (they end without the teardown)."""
     p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True,
                        cwd=REPO, timeout=60)
     out = ast.literal_eval(p.stdout.strip().splitlines()[-1])
     assert isinstance(out, dict), p.stderr
+    assert out["left"] == [1, 0], out["left"]  # main thread only, no atexit handler
     return int(out["rc"]), set(out["new"])
 
 
