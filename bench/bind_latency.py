@@ -1,6 +1,7 @@
 """End-to-end latency of `tunerctl bind` on a 64-thread process, next to Python baselines.
 
-Run as root from the repository root:  python bench/bind_latency.py [--runs 40] [--json FILE]
+Run as root from the repository root:
+    python bench/bind_latency.py [--runs 40] [--json FILE] [--before DIR] [--instructions]
 
 It starts a real tunerd (temporary dirs) and a child with 64 threads, then runs,
 interleaved and with the same interpreter:
@@ -8,6 +9,12 @@ interleaved and with the same interpreter:
   click  python -c "import click"
   bind   tunerctl bind PID --cpus A|B   (human output; alternating sets, so every call
          changes something; an untimed --json bind in between supplies the daemon's times)
+  before tunerctl bind from another checkout's tunerd (--before DIR, e.g. a
+         `git worktree add DIR main`), against this tree's daemon: a before/after pair
+         measured in one run
+--instructions also counts each command's user-space instructions under valgrind
+(cachegrind, no cache simulation; needs valgrind): the same count on a quiet or a
+loaded machine, where wall times are not (it leaves out the kernel and the daemon).
 `tunerctl` is the installed console script when there is one on PATH, else the same
 entry point the console script calls (python -c 'from tunerd.cli.main import main; main()').
 Daemon-side time is the reply's elapsed_ms (whole handler: pidfd pin, validation,
@@ -24,6 +31,7 @@ import argparse
 import compileall
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -69,12 +77,34 @@ def wait_socket(sock: Path, proc: subprocess.Popen[bytes], log: Path,
         time.sleep(0.05)
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+def instructions(argv: list[str], env: dict[str, str], cwd: Path = REPO) -> int:
+    """User-space instructions one run of ``argv`` executes (valgrind's "I refs")."""
+    p = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                        "--cachegrind-out-file=/dev/null", *argv],
+                       capture_output=True, text=True, env=env, cwd=cwd)
+    for line in p.stderr.splitlines():
+        if "I refs:" in line or "I   refs:" in line:
+            return int(line.rsplit(":", 1)[1].replace(",", "").strip())
+    raise SystemExit(f"valgrind gave no instruction count for {argv} ({p.returncode}): "
+                     f"{p.stderr[-500:]}")
+
+
+CPU: dict[str, list[float]] = {}  # label -> the runs' CPU time (user + sys), ms
+
+
+def timed(argv: list[str], env: dict[str, str], cwd: Path = REPO,
+          label: str = "") -> tuple[float, str]:
+    """(wall ms, stdout) of one run; with ``label``, its CPU time goes to CPU[label]."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
     dt = (time.perf_counter() - t0) * 1000
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise SystemExit(f"{argv} failed ({p.returncode}): {p.stderr}")
+    if label:
+        CPU.setdefault(label, []).append(
+            (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1000)
     return dt, p.stdout
 
 
@@ -82,7 +112,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--json", dest="json_out", type=Path)
+    ap.add_argument("--before", type=Path, metavar="DIR",
+                    help="also time `tunerctl bind` run from the tunerd package of this "
+                         "checkout (its own client, this tree's daemon)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count user-space instructions under valgrind (3 runs each)")
     args = ap.parse_args()
+    if args.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind")
+    before: Path | None = args.before.resolve() if args.before else None
+    if before is not None and not (before / "tunerd" / "cli" / "main.py").is_file():
+        raise SystemExit(f"--before {before}: no tunerd/cli/main.py there")
     if os.geteuid() != 0:
         raise SystemExit("run as root (the daemon binds processes)")
 
@@ -97,6 +137,8 @@ def main() -> int:
     # An installed tunerctl runs from byte-compiled modules; PYTHONDONTWRITEBYTECODE
     # (set in some dev shells) would otherwise make every run compile tunerd from source.
     compileall.compile_dir(str(REPO / "tunerd"), quiet=1)
+    if before is not None:
+        compileall.compile_dir(str(before / "tunerd"), quiet=1)
     tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-bind-"))
     (tmp / "policies").mkdir()
     (tmp / "policies" / "00.toml").write_text('[policy]\nname = "bench"\n')
@@ -118,24 +160,51 @@ def main() -> int:
         as_json = [*ctl, "--socket", str(sock), "--json", "bind", str(child.pid), "--cpus"]
         timed([*as_json, sets[1]], env)  # warm-up (first bind also pins and saves originals)
         results: dict[str, list[float]] = {"pass": [], "click": [], "bind": []}
+        # the same entry point, run from the other checkout (cwd and PYTHONPATH: its
+        # tunerd is found first); human output, like the timed bind
+        old = [sys.executable, "-c", "from tunerd.cli.main import main; main()",
+               "--socket", str(sock), "bind", str(child.pid), "--cpus"]
+        old_env = {**env, "PYTHONPATH": str(before)} if before is not None else env
+        if before is not None:
+            results["before"] = []
+            timed([*old, sets[0]], old_env, cwd=before)  # warm-up
         daemon_ms: list[float] = []
         apply_ms: list[float] = []
         save_ms: list[float] = []
         threads = 0
         for i in range(args.runs):
-            results["pass"].append(timed([sys.executable, "-c", "pass"], env)[0])
-            results["click"].append(timed([sys.executable, "-c", "import click"], env)[0])
+            results["pass"].append(timed([sys.executable, "-c", "pass"], env, label="pass")[0])
+            results["click"].append(
+                timed([sys.executable, "-c", "import click"], env, label="click")[0])
             # timed: the human-output command a user or prolog runs
-            dt = timed([*human, sets[i % 2]], env)[0]
+            dt = timed([*human, sets[i % 2]], env, label="bind")[0]
             results["bind"].append(dt)
+            back = sets[(i + 1) % 2]
+            if before is not None:  # to the other set; the untimed bind moves it back
+                results["before"].append(timed([*old, back], old_env, cwd=before,
+                                               label="before")[0])
+                back = sets[i % 2]
             # untimed: the same operation back to the other set, for the daemon's numbers
-            reply: dict[str, Any] = json.loads(timed([*as_json, sets[(i + 1) % 2]], env)[1])
+            reply: dict[str, Any] = json.loads(timed([*as_json, back], env)[1])
             daemon_ms.append(reply["elapsed_ms"])
             apply_ms.append(reply["apply_ms"])
             save_ms.append(reply["save_ms"])
             threads = reply["threads"]
         # a first bind (after unbind) also reads every thread's original mask and
         # writes them to state.json with fsync before touching the process
+        instr: dict[str, int] = {}
+        if args.instructions:
+            cases = {"pass": ([sys.executable, "-c", "pass"], env, REPO),
+                     "click": ([sys.executable, "-c", "import click"], env, REPO),
+                     "bind": (human, env, REPO)}
+            if before is not None:
+                cases["before"] = (old, old_env, before)
+            for k, (argv, e, cwd) in cases.items():
+                runs = []
+                for i in range(3):
+                    tail = [sets[i % 2]] if k in ("bind", "before") else []
+                    runs.append(instructions([*argv, *tail], e, cwd))
+                instr[k] = int(statistics.median(runs))
         first_ms: list[float] = []
         unbind = [*ctl, "--socket", str(sock), "--json", "unbind", str(child.pid)]
         for i in range(max(10, args.runs // 3)):
@@ -149,15 +218,28 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     out_doc: dict[str, Any] = {
-        "tunerctl": how, "python": sys.executable, "threads": threads, "runs": args.runs,
-        "cpu_sets": sets,
+        "tunerctl": how, "before": str(before) if before else None,
+        "load_average": os.getloadavg(), "python": sys.executable, "threads": threads,
+        "runs": args.runs, "cpu_sets": sets,
         "wall_ms": {k: summary(v) for k, v in results.items()},
+        # CPU time of the timed process alone (user + sys): what waiting for a CPU on
+        # a loaded machine adds to the wall time is not in it (the daemon's part is not
+        # either: that is daemon_ms)
+        "cpu_ms": {k: summary(v) for k, v in CPU.items()},
         "daemon_ms": summary(daemon_ms), "apply_ms": summary(apply_ms),
         "save_ms": summary(save_ms), "daemon_first_bind_ms": summary(first_ms),
     }
+    if instr:
+        out_doc["instructions"] = instr
+        out_doc["instructions_ratio_bind_to_click"] = instr["bind"] / instr["click"]
     med = {k: v["median"] for k, v in out_doc["wall_ms"].items()}
     out_doc["ratio_bind_to_click"] = med["bind"] / med["click"]
     out_doc["ratio_bind_to_pass"] = med["bind"] / med["pass"]
+    cpu_med = {k: v["median"] for k, v in out_doc["cpu_ms"].items()}
+    out_doc["cpu_ratio_bind_to_click"] = cpu_med["bind"] / cpu_med["click"]
+    if before is not None:
+        out_doc["ratio_before_to_click"] = med["before"] / med["click"]
+        out_doc["cpu_ratio_before_to_click"] = cpu_med["before"] / cpu_med["click"]
     out_doc["targets_met"] = {
         "bind_median_le_1.3x_click": out_doc["ratio_bind_to_click"] <= 1.3,
         "daemon_median_le_1ms": out_doc["daemon_ms"]["median"] <= 1.0,
@@ -166,11 +248,15 @@ def main() -> int:
     print(f"tunerctl: {how}")
     print(f"target: {threads} threads, alternating cpus {sets[0]} / {sets[1]}, "
           f"{args.runs} runs each, interleaved")
-    print(f"{'':28}{'median':>9}{'p95':>9}{'min':>9}  (ms)")
-    for k, label in (("pass", "python -c pass"), ("click", 'python -c "import click"'),
-                     ("bind", "tunerctl bind")):
+    print(f"{'':28}{'median':>9}{'p95':>9}{'min':>9}{'cpu med':>9}  (ms)")
+    rows = [("pass", "python -c pass"), ("click", 'python -c "import click"'),
+            ("bind", "tunerctl bind")]
+    if before is not None:
+        rows.append(("before", "tunerctl bind (--before)"))
+    for k, label in rows:
         s = out_doc["wall_ms"][k]
-        print(f"{label:28}{s['median']:9.1f}{s['p95']:9.1f}{s['min']:9.1f}")
+        print(f"{label:28}{s['median']:9.1f}{s['p95']:9.1f}{s['min']:9.1f}"
+              f"{out_doc['cpu_ms'][k]['median']:9.1f}")
     for k, label in (("daemon_ms", "daemon side (elapsed_ms)"), ("apply_ms", "  of which apply"),
                      ("save_ms", "  of which state save"),
                      ("daemon_first_bind_ms", "daemon side, first bind")):
@@ -179,6 +265,19 @@ def main() -> int:
     print(f"bind / click = {out_doc['ratio_bind_to_click']:.2f}x (target <= 1.3x); "
           f"bind / pass = {out_doc['ratio_bind_to_pass']:.2f}x; daemon side median "
           f"{out_doc['daemon_ms']['median']:.3f} ms (target <= 1 ms)")
+    print(f"CPU time (user + sys, the process alone): bind / click = "
+          f"{out_doc['cpu_ratio_bind_to_click']:.2f}x")
+    if before is not None:
+        print(f"before ({before}): bind / click = {out_doc['ratio_before_to_click']:.2f}x, "
+              f"CPU time {out_doc['cpu_ratio_before_to_click']:.2f}x")
+    if instr:
+        print("user-space instructions (valgrind, median of 3): "
+              + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in instr.items())
+              + f"; bind / click = {instr['bind'] / instr['click']:.2f}x"
+              + (f", before / click = {instr['before'] / instr['click']:.2f}x"
+                 if "before" in instr else ""))
+    la = out_doc["load_average"]
+    print(f"load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     if args.json_out:
         args.json_out.write_text(json.dumps(out_doc, indent=2))
     return 0

@@ -153,3 +153,100 @@ def test_a_new_cycle_is_caught() -> None:
     g = {k: set(v) for k, v in GRAPH.items()}
     g["tunerd.errors"].add("tunerd.placement")
     assert any("tunerd.errors" in c and "tunerd.placement" in c for c in cycles(g))
+
+
+# -- what `tunerctl bind` loads at start-up ------------------------------------------
+# bench/bind_latency.py: `tunerctl bind` <= 1.3x `python -c "import click"`. The
+# modules on its path may import, at module level (what runs when they are imported;
+# function bodies and TYPE_CHECKING blocks do not count), only these: anything else
+# is imported inside the function that needs it. Not allowed, with what they cost:
+# `socket` (its enum set-up; tunerd.client uses `_socket`), `locale`/`gettext`
+# (tunerd.cli.types.Command), dataclasses, pathlib, re, shlex, logging, tomllib.
+BIND_PATH = ("tunerd.cli.main", "tunerd.cli.cmd_bind", "tunerd.cpulist", "tunerd.text")
+BIND_PATH_TUNERD = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
+                    "tunerd.cli.context", "tunerd.cli.types", "tunerd.client",
+                    "tunerd.cpulist", "tunerd.errors", "tunerd.protocol", "tunerd.text"}
+BIND_PATH_OTHERS = {"__future__", "_socket", "click", "collections.abc", "enum", "functools",
+                    "importlib", "json", "os", "struct", "sys", "time", "typing"}
+
+
+def module_level_imports(path: Path, mod: str) -> set[str]:
+    """Every module ``mod`` imports when it is imported (tunerd's and others)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for node in stmts:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = mod.split(".")[:None if is_pkg else -1]
+                if node.level > 1:
+                    base = base[:len(base) - (node.level - 1)]
+                target = (".".join([*base, node.module] if node.module else base)
+                          if node.level else node.module or "")
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    visit(inner)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return out
+
+
+def startup_imports(start: tuple[str, ...],
+                    imports: dict[str, set[str]]) -> tuple[set[str], set[str]]:
+    """(tunerd modules, other modules) loaded by importing ``start``; ``imports`` maps
+    each tunerd module to its module-level imports."""
+    seen: set[str] = set()
+    others: set[str] = set()
+    todo = list(start)
+    while todo:
+        mod = todo.pop()
+        parts = mod.split(".")
+        # importing a.b.c runs a/__init__ and a/b/__init__ first
+        for m in [".".join(parts[:i]) for i in range(1, len(parts) + 1)]:
+            if m in seen:
+                continue
+            seen.add(m)
+            for imp in imports.get(m, ()):
+                if imp == "tunerd" or imp.startswith("tunerd."):
+                    while imp not in imports:  # a.b.name: an attribute of module a.b
+                        imp = imp.rpartition(".")[0]
+                    todo.append(imp)
+                else:
+                    others.add(imp)
+    # `from typing import Any` adds "typing" and "typing.Any": keep the module
+    others = {o for o in others if o.rpartition(".")[0] not in others}
+    return seen, others
+
+
+IMPORTS = {m: module_level_imports(p, m)
+           for m, p in ((module_name(p), p) for p in PKG.rglob("*.py"))}
+
+
+def test_tunerctl_bind_imports_only_what_it_needs_at_start_up() -> None:
+    mods, others = startup_imports(BIND_PATH, IMPORTS)
+    assert mods <= BIND_PATH_TUNERD, sorted(mods - BIND_PATH_TUNERD)
+    assert others <= BIND_PATH_OTHERS, sorted(others - BIND_PATH_OTHERS)
+    assert "tunerd.client" in mods and "_socket" in others  # the rule sees the path
+
+
+@pytest.mark.parametrize(("mod", "dep"), [
+    ("tunerd.client", "socket"),
+    ("tunerd.cli.main", "tunerd.cli.service_hint"),
+    ("tunerd.text", "re"),
+    ("tunerd.protocol", "dataclasses"),
+])
+def test_a_start_up_import_creeping_back_is_caught(mod: str, dep: str) -> None:
+    imports = {k: set(v) for k, v in IMPORTS.items()}
+    imports[mod].add(dep)
+    mods, others = startup_imports(BIND_PATH, imports)
+    assert not (mods <= BIND_PATH_TUNERD and others <= BIND_PATH_OTHERS)

@@ -1,9 +1,17 @@
-"""Control-socket client used by tunerctl (stdlib only: it is on every command's path)."""
+"""Control-socket client used by tunerctl (stdlib only: it is on every command's path).
+
+It talks through ``_socket``, the C module the stdlib's ``socket`` wraps: ``socket.py``
+builds four IntEnums of every AF_/SOCK_/MSG_/AI_ constant when imported, about a third
+of what ``tunerctl bind`` adds to Python's start-up (bench/bind_latency.py), and this
+client needs none of it: a Unix stream socket, connect, sendall, recv, getsockopt. The
+object it makes is the same C socket type ``socket.socket`` subclasses, with the same
+errors (OSError and its subclasses, TimeoutError).
+"""
 
 from __future__ import annotations
 
+import _socket as socket  # socket.py imports it the same way; see above
 import os
-import socket
 import struct
 import time
 from typing import Any

@@ -10,6 +10,7 @@ move the cursor, retitle a window (OSC 2) or forge a log line.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __all__ = ["bounded_int", "plural", "safe", "safe_tree"]
@@ -24,16 +25,26 @@ def _escape(code: int) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-_CONTROLS = [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F),
-             *range(0x2066, 0x206A)]
-_TABLE = {c: _escape(c) for c in _CONTROLS}
+@functools.cache
+def _table() -> dict[int, str]:
+    """Code point -> its escape. Built whole on first use and then shared (threads of the
+    daemon never see half of it). Every character in it is one str.isprintable() is
+    false for (Cc, and the Cf bidi overrides), so printable text, nearly all of it,
+    needs no table: tunerctl start-up time."""
+    return {c: _escape(c) for r in (range(0x00, 0x20), range(0x7F, 0xA0),
+                                    range(0x202A, 0x202F), range(0x2066, 0x206A))
+            for c in r}
+
+
+def _escape_all(text: str) -> str:
+    return text if text.isprintable() else text.translate(_table())
 
 
 def safe(text: str, limit: int | None = None) -> str:
     """``text`` with every control character escaped visibly; cut to ``limit``
     characters (with "...") when given. Backslashes are kept as they are: the escapes
     are for a human reader, not to be decoded."""
-    out = text.translate(_TABLE)
+    out = _escape_all(text)
     if limit is not None and len(out) > limit:
         out = out[:max(limit - 3, 0)] + "..."
     return out
@@ -42,7 +53,7 @@ def safe(text: str, limit: int | None = None) -> str:
 def safe_tree(obj: Any) -> Any:
     """``obj`` (a decoded JSON reply) with every string in it made ``safe``, keys too."""
     if isinstance(obj, str):
-        return obj.translate(_TABLE)
+        return _escape_all(obj)
     if isinstance(obj, dict):
         return {safe_tree(k): safe_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import CountType, CpusType, cpu_args
+from tunerd.cli.types import Command, CountType, CpusType, cpu_args
 
 QUICK_RUNS = 4
 DEFAULT_RUNS = 5
@@ -203,7 +203,7 @@ class _Progress:
         return f"{name}: {r.metric} = {r.value:.4g} ({r.wall_s:.1f} s)"
 
 
-@click.command(context_settings={"allow_interspersed_args": False})
+@click.command(cls=Command, context_settings={"allow_interspersed_args": False})
 @click.option("--quick", is_flag=True,
               help="4 runs per arm (the fewest that can name a winner), no warm-up run, a "
                    "shorter built-in workload (<= 60 s on a 2-CPU machine).")

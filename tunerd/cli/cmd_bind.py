@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import CPULIST, PID, CountType, plural
+from tunerd.cli.types import CPULIST, PID, Command, CountType, plural
 
 
 def _human_bind(r: dict[str, Any]) -> str:
@@ -39,7 +39,7 @@ def _human_bind(r: dict[str, Any]) -> str:
     return "\n".join([text, *(f"note: {n}" for n in r.get("notes") or [])])
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("pid", type=PID)
 @click.option("--cpus", type=CPULIST, help="CPUs to run on (cpulist, e.g. 2-5,8).")
 @click.option("--mems", type=CPULIST, help="NUMA nodes for memory (cpulist); moves pages.")
@@ -61,7 +61,7 @@ def bind(pid: int, cpus: str | None, mems: str | None, gpus: str | None,
     return 0
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("pid", type=PID)
 def unbind(pid: int) -> int:
     """Restore what bind changed."""
@@ -131,7 +131,7 @@ def _human_jobs(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-@click.command()
+@click.command(cls=Command)
 def jobs() -> int:
     """Bound processes and leases."""
     ctx = get_ctx()

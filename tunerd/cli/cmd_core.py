@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import Command
 
 
 def _ago(t: float | None) -> str:
@@ -48,7 +49,7 @@ def _human_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(cls=Command)
 def status() -> int:
     """Daemon health, policies in force, errors, jobs, host summary.
 
@@ -72,7 +73,7 @@ def _human_reload(r: dict[str, Any]) -> str:
             f"({', '.join(r.get('in_force') or []) or 'none'}):\n{r.get('error')}")
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--no-rebind-running", "no_rebind", is_flag=True,
               help="Refuse the new policy if its [[job]] rules would bind running processes "
                    "of other users (default: they are bound at once; see `tunerctl plan "

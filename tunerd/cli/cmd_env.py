@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import Command
 
 
 def _exports(r: dict[str, Any]) -> str:
@@ -17,7 +18,7 @@ def _exports(r: dict[str, Any]) -> str:
     return "\n".join(lines) if lines else "# no [nccl] settings in the policy in force"
 
 
-@click.command()
+@click.command(cls=Command)
 def env() -> int:
     """Print the node's [nccl] settings as export lines.
 

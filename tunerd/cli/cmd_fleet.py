@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import Group
 
 
-@click.group()
+@click.group(cls=Group)
 def fleet() -> None:
     """Compare the nodes of the fleet (through Prometheus, not the daemon)."""
 

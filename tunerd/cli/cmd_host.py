@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import plural
+from tunerd.cli.types import Command, plural
 
 
 def _v(value: Any) -> str:
@@ -90,7 +90,7 @@ def _human_preview(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--policy-dir", "policy_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Preview a candidate policy directory (root): its host changes and the "
                    "running processes its rules would bind. Nothing is changed.")
@@ -104,7 +104,7 @@ def plan(policy_dir: Path | None) -> int:
     return 0
 
 
-@click.command()
+@click.command(cls=Command)
 def apply() -> int:
     """Apply the policy's host settings now (root); exit 1 if any setting failed."""
     ctx = get_ctx()
@@ -113,7 +113,7 @@ def apply() -> int:
     return 1 if res["errors"] else 0
 
 
-@click.command()
+@click.command(cls=Command)
 def verify() -> int:
     """Report drift from the policy; exit 1 if any setting drifted."""
     ctx = get_ctx()
@@ -122,7 +122,7 @@ def verify() -> int:
     return 1 if res["drift"] else 0
 
 
-@click.command()
+@click.command(cls=Command)
 def revert() -> int:
     """Restore the saved original of every setting tunerd changed (root)."""
     ctx = get_ctx()

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import CountType, CpusType, cpu_args
+from tunerd.cli.types import Command, CountType, CpusType, cpu_args
 
 # set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
 _NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
@@ -80,7 +80,7 @@ def _request(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int 
     return args
 
 
-@click.command()
+@click.command(cls=Command)
 @_common
 def alloc(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
           exclusive: bool, exclusive_scope: str | None, uuids: bool, tag: str | None) -> int:
@@ -107,7 +107,7 @@ def _default_tag(tag: str | None) -> str | None:
     return tag if tag is not None else (f"slurm:{job}" if job else None)
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("lease", required=False)
 @click.option("--tag", default=None, metavar="TEXT",
               help="Release every lease with this tag (yours; all of them for root).")
@@ -126,7 +126,7 @@ def release(lease: str | None, tag: str | None) -> int:
     return 0
 
 
-@click.command()
+@click.command(cls=Command)
 def leases() -> int:
     """Current leases."""
     ctx = get_ctx()
@@ -184,8 +184,8 @@ def _parse_list(text: str) -> set[int]:
     return set(parse_cpulist(text))
 
 
-@click.command(context_settings={"ignore_unknown_options": True,
-                                 "allow_interspersed_args": False})
+@click.command(cls=Command, context_settings={"ignore_unknown_options": True,
+                                              "allow_interspersed_args": False})
 @_common
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,

@@ -12,10 +12,10 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import PID, SecondsType, plural
+from tunerd.cli.types import PID, Command, SecondsType, plural
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--once", is_flag=True, help="Print one frame and exit (no full-screen view).")
 @click.option("--interval", type=SecondsType(0.1), default=1.0, show_default=True,
               help="Seconds between refreshes.")
@@ -95,7 +95,7 @@ def _keys() -> Iterator[Callable[[float], str | None]]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-@click.command()
+@click.command(cls=Command)
 def metrics() -> int:
     """Prometheus exposition text (the same as the /metrics endpoint)."""
     ctx = get_ctx()
@@ -110,7 +110,7 @@ def metrics() -> int:
     return 0
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None,
               help="Directory the training data is read from (default: current directory).")
 @click.option("--python", "python", default=None, metavar="PATH",
@@ -154,7 +154,7 @@ def _human_advice(res: dict[str, Any]) -> str:
     return "\n".join(lines) or "no bound jobs to advise on"
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("pid", type=PID, required=False)
 def advise(pid: int | None) -> int:
     """Bottleneck findings for a bound job (or every bound job)."""

@@ -9,11 +9,12 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import Group
 
 DEFAULT_POLICY_DIR = Path("/etc/tunerd/policies")
 
 
-@click.group()
+@click.group(cls=Group)
 def policy() -> None:
     """Validate policy files, or show the policy in force."""
 

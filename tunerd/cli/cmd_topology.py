@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
+from tunerd.cli.types import Command
 from tunerd.errors import DaemonUnreachable, Failed
 
 
@@ -38,7 +39,7 @@ def _save(data: dict[str, Any], path: Path) -> None:
         raise Failed(f"cannot write {path}: {err.strerror or err}") from err
 
 
-@click.command()
+@click.command(cls=Command)
 @click.option("--save", "save", type=click.Path(dir_okay=False, path_type=Path),
               metavar="FILE", help="Write the topology as a JSON snapshot "
               "(replay it with `tunerd --topology FILE`).")

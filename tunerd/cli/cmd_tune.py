@@ -17,7 +17,7 @@ from tunerd.cli.cmd_bench import (
     workload_options,
 )
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import cpu_args
+from tunerd.cli.types import Command, cpu_args
 
 
 def _daemon_answers() -> bool:
@@ -30,7 +30,7 @@ def _daemon_answers() -> bool:
     return True
 
 
-@click.command(context_settings={"allow_interspersed_args": False})
+@click.command(cls=Command, context_settings={"allow_interspersed_args": False})
 @click.option("--quick", is_flag=True,
               help="4 runs per arm (the fewest that can name a winner), no warm-up, one "
                    "round, no torch.compile trial.")

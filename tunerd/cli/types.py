@@ -13,6 +13,57 @@ import click
 
 from tunerd.text import plural as plural  # re-exported: the commands import it from here
 
+HELP_TEXT = "Show this message and exit."
+
+
+def _show_help(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(ctx.get_help(), color=ctx.color)
+        ctx.exit()
+
+
+def _help_option(cmd: Command | Group, ctx: click.Context) -> click.Option | None:
+    names = cmd.get_help_option_names(ctx)
+    if not names or not cmd.add_help_option:
+        return None
+    if cmd.fixed_help_option is None or cmd.fixed_help_option.opts != names:
+        # made once and kept: click tells eager parameters apart by identity
+        cmd.fixed_help_option = click.Option(
+            [*names, "_tunerctl_help"], is_flag=True, expose_value=False, is_eager=True,
+            help=HELP_TEXT, callback=_show_help)
+    return cmd.fixed_help_option
+
+
+class Command(click.Command):
+    """A tunerctl command (``@click.command(cls=Command)``).
+
+    Its -h/--help option has a fixed help text: click's own ``help_option`` passes
+    the text through ``gettext`` each time it makes the option (once per command
+    parsed), and the first ``gettext`` call imports ``locale`` and its alias tables,
+    about a sixth of what ``tunerctl bind`` added to ``import click``
+    (bench/bind_latency.py). click ships no translations, so the text is the same;
+    the option works as click's does (eager, prints the help, exits), and
+    ``get_help_option`` is click's hook for it, which usage errors also ask for
+    their "Try '... --help' for help." line.
+    """
+
+    fixed_help_option: click.Option | None = None
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        return _help_option(self, ctx)
+
+
+class Group(click.Group):
+    """A tunerctl command group (help option as Command's); the commands and groups
+    made with its ``command``/``group`` decorators are a Command and a Group."""
+
+    command_class = Command
+    group_class = type  # click: subgroups are of this same class
+    fixed_help_option: click.Option | None = None
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        return _help_option(self, ctx)
+
 
 class CountType(click.ParamType):
     """An integer in [minimum, maximum]; ``what`` names it in errors (click already
