@@ -28,6 +28,38 @@ class CliResult:
         return json.loads(self.out)
 
 
+class _NotifySocket:
+    """An sd_notify datagram socket, as systemd gives a Type=notify service: the
+    daemon sends READY=1 on it once it is up (tunerd/daemon/notify.py)."""
+
+    def __init__(self) -> None:
+        import socket
+        import tempfile
+
+        # a short path of its own (sun_path is 108 bytes), reachable from a netns
+        self.dir = Path(tempfile.mkdtemp(prefix="tunerd-notify-"))
+        self.dir.chmod(0o755)
+        self.path = self.dir / "notify.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(str(self.path))
+        self.path.chmod(0o666)
+        self._ready = False
+
+    def ready(self, timeout: float) -> bool:
+        """True once READY=1 came (waits up to ``timeout`` for a message)."""
+        import select
+
+        if not self._ready and select.select([self.sock], [], [], timeout)[0]:
+            self._ready = b"READY=1" in self.sock.recv(4096).split(b"\n")
+        return self._ready
+
+    def close(self) -> None:
+        import shutil
+
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 @dataclass
 class DaemonProc:
     """A real tunerd process in temporary directories."""
@@ -38,6 +70,7 @@ class DaemonProc:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    _notify: _NotifySocket | None = field(default=None, repr=False)
 
     @property
     def runtime_dir(self) -> Path:
@@ -63,6 +96,10 @@ class DaemonProc:
         self.log_path = self.tmp / "tunerd.log"
         logf = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         env = {**os.environ, **self.env}
+        if "NOTIFY_SOCKET" not in self.env:  # a test's own sd_notify socket wins
+            self._close_notify()
+            self._notify = _NotifySocket()
+            env["NOTIFY_SOCKET"] = str(self._notify.path)
         self.proc = subprocess.Popen(self.argv(), stdout=logf, stderr=subprocess.STDOUT,
                                      env=env, cwd=REPO)
         logf.close()
@@ -71,17 +108,45 @@ class DaemonProc:
         return self
 
     def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until the daemon is ready: its READY=1 (sd_notify, sent once every service
+        started) and a status answer when start() gave it a notify socket, else (a
+        daemon a test started itself) `tunerctl --json status` answering."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tunerd exited with {self.proc.returncode}:\n{self.log()}")
-            if self.socket.exists():
-                r = self.ctl("--json", "status")
-                if r.rc == 0 or r.rc == 1:
-                    return
-            time.sleep(0.05)
+        notify, self._notify = self._notify, None
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tunerd exited with {self.proc.returncode}:\n"
+                                       f"{self.log()}")
+                if notify is not None:
+                    if notify.ready(0.05) and self._status_answers():
+                        return
+                    continue
+                if self.socket.exists():
+                    r = self.ctl("--json", "status")
+                    if r.rc == 0 or r.rc == 1:
+                        return
+                time.sleep(0.05)
+        finally:
+            if notify is not None:
+                notify.close()
         raise RuntimeError(f"tunerd did not become ready in {timeout} s:\n{self.log()}")
+
+    def _status_answers(self) -> bool:
+        from tunerd.client import Client
+
+        try:
+            with Client(str(self.socket), timeout=10) as c:
+                c.call("status")
+        except Exception:
+            return False
+        return True
+
+    def _close_notify(self) -> None:
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
@@ -94,6 +159,7 @@ class DaemonProc:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 15.0) -> int:
+        self._close_notify()
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)

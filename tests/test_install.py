@@ -117,7 +117,7 @@ def test_not_root_gets_a_clear_line(tree: Tree, unpriv_user: tuple[int, int]) ->
     assert not Path(tree.env["PREFIX"]).exists()
 
 
-def test_install_upgrade_reinstall_and_uninstall(tree: Tree) -> None:
+def test_install_upgrade_and_reinstall(tree: Tree) -> None:
     env = tree.env
     # -- first install, of an "older" release -----------------------------------------
     tree.set_version("0.1.9")
@@ -205,22 +205,9 @@ def test_install_upgrade_reinstall_and_uninstall(tree: Tree) -> None:
     assert "systemctl" not in r.stderr  # systemd is not running here
     r = tree.script("install.sh")  # unchanged code, daemon not running: just started
     assert r.returncode == 0 and "already installed" in r.stdout, r.stdout + r.stderr
-    fourth = tree.pid()
-
-    # -- uninstall: reverted, stopped, removed; /etc and state kept --------------------
-    r = tree.script("uninstall.sh")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "nothing to restore" in r.stdout and f"stopped tunerd (pid {fourth})" in r.stdout
-    wait_for(lambda: not _alive(fourth), 10, "the daemon to exit")
-    for gone in (env["PREFIX"], env["RUNTIME_DIR"], f"{env['BIN_DIR']}/tunerd",
-                 f"{env['BIN_DIR']}/tunerctl", str(unit), str(bash_script),
-                 f"{env['ZSH_COMPLETION_DIR']}/_tunerctl"):
-        assert not os.path.lexists(gone), gone
-    for kept in (Path(env["ETC_DIR"]) / "tunerd.toml", Path(env["STATE_DIR"]),
-                 Path(env["LOG_FILE"])):
-        assert kept.exists(), kept
-    r = tree.script("uninstall.sh", "--purge")
-    assert r.returncode == 1 and "no tunerd install" in r.stderr
+    assert tree.pid() != third
+    # (test_uninstall_reverts_stops_and_removes uninstalls it, after the systemd test
+    # below has used it: one venv for the module, not a second from scratch)
 
 
 def test_uninstall_refuses_what_is_not_an_install(tree: Tree, tmp_path: Path) -> None:
@@ -270,11 +257,17 @@ def test_daemon_reload_only_when_the_unit_changed(tree: Tree) -> None:
         log.unlink(missing_ok=True)
         return [c for c in out if c != "show -p MainPID --value tunerd"]
 
+    # on the install test_install_upgrade_and_reinstall made (a fresh venv costs more
+    # than the test): changed code and no unit file, as for a first install, so
+    # install.sh reinstalls, writes the unit, and systemd reloads it and restarts tunerd
+    unit = Path(tree.env["UNIT_DIR"]) / "tunerd.service"
+    unit.unlink(missing_ok=True)
+    with (tree.src / "tunerd/cli/types.py").open("a") as f:
+        f.write("\n# changed by test_daemon_reload_only_when_the_unit_changed\n")
     try:
         r = tree.script("install.sh", env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         assert calls() == ["daemon-reload", "enable tunerd", "restart tunerd"]
-        unit = Path(tree.env["UNIT_DIR"]) / "tunerd.service"
         mtime = unit.stat().st_mtime_ns
         # the same install again: the unit is unchanged, systemd is not reloaded
         r = tree.script("install.sh", env=env)
@@ -294,3 +287,29 @@ def test_daemon_reload_only_when_the_unit_changed(tree: Tree) -> None:
             if _alive(pid):
                 os.kill(pid, signal.SIGTERM)
                 wait_for(lambda: not _alive(pid), 20, "the daemon to exit")
+
+
+def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
+    env = tree.env
+    # started without systemd again (the systemd test above stopped the daemon it started)
+    r = tree.script("install.sh")
+    assert r.returncode == 0 and "already installed" in r.stdout, r.stdout + r.stderr
+    fourth = tree.pid()
+    unit = Path(env["UNIT_DIR"]) / "tunerd.service"
+    bash_script = Path(env["BASH_COMPLETION_DIR"]) / "tunerctl"
+    assert unit.exists() and bash_script.exists()
+
+    # -- uninstall: reverted, stopped, removed; /etc and state kept --------------------
+    r = tree.script("uninstall.sh")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing to restore" in r.stdout and f"stopped tunerd (pid {fourth})" in r.stdout
+    wait_for(lambda: not _alive(fourth), 10, "the daemon to exit")
+    for gone in (env["PREFIX"], env["RUNTIME_DIR"], f"{env['BIN_DIR']}/tunerd",
+                 f"{env['BIN_DIR']}/tunerctl", str(unit), str(bash_script),
+                 f"{env['ZSH_COMPLETION_DIR']}/_tunerctl"):
+        assert not os.path.lexists(gone), gone
+    for kept in (Path(env["ETC_DIR"]) / "tunerd.toml", Path(env["STATE_DIR"]),
+                 Path(env["LOG_FILE"])):
+        assert kept.exists(), kept
+    r = tree.script("uninstall.sh", "--purge")
+    assert r.returncode == 1 and "no tunerd install" in r.stderr
