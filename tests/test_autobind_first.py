@@ -110,3 +110,38 @@ def test_a_match_that_exits_at_once_leaves_nothing_held(tmp_path: Path,
     assert d.ctl("--json", "jobs").json()["jobs"] == []
     st = autobind_status(d)
     assert st["bound"] == [] and st["failed"] == 0, st
+
+
+@needs_two_cpus
+def test_a_daemon_stopped_among_execs_leaves_no_process_bound_without_a_record(
+        tmp_path: Path, daemon_factory) -> None:
+    """SIGTERM while matching processes exec one after another: every one whose CPUs the
+    exec watcher's thread set is recorded (with its originals) before the daemon exits,
+    so a restarted daemon can put it back; none is left moved with nothing saved."""
+    exe = unique_sleeper(tmp_path, f"bs_train_{os.getpid()}")
+    target = str(max(HOST_CPUS))
+    everything = format_cpulist(HOST_CPUS)
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "stop"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'cpus = "{target}"\n')
+    d = daemon_factory(policy_dir=pol)
+    procs: list = []
+    try:
+        for _ in range(2):  # a race: two stops, each with execs in flight as it begins
+            d.start()
+            warm = [spawn([str(exe), "60"], {"LOCAL_RANK": "0"}) for _ in range(3)]
+            procs += warm
+            wait_for(lambda w=warm: all(cpus_allowed(p.pid) == target for p in w), 10,
+                     "the first ranks to be bound", detail=d.log)
+            d.proc.send_signal(15)
+            deadline = time.monotonic() + 0.5
+            while d.proc.poll() is None and time.monotonic() < deadline:
+                procs.append(spawn([str(exe), "60"], {"LOCAL_RANK": "0"}))
+            assert d.proc.wait(10) == 0
+            moved = [p.pid for p in procs if cpus_allowed(p.pid) not in (None, everything)]
+            assert moved, "no process was bound"
+            unsaved = [pid for pid in moved if not _saved(d.runtime_dir, pid)]
+            assert not unsaved, (unsaved, d.log())
+    finally:
+        for p in procs:
+            kill(p)

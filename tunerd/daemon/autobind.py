@@ -60,6 +60,8 @@ __all__ = ["AutoBinder"]
 
 log = logging.getLogger("tunerd.autobind")
 
+STOP_DRAIN_S = 0.3  # at stop, how long binds made in the watcher's thread get to be recorded
+
 WATCHER_NICE = -10  # the exec watcher thread's (see AutoBinder.watcher_nice)
 
 
@@ -158,6 +160,11 @@ class AutoBinder:
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
         self.steps_ms: deque[dict[str, float]] = deque(maxlen=1000)
+        # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the
+        # ones whose CPUs are set already (``_inflight``) are recorded before we go
+        self._fast_lock = threading.Lock()
+        self._stopping = False
+        self._inflight: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -184,9 +191,22 @@ class AutoBinder:
                 self._scanning = False
 
     async def stop(self) -> None:
+        with self._fast_lock:  # waits for a bind the watcher's thread is making now
+            self._stopping = True
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
+        # a process the watcher's thread bound is recorded (with its originals) before
+        # the daemon goes: else it would stay bound with nothing to put it back by
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        pending = list(self._pending.values())
+        if pending:
+            await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.0))
+        if self._inflight:
+            log.warning("stopping: %d process(es) bound by a rule but not recorded: %s",
+                        len(self._inflight), sorted(self._inflight))
         for t in self._pending.values():
             t.cancel()
 
@@ -262,6 +282,7 @@ class AutoBinder:
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found
+        self._inflight.discard(m.pid)
         if fast is not None and fast.target is not None:
             self._pending[m.pid] = asyncio.ensure_future(self._finish(m, seen, fast))
             return
@@ -277,7 +298,7 @@ class AutoBinder:
                  ctx: JobContext | None = None) -> None:
         """A process a rule matched: bind it (on the loop). ``ctx``: the intake's look
         taken in the watcher's thread already."""
-        if m.pid in self._pending:
+        if m.pid in self._pending or self._stopping:
             return
         task = asyncio.ensure_future(self._bind(m, seen if seen is not None
                                                 else time.monotonic(), self._scanning, ctx))
@@ -467,6 +488,15 @@ class AutoBinder:
         ``_finish``). Everything that is not the plain case (wrappers, descendants, a
         process bound or failed before, a gate refusal, a replayed topology, an error)
         is left to the loop's bind, with the intake's look where it was taken."""
+        with self._fast_lock:
+            if self._stopping:
+                return self._to_loop("stopping", None)
+            fast = self._bind_now_locked(m)
+            if fast is not None and fast.target is not None:
+                self._inflight.add(m.pid)  # until the loop has it (``_matched``)
+            return fast
+
+    def _bind_now_locked(self, m: RuleMatch) -> _Fast | None:
         pid = m.pid
         if (pid in self._pending or pid in self.bound or pid in self._failed
                 or self.jobs.record(pid) is not None or self.jobs.dry_run
