@@ -51,6 +51,11 @@ HOST_FULL_SECONDS = 5.0
 WATCH_SECONDS = 10.0
 
 
+# one cycle asked for by cycle(): the job list, the reports, where the sample goes
+_Ask = tuple[list[dict[str, Any]], Mapping[int, Report], Future[dict[str, Any]]]
+_TICK: _Ask = ([], {}, Future())  # start() wakes the thread with it: timed cycles begin
+
+
 class BoundJobs(Protocol):
     """What the monitor needs of the job registry."""
 
@@ -146,9 +151,7 @@ class Monitor:
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
         # the sampler thread's inbox: (records, reports, future) for one cycle now, or
         # None to end; a get() that times out is the thread's own 1 s timer
-        self._inbox: queue.SimpleQueue[tuple[list[dict[str, Any]], Mapping[int, Report],
-                                             Future[dict[str, Any]]] | None] = \
-            queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # timed cycles once set
         self._stopped = False
@@ -183,6 +186,7 @@ class Monitor:
             self._start_http(*self.listen)
         await self.cycle()  # a first sample before anyone asks
         self._loop = asyncio.get_running_loop()  # from now on the thread samples on its own
+        self._inbox.put(_TICK)  # wake it: it waited without a timeout until now
 
     def _start_http(self, host: str, port: int) -> None:
         from tunerd.monitor.http import serve_metrics
@@ -258,6 +262,8 @@ class Monitor:
                     continue
                 if item is None:
                     return
+                if item is _TICK:
+                    continue
                 records, reports, fut = item
                 if not fut.set_running_or_notify_cancel():
                     continue
