@@ -49,6 +49,7 @@ log = logging.getLogger("tunerd.monitor")
 # values at most HOST_FULL_SECONDS old (their rates over that span).
 HOST_FULL_SECONDS = 5.0
 WATCH_SECONDS = 10.0
+BEAT_SECONDS = 5.0  # the loop's heartbeat that /healthz reads
 
 
 # one cycle asked for by cycle(): the job list, the reports, where the sample goes
@@ -143,7 +144,9 @@ class Monitor:
         self.history = History(settings.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
-        self.last_cycle_at = time.monotonic()  # GET /healthz: the loop still samples
+        self.last_cycle_at = time.monotonic()  # GET /healthz: the thread still samples
+        self.loop_alive_at = time.monotonic()  # GET /healthz: the loop still runs
+        self._beat_handle: asyncio.TimerHandle | None = None
         self.sample_cpu_seconds_total = 0.0
         self._records: list[dict[str, Any]] = []  # job_records() while the version stays
         self._records_version: int | None = None
@@ -187,6 +190,7 @@ class Monitor:
         await self.cycle()  # a first sample before anyone asks
         self._loop = asyncio.get_running_loop()  # from now on the thread samples on its own
         self._inbox.put(_TICK)  # wake it: it waited without a timeout until now
+        self._beat()  # /healthz also checks that the loop runs (the thread samples alone)
 
     def _start_http(self, host: str, port: int) -> None:
         from tunerd.monitor.http import serve_metrics
@@ -205,13 +209,25 @@ class Monitor:
                                 else f"{host}:{self.metrics_port}")
         log.info("Prometheus metrics on http://%s/metrics", self.metrics_address)
 
+    def _beat(self) -> None:
+        """The event loop's heartbeat for /healthz: one timer every BEAT_SECONDS."""
+        self.loop_alive_at = time.monotonic()
+        if not self._stopped:
+            self._beat_handle = asyncio.get_running_loop().call_later(BEAT_SECONDS,
+                                                                      self._beat)
+
     def health(self) -> tuple[bool, str]:
-        """Whether the loop still runs: a sample finished within 10 intervals (30 s at
-        least). Asked from the HTTP thread (GET /healthz): reads one float."""
-        age = time.monotonic() - self.last_cycle_at
+        """Whether sampling and the event loop still run: a sample finished, and the
+        loop's heartbeat ran, within 10 intervals (30 s at least). Asked from the HTTP
+        thread (GET /healthz): reads two floats."""
+        now = time.monotonic()
         limit = max(30.0, 10 * self.interval)
+        age = now - self.last_cycle_at
         if age > limit:
             return False, f"no monitor sample for {age:.0f} s (limit {limit:.0f} s)"
+        stuck = now - self.loop_alive_at
+        if stuck > limit:
+            return False, f"the event loop has not run for {stuck:.0f} s (limit {limit:.0f} s)"
         return True, "ok"
 
     async def policy_changed(self) -> None:
@@ -220,6 +236,8 @@ class Monitor:
     async def stop(self) -> None:
         self._loop = None
         self._stopped = True
+        if self._beat_handle is not None:
+            self._beat_handle.cancel()
         self._inbox.put(None)
         if self._http is not None:
             # BaseServer.shutdown() waits for serve_forever's next poll (up to 0.5 s):
