@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,27 @@ def test_parse_listen(value: str, want: tuple[str, int] | None) -> None:
 def test_parse_listen_rejects(bad: str) -> None:
     with pytest.raises(UsageError, match="metrics_listen"):
         parse_listen(bad)
+
+
+def test_the_sampler_thread_samples_on_its_own_timer(tmp_path: Path) -> None:
+    """Timed cycles run and publish in the sampler thread: they go on while the event
+    loop is blocked (a cycle no longer waits for the loop, nor wakes it)."""
+    errors = ErrorLog()
+    state = RuntimeStore(tmp_path / "state.json")
+    jobs = JobRegistry(Binder(), state.section("bindings"), state.save, PidWatch(), errors)
+    mon = Monitor(MonitorSettings(interval=0.05, metrics_listen="off"), jobs, errors)
+
+    async def go() -> tuple[int, int, float]:
+        await mon.start()
+        n0 = mon.samples_total
+        t0 = mon.last_cycle_at
+        time.sleep(0.6)  # the loop is blocked: nothing on it runs meanwhile
+        n1 = mon.samples_total
+        await mon.stop()
+        return n0, n1, mon.last_cycle_at - t0
+
+    n0, n1, advanced = asyncio.run(go())
+    assert n0 == 1  # start()'s first sample, asked for on the loop
+    assert n1 >= 4, f"only {n1 - n0} timed cycles in 0.6 s at a 0.05 s interval"
+    assert advanced > 0.3
+    assert mon.status()["samples_total"] == mon.samples_total

@@ -624,3 +624,41 @@ def test_full_disk_release_and_unbind_replies_are_truthful(tiny_state: DaemonPro
         released = _leases(d) == []
     assert (r_unbind.rc == 0) == unbound and (r_release.rc == 0) == released
     assert r_unbind.rc == 0 and r_release.rc == 0
+
+
+def test_saves_after_binds_unbinds_and_rebinds_write_the_whole_state(tmp_path: Path) -> None:
+    """The file a save writes from its cached pieces (sorted keys kept between saves,
+    only stored or deleted records looked at) is exactly the compact sorted JSON of
+    everything held, through binds, rebinds, unbinds and re-binds of the same pid."""
+    import random
+
+    path = tmp_path / "state.json"
+    st = RuntimeStore(path)
+    st.load()
+    b = st.section("bindings", exact=True)
+    rng = random.Random(15)
+
+    def rec(pid: int, n: int) -> dict[str, Any]:
+        return {"pid": pid, "start_time": 100 + pid, "cpus": str(n % 2), "notes": [f"n{n}"],
+                "originals": {"pid": pid, "start_time": 100 + pid, "process_cpus": "0-1",
+                              "threads": {"0-1": [pid]}}}
+
+    for n in range(600):  # more records than a small map's, which is compared in full
+        pid = rng.randrange(1, 200)
+        op = rng.random()
+        if op < 0.6:
+            b[str(pid)] = rec(pid, n)
+        elif op < 0.9:
+            b.pop(str(pid), None)
+        else:
+            st.section("other")[f"k{n % 3}"] = {"tag": n}  # a section not of records
+        if n % 3 == 0 or op >= 0.9:
+            st.save()
+            assert path.read_bytes() == json.dumps(
+                st.data, separators=(",", ":"), sort_keys=True).encode(), f"save {n}"
+    st.save()
+    again = RuntimeStore(path)
+    again.load()
+    assert again.load_error is None
+    assert again.data["bindings"] == json.loads(json.dumps(st.data["bindings"]))
+    assert again.data["other"] == st.data["other"]

@@ -122,8 +122,9 @@ class MonitorCommands:
         for p, job in sorted(latest.items()):
             if pid is not None and p != pid:
                 continue
-            ring = m.history.job(p)
-            cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
+            with m.lock:  # the sampler thread appends to the rings
+                ring = m.history.job(p)
+                cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
             findings = [f.to_dict() for f in run_rules(job, cols)]
             findings += binding_findings(p, job)
             out.append({"pid": p, "name": job.get("name"),

@@ -26,6 +26,7 @@ file is rewritten without them.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import logging
@@ -351,8 +352,12 @@ class _Fragments:
 
     def __init__(self) -> None:
         self._copy: dict[str, Any] = {}  # key -> a deep copy of the record last encoded
-        self._frag: dict[str, bytes] = {}  # key -> b'"key":{...}'
+        self._frag: dict[str, bytes] = {}  # key -> b',"key":{...}' (a comma first)
         self._shallow: dict[str, Any] = {}  # key -> (the record object, its top values)
+        # the sorted keys at the last call, and their set: an exact map's suspect keys
+        # are the only ones that can have come or gone, so a save sorts no 620 keys
+        self._keys: list[str] = []
+        self._keyset: set[str] = set()
 
     def encode(self, records: dict[str, Any], full: bool) -> bytes:
         return b"".join(self.parts(records, full))
@@ -367,35 +372,58 @@ class _Fragments:
         suspect = (tracked.suspect if tracked is not None and not full
                    and len(records) > SMALL_MAP else None)
         get = dict.__getitem__
-        keys = sorted(dict.keys(records))
-        if suspect is None:
-            check = keys
+        exact = suspect is not None and tracked is not None and tracked.exact
+        keys = self._keys
+        if exact and self._known(records, suspect):  # type: ignore[arg-type]
+            # only stored or deleted records can be new or changed
+            keyset = self._keyset
+            check = [k for k in suspect if k in keyset]  # type: ignore[union-attr]
         else:
-            # the same object with the same top-level values: not changed (a record
-            # changed deep inside is found by the full check every FULL_CHECK_S)
-            shallow = self._shallow
-            frags = self._frag
-            check = ([k for k in keys if k in suspect or k not in frags]
-                     if tracked is not None and tracked.exact
-                     else [k for k in keys
-                           if k in suspect or shallow.get(k) != _top(get(records, k))])
+            keys = self._keys = sorted(dict.keys(records))
+            self._keyset = set(keys)
+            if suspect is None:
+                check = keys
+            else:
+                # the same object with the same top-level values: not changed (a record
+                # changed deep inside is found by the full check every FULL_CHECK_S)
+                shallow = self._shallow
+                frags = self._frag
+                check = ([k for k in keys if k in suspect or k not in frags]
+                         if exact
+                         else [k for k in keys
+                               if k in suspect or shallow.get(k) != _top(get(records, k))])
         copies, frags = self._copy, self._frag
         for key in check:
             rec = get(records, key)
             old = copies.get(key, _MISSING)
             if old is _MISSING or type(old) is not type(rec) or old != rec:
-                frags[key] = _dumps(key) + b":" + _dumps(rec)
+                frags[key] = b"," + _dumps(key) + b":" + _dumps(rec)
                 copies[key] = copy.deepcopy(rec)
             self._shallow[key] = _top(rec)
         if tracked is not None:
             tracked.suspect = set()
-        out = [b"{"]
-        for k in keys:
-            out += (frags[k], b",")
-        out[-1] = b"}"  # the last comma (or, for no records, the opening brace's pair)
         if not keys:
-            out = [b"{}"]
-        return out
+            return [b"{}"]
+        # the pieces as they are (the caller joins the file once); no comma before the first
+        return [b"{", frags[keys[0]][1:], *map(frags.__getitem__, keys[1:]), b"}"]
+
+    def _known(self, records: dict[str, Any], suspect: set[str]) -> bool:
+        """Bring the sorted keys of the last call up to date from the suspect keys (the
+        only ones an exact map can have gained or lost); False where they cannot be."""
+        keys, keyset = self._keys, self._keyset
+        if not keyset and records:
+            return False  # the first call
+        for k in suspect:
+            there = dict.__contains__(records, k)
+            if there and k not in keyset:
+                if not isinstance(k, str):
+                    return False
+                bisect.insort(keys, k)
+                keyset.add(k)
+            elif not there and k in keyset:
+                del keys[bisect.bisect_left(keys, k)]
+                keyset.discard(k)
+        return len(keys) == len(records)
 
 
 _MISSING = object()

@@ -1,12 +1,13 @@
 """Prometheus exposition of the latest sample: a custom Collector, no second registry.
 
 ``collect()`` runs in prometheus_client's HTTP thread (and in the ``metrics``
-handler); it only reads ``monitor.latest``, a dict the loop replaces whole each
-cycle and never mutates, so no lock is needed.
+handler); it reads ``monitor.latest``, a dict the sampler thread replaces whole each
+cycle and never mutates, and the history's size under ``monitor.lock``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ class MonitorView(Protocol):
     sample_cpu_seconds_total: float
     sampler_status: dict[str, dict[str, Any]]
     history: History
+    lock: threading.Lock
     daemon_facts: Callable[[], Mapping[str, float | None]]
     fleet: FleetFacts
 
@@ -263,8 +265,10 @@ class MonitorCollector(Collector):
         yield CounterMetricFamily("tunerd_binds", "Jobs bound since start", value=m.binds_total())
         yield CounterMetricFamily("tunerd_errors", "Errors recorded by the daemon",
                                   value=m.errors_total)
+        with m.lock:  # the sampler thread adds rings
+            nbytes = m.history.nbytes()
         yield GaugeMetricFamily("tunerd_history_bytes", "Bytes held by the sample history",
-                                value=m.history.nbytes())
+                                value=nbytes)
 
     def _gpu(self, gpu: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("tunerd_gpu_monitoring_available",

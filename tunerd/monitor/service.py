@@ -4,11 +4,20 @@ Where the sampling runs, and why: a cycle is a few dozen reads of small procfs
 files (well under a millisecond of CPU) plus NVML calls, but
 NVML's PCIe throughput query sleeps ~20 ms per GPU inside the driver and
 numa_maps of a large process walks its page tables. So each cycle runs in ONE
-dedicated executor thread — the loop is never blocked and the samplers' own
-state (previous counters) is only ever touched by that thread. The job list is
-snapshotted on the loop before, and the finished sample is stored on the loop
-after, so the daemon's state still changes on the loop only. A cycle that
-overruns the interval delays the next one; cycles never overlap or pile up.
+dedicated sampler thread — the loop is never blocked and the samplers' own
+state (previous counters) is only ever touched by that thread.
+
+The thread keeps its own timer (``queue.get`` with a timeout): a timed cycle does
+not wake the event loop at all (one ``run_in_executor`` round trip per second cost
+~130 us of loop CPU, a quarter of the idle daemon's). It asks the loop for the job
+list only when the registry's ``version`` changed since the last list (the loop
+builds it: the registry changes on the loop only), and publishes the finished
+sample itself, under ``Monitor.lock``: ``latest`` is replaced whole, the history
+rings are appended. Readers of the history (advise, status, the metrics thread)
+take the same lock. Only reports of ended processes go back to the loop, when there
+are any. ``cycle()`` (start-up, tests) hands one cycle to the same thread and
+waits for it. A cycle that overruns the interval delays the next one; cycles never
+overlap or pile up.
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +49,12 @@ log = logging.getLogger("tunerd.monitor")
 # values at most HOST_FULL_SECONDS old (their rates over that span).
 HOST_FULL_SECONDS = 5.0
 WATCH_SECONDS = 10.0
+BEAT_SECONDS = 5.0  # the loop's heartbeat that /healthz reads
+
+
+# one cycle asked for by cycle(): the job list, the reports, where the sample goes
+_Ask = tuple[list[dict[str, Any]], Mapping[int, Report], Future[dict[str, Any]]]
+_TICK: _Ask = ([], {}, Future())  # start() wakes the thread with it: timed cycles begin
 
 
 class BoundJobs(Protocol):
@@ -128,14 +144,23 @@ class Monitor:
         self.history = History(settings.history_seconds, self.interval)
         self.latest: dict[str, Any] | None = None
         self.samples_total = 0
-        self.last_cycle_at = time.monotonic()  # GET /healthz: the loop still samples
+        self.last_cycle_at = time.monotonic()  # GET /healthz: the thread still samples
+        self.loop_alive_at = time.monotonic()  # GET /healthz: the loop still runs
+        self._beat_handle: asyncio.TimerHandle | None = None
         self.sample_cpu_seconds_total = 0.0
         self._records: list[dict[str, Any]] = []  # job_records() while the version stays
         self._records_version: int | None = None
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tunerd-sampler")
-        self._task: asyncio.Task[None] | None = None
+        # the sampler thread's inbox: (records, reports, future) for one cycle now, or
+        # None to end; a get() that times out is the thread's own 1 s timer
+        self._inbox: queue.SimpleQueue[_Ask | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # timed cycles once set
+        self._stopped = False
+        # latest, history, sampler_status and the counters change under it (sampler
+        # thread); the loop and the metrics thread read the history under it
+        self.lock = threading.Lock()
         self._http: Any = None
         self.registry: Any = None
         self.metrics_error: str | None = None
@@ -163,7 +188,9 @@ class Monitor:
         if self.listen is not None:
             self._start_http(*self.listen)
         await self.cycle()  # a first sample before anyone asks
-        self._task = asyncio.ensure_future(self._run())
+        self._loop = asyncio.get_running_loop()  # from now on the thread samples on its own
+        self._inbox.put(_TICK)  # wake it: it waited without a timeout until now
+        self._beat()  # /healthz also checks that the loop runs (the thread samples alone)
 
     def _start_http(self, host: str, port: int) -> None:
         from tunerd.monitor.http import serve_metrics
@@ -182,23 +209,36 @@ class Monitor:
                                 else f"{host}:{self.metrics_port}")
         log.info("Prometheus metrics on http://%s/metrics", self.metrics_address)
 
+    def _beat(self) -> None:
+        """The event loop's heartbeat for /healthz: one timer every BEAT_SECONDS."""
+        self.loop_alive_at = time.monotonic()
+        if not self._stopped:
+            self._beat_handle = asyncio.get_running_loop().call_later(BEAT_SECONDS,
+                                                                      self._beat)
+
     def health(self) -> tuple[bool, str]:
-        """Whether the loop still runs: a sample finished within 10 intervals (30 s at
-        least). Asked from the HTTP thread (GET /healthz): reads one float."""
-        age = time.monotonic() - self.last_cycle_at
+        """Whether sampling and the event loop still run: a sample finished, and the
+        loop's heartbeat ran, within 10 intervals (30 s at least). Asked from the HTTP
+        thread (GET /healthz): reads two floats."""
+        now = time.monotonic()
         limit = max(30.0, 10 * self.interval)
+        age = now - self.last_cycle_at
         if age > limit:
             return False, f"no monitor sample for {age:.0f} s (limit {limit:.0f} s)"
+        stuck = now - self.loop_alive_at
+        if stuck > limit:
+            return False, f"the event loop has not run for {stuck:.0f} s (limit {limit:.0f} s)"
         return True, "ok"
 
     async def policy_changed(self) -> None:
         return None
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        self._loop = None
+        self._stopped = True
+        if self._beat_handle is not None:
+            self._beat_handle.cancel()
+        self._inbox.put(None)
         if self._http is not None:
             # BaseServer.shutdown() waits for serve_forever's next poll (up to 0.5 s):
             # let a daemon thread wait for it, so that SIGTERM ends the daemon at once
@@ -210,30 +250,85 @@ class Monitor:
                 http.server_close()
 
             threading.Thread(target=close, name="tunerd-metrics-stop", daemon=True).start()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        # the job sampler's open /proc files, once the thread's last cycle is done
-        threading.Thread(target=self._close_sampler, name="tunerd-sampler-close",
-                         daemon=True).start()
+        if self._thread is None:
+            self.jobs.close()
+        # else the thread closes the job sampler's open /proc files after its last cycle
 
-    def _close_sampler(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.jobs.close()
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sampler_main, name="tunerd-sampler",
+                                            daemon=True)
+            self._thread.start()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while True:
-            next_at += self.interval
-            delay = next_at - loop.time()
-            if delay < 0:  # overran: skip the missed ticks instead of catching up
-                next_at = loop.time()
-                delay = 0.0
-            await asyncio.sleep(delay)
+    def _sampler_main(self) -> None:
+        """The sampler thread: cycles asked for by ``cycle()``, and once ``start()`` is
+        done, one every interval on its own timer."""
+        next_at = time.monotonic() + self.interval
+        try:
+            while True:
+                timeout = None
+                if self._loop is not None:
+                    timeout = next_at - time.monotonic()
+                    if timeout <= 0:  # overran: skip the missed ticks, never catch up
+                        next_at = time.monotonic()
+                        timeout = 0.0
+                try:
+                    item = self._inbox.get(timeout=timeout)
+                except queue.Empty:
+                    next_at += self.interval
+                    self._timed_cycle()
+                    continue
+                if item is None:
+                    return
+                if item is _TICK:
+                    continue
+                records, reports, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(self.collect(records, reports))
+                except BaseException as err:
+                    fut.set_exception(err)
+        finally:
+            self.jobs.close()
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _thread_records(self) -> list[dict[str, Any]]:
+        """The job list for a timed cycle: the last one while the registry's version
+        stays, else built on the loop (the only hand-off a timed cycle makes)."""
+        version = getattr(self.bound, "version", None)
+        loop = self._loop
+        if (version is not None and version == self._records_version) or loop is None:
+            return self._records
+        fut: Future[list[dict[str, Any]]] = Future()
+
+        def build() -> None:
             try:
-                await self.cycle()
-            except Exception as err:  # never let one bad cycle end sampling
-                log.exception("monitor cycle failed")
-                self.errors.record("monitor", f"sampling cycle failed: {err!r}", key="cycle")
+                fut.set_result(self.job_records())
+            except BaseException as err:
+                fut.set_exception(err)
+
+        try:
+            loop.call_soon_threadsafe(build)
+            return fut.result(timeout=10.0)
+        except (RuntimeError, TimeoutError):  # the loop closed or stalls: the last list
+            return self._records
+
+    def _timed_cycle(self) -> None:
+        try:
+            sample = self.collect(self._thread_records(), self.reports.snapshot())
+            ended = self._publish(sample)
+            if ended:
+                self._on_loop(self.reports.drop, ended)
+        except Exception as err:  # never let one bad cycle end sampling
+            log.exception("monitor cycle failed")
+            self._on_loop(self.errors.record, "monitor", f"sampling cycle failed: {err!r}",
+                          "cycle")
 
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
@@ -252,25 +347,34 @@ class Monitor:
         return records
 
     async def cycle(self) -> dict[str, Any]:
+        """One cycle now, in the sampler thread (start-up, tests); waits for it."""
+        if self._stopped:
+            raise RuntimeError("the monitor is stopped")
         records = self.job_records()
-        loop = asyncio.get_running_loop()
         reports = self.reports.snapshot()
-        sample = await loop.run_in_executor(self._pool, self.collect, records, reports)
-        ended = sample.pop("ended_reports", None) or {}
-        # back on the loop: publish and remember
-        self.latest = sample
-        self.last_cycle_at = time.monotonic()
-        self.samples_total += 1
-        self.sample_cpu_seconds_total += sample["cpu_seconds"]
-        for name, st in sample["samplers"].items():
-            s = self.sampler_status[name]
-            s["ok"] = st is None
-            if st is not None:
-                s["errors"] += 1
-                s["last_error"] = st
-        self.history.add(sample)
-        self.reports.drop(ended)
+        fut: Future[dict[str, Any]] = Future()
+        self._ensure_thread()
+        self._inbox.put((records, reports, fut))
+        sample = await asyncio.wrap_future(fut)
+        self.reports.drop(self._publish(sample))
         return sample
+
+    def _publish(self, sample: dict[str, Any]) -> dict[int, Report]:
+        """Store a finished sample (either thread); returns the ended reports."""
+        ended: dict[int, Report] = sample.pop("ended_reports", None) or {}
+        with self.lock:
+            self.latest = sample
+            self.last_cycle_at = time.monotonic()
+            self.samples_total += 1
+            self.sample_cpu_seconds_total += sample["cpu_seconds"]
+            for name, st in sample["samplers"].items():
+                s = self.sampler_status[name]
+                s["ok"] = st is None
+                if st is not None:
+                    s["errors"] += 1
+                    s["last_error"] = st
+            self.history.add(sample)
+        return ended
 
     def collect(self, records: list[dict[str, Any]],
                 reports: Mapping[int, Report] | None = None) -> dict[str, Any]:
@@ -329,8 +433,10 @@ class Monitor:
         where = ("metrics off" if self.listen is None else self.metrics_error
                  or f"metrics on {self.metrics_address}")
         last_cpu = s.get("cpu_seconds")
-        recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
-                        if v == v)  # NaN-free
+        with self.lock:
+            recent = sorted(v for v in self.history.host.columns(300)["sample_cpu_seconds"]
+                            if v == v)  # NaN-free
+            nbytes, bound_bytes = self.history.nbytes(), self.history.bound_bytes()
         return {
             "summary": f"sampling every {self.interval:g} s; {gpu_txt}; "
                        f"{len(s.get('jobs') or [])} job(s); {where}",
@@ -342,8 +448,8 @@ class Monitor:
             "sample_cpu_seconds_median": recent[len(recent) // 2] if recent else None,
             "sample_cpu_seconds_p95": recent[int(len(recent) * 0.95)] if recent else None,
             "history_capacity": self.history.capacity,
-            "history_bytes": self.history.nbytes(),
-            "history_bound_bytes": self.history.bound_bytes(),
+            "history_bytes": nbytes,
+            "history_bound_bytes": bound_bytes,
             "samplers": self.sampler_status,
             "metrics_listen": self.settings.metrics_listen,
             "metrics_address": self.metrics_address,  # HOST:PORT really bound, or None
