@@ -88,6 +88,7 @@ JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 MAX_OPEN_JOBS = 64  # jobs whose per-cycle files stay open (3 fds each)
 Key = tuple[Any, Any]  # (pid, start time) of a job record
+_MISSING = object()
 
 
 class _OpenFiles:
@@ -130,6 +131,12 @@ class _JobState:
     workers: dict[int, tuple[int, int]] | None = None  # child pid -> (start time, ticks)
     kids: tuple[int, ...] = ()  # the job's own children (level 0) at the last read
     nofile: tuple[int | None, int | None] = (None, None)  # RLIMIT_NOFILE, slow cadence
+    # the parts of a sample that only change with the record or a slow read, kept
+    # between cycles instead of built anew: (cpus, mems, gpus) of the record ->
+    # (cpu set, local nodes, sorted local nodes, gpu list); numa -> (numa_bytes, locality)
+    fixed: tuple[Any, ...] | None = None
+    numa_out: tuple[Any, ...] | None = None
+    proc: Process | None = None
 
 
 class JobSampler:
@@ -150,6 +157,9 @@ class JobSampler:
         self._records: list[dict[str, Any]] | None = None  # the list _index is of
         self._index: tuple[list[Key], dict[Key, int]] = ([], {})
         self._torch_set = False  # a sample's torch field was set from a report
+        # this cycle's CPU busy map -> {cpu set: mean busy share}
+        self._busy_cache: tuple[dict[int, float], dict[frozenset[int], float | None]] = (
+            {}, {})
 
     def close(self) -> None:
         """Close the files kept open (the sampler's thread, or after it stopped)."""
@@ -270,29 +280,39 @@ class JobSampler:
              gpu_util: dict[int, float | None],
              cpu_busy: dict[int, float]) -> dict[str, Any] | None:
         pid = int(rec["pid"])
-        proc = Process(pid, self.proc)
         want_start = rec.get("start_time")
         key = (pid, want_start)
+        prev = self._state.get(key)
+        proc = prev.proc if prev is not None and prev.proc is not None \
+            else Process(pid, self.proc)
         files = self._files(key, pid)
         st = proc.stat() if files is None else parse_stat(self._read(proc, files, "stat"))
         if isinstance(want_start, int) and want_start != st.start_time:
             return None  # PID reused by another process: not our job any more
+        rb: int | None
+        wb: int | None
         try:
-            io = (proc.io_counters() if files is None
-                  else parse_io(self._read(proc, files, "io").decode()))
-            rb: int | None = io.read_bytes
-            wb: int | None = io.write_bytes
+            if files is None:
+                io = proc.io_counters()
+                rb, wb = io.read_bytes, io.write_bytes
+            else:
+                rb, wb = _io_bytes(self._read(proc, files, "io"))
         except PermissionDenied:
             rb = wb = None
         now = time.monotonic()
         ticks = st.utime + st.stime
-        prev = self._state.get(key)
-        cur = _JobState(now, ticks, rb, wb)
-        if prev is not None:
-            cur.numa, cur.runnable = prev.numa, prev.runnable
-            cur.uid, cur.ctx, cur.slow_at = prev.uid, prev.ctx, prev.slow_at
-            cur.slow_count, cur.reads = prev.slow_count, prev.reads + 1
-            cur.nofile = prev.nofile
+        if prev is None:
+            cur = _JobState(now, ticks, rb, wb, proc=proc)
+            prev_t: float | None = None
+            prev_ticks = prev_rb = prev_wb = None
+            prev_workers = None
+        else:  # one state per job, updated in place (the last values kept first)
+            cur = prev
+            prev_t, prev_ticks, prev_rb, prev_wb = cur.t, cur.ticks, cur.read_bytes, \
+                cur.write_bytes
+            prev_workers = cur.workers
+            cur.t, cur.ticks, cur.read_bytes, cur.write_bytes = now, ticks, rb, wb
+            cur.reads += 1
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
         if slow or files is None or prev is None:
             kids = self._children(proc)
@@ -302,12 +322,19 @@ class JobSampler:
             except OSError:  # no CONFIG_PROC_CHILDREN; an exit shows at the next stat
                 main = []
             kids = main + [k for k in prev.kids if k not in main]
-        workers = self._workers(proc, kids, prev.workers if prev is not None else None, now,
-                                prev.t if prev is not None else None)
+        workers = self._workers(proc, kids, prev_workers, now, prev_t)
         cur.workers, cur.kids = workers["ticks"], workers["kids"]
-        cpus = _cpuset(rec.get("cpus"))
-        mems = _cpuset(rec.get("mems")) or frozenset(
-            n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
+        rec_cpus, rec_mems, rec_gpus = rec.get("cpus"), rec.get("mems"), rec.get("gpus")
+        fixed = cur.fixed
+        if fixed is None or fixed[0] != rec_cpus or fixed[1] != rec_mems \
+                or fixed[2] != rec_gpus:
+            cpus = _cpuset(rec_cpus)
+            mems = _cpuset(rec_mems) or frozenset(
+                n for n, ncpus in self.node_cpus.items() if ncpus & cpus)
+            fixed = cur.fixed = (rec_cpus, rec_mems, rec_gpus, cpus, mems, sorted(mems),
+                                 [int(g) for g in rec_gpus or []])
+            cur.numa_out = None
+        cpus, mems, local_nodes, gpus = fixed[3], fixed[4], fixed[5], fixed[6]
         if slow:
             # jobs bound together would all take their costly reads in the same cycle;
             # offsetting by pid spreads them over the slow period (the first read is
@@ -318,7 +345,7 @@ class JobSampler:
                 # numa_maps walks the page tables of the whole process (1-2 ms for a
                 # 32 MiB job, far more for a training job): only where there is more
                 # than one node to be remote from, and only every NUMA_EVERY slow cycles
-                cur.slow_count = prev.slow_count + 1 if prev is not None else 0
+                cur.slow_count = cur.slow_count + 1 if prev is not None else 0
                 if cur.slow_count % NUMA_EVERY == 0:
                     cur.numa = _optional(proc.numa_bytes)  # None without permission
             else:  # one NUMA node: every page is local, nothing to read
@@ -329,39 +356,44 @@ class JobSampler:
             with proc.oneshot():  # one status read for both
                 cur.uid = proc.uids()[0]
                 cur.ctx = proc.ctx_switches()
-        self._state[key] = cur
+        if prev is None:
+            self._state[key] = cur
 
         cores = rd_bps = wr_bps = None
-        if prev is not None and now > prev.t:
-            dt = now - prev.t
-            cores = (ticks - prev.ticks) / CLK_TCK / dt
-            if rb is not None and prev.read_bytes is not None:
-                rd_bps = max(0, rb - prev.read_bytes) / dt
-            if wb is not None and prev.write_bytes is not None:
-                wr_bps = max(0, wb - prev.write_bytes) / dt
-        numa_total = sum(cur.numa.values()) if cur.numa else 0
-        locality = (sum(b for n, b in cur.numa.items() if n in mems) / numa_total
-                    if cur.numa and mems and numa_total
-                    else 1.0 if len(self.node_cpus) <= 1 else None)
+        if prev_t is not None and prev_ticks is not None and now > prev_t:
+            dt = now - prev_t
+            cores = (ticks - prev_ticks) / CLK_TCK / dt
+            if rb is not None and prev_rb is not None:
+                rd_bps = max(0, rb - prev_rb) / dt
+            if wb is not None and prev_wb is not None:
+                wr_bps = max(0, wb - prev_wb) / dt
+        numa_out = cur.numa_out
+        if numa_out is None or numa_out[0] is not cur.numa:
+            numa = cur.numa
+            numa_total = sum(numa.values()) if numa else 0
+            locality = (sum(b for n, b in numa.items() if n in mems) / numa_total
+                        if numa and mems and numa_total
+                        else 1.0 if len(self.node_cpus) <= 1 else None)
+            numa_out = cur.numa_out = (numa, {str(n): b for n, b in sorted(
+                (numa or {}).items())}, locality)
+        numa_bytes, locality = numa_out[1], numa_out[2]
         soft, hard = cur.nofile
-        gpus = [int(g) for g in rec.get("gpus") or []]
-        utils = [u for g in gpus if (u := gpu_util.get(g)) is not None]
+        utils = [u for g in gpus if (u := gpu_util.get(g)) is not None] if gpus else None
         return {
             "pid": pid, "start_time": st.start_time, "name": rec.get("name"),
-            "local_nodes": sorted(mems),
+            "local_nodes": local_nodes,
             "uid": cur.uid, "cpu_seconds_total": ticks / CLK_TCK,
-            "cpus": rec.get("cpus"), "mems": rec.get("mems"), "gpus": gpus,
+            "cpus": rec_cpus, "mems": rec_mems, "gpus": gpus,
             "ncpus": len(cpus) or None,
             "cpu_cores": cores,
             "cpu_ratio": cores / len(cpus) if cores is not None and cpus else None,
             # busy share of the job's CPUs from /proc/stat: unlike cpu_ratio it includes
             # the job's children (DataLoader workers are processes, not threads)
-            "cpus_busy_ratio": sum(busy) / len(busy) if (busy := [
-                cpu_busy[c] for c in cpus if c in cpu_busy]) else None,
+            "cpus_busy_ratio": self._busy(cpus, cpu_busy),
             "threads": st.num_threads, "state": st.state,
             "runnable_threads": cur.runnable,
             "rss_bytes": st.rss_pages * PAGE_SIZE,
-            "numa_bytes": {str(n): b for n, b in sorted((cur.numa or {}).items())},
+            "numa_bytes": numa_bytes,
             "locality_ratio": locality,
             "read_bytes_total": rb, "write_bytes_total": wb,
             "read_bytes_per_second": rd_bps, "write_bytes_per_second": wr_bps,
@@ -382,6 +414,18 @@ class JobSampler:
             "tree_runnable": (cur.runnable if cur.runnable is not None
                               else int(st.state == "R")) + workers["runnable"],
         }
+
+    def _busy(self, cpus: frozenset[int], cpu_busy: dict[int, float]) -> float | None:
+        """Mean busy share of ``cpus``: worked out once per cycle per CPU set (jobs
+        bound to the same CPUs share it)."""
+        cache = self._busy_cache
+        if cache[0] is not cpu_busy:
+            cache = self._busy_cache = (cpu_busy, {})
+        out = cache[1].get(cpus, _MISSING)
+        if out is _MISSING:
+            busy = [cpu_busy[c] for c in cpus if c in cpu_busy]
+            out = cache[1][cpus] = sum(busy) / len(busy) if busy else None
+        return out  # type: ignore[return-value]
 
     @staticmethod
     def _read(proc: Process, files: _OpenFiles, name: str) -> bytes:
@@ -441,6 +485,17 @@ class JobSampler:
                 "kids": tuple(kids),
                 "cores": cores if ticks else (0.0 if prev is not None else None),
                 "rss": rss, "runnable": runnable}
+
+
+def _io_bytes(raw: bytes) -> tuple[int, int]:
+    """(read_bytes, write_bytes) of /proc/PID/io: at their fixed places in the file
+    (proc(5): rchar, wchar, syscr, syscw, read_bytes, write_bytes, ...) without the
+    dict of every field; by name where the layout differs."""
+    tok = raw.split()
+    if len(tok) > 11 and tok[8] == b"read_bytes:" and tok[10] == b"write_bytes:":
+        return int(tok[9]), int(tok[11])
+    io = parse_io(raw.decode())
+    return io.read_bytes, io.write_bytes
 
 
 def _ids(raw: bytes) -> list[int]:
