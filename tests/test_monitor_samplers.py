@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, ready_child
+from tests.helpers import FIXTURES, ready_child, wait_for
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
 from tunerd.errors import UsageError
@@ -311,6 +312,44 @@ def test_job_sampler_reads_a_real_process(child: subprocess.Popen[str]) -> None:
     child.kill()
     child.wait()
     assert js.sample([rec], gpu) == []
+
+
+
+def test_job_sampler_kept_parts_follow_the_record_and_match_procfs(
+        child: subprocess.Popen[str]) -> None:
+    """The parts of a sample kept between cycles (CPU set, nodes, GPUs, the numa part)
+    follow a rebind at the next cycle; the slow reads parsed in the sampler itself
+    (uid and context switches from status, one task listing for children and thread
+    states) give what tunerd.procfs's readers give."""
+    pid = child.pid
+    rec = {"pid": pid, "start_time": Process(pid).start_time(), "name": "c",
+           "cpus": "0", "mems": "", "gpus": [0]}
+    gpu = {"gpus": [{"gpu": 0, "utilization_ratio": 0.25},
+                    {"gpu": 1, "utilization_ratio": 0.75}]}
+    host = {"cpus": [{"cpu": 0, "busy_ratio": 0.5}, {"cpu": 1, "busy_ratio": 0.25}]}
+    two = {0: frozenset({0}), 1: frozenset({1})}
+    js = JobSampler(node_cpus=two, slow_every=1)
+    os.kill(pid, signal.SIGSTOP)  # nothing of it changes between the two readers
+    try:
+        wait_for(lambda: Process(pid).state() == "T", 10, f"pid {pid} stopped")
+        [a] = js.sample([rec], gpu, host)
+        assert (a["ncpus"], a["local_nodes"], a["gpus"]) == (1, [0], [0])
+        assert a["cpus_busy_ratio"] == 0.5 and a["gpu_utilization_ratio"] == 0.25
+        assert a["locality_ratio"] == 1.0  # all its pages on node 0, its only node
+        [b] = js.sample([{**rec, "cpus": "1", "gpus": [1]}], gpu, host)
+        assert (b["ncpus"], b["local_nodes"], b["gpus"], b["cpus"]) == (1, [1], [1], "1")
+        assert b["cpus_busy_ratio"] == 0.25 and b["gpu_utilization_ratio"] == 0.75
+        assert b["locality_ratio"] == 0.0  # the same pages, now remote
+        [c] = js.sample([{**rec, "cpus": "0-1", "gpus": []}], gpu, host)
+        assert c["ncpus"] == 2 and c["cpus_busy_ratio"] == 0.375 and c["gpus"] == []
+        p = Process(pid)
+        assert c["uid"] == p.uids()[0]
+        assert (c["voluntary_ctxt_switches_total"],
+                c["nonvoluntary_ctxt_switches_total"]) == p.ctx_switches()
+        assert c["runnable_threads"] == p.runnable_threads() == 0  # stopped
+        assert c["tree_runnable"] == 0 and c["workers"] == len(p.children()) == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 # -- GPUs ------------------------------------------------------------------------

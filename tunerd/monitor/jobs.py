@@ -37,9 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.cpulist import CpuListError, parse_cpulist
-from tunerd.errors import NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.monitor.reports import Report
-from tunerd.procfs import CLK_TCK, PAGE_SIZE, PROC, SMALL_READ, Process, parse_io, parse_stat
+from tunerd.procfs import (
+    CLK_TCK,
+    PAGE_SIZE,
+    PROC,
+    SMALL_READ,
+    Process,
+    _read_once,
+    parse_io,
+    parse_stat,
+)
 
 __all__ = ["JobSampler", "torch_from_report"]
 
@@ -315,7 +324,10 @@ class JobSampler:
             cur.reads += 1
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
         if slow or files is None or prev is None:
-            kids = self._children(proc)
+            # one listing of the threads for their children and, on a slow read, states
+            kids, runnable = _threads(proc, slow)
+            if slow:
+                cur.runnable = runnable
         else:  # the main thread's children, and the others' seen at the last slow read
             try:
                 main = _ids(files.read(f"task/{pid}/children"))
@@ -350,12 +362,9 @@ class JobSampler:
                     cur.numa = _optional(proc.numa_bytes)  # None without permission
             else:  # one NUMA node: every page is local, nothing to read
                 cur.numa = None
-            cur.runnable = _optional(proc.runnable_threads)
             # the fd limit changes rarely (prlimit from outside): read with the slow ones
             cur.nofile = _optional(proc.nofile) or (None, None)
-            with proc.oneshot():  # one status read for both
-                cur.uid = proc.uids()[0]
-                cur.ctx = proc.ctx_switches()
+            cur.uid, cur.ctx = _uid_ctx(proc)
         if prev is None:
             self._state[key] = cur
 
@@ -434,13 +443,6 @@ class JobSampler:
         except OSError as err:
             raise proc._error(err) from err
 
-    @staticmethod
-    def _children(proc: Process) -> list[int]:
-        try:
-            return proc.children()
-        except TunerdError:
-            return []
-
     def _workers(self, proc: Process, todo: list[int],
                  prev: dict[int, tuple[int, int]] | None, now: float,
                  prev_t: float | None) -> dict[str, Any]:
@@ -485,6 +487,59 @@ class JobSampler:
                 "kids": tuple(kids),
                 "cores": cores if ticks else (0.0 if prev is not None else None),
                 "rss": rss, "runnable": runnable}
+
+
+def _threads(proc: Process, states: bool) -> tuple[list[int], int | None]:
+    """The children of every thread of ``proc`` (DataLoader workers are children of
+    the thread that started them) and, with ``states``, how many threads are in state
+    R now: one listing of /proc/PID/task for both. A process that is gone raises
+    NoSuchProcess; without access, ([], None). Each thread's files are read once
+    (one read(2) returns them whole); a thread that exited meanwhile is skipped."""
+    base = f"{proc.root}/{proc.pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError as err:
+        mapped = proc._error(err)
+        if isinstance(mapped, NoSuchProcess):
+            raise mapped from err
+        return [], None
+    kids: list[int] = []
+    n = 0
+    for tid in tids:
+        try:
+            kids += [int(x) for x in _read_once(f"{base}/{tid}/children").split()]
+        except OSError:  # exited meanwhile, or no CONFIG_PROC_CHILDREN
+            pass
+        if states:
+            try:
+                raw = _read_once(f"{base}/{tid}/stat")
+            except OSError:
+                continue
+            close = raw.rindex(b")")
+            if raw[close + 2:close + 3] == b"R":
+                n += 1
+    return kids, n if states else None
+
+
+def _uid_ctx(proc: Process) -> tuple[int, tuple[int, int]]:
+    """Real uid and (voluntary, involuntary) context switches of the main thread, from
+    one read of /proc/PID/status: only those three lines are parsed (the file has ~55).
+    """
+    try:
+        raw = _read_once(f"{proc.root}/{proc.pid}/status")
+    except OSError as err:
+        raise proc._error(err) from err
+    try:
+        i = raw.index(b"\nUid:") + 5
+        uid = int(raw[i:raw.index(b"\n", i)].split()[0])
+        i = raw.index(b"\nvoluntary_ctxt_switches:") + 25
+        vol = int(raw[i:raw.index(b"\n", i)])
+        i = raw.index(b"\nnonvoluntary_ctxt_switches:") + 28
+        nonvol = int(raw[i:raw.index(b"\n", i) if raw.find(b"\n", i) >= 0 else None])
+    except (ValueError, IndexError) as err:
+        raise Failed(f"unexpected content in {proc.root}/{proc.pid}/status: {err}",
+                     pid=proc.pid) from err
+    return uid, (vol, nonvol)
 
 
 def _io_bytes(raw: bytes) -> tuple[int, int]:
