@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tunerd.cpulist import format_cpulist
 from tunerd.cpuset import CHILD_PREFIX, CpusetCgroup, find_cpuset
+from tunerd.procfs import _read_once
 from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
 from tunerd.topology.visible import parse_gpu_list, visible_gpus
@@ -161,7 +162,8 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     env = env or {}
     host_online = online if online is not None else _host_online(sys_root)
     cpus: frozenset[int] | None = None
-    cg, eff, cg_text = _cpuset_of(pid, proc_root, sys_root, CPUSET_TTL_S if quick else 0.0)
+    cg, eff, cg_text, cg_dir = _cpuset_of(pid, proc_root, sys_root,
+                                          CPUSET_TTL_S if quick else 0.0)
     if cg is not None:
         here = topo.online_cpus() if not topo.replayed else host_online
         if eff and eff != here:
@@ -199,7 +201,7 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     elif cpus is not None:
         scheduler = f"cgroup {cg.path if cg else '?'}"
     return Allocation(cpus=cpus, current=current, mask=mask or None, gpus=gpus, ncpus=ncpus,
-                      scheduler=scheduler, cgroup_dir=str(cg.dir) if cg is not None else None,
+                      scheduler=scheduler, cgroup_dir=cg_dir,
                       slurm_job=job, slurm_step=step, slurm_task=task,
                       job_from_cgroup=m is not None, granted=granted)
 
@@ -252,41 +254,46 @@ def _pod_gpus(pid: int, topo: Topology) -> tuple[tuple[int, ...], str] | None:
 # whose cpuset files are then read once, not per exec. The kernel still confines a mask
 # to the cgroup as it is, should a scheduler change it within CPUSET_TTL_S.
 CPUSET_TTL_S = 1.0
-_cpusets: dict[tuple[str, str, str], tuple[float, CpusetCgroup | None, frozenset[int]]] = {}
+_cpusets: dict[tuple[str, str, bytes],
+               tuple[float, CpusetCgroup | None, frozenset[int], str | None, str | None]] = {}
 _cpusets_lock = threading.Lock()
 
 
 def _cpuset_of(pid: int, proc_root: Path, sys_root: Path, ttl: float
-               ) -> tuple[CpusetCgroup | None, frozenset[int], str | None]:
-    """The scheduler's cpuset of ``pid``, its effective CPUs (empty: unreadable), from
-    the cache where read less than ``ttl`` seconds ago; and /proc/PID/cgroup's text
-    where read (``ttl`` > 0)."""
+               ) -> tuple[CpusetCgroup | None, frozenset[int], str | None, str | None]:
+    """The scheduler's cpuset of ``pid``, its effective CPUs (empty: unreadable) and its
+    directory, from the cache where read less than ``ttl`` seconds ago; and
+    /proc/PID/cgroup's text where read (``ttl`` > 0: one open and one read, keyed by the
+    bytes as read)."""
     if ttl <= 0:
         cg = _scheduler_cpuset(pid, proc_root, sys_root)
+        cg_dir = str(cg.dir) if cg is not None else None
         try:
-            return cg, cg.effective_cpus() if cg is not None else frozenset(), None
+            return cg, cg.effective_cpus() if cg is not None else frozenset(), None, cg_dir
         except OSError:
-            return cg, frozenset(), None
+            return cg, frozenset(), None, cg_dir
+    proc_s, sys_s = str(proc_root), str(sys_root)
     try:
-        with open(f"{proc_root}/{pid}/cgroup", "rb") as f:
-            text = f.read(8192).decode(errors="replace")
+        raw = _read_once(f"{proc_s}/{pid}/cgroup", 8192)
     except OSError:
-        return None, frozenset(), None
-    key = (str(proc_root), str(sys_root), text)
+        return None, frozenset(), None, None
+    key = (proc_s, sys_s, raw)
     now = time.monotonic()
     hit = _cpusets.get(key)
     if hit is not None and now - hit[0] < ttl:
-        return hit[1], hit[2], text
+        return hit[1], hit[2], hit[3], hit[4]
+    text = raw.decode(errors="replace")
     cg = _scheduler_cpuset(pid, proc_root, sys_root)
     try:
         eff = cg.effective_cpus() if cg is not None else frozenset()
     except OSError:
         eff = frozenset()
+    cg_dir = str(cg.dir) if cg is not None else None
     with _cpusets_lock:
         if len(_cpusets) > 256:
             _cpusets.clear()
-        _cpusets[key] = (now, cg, eff)
-    return cg, eff, text
+        _cpusets[key] = (now, cg, eff, text, cg_dir)
+    return cg, eff, text, cg_dir
 
 
 def _scheduler_cpuset(pid: int, proc_root: Path, sys_root: Path) -> CpusetCgroup | None:

@@ -384,8 +384,14 @@ class Binder:
                      f"{why}; existing pages moved with migrate_pages(2)")
         return None, frozenset(), nodes - mems
 
-    def read_originals(self, t: Target) -> Originals:
-        """Every thread's CPU mask now (before a bind changes them)."""
+    def read_originals(self, t: Target, only: frozenset[int] | None = None) -> Originals:
+        """Every thread's CPU mask now (before a bind changes them). ``only``: the mask
+        of its one thread, read just now (a just-exec'd process whose stat said one
+        thread): no more reads; a thread cloned since is found, and its mask read, by
+        the first listing of the bind (``_set_masks``)."""
+        if only is not None:
+            return Originals(pid=t.pid, start_time=t.start_time, process_cpus=only,
+                             threads={t.pid: only})
         return self._originals(t, None, None)
 
     def _originals(self, t: Target, previous: Originals | None,

@@ -543,7 +543,9 @@ class AutoBinder:
             ns["place"] = time.perf_counter_ns()
             self._reserve(m, ctx, group, placed, 0.0, False)
         try:
-            orig = self.jobs.binder.read_originals(target)
+            # one thread when the intake read it: its mask as read there is every mask
+            mask = ctx.allocation.mask if ctx.threads == 1 else None
+            orig = self.jobs.binder.read_originals(target, mask)
             self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
                                         mems=None, nofile=None))
         except Exception as err:  # gone, or not ours to set: the loop's bind says why

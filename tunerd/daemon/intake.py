@@ -109,6 +109,7 @@ class JobContext:
     enclosing: frozenset[int] | None = None  # CPUs of that lease, or of a bound launcher
     self_affined: bool = False  # it set its own affinity (numactl, taskset)
     notes: tuple[str, ...] = field(default=())
+    threads: int = 0  # its number of threads when read (stat), 0: not known
 
     @property
     def cmdline(self) -> str:
@@ -143,6 +144,7 @@ class Intake:
         self._bound = bound
         self._lease = lease
         self.proc = proc_root
+        self._proc_path = Path(proc_root)
         # pid -> (its start time, when; its ancestors' stats from itself up / its argv
         # and environment): quick looks only (see PARENT_TTL_S)
         self._chains: dict[int, tuple[int, float, list[Up]]] = {}
@@ -172,7 +174,7 @@ class Intake:
         if argv is None:
             argv = p.cmdline(4096)
         notes: list[str] = []
-        alloc = read_allocation(pid, env, self.topo, proc_root=Path(self.proc),
+        alloc = read_allocation(pid, env, self.topo, proc_root=self._proc_path,
                                 online=self.online, quick=quick)
         rank = _rank_of(env, alloc, st.ppid, notes)
         gpus, how = self._gpus(pid, env, rank, alloc)
@@ -187,7 +189,7 @@ class Intake:
                          uid=uid if uid is not None else _uid(p), comm=st.comm,
                          argv=tuple(argv), env=env,
                          allocation=alloc, gpus=gpus, gpus_how=how, rank=rank, role=role,
-                         why=why, notes=tuple(notes))
+                         why=why, notes=tuple(notes), threads=st.num_threads)
         return self._tree(ctx, quick)
 
     def _gpus(self, pid: int, env: Mapping[str, str], rank: RankId | None,
