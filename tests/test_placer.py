@@ -155,3 +155,24 @@ def test_memory_on_every_node_of_this_machine_is_no_binding() -> None:
     assert pl.bindable_mems(frozenset(range(9))) is None
     assert pl.bindable_mems(frozenset({1})) == frozenset({1})
     assert pl.bindable_mems(frozenset()) == frozenset()  # kept as given: the callers decide
+
+
+def test_a_repeated_placement_is_the_same_and_follows_every_reservation_change() -> None:
+    """``place`` keeps what it computed for a request while the reservations stay the
+    same: each reserve, release or housekeeping change is seen at once."""
+    hk: set[int] = set()
+    pl = Placer(load_topology(TOPO / "dgx-h100.json"), HOST, lambda: frozenset(hk))
+    req = PlaceRequest(gpu_ids=(0,), rank=0, ranks=2, group="job/1", ignore_busy_gpus=True)
+    first = pl.place(req)
+    assert first.cpus and pl.place(req) == first
+    pl.reserve(Reservation(key="rule:1", holder="rank 1", gpus=(0,), cpus=first.cpus,
+                           group="job/1"))
+    moved = pl.place(req)
+    assert moved.cpus and not moved.cpus & first.cpus  # its sibling holds those now
+    pl.reserve(Reservation(key="rule:1", holder="rank 1", gpus=(0,), cpus=moved.cpus,
+                           group="job/1"))  # the same key, other CPUs
+    assert not (pl.place(req).cpus or frozenset()) & moved.cpus
+    pl.release("rule:1")
+    assert pl.place(req) == first
+    hk.update({0, 1})
+    assert not (pl.place(req).cpus or frozenset()) & {0, 1, 112, 113}

@@ -60,6 +60,7 @@ __all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
 log = logging.getLogger("tunerd.placer")
 
 ANCESTOR_DEPTH = 8  # how far up to look for a `tunerctl run` lease holder
+MEMO_SIZE = 256  # placements kept (``Placer.place``); all dropped when full
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,15 @@ class Placer:
         # tunerd.daemon.autobind): it holds this lock across both, and place/reserve/
         # release take it, so a placement on the loop never sees half of another
         self.lock = threading.RLock()
+        # placements as computed for a request while the reservations were as they are
+        # (``place``): the ranks of one job, a relaunch of the same script. Keyed by the
+        # request, the housekeeping CPUs and a digest of the reservations (kept by
+        # reserve/release: the XOR of their hashes and their number), so that any
+        # change of them is a miss; dropped whole when the topology or host changes.
+        self._memo: dict[tuple[Any, ...], Placement] = {}
+        self._memo_for: tuple[Topology, HostCapacity] = (topology, host)
+        self._res_digest = 0
+        self._res_gpus = 0  # reservations holding GPUs (busy GPUs are read live then)
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
@@ -158,11 +168,21 @@ class Placer:
     # -- reservations ----------------------------------------------------------
     def reserve(self, res: Reservation) -> None:
         with self.lock:
+            self._forget_res(self._res.get(res.key))
             self._res[res.key] = res
+            self._res_digest ^= hash(res)
+            self._res_gpus += bool(res.gpus)
 
     def release(self, key: str) -> Reservation | None:
         with self.lock:
-            return self._res.pop(key, None)
+            res = self._res.pop(key, None)
+            self._forget_res(res)
+            return res
+
+    def _forget_res(self, res: Reservation | None) -> None:
+        if res is not None:
+            self._res_digest ^= hash(res)
+            self._res_gpus -= bool(res.gpus)
 
     def _held(self) -> list[Reservation]:
         """The reservations now (a copy: another thread may reserve meanwhile)."""
@@ -231,9 +251,27 @@ class Placer:
 
     # -- deciding --------------------------------------------------------------
     def place(self, req: PlaceRequest) -> Placement:
-        """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring)."""
+        """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring).
+
+        The same request against the same reservations gets the placement computed
+        before (a Placement is immutable); not where GPUs are held and the request
+        counts busy GPUs (those are verified live)."""
         with self.lock:
-            return self._place(req)
+            if self._memo_for[0] is not self.topo or self._memo_for[1] is not self.host:
+                self._memo.clear()
+                self._memo_for = (self.topo, self.host)
+            key: tuple[Any, ...] | None = None
+            if req.ignore_busy_gpus or not self._res_gpus:
+                key = (req, self._housekeeping(), self._res_digest, len(self._res))
+                hit = self._memo.get(key)
+                if hit is not None:
+                    return hit
+            p = self._place(req)
+            if key is not None:
+                if len(self._memo) >= MEMO_SIZE:
+                    self._memo.clear()
+                self._memo[key] = p
+            return p
 
     def _place(self, req: PlaceRequest) -> Placement:
         if req.mode not in MODES:
