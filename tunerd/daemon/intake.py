@@ -181,8 +181,8 @@ class Intake:
         role, why = "process", "no rank identity in its environment"
         if is_launcher(argv, st.comm):
             role, why = "launcher", f"{_base(argv[0]) if argv else st.comm} starts ranks"
-        elif wrapper_name(argv, st.comm):
-            role, why = "wrapper", f"{wrapper_name(argv, st.comm)} only starts the next process"
+        elif (wrapper := wrapper_name(argv, st.comm)) is not None:
+            role, why = "wrapper", f"{wrapper} only starts the next process"
         elif rank is not None:
             role, why = "rank", f"{rank.source}, group {rank.group}"
         ctx = JobContext(pid=pid, start_time=st.start_time, ppid=st.ppid,
