@@ -141,6 +141,11 @@ def main() -> int:
               f"median {s['median']:.2f} ms  p99 {s['p99']:.2f} ms"
               + (f"; steps (median ms): {s['bind_first_steps_median']}"
                  if s.get("bind_first_steps_median") else ""))
+        wk = r["watcher"].get("wake_ms") or {}
+        if wk.get("n"):
+            print(f"  {name}, before that: the kernel's exec event -> the watcher thread read "
+                  f"it (n={wk['n']}, both series): median {wk['median']:.2f} ms  "
+                  f"p99 {wk['p99']:.2f} ms")
     b = res["baseline_self_pin_ms"]
     print(f"  baseline (launcher pins itself): median {b['median']:.3f} ms  p95 {b['p95']:.3f} "
           f"ms  p99 {b['p99']:.3f} ms")

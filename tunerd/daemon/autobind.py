@@ -160,6 +160,7 @@ class AutoBinder:
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
         self.steps_ms: deque[dict[str, float]] = deque(maxlen=1000)
+        self._match_ns = 0
         # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the
         # ones whose CPUs are set already (``_inflight``) are recorded before we go
         self._fast_lock = threading.Lock()
@@ -262,6 +263,7 @@ class AutoBinder:
         right here (``_bind_now``: bind first, persist after, on the loop)."""
         if self._watcher_tid is None:
             self._tune_watcher_thread()
+        self._match_ns = time.perf_counter_ns()  # this thread's: the match step's start
         self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
         m = self.rules.match(pid)
         if m is None:
@@ -502,7 +504,7 @@ class AutoBinder:
                 or self.jobs.record(pid) is not None or self.jobs.dry_run
                 or rule_reach_refused(m.rule, m.uid) is not None):
             return self._to_loop("seen before, or refused", None)
-        ns = {"t0": time.perf_counter_ns()}
+        ns = {"m0": self._match_ns, "t0": time.perf_counter_ns()}
         try:
             # the pidfd first: what the intake reads next is of the process it holds
             pidfd = os.pidfd_open(pid)
@@ -603,6 +605,8 @@ class AutoBinder:
         steps = {f"{k}_ms": round((ns[k] - ns[prev]) / 1e6, 3)
                  for prev, k in zip(("t0", "intake", "place"), ("intake", "place", "bound"),
                                     strict=True) if k in ns and prev in ns}
+        if "m0" in ns and "t0" in ns:  # the rule match, before the exec counts as seen
+            steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
         steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
         self.steps_ms.append(steps)
         try:

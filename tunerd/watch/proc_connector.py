@@ -95,6 +95,8 @@ _BPF_RET_K = 0x06 | 0x00
 _ACCEPT = 0xFFFFFFFF
 _U32 = struct.Struct("I")
 _I32 = struct.Struct("i")
+_U64 = struct.Struct("Q")
+_OFF_TS = 44  # proc_event.timestamp_ns (CLOCK_MONOTONIC)
 _EVENT = struct.Struct("=I12xii")  # what, (cpu, timestamp), pid, tgid: from _OFF_WHAT
 _EVENT_AT = struct.Struct("=I32xI12xii")  # nlmsg len, what, pid, tgid: from the start
 
@@ -443,6 +445,9 @@ class ExecWatcher(Generic[T]):
         self.skip_exited = skip_exited
         self.exited_unread = 0
         self.wakeups = 0  # blocking reads that returned a message (one wake-up each)
+        # exec event stamped by the kernel -> this thread read it, for blocking reads (the
+        # wake-up a bind waits for before any of tunerd's work), ms, the last 1000
+        self.wake_ms: deque[float] = deque(maxlen=1000)
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
         self.use_connector = use_connector
@@ -554,6 +559,7 @@ class ExecWatcher(Generic[T]):
             if n < _MSG_MIN or unpack_what(buf, _OFF_WHAT)[0] != PROC_EVENT_EXEC:
                 continue  # an exit queued while batches were read
             self.events += 1
+            self.wake_ms.append((time.monotonic_ns() - _U64.unpack_from(buf, _OFF_TS)[0]) / 1e6)
             take(unpack_tgid(buf, _OFF_TGID)[0])
             now = time.monotonic()
             if self.batch_window > 0 and now - recent[0] < span:
@@ -671,4 +677,13 @@ class ExecWatcher(Generic[T]):
                 "selected": self.selected, "batches": self.batches,
                 "overruns": self.overruns, "rescans": self.scans,
                 "exited_unread": self.exited_unread, "wakeups": self.wakeups,
+                "wake_ms": _quantiles(self.wake_ms),
                 "kernel_event_filter": bool(self._conn and self._conn.kernel_filter)}
+
+
+def _quantiles(xs: deque[float]) -> dict[str, float]:
+    s = sorted(xs)
+    if not s:
+        return {"n": 0}
+    return {"n": len(s), "median": round(s[len(s) // 2], 3),
+            "p99": round(s[min(len(s) - 1, round(0.99 * (len(s) - 1)))], 3)}
