@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import struct
 import subprocess
 import tempfile
@@ -25,16 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _leases_common import summary
+
 from tunerd.watch.proc_connector import PROC_EVENT_EXEC, ProcConnector
 
 _OFF_WHAT, _OFF_TS, _OFF_TGID = 36, 44, 56
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"n": len(s), "median": round(statistics.median(s), 3),
-            "p99": round(s[min(len(s) - 1, round(0.99 * (len(s) - 1)))], 3),
-            "max": round(s[-1], 3)} if s else {"n": 0}
 
 
 def main() -> int:
@@ -99,9 +93,9 @@ def main() -> int:
     for name, r in out.items():
         e, w, q = (r["exec_event_to_thread_ms"], r["thread_after_popen_returned_ms"],
                    r["popen_returned_after_exec_event_ms"])
-        print(f"  {name:13}: event -> thread median {e.get('median')} ms, p99 {e.get('p99')};"
-              f" thread after Popen returned median {w.get('median')}, p99 {w.get('p99')};"
-              f" Popen returned after the event median {q.get('median')}; "
+        print(f"  {name:13}: event -> thread median {e['median']:.3f} ms, p99 {e['p99']:.3f};"
+              f" thread after Popen returned median {w['median']:.3f}, p99 {w['p99']:.3f};"
+              f" Popen returned after the event median {q['median']:.3f}; "
               f"missed {r['missed']}")
     if a.json:
         import json
