@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -320,3 +321,44 @@ def test_the_queue_reader_returns_every_queued_event(mmsg: bool) -> None:
     finally:
         conn.close()
     assert set(pids) <= {tgid for what, tgid in got if what == PROC_EVENT_EXEC}
+
+
+@ROOT
+def test_the_watcher_thread_is_real_time_while_sparse_and_normal_in_a_storm() -> None:
+    """rt_priority: a lone exec is taken at SCHED_FIFO (nice -10 kept beneath it), the
+    execs of a storm at SCHED_OTHER, and the next lone one at SCHED_FIFO again."""
+    policies: dict[int, int] = {}
+
+    def select(pid: int) -> int:
+        policies[pid] = os.sched_getscheduler(0)  # the watcher thread's own
+        return pid
+
+    async def main() -> tuple[int, list[int], int, ExecWatcher[int]]:
+        w = ExecWatcher(lambda pid: None, lambda: None, select=select, rt_priority=1,
+                        nice=-10)
+        w.start()
+        loop = asyncio.get_running_loop()
+
+        def run() -> tuple[int, list[int], int]:
+            def one() -> int:
+                p = subprocess.Popen(["/bin/true"])
+                p.wait()
+                return p.pid
+            first = one()
+            time.sleep(0.2)
+            storm = [one() for _ in range(100)]
+            time.sleep(0.5)  # the burst is over
+            return first, storm, one()
+
+        first, storm, last = await loop.run_in_executor(None, run)
+        await asyncio.sleep(0.2)
+        w.stop()
+        return first, storm, last, w
+
+    first, storm, last, w = asyncio.run(main())
+    assert w.thread_policy == "SCHED_FIFO 1 while execs are sparse, nice -10", w.status()
+    assert policies.get(first) == os.SCHED_FIFO, policies
+    assert policies.get(last) == os.SCHED_FIFO, policies
+    assert w.batches >= 1, w.status()
+    in_storm = [policies[p] for p in storm if p in policies]
+    assert os.SCHED_OTHER in in_storm, in_storm  # those read in batches

@@ -63,6 +63,7 @@ log = logging.getLogger("tunerd.autobind")
 STOP_DRAIN_S = 0.3  # at stop, how long binds made in the watcher's thread get to be recorded
 
 WATCHER_NICE = -10  # the exec watcher thread's (see AutoBinder.watcher_nice)
+WATCHER_RT_PRIORITY = 1  # ... and its SCHED_FIFO priority while execs are sparse (lowest)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class AutoBinder:
     def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
                  mover: ExclusiveMover, errors: ErrorLog, intake: Intake, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
-                 gate: ReservationGate | None = None,
+                 realtime: bool = True, gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
@@ -152,10 +153,11 @@ class AutoBinder:
         # thread; the loop records, watches and saves it after (False: all on the loop)
         self.bind_in_watcher = True
         self.bound_first = 0  # matches whose CPUs were set in the watcher's thread
-        # the watcher thread's nice value (it binds now: a wake-up that waits behind
+        # the watcher thread's nice value and, with ``realtime``, its SCHED_FIFO
+        # priority while execs are sparse (it binds now: a wake-up that waits behind
         # other runnable tasks delays every bind); None: left as the daemon's
         self.watcher_nice: int | None = WATCHER_NICE
-        self._watcher_tid: int | None = None
+        self.watcher_rt: int | None = WATCHER_RT_PRIORITY if realtime else None
         self.left_to_loop: dict[str, int] = {}  # ... and why the others were not
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
@@ -176,7 +178,8 @@ class AutoBinder:
         self.rules = rules
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self._matched, self.rescan, select=self.match,
-                                       use_connector=self.use_connector, skip_exited=True)
+                                       use_connector=self.use_connector, skip_exited=True,
+                                       rt_priority=self.watcher_rt, nice=self.watcher_nice)
             self.watcher.start()
         elif not self.rules and self.watcher is not None:
             self.watcher.stop()
@@ -261,8 +264,6 @@ class AutoBinder:
         short (a bounded read of the command line, compiled globs). A match carries the
         time it was seen, from which exec-to-bound latency is counted, and is bound
         right here (``_bind_now``: bind first, persist after, on the loop)."""
-        if self._watcher_tid is None:
-            self._tune_watcher_thread()
         self._match_ns = time.perf_counter_ns()  # this thread's: the match step's start
         self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
         m = self.rules.match(pid)
@@ -271,16 +272,6 @@ class AutoBinder:
         seen = time.monotonic()
         fast = self._bind_now(m) if self.bind_in_watcher else None
         return m, seen, fast
-
-    def _tune_watcher_thread(self) -> None:
-        """Once, in the watcher's thread: its own nice value (Linux: per thread)."""
-        self._watcher_tid = threading.get_native_id()
-        if self.watcher_nice is None:
-            return
-        try:
-            os.setpriority(os.PRIO_PROCESS, self._watcher_tid, self.watcher_nice)
-        except OSError as err:  # no CAP_SYS_NICE: as it is
-            log.debug("exec watcher thread keeps its nice value: %s", err)
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found

@@ -39,6 +39,8 @@ class DaemonConfig:
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     max_connections_per_user: int = 128  # open control connections per non-root uid
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
+    # the exec watcher thread runs SCHED_FIFO 1 while execs are sparse (false: nice -10)
+    exec_watch_realtime: bool = True
     # a reload binds the matching processes already running; false: refuse a policy that
     # would bind other users' running processes (as `tunerctl reload --no-rebind-running`)
     reload_rebinds_running: bool = True
@@ -149,6 +151,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                                  _count(1)),
     "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",
                     _bool),
+    "exec_watch_realtime": ("the exec watcher at SCHED_FIFO 1 while execs are sparse "
+                            "(false: nice -10)", _bool),
     "reload_rebinds_running": ("false: a reload refuses a policy binding others' running "
                                "processes", _bool),
     "proc_root": ("/proc the host-setting tuners use (tests: a temporary tree)", _path),

@@ -119,7 +119,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                           default_nofile=policy.default_nofile, gate=gate)
     autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
                           default_nofile=policy.default_nofile, gate=gate,
-                          use_connector=cfg.watch_execs)
+                          use_connector=cfg.watch_execs,
+                          realtime=cfg.exec_watch_realtime)
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
