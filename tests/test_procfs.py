@@ -320,3 +320,24 @@ def test_permission_errors_become_permission_denied(unpriv_user: tuple[int, int]
     msgs = run_as(*unpriv_user, read)
     assert msgs == ["cannot read /proc/1/environ (pid 1): permission denied",
                     "cannot read /proc/1/io (pid 1): permission denied"]
+
+
+@pytest.mark.parametrize("raw,cut_tail", [
+    (b"A=1\0B=2\0A=3\0", False),  # the first one wins
+    (b"PATH=/bin\0NOEQ\0=empty\0E=\0LOCAL_RANK=1\0X=LOCAL_RANK=9\0", False),
+    (b"A=1\0LOCAL_RANK=0\0TAIL=par", True),  # the partial last entry is left out
+    (b"LOCAL_RANK=2\0U=\xc3\xa9\xff\0LAST=whole", False),  # no NUL at the end: whole
+    (b"", False),
+])
+def test_an_environ_view_looks_up_what_a_full_parse_finds(raw: bytes, cut_tail: bool) -> None:
+    full = procfs.parse_environ_pieces([(raw, False, cut_tail)])
+    view = procfs.environ_view([(raw, False, cut_tail)])
+    assert isinstance(view, procfs.EnvironView)
+    for key in ("A", "B", "PATH", "NOEQ", "E", "LOCAL_RANK", "X", "TAIL", "U", "LAST",
+                "", "RANK", "é"):
+        assert view.get(key) == full.get(key), key
+        assert (key in view) == (key in full), key
+    assert dict(view) == full and len(view) == len(full)
+    # a head + tail read of a large environment is parsed whole
+    assert isinstance(procfs.environ_view([(b"A=1\0B", False, True), (b"C=3\0", True, False)]),
+                      dict)

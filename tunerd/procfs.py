@@ -38,12 +38,14 @@ import functools
 import os
 import re
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 
 __all__ = [
+    "EnvironView",
+    "environ_view",
     "ARG_READ_MAX",
     "CLK_TCK",
     "PAGE_SIZE",
@@ -68,6 +70,7 @@ __all__ = [
     "read_comm",
     "read_environ",
     "read_environ_raw",
+    "read_environ_view",
     "read_ppid",
     "read_start_time",
     "read_text",
@@ -264,6 +267,72 @@ def parse_environ_pieces(pieces: EnvPieces) -> dict[str, str]:
     for raw, cut_head, cut_tail in pieces:
         _parse_environ(raw, cut_head, cut_tail, out)
     return out
+
+
+class EnvironView(Mapping[str, str]):
+    """An environment as read (one piece from its start), looked up in the bytes: a
+    rule match and the intake ask for a dozen variables of environments of hundreds,
+    so nothing is decoded until asked for; the whole is parsed once when iterated.
+    Lookups give what :func:`parse_environ_pieces` would: the first ``KEY=`` entry,
+    a partial last entry (``cut_tail``) left out."""
+
+    __slots__ = ("_all", "_cut_tail", "_raw")
+
+    def __init__(self, raw: bytes, cut_tail: bool) -> None:
+        self._raw = raw
+        self._cut_tail = cut_tail
+        self._all: dict[str, str] | None = None
+
+    def _whole(self) -> dict[str, str]:
+        if self._all is None:
+            self._all = {}
+            _parse_environ(self._raw, False, self._cut_tail, self._all)
+        return self._all
+
+    def __getitem__(self, key: str) -> str:
+        if self._all is not None or not key or not key.isascii():
+            return self._whole()[key]
+        raw = self._raw
+        needle = key.encode() + b"="
+        if raw.startswith(needle):
+            start = len(needle)
+        else:
+            at = raw.find(b"\0" + needle)
+            if at < 0:
+                raise KeyError(key)
+            start = at + 1 + len(needle)
+        end = raw.find(b"\0", start)
+        if end < 0:
+            if self._cut_tail:  # the partial last entry
+                raise KeyError(key)
+            end = len(raw)
+        return raw[start:end].decode("utf-8", "replace")
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._whole())
+
+    def __len__(self) -> int:
+        return len(self._whole())
+
+    def __repr__(self) -> str:
+        return f"EnvironView({len(self)} variables)"
+
+
+def environ_view(pieces: EnvPieces) -> Mapping[str, str]:
+    """The environment of ``pieces`` as a Mapping: an :class:`EnvironView` where it was
+    read from its start in one piece (most), else parsed (a large one's head + tail)."""
+    if len(pieces) == 1 and not pieces[0][1]:
+        return EnvironView(pieces[0][0], pieces[0][2])
+    return parse_environ_pieces(pieces)
 
 
 def _environ_pieces(fd: int, limit: int, bounds: Callable[[], tuple[int, int]]
@@ -652,6 +721,13 @@ def read_environ_raw(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
         os.close(fd)
 
 
+def read_environ_view(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
+                      ) -> Mapping[str, str] | None:
+    """:func:`read_environ` as looked up, not parsed whole (:func:`environ_view`)."""
+    pieces = read_environ_raw(pid, proc, limit)
+    return None if pieces is None else environ_view(pieces)
+
+
 def read_environ(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
                  ) -> dict[str, str] | None:
     """The environment the process was exec'd with (see Process.environ), or None."""
@@ -676,9 +752,17 @@ def read_ppid(pid: int, proc: str = PROC) -> int | None:
 
 
 def read_uid(pid: int, proc: str = PROC) -> int | None:
-    """Real uid of the process (the Uid line of /proc/PID/status), or None."""
-    p = Process(pid, proc)
-    return _or_none(lambda: p.uids()[0])
+    """Real uid of the process (the Uid line of /proc/PID/status), or None. The exec
+    watcher's path: that one line is looked up in the bytes, nothing else parsed."""
+    try:
+        raw = _read_once(f"{proc}/{pid}/status")
+    except OSError:
+        return None
+    i = raw.find(b"\nUid:")
+    if i < 0:
+        return None
+    field = raw[i + 5:raw.find(b"\n", i + 5)].split(None, 1)
+    return int(field[0]) if field and field[0].isdigit() else None
 
 
 def list_pids(proc: str = PROC) -> list[int]:

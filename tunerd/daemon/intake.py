@@ -168,7 +168,7 @@ class Intake:
         p = procfs.Process(pid, self.proc)
         st = p.stat()
         if env is None:
-            env = procfs.read_environ(pid, self.proc)
+            env = procfs.read_environ_view(pid, self.proc)
             if env is None:
                 raise NoSuchProcess(f"cannot read the environment of process {pid}", pid=pid)
         if argv is None:
@@ -245,7 +245,7 @@ class Intake:
         if hit is not None and hit[0] == start and time.monotonic() - hit[1] < PARENT_TTL_S:
             return hit[2], hit[3]
         argv = procfs.Process(ppid, self.proc).cmdline(4096)
-        env = procfs.read_environ(ppid, self.proc) or {}
+        env = procfs.read_environ_view(ppid, self.proc) or {}
         if quick and start is not None:
             with self._cache_lock:
                 if len(self._parents) > 256:
@@ -290,7 +290,7 @@ class Intake:
             argv = []
         encloses = is_launcher(argv, comm) or wrapper_name(argv, comm) is not None
         if not encloses and ctx.rank is not None:
-            penv = procfs.read_environ(ppid, self.proc) or {}
+            penv = procfs.read_environ_view(ppid, self.proc) or {}
             prank = _rank_of(penv, ctx.allocation, -1, [])
             encloses = prank is None or prank.var != ctx.rank.var
         if encloses:

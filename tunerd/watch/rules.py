@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import pwd
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tunerd import procfs
@@ -120,7 +120,7 @@ class RuleMatch:
     pid: int
     cmdline: str  # at most CMDLINE_MATCH_BYTES of it
     uid: int | None
-    env: dict[str, str]
+    env: Mapping[str, str]  # procfs.environ_view: looked up, not parsed whole
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class RuleSet:
                 return None
         cmdline, cut = got
         uid = procfs.read_uid(pid, self.proc) if self._need_uid else None
-        env: dict[str, str] | None = None
+        env: Mapping[str, str] | None = None
         for c in self._compiled:
             rule = c.rule
             if c.cmd is not None and not c.cmd.match(cmdline, cut):
@@ -229,15 +229,16 @@ class RuleSet:
                 if not c.env_possible(blob):
                     continue
                 if env is None:
-                    env = procfs.parse_environ_pieces(pieces)
+                    env = procfs.environ_view(pieces)
                 if not all((val := env.get(var)) is not None and glob.match(val)
                            for var, glob in c.env):
                     continue
                 if rule.rank and not any(v in env for v in RANK_VARS):
                     continue
             if env is None:  # binding needs LOCAL_RANK / CUDA_VISIBLE_DEVICES
-                env = (procfs.read_environ(pid, self.proc, ENVIRON_MATCH_BYTES)
-                       if pieces is None else procfs.parse_environ_pieces(pieces))
+                if pieces is None:
+                    pieces = procfs.read_environ_raw(pid, self.proc, ENVIRON_MATCH_BYTES)
+                env = procfs.environ_view(pieces) if pieces is not None else None
             if uid is None:
                 uid = procfs.read_uid(pid, self.proc)
             return RuleMatch(rule, pid, cmdline, uid, env or {})
