@@ -606,8 +606,19 @@ class Binder:
         """
         quiet = 0
         live: list[int] = []
+        early = 0
+        main = known.get(t.pid)
+        if main is not None and len(known) == 1:
+            # one thread when its mask was read, just now (a just-exec'd rank): the main
+            # thread is set before task/ is listed, the passes then find any other
+            w = want(t.pid)
+            if main != w and self._set_one(t, t.pid, w):
+                early = 1
+            done[t.pid] = main
+            if record is not None:
+                record.setdefault(t.pid, main)
         for n_pass in range(MAX_PASSES):
-            changed = 0
+            changed, early = early, 0
             live = self.tids(t.pid)
             for tid in live:
                 if tid in done:
@@ -616,25 +627,12 @@ class Binder:
                 try:
                     before = (known[tid] if n_pass == 0 and tid in known
                               else frozenset(os.sched_getaffinity(tid)))
-                    if before != w:
-                        if t.exited():  # before every write: never touch a reused tid
-                            raise NoSuchProcess(f"process {t.pid} exited while being bound",
-                                                pid=t.pid)
-                        os.sched_setaffinity(tid, w)
-                        changed += 1
                 except ProcessLookupError:
                     continue  # the thread exited: fine
-                except PermissionError as err:  # another user's process, no CAP_SYS_NICE
-                    raise PermissionDenied(
-                        f"sched_setaffinity(thread {tid} of pid {t.pid}, {format_cpulist(w)}) "
-                        f"failed: EPERM — setting the CPUs of another user's process (uid "
-                        f"{t.uid}) needs CAP_SYS_NICE, which tunerd does not have",
-                        pid=t.pid) from err
-                except OSError as err:
-                    raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
-                                 f"{format_cpulist(w)}) failed: "
-                                 f"{errno.errorcode.get(err.errno or 0, err.errno)} "
-                                 f"{err.strerror}", pid=t.pid) from err
+                if before != w:
+                    if not self._set_one(t, tid, w):
+                        continue
+                    changed += 1
                 done[tid] = known.get(tid, before)
                 if record is not None and (n_pass == 0 or before != w):
                     record.setdefault(tid, before)
@@ -645,6 +643,28 @@ class Binder:
                 return live
         raise Failed(f"process {t.pid} keeps changing its threads' CPU masks; gave up "
                      f"after {MAX_PASSES} passes", pid=t.pid)
+
+    @staticmethod
+    def _set_one(t: Target, tid: int, w: frozenset[int]) -> bool:
+        """sched_setaffinity(tid, w) for a thread of ``t``; False: the thread is gone."""
+        if t.exited():  # before every write: never touch a reused tid
+            raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid)
+        try:
+            os.sched_setaffinity(tid, w)
+        except ProcessLookupError:
+            return False  # the thread exited: fine
+        except PermissionError as err:  # another user's process, no CAP_SYS_NICE
+            raise PermissionDenied(
+                f"sched_setaffinity(thread {tid} of pid {t.pid}, {format_cpulist(w)}) "
+                f"failed: EPERM — setting the CPUs of another user's process (uid "
+                f"{t.uid}) needs CAP_SYS_NICE, which tunerd does not have",
+                pid=t.pid) from err
+        except OSError as err:
+            raise Failed(f"sched_setaffinity(thread {tid} of pid {t.pid}, "
+                         f"{format_cpulist(w)}) failed: "
+                         f"{errno.errorcode.get(err.errno or 0, err.errno)} "
+                         f"{err.strerror}", pid=t.pid) from err
+        return True
 
     def _migrate_pages(self, t: Target, old: frozenset[int], new: frozenset[int]) -> int | None:
         if not old:

@@ -44,19 +44,19 @@ from typing import Any, NamedTuple, TypeVar
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 
 __all__ = [
-    "EnvironView",
-    "environ_view",
     "ARG_READ_MAX",
     "CLK_TCK",
     "PAGE_SIZE",
     "PF_KTHREAD",
     "PROC",
     "EnvPieces",
+    "EnvironView",
     "IoCounters",
     "Process",
     "Stat",
     "children_map",
     "descendants",
+    "environ_view",
     "list_pids",
     "list_tids",
     "parse_io",
