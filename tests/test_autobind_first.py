@@ -145,3 +145,44 @@ def test_a_daemon_stopped_among_execs_leaves_no_process_bound_without_a_record(
     finally:
         for p in procs:
             kill(p)
+
+
+@needs_two_cpus
+def test_a_daemon_killed_between_bind_and_record_has_the_rank_bound_and_recorded_next_start(
+        tmp_path: Path, daemon_factory) -> None:
+    """SIGKILL after the watcher's thread set a rank's CPUs, before the loop recorded it
+    (debug_apply_delay holds the record back): the next daemon finds it in the
+    binds-in-flight journal, puts its mask back and binds it afresh, with a record --
+    not "left alone" as if it had chosen those CPUs itself."""
+    exe = unique_sleeper(tmp_path, f"bk_train_{os.getpid()}")
+    target = str(max(HOST_CPUS))
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "kill"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'cpus = "{target}"\n')
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text("debug_apply_delay = 30\n")
+    d = daemon_factory(policy_dir=pol, args=["--config", str(cfg)]).start()
+    p = spawn([str(exe), "60"], {"LOCAL_RANK": "0"})
+    try:
+        wait_for(lambda: cpus_allowed(p.pid) == target, 10, "the rank to be bound",
+                 detail=d.log)
+        journal = d.runtime_dir / "binds-in-flight"
+        assert journal.read_text().startswith(f"{p.pid} "), journal.read_text()
+        assert not _saved(d.runtime_dir, p.pid)
+        d.proc.kill()
+        d.proc.wait(10)
+        cfg.write_text("debug_apply_delay = 0\n")
+        d.start()
+
+        def recorded() -> bool:
+            return any(j["pid"] == p.pid for j in d.ctl("--json", "jobs").json()["jobs"])
+
+        wait_for(recorded, 10, "the rank to be bound again, recorded", detail=d.log)
+        assert cpus_allowed(p.pid) == target
+        assert "never recorded: CPUs" in d.log()
+        assert p.pid not in [a["pid"] for a in autobind_status(d).get("left_alone", [])]
+        wait_for(lambda: journal.read_text() == "", 5, "the journal to be emptied")
+        assert d.ctl("unbind", str(p.pid)).rc == 0
+        assert parse_cpulist(cpus_allowed(p.pid) or "") == HOST_CPUS
+    finally:
+        kill(p)

@@ -36,11 +36,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tunerd import procfs
 from tunerd.binding import Originals, Plan, Target
 from tunerd.cpulist import format_cpulist
+from tunerd.daemon.bindjournal import BindJournal, put_back
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
 from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
@@ -116,6 +118,7 @@ class AutoBinder:
                  mover: ExclusiveMover, errors: ErrorLog, intake: Intake, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
+                 journal: Path | None = None, record_delay: float = 0.0,
                  proc_root: str = procfs.PROC) -> None:
         self.placer = placer
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
@@ -168,10 +171,30 @@ class AutoBinder:
         self._fast_lock = threading.Lock()
         self._stopping = False
         self._inflight: set[int] = set()
+        # bound in the watcher's thread, not recorded yet by the loop: in the journal
+        # (tunerd.daemon.bindjournal), emptied whenever this is
+        self.journal = BindJournal(journal)
+        self._unrecorded: set[int] = set()
+        self.record_delay = record_delay  # debug_apply_delay: seconds before a record
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         self.restore_moves()
+        self._recover()
+
+    def _recover(self) -> None:
+        """At start, before any rescan: binds a killed daemon made but never recorded
+        get their CPUs back, so that the rescan binds them afresh (with a record)."""
+        for entry in self.journal.open():
+            job = self.jobs.record(entry.pid)
+            if job is not None and job.start_time == entry.start_time:
+                continue  # recorded after all
+            n = put_back(entry, self.proc)
+            if n:
+                log.warning("pid %d: bound by a rule (CPUs %s) just before the last daemon "
+                            "stopped, never recorded: CPUs %s put back (%d thread(s)); the "
+                            "rules look at it again now", entry.pid,
+                            format_cpulist(entry.set_to), format_cpulist(entry.before), n)
 
     async def apply_rules(self, rules: RuleSet) -> None:
         """Put a new rule set in force (start and every reload)."""
@@ -209,10 +232,12 @@ class AutoBinder:
         if pending:
             await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.0))
         if self._inflight:
-            log.warning("stopping: %d process(es) bound by a rule but not recorded: %s",
+            log.warning("stopping: %d process(es) bound by a rule but not recorded: %s "
+                        "(the next start puts their CPUs back: binds-in-flight)",
                         len(self._inflight), sorted(self._inflight))
         for t in self._pending.values():
             t.cancel()
+        self.journal.close()
 
     def status(self) -> dict[str, Any]:
         w = self.watcher.status() if self.watcher else {"mode": "off"}
@@ -549,6 +574,8 @@ class AutoBinder:
             return self._to_loop(type(err).__name__, ctx)
         orig.affinity_set = True
         ns["bound"] = time.perf_counter_ns()
+        self.journal.add(pid, ctx.start_time, orig.process_cpus, placed.cpus)
+        self._unrecorded.add(pid)
         at = time.monotonic()
         rb = self.bound.get(pid)
         if rb is not None:
@@ -601,6 +628,8 @@ class AutoBinder:
         steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
         self.steps_ms.append(steps)
         try:
+            if self.record_delay:  # crash tests: a window between the bind and its record
+                await asyncio.sleep(self.record_delay)
             self.matched += 1
             if rb is None or not self.pidwatch.watch(pid, ctx.start_time, "rule", self._exited):
                 self._forget(pid)
@@ -622,6 +651,10 @@ class AutoBinder:
             target.close()
             if self._pending.get(pid) is asyncio.current_task():
                 del self._pending[pid]
+            with self._fast_lock:  # against the watcher's thread adding one meanwhile
+                self._unrecorded.discard(pid)
+                if not self._unrecorded:
+                    self.journal.clear()
 
     def _put_back(self, fast: _Fast) -> None:
         """Undo a fast bind whose recording failed: every thread's mask as it was."""

@@ -49,6 +49,7 @@ class DaemonConfig:
     sys_root: Path = Path("/sys")
     etc_root: Path = Path("/etc")
     debug_apply_delay: float = 0.0  # seconds slept between two host writes (crash tests)
+    # ... and before a bind the exec watcher's thread made is recorded
     # the Python training jobs run with; `tunerctl doctor` checks its torch
     job_python: Path | None = None
     # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
@@ -158,7 +159,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "proc_root": ("/proc the host-setting tuners use (tests: a temporary tree)", _path),
     "sys_root": ("/sys the host-setting tuners use", _path),
     "etc_root": ("/etc the host-setting tuners use (nccl.conf)", _path),
-    "debug_apply_delay": ("seconds slept between two host writes (crash tests only)",
+    "debug_apply_delay": ("seconds slept between host writes and before a rule bind's "
+                          "record (tests)",
                           _seconds(0, inclusive=True)),
     "job_python": ("absolute path of the Python training jobs use (`tunerctl doctor`)",
                    _abs_path),

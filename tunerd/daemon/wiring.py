@@ -120,7 +120,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
                           default_nofile=policy.default_nofile, gate=gate,
                           use_connector=cfg.watch_execs,
-                          realtime=cfg.exec_watch_realtime)
+                          realtime=cfg.exec_watch_realtime,
+                          journal=None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight",
+                          record_delay=cfg.debug_apply_delay)
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
