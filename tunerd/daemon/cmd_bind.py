@@ -84,6 +84,7 @@ class BindCommands:
         if not req.peer.is_root:
             nofile = self.gate.cap_nofile(req.peer.uid, pid, nofile, notes) or nofile
         seen: list[JobContext] = []
+        held_before: list[Reservation | None] = []  # what this bind's hold replaced
 
         def admit() -> None:
             """A reservation: the one gate of alloc and run (tunerd.daemon.gate); runs
@@ -92,10 +93,19 @@ class BindCommands:
                 self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")
 
         def place() -> tuple[Placement | None, str | None]:
-            """Near its GPUs; runs once the process is pinned and its owner checked."""
+            """Near its GPUs; runs once the process is pinned and its owner checked.
+            Placed and held as one under the placer's lock: a rule's bind in the exec
+            watcher's thread never gets these CPUs while this bind is applied."""
             admit()
+
+            def hold(p: Placement, ctx: JobContext) -> None:  # under the placer's lock
+                if p.cpus and not self.jobs.dry_run:
+                    held_before.extend(self._hold_cpus(
+                        pid, cpus if cpus is not None else p.cpus, tuple(p.gpus or ()),
+                        ctx, exclusive, req.peer.uid))
+
             placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
-                                          else None, exclusive, ncpus)
+                                          else None, exclusive, ncpus, hold)
             seen.extend([ctx] if ctx is not None else [])
             if placed is None:  # the process uses no GPU (or is bound already)
                 if nofile is None or gpus is not None:
@@ -120,12 +130,34 @@ class BindCommands:
                                        explanation="as given on the command line"), None
 
             placing = given
-        result = await self.jobs.bind(pid, peer=req.peer, placement=placing, nofile=nofile,
-                                      origin="cli")
+        try:
+            result = await self.jobs.bind(pid, peer=req.peer, placement=placing,
+                                          nofile=nofile, origin="cli")
+        except BaseException:
+            if held_before:  # held while placing, not bound after all: as it was
+                if held_before[0] is not None:
+                    self.placer.reserve(held_before[0])
+                else:
+                    self.placer.release(f"bind:{pid}")
+            raise
         if result.get("cpus") and not result.get("dry_run"):
             self._reserve(pid, result, seen[0] if seen else None, exclusive, req.peer.uid)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
+
+    def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
+                   ctx: JobContext | None, exclusive: bool,
+                   uid: int) -> list[Reservation | None]:
+        """While placing (under the placer's lock): the CPUs a bind is about to get are
+        held at once, as ``_reserve`` holds them after it (which replaces this). Returns
+        [the reservation this one replaced] where it made one, else []."""
+        group = request(ctx).group if ctx is not None else None
+        if not exclusive and group is None:
+            return []
+        hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
+                    exclusive=exclusive, uid=uid)
+        return [self.placer.reserve(_reservation(pid, cpus, gpus if ctx is not None else (),
+                                                 hold))]
 
     def _reserve(self, pid: int, result: dict[str, Any], ctx: JobContext | None,
                  exclusive: bool, uid: int) -> None:
@@ -144,8 +176,11 @@ class BindCommands:
         self.jobs.set_hold(pid, hold)
 
     def _near_gpus(self, pid: int, gpus: tuple[int, ...] | None, exclusive: bool,
-                   ncpus: int | None) -> tuple[Placement | None, JobContext | None]:
+                   ncpus: int | None,
+                   hold: Callable[[Placement, JobContext], None] | None = None
+                   ) -> tuple[Placement | None, JobContext | None]:
         """Placement near the GPUs ``pid`` uses; None when it uses none tunerd can see.
+        ``hold``: called with the placement under the placer's lock, as it is made.
 
         A process bound already keeps its place (None) unless --gpus names GPUs.
         """
@@ -167,8 +202,11 @@ class BindCommands:
             raise UsageError(
                 f"{NO_PLACEMENT} for GPU {','.join(map(str, unknown))}: not on this node "
                 f"(GPUs: {','.join(map(str, sorted(known))) or 'none'})")
-        placed = self.placer.place(request(ctx, gpu_ids=tuple(gpus), exclusive=exclusive,
-                                           ncpus=ncpus, ignore_busy_gpus=True))
+        with self.placer.lock:
+            placed = self.placer.place(request(ctx, gpu_ids=tuple(gpus), exclusive=exclusive,
+                                               ncpus=ncpus, ignore_busy_gpus=True))
+            if hold is not None and placed.applicable:
+                hold(placed, ctx)
         if not placed.applicable:
             raise Failed(" ".join(placed.notes) + f" (process {pid}, GPUs from {how}: "
                          f"{','.join(map(str, gpus))}; would bind CPUs "

@@ -166,12 +166,15 @@ class Placer:
             pass
 
     # -- reservations ----------------------------------------------------------
-    def reserve(self, res: Reservation) -> None:
+    def reserve(self, res: Reservation) -> Reservation | None:
+        """Hold ``res`` (in place of one with its key: that one is returned)."""
         with self.lock:
-            self._forget_res(self._res.get(res.key))
+            old = self._res.get(res.key)
+            self._forget_res(old)
             self._res[res.key] = res
             self._res_digest ^= hash(res)
             self._res_gpus += bool(res.gpus)
+            return old
 
     def release(self, key: str) -> Reservation | None:
         with self.lock:
