@@ -186,3 +186,44 @@ def test_a_daemon_killed_between_bind_and_record_has_the_rank_bound_and_recorded
         assert parse_cpulist(cpus_allowed(p.pid) or "") == HOST_CPUS
     finally:
         kill(p)
+
+
+@needs_two_cpus
+def test_a_users_rank_bound_in_the_watcher_is_recorded_as_that_users(
+        tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
+    """The watcher's thread reads a match's uid after setting its CPUs (a rule that
+    reserves nothing for others needs none before): the record still has it."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    uid, gid = unpriv_user
+    where = Path(tempfile.mkdtemp(prefix="tunerd-bu-"))
+    where.chmod(0o755)
+    exe = where / f"bu_train_{os.getpid()}"
+    shutil.copy("/bin/sleep", exe)
+    target = str(max(HOST_CPUS))
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "user"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'cpus = "{target}"\n')
+    d = daemon_factory(policy_dir=pol).start()
+
+    def as_user() -> None:
+        os.setgid(gid)
+        os.setuid(uid)
+
+    p = subprocess.Popen([str(exe), "30"], env={"LOCAL_RANK": "0"}, preexec_fn=as_user,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(j["pid"] == p.pid for j in d.ctl("--json", "jobs").json()["jobs"]),
+                 10, "the rank recorded", detail=d.log)
+        job = next(j for j in d.ctl("--json", "jobs").json()["jobs"] if j["pid"] == p.pid)
+        assert job["uid"] == uid, job
+        assert cpus_allowed(p.pid) == target
+        st = autobind_status(d)
+        assert st["bound_in_watcher"] >= 1, st
+        assert [b["user"] for b in st["bound"] if b["pid"] == p.pid] == ["tunerd-test"], st
+
+    finally:
+        kill(p)
+        shutil.rmtree(where, ignore_errors=True)

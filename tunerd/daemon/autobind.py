@@ -27,6 +27,7 @@ does not even subscribe to exec events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import select
@@ -45,7 +46,12 @@ from tunerd.cpulist import format_cpulist
 from tunerd.daemon.bindjournal import BindJournal, put_back
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.exclusive import ExclusiveMover
-from tunerd.daemon.gate import LeaseLimits, ReservationGate, rule_reach_refused
+from tunerd.daemon.gate import (
+    LeaseLimits,
+    ReservationGate,
+    rule_reach_refused,
+    rule_reaches_beyond,
+)
 from tunerd.daemon.intake import Intake, JobContext, bounded_int, request
 from tunerd.daemon.jobs import JobRegistry
 from tunerd.daemon.leases import user_name
@@ -267,7 +273,7 @@ class AutoBinder:
                 "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
                 "bound_at_start": len(at_start),
                 "left_alone": self.left_alone_now(),
-                "bound": [{"pid": b.pid, "rule": b.rule,
+                "bound": [{"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
                            "cpus": format_cpulist(b.placement.cpus or frozenset()),
                            "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
                            "notes": list(b.placement.notes), "timing": b.timing,
@@ -291,12 +297,30 @@ class AutoBinder:
         right here (``_bind_now``: bind first, persist after, on the loop)."""
         self._match_ns = time.perf_counter_ns()  # this thread's: the match step's start
         self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
-        m = self.rules.match(pid)
+        fast_path = self.bind_in_watcher
+        # binding first: the uid is read after the CPUs are set where the gate does not
+        # need it before (a rule that reserves nothing for others)
+        m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
         if m is None:
             return None
         seen = time.monotonic()
-        fast = self._bind_now(m) if self.bind_in_watcher else None
+        fast = self._bind_now(m) if fast_path else None
+        if m.uid is None:
+            uid = procfs.read_uid(pid, self.proc)
+            m = dataclasses.replace(m, uid=uid)
+            if fast is not None:
+                self._uid_known(fast, uid)
         return m, seen, fast
+
+    def _uid_known(self, fast: _Fast, uid: int | None) -> None:
+        """The uid read after a bind in the watcher's thread, where the look and the
+        record made before it left it out."""
+        fast.ctx = dataclasses.replace(fast.ctx, uid=uid)
+        if fast.target is not None:
+            fast.target.uid = uid if uid is not None else -1
+            rb = self.bound.get(fast.ctx.pid)
+            if rb is not None and rb.uid is None:
+                rb.uid = uid
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found
@@ -528,7 +552,7 @@ class AutoBinder:
             return self._to_loop("gone", None)
         try:
             ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "), uid=m.uid,
-                                       quick=True)
+                                       quick=True, uid_later=m.uid is None)
         except TunerdError:
             os.close(pidfd)
             return self._to_loop("gone", None)

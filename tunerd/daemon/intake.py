@@ -161,10 +161,11 @@ class Intake:
 
     def describe(self, pid: int, env: Mapping[str, str] | None = None,
                  argv: list[str] | None = None, *, uid: int | None = None,
-                 quick: bool = False) -> JobContext:
+                 quick: bool = False, uid_later: bool = False) -> JobContext:
         """Read process ``pid`` (raises NoSuchProcess when it is gone). ``uid``: its
-        real uid, read already. ``quick``: a rule's bind in the exec watcher, where
-        what a parent and a cgroup were a moment ago will do (PARENT_TTL_S)."""
+        real uid, read already (``uid_later``: the caller reads it after, ``uid`` is
+        None in the context until then). ``quick``: a rule's bind in the exec watcher,
+        where what a parent and a cgroup were a moment ago will do (PARENT_TTL_S)."""
         p = procfs.Process(pid, self.proc)
         st = p.stat()
         if env is None:
@@ -186,7 +187,7 @@ class Intake:
         elif rank is not None:
             role, why = "rank", f"{rank.source}, group {rank.group}"
         ctx = JobContext(pid=pid, start_time=st.start_time, ppid=st.ppid,
-                         uid=uid if uid is not None else _uid(p), comm=st.comm,
+                         uid=uid if uid is not None or uid_later else _uid(p), comm=st.comm,
                          argv=tuple(argv), env=env,
                          allocation=alloc, gpus=gpus, gpus_how=how, rank=rank, role=role,
                          why=why, notes=tuple(notes), threads=st.num_threads)
