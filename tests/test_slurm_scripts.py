@@ -122,7 +122,9 @@ def test_task_prolog_binds_each_task_near_its_gpu(tmp_path: Path, scripts: Path,
 def test_tasks_of_a_step_keep_their_cpus_across_a_daemon_restart(
         tmp_path: Path, scripts: Path, daemon_factory) -> None:
     """Three tasks of one step, all on GPU 0 (local to CPU ``lo``), bound by the
-    TaskProlog: task 0 takes ``lo``, task 1 is kept off it (``hi``). The daemon restarts,
+    TaskProlog: task 0 takes ``lo``, task 1 is kept off it (``hi``). The daemon is killed
+    (SIGKILL) right after the second bind -- a hold saved with the binding's first record,
+    not by a later deferred save -- and restarts,
     task 1 ends, task 2 is bound: it takes the room task 1 left (its restored hold ended
     with it), not task 0's CPU -- the restored binding of task 0 holds its CPU against
     the step's other tasks. (Three disjoint tasks need 3 CPUs; this machine has 2, so
@@ -142,7 +144,9 @@ def test_tasks_of_a_step_keep_their_cpus_across_a_daemon_restart(
 
     try:
         assert [prolog(0), prolog(1)] == [str(lo), str(hi)]
-        d.stop()
+        assert d.proc is not None
+        d.proc.kill()
+        d.proc.wait(10)
         d.start()
         for t in tasks[:2]:
             assert f"pid {t.pid}: reservation restored (CPUs " in d.log()

@@ -85,6 +85,7 @@ class BindCommands:
             nofile = self.gate.cap_nofile(req.peer.uid, pid, nofile, notes) or nofile
         seen: list[JobContext] = []
         held_before: list[Reservation | None] = []  # what this bind's hold replaced
+        holding: list[Hold] = []  # ... and that hold, saved with the binding's record
 
         def admit() -> None:
             """A reservation: the one gate of alloc and run (tunerd.daemon.gate); runs
@@ -102,7 +103,7 @@ class BindCommands:
                 if p.cpus and not self.jobs.dry_run:
                     held_before.extend(self._hold_cpus(
                         pid, cpus if cpus is not None else p.cpus, tuple(p.gpus or ()),
-                        ctx, exclusive, req.peer.uid))
+                        ctx, exclusive, req.peer.uid, holding))
 
             placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
                                           else None, exclusive, ncpus, hold)
@@ -132,7 +133,8 @@ class BindCommands:
             placing = given
         try:
             result = await self.jobs.bind(pid, peer=req.peer, placement=placing,
-                                          nofile=nofile, origin="cli")
+                                          nofile=nofile, origin="cli",
+                                          hold=lambda: holding[0] if holding else None)
         except BaseException:
             if held_before:  # held while placing, not bound after all: as it was
                 if held_before[0] is not None:
@@ -146,16 +148,18 @@ class BindCommands:
         return result
 
     def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
-                   ctx: JobContext | None, exclusive: bool,
-                   uid: int) -> list[Reservation | None]:
+                   ctx: JobContext | None, exclusive: bool, uid: int,
+                   holding: list[Hold]) -> list[Reservation | None]:
         """While placing (under the placer's lock): the CPUs a bind is about to get are
         held at once, as ``_reserve`` holds them after it (which replaces this). Returns
-        [the reservation this one replaced] where it made one, else []."""
+        [the reservation this one replaced] where it made one, else []; the hold is
+        added to ``holding``."""
         group = request(ctx).group if ctx is not None else None
         if not exclusive and group is None:
             return []
         hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
                     exclusive=exclusive, uid=uid)
+        holding.append(hold)
         return [self.placer.reserve(_reservation(pid, cpus, gpus if ctx is not None else (),
                                                  hold))]
 

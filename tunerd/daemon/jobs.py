@@ -63,6 +63,7 @@ class _Ask:
     why: str | None
     persist_after: bool = False  # bind first, save right after (a rule's just-exec'd process)
     originals: Originals | None = None  # masks from before a fast bind set the CPUs already
+    hold: Callable[[], Hold | None] | None = None  # what the placer holds for it, once placed
 
 
 @dataclass
@@ -236,7 +237,8 @@ class JobRegistry:
                    lease: str | None = None, cmdline: str | None = None,
                    partial: bool = False, why: str | None = None,
                    persist_after: bool = False,
-                   originals: Originals | None = None) -> dict[str, Any]:
+                   originals: Originals | None = None,
+                   hold: Callable[[], Hold | None] | None = None) -> dict[str, Any]:
         """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
         what this call did. ``cmdline``: its command line where the caller read it
         already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
@@ -244,7 +246,9 @@ class JobRegistry:
         just exec'd, bound by a rule: no write between the exec and its affinity).
         ``originals``: the masks the process had before its CPUs were set already
         (a rule's fast bind in the exec watcher, ``tunerd.daemon.autobind``): recorded
-        as its originals, where /proc now shows the new mask.
+        as its originals, where /proc now shows the new mask. ``hold``: what the
+        placer holds for it, asked once it is placed: saved with its first record (a
+        daemon killed right after the bind holds it again when it restarts).
 
         A process bound before is updated: values not given keep their previous
         setting, and the originals from the first bind are kept. ``partial``: a limit
@@ -261,7 +265,7 @@ class JobRegistry:
                 if callable(placement):
                     placement, why = placement()
                 ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
-                           persist_after, originals)
+                           persist_after, originals, hold)
                 return await self._bind(target, t0, ask)
             finally:
                 target.close()
@@ -347,7 +351,8 @@ class JobRegistry:
             explanation=(p.explanation if p is not None and p.explanation
                          else (prev.explanation if prev else None)),
             why=ask.why if ask.why is not None else (prev.why if prev else None),
-            hold=prev.hold if prev is not None else None, originals=originals)
+            hold=(ask.hold() if ask.hold is not None else None)
+            or (prev.hold if prev is not None else None), originals=originals)
 
     def _put(self, rec: Binding) -> None:
         self._bindings[rec.pid] = rec
