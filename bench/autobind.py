@@ -125,7 +125,8 @@ def main() -> int:
            "baseline_self_pin_ms": summary(base), "baseline_missed": base_missed}
     w = disk["watcher"]
     print(f"automatic binding, {a.n} process starts per run ({w['mode']}, kernel event "
-          f"filter: {w.get('kernel_event_filter')}); exec->bound:")
+          f"filter: {w.get('kernel_event_filter')}, watcher thread: "
+          f"{w.get('thread_policy')}); exec->bound:")
     for name, r in (("runtime tmpfs, state disk", tmpfs), ("runtime+state on disk   ", disk)):
         for series, key, miss in (("back-to-back", "exec_to_bound_ms", "never_bound"),
                                   (f"{SPACING * 1000:.0f} ms apart", "spaced_exec_to_bound_ms",
