@@ -93,7 +93,7 @@ class Daemon:
 
     def __init__(self, policy: str, topology: Path | None = None,
                  state_dir: Path | None = None, root: Path | None = None,
-                 metrics: str = "off") -> None:
+                 metrics: str = "off", config: str | None = None) -> None:
         # root: where the runtime and state dirs go (e.g. /dev/shm for tmpfs)
         self.tmp = Path(tempfile.mkdtemp(prefix="tunerd-bench-", dir=root))
         self.tmp.chmod(0o755)
@@ -106,6 +106,9 @@ class Daemon:
                 str(self.state_dir), "--metrics-listen", metrics, "--log-level", "warning"]
         if topology is not None:
             argv += ["--topology", str(topology)]
+        if config is not None:  # tunerd.toml text
+            (self.tmp / "tunerd.toml").write_text(config)
+            argv += ["--config", str(self.tmp / "tunerd.toml")]
         self.log = open(self.tmp / "log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         try:
