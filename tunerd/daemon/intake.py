@@ -19,6 +19,7 @@ Real training jobs are trees inside an allocation::
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -147,7 +148,9 @@ class Intake:
         self._proc_path = Path(proc_root)
         # pid -> (its start time, when; its ancestors' stats from itself up / its argv
         # and environment): quick looks only (see PARENT_TTL_S)
-        self._chains: dict[int, tuple[int, float, list[Up]]] = {}
+        # ... the ancestry entries hold a pidfd of that parent: while it is not readable
+        # the parent is the same process, and its stat need not be read again
+        self._chains: dict[int, tuple[int, float, list[Up], int]] = {}
         self._parents: dict[int, tuple[int, float, list[str], Mapping[str, str]]] = {}
         self._cache_lock = threading.Lock()
 
@@ -157,7 +160,7 @@ class Intake:
         if pid in self._parents or pid in self._chains:
             with self._cache_lock:
                 self._parents.pop(pid, None)
-                self._chains.pop(pid, None)
+                _close_chain(self._chains.pop(pid, None))
 
     def describe(self, pid: int, env: Mapping[str, str] | None = None,
                  argv: list[str] | None = None, *, uid: int | None = None,
@@ -220,22 +223,28 @@ class Intake:
     def _ancestors(self, ctx: JobContext, quick: bool) -> Iterable[Up]:
         """The walk up (``_walk``). Quick: the parent's stat read now, the rest as read
         for a sibling within PARENT_TTL_S."""
-        walk = self._walk(ctx)
         if not quick:
-            return walk
-        out: list[Up] = []
-        for up in walk:
-            out.append(up)
-            if len(out) == 1:
-                hit = self._chains.get(up[0])
-                if hit is not None and hit[0] == up[1].start_time \
-                        and time.monotonic() - hit[1] < PARENT_TTL_S:
-                    return [up, *hit[2][1:]]
+            return self._walk(ctx)
+        hit = self._chains.get(ctx.ppid)
+        if hit is not None and time.monotonic() - hit[1] < PARENT_TTL_S \
+                and not _readable(hit[3]):
+            return hit[2]  # the same parent, alive: its ancestry as read for a sibling
+        out = list(self._walk(ctx))
         if out:
+            try:
+                pidfd = os.pidfd_open(out[0][0])
+            except OSError:
+                return out
+            if procfs.read_start_time(out[0][0], self.proc) != out[0][1].start_time:
+                os.close(pidfd)  # the parent went (and its pid was taken) meanwhile
+                return out
             with self._cache_lock:
                 if len(self._chains) > 256:
+                    for entry in self._chains.values():
+                        _close_chain(entry)
                     self._chains.clear()
-                self._chains[out[0][0]] = (out[0][1].start_time, time.monotonic(), out)
+                _close_chain(self._chains.get(out[0][0]))
+                self._chains[out[0][0]] = (out[0][1].start_time, time.monotonic(), out, pidfd)
         return out
 
     def _parent(self, ppid: int, start: int | None,
@@ -319,6 +328,18 @@ class Intake:
         prank = _rank_of(penv, ctx.allocation, -1, [])
         return prank is not None and prank.local_rank == ctx.rank.local_rank \
             and prank.var == ctx.rank.var
+
+
+def _readable(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited (poll: fds above 1024)."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def _close_chain(entry: tuple[int, float, list[Up], int] | None) -> None:
+    if entry is not None:
+        os.close(entry[3])
 
 
 def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
