@@ -572,7 +572,9 @@ class AutoBinder:
                 or (m.rule.rank and ctx.role != "rank"):
             return self._to_loop(ctx.role, ctx)
         group = self._group(m, ctx)
-        with self.placer.lock:  # place + reserve as one against the loop's placements
+        # place, set, reserve as one against the loop's placements (the reservation
+        # after the CPUs: nothing to give back when setting them fails)
+        with self.placer.lock:
             if pid in self.bound:
                 return self._to_loop("seen before, or refused", ctx)
             self._release_exited(group)
@@ -583,19 +585,17 @@ class AutoBinder:
             if not placed.applicable or not placed.cpus:
                 return self._to_loop("not applicable here", ctx)
             ns["place"] = time.perf_counter_ns()
+            try:
+                # one thread when the intake read it: its mask as read there is every mask
+                mask = ctx.allocation.mask if ctx.threads == 1 else None
+                orig = self.jobs.binder.read_originals(target, mask)
+                self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
+                                            mems=None, nofile=None))
+            except Exception as err:  # gone, or not ours to set: the loop's bind says why
+                if isinstance(err, NoSuchProcess):
+                    return self._to_loop("exited while being bound", None)
+                return self._to_loop(type(err).__name__, ctx)
             self._reserve(m, ctx, group, placed, 0.0, False)
-        try:
-            # one thread when the intake read it: its mask as read there is every mask
-            mask = ctx.allocation.mask if ctx.threads == 1 else None
-            orig = self.jobs.binder.read_originals(target, mask)
-            self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
-                                        mems=None, nofile=None))
-        except Exception as err:  # gone, or not ours to set: the loop's bind says why
-            self.bound.pop(pid, None)
-            self.placer.release(f"rule:{pid}")
-            if isinstance(err, NoSuchProcess):
-                return self._to_loop("exited while being bound", None)
-            return self._to_loop(type(err).__name__, ctx)
         orig.affinity_set = True
         ns["bound"] = time.perf_counter_ns()
         self.journal.add(pid, ctx.start_time, orig.process_cpus, placed.cpus)

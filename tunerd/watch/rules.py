@@ -213,11 +213,13 @@ class RuleSet:
             if got is None or not got[0]:  # gone, or a kernel thread
                 return None
         cmdline, cut = got
+        # one rule whose globs matched already (``_any_cmd`` is its GlobSet's patterns)
+        matched_cmd = self._any_cmd is not None and len(self._compiled) == 1
         uid = procfs.read_uid(pid, self.proc) if self._need_uid else None
         env: Mapping[str, str] | None = None
         for c in self._compiled:
             rule = c.rule
-            if c.cmd is not None and not c.cmd.match(cmdline, cut):
+            if c.cmd is not None and not matched_cmd and not c.cmd.match(cmdline, cut):
                 continue
             if rule.users and uid not in rule.uids:
                 continue
