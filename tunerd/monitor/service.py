@@ -240,7 +240,8 @@ class Monitor:
             self._beat_handle.cancel()
         self._inbox.put(None)
         if self._http is not None:
-            # BaseServer.shutdown() waits for serve_forever's next poll (up to 0.5 s):
+            # shutdown() waits for serve_forever to return (a pipe wakes it) and the
+            # handlers may still run:
             # let a daemon thread wait for it, so that SIGTERM ends the daemon at once
             http = self._http
             self._http = None
