@@ -141,7 +141,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     nccl_tuner = NcclTuner(cfg.etc_root)
 
     def nccl_conf() -> tuple[dict[str, str], str | None]:
-        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (sampler thread)."""
+        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (a scrape's thread)."""
         conf = nccl_tuner.load()
         return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
 

@@ -403,7 +403,6 @@ class Monitor:
                        {"unavailable": {"all": "sampler failed"}})
         jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
         ranks, ended = rank_sample(records, reports or {})
-        self.fleet.sample()
         return {
             "time": time.time(), "interval": self.interval,
             "duration_seconds": time.perf_counter() - wall0,

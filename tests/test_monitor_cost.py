@@ -1,10 +1,12 @@
-"""What the daemon's threads do between events (issue 15's whole-daemon CPU budget):
-they sleep in the kernel without a timeout where nothing needs a timer, which is read
-back from /proc/self/task/TID/syscall (the system call a thread is blocked in and its
-arguments), not timed."""
+"""Work the daemon does not do while nobody reads it (issue 15's whole-daemon CPU budget).
+
+Its threads sleep in the kernel without a timeout where nothing needs a timer (read
+back from /proc/self/task/TID/syscall: the system call a thread is blocked in and its
+arguments, not timed); facts only a reader uses are read when a reader asks."""
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import threading
 import urllib.request
@@ -14,6 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from tests.helpers import wait_for
+from tests.test_monitor_service import make_monitor
+from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.http import serve_metrics
 
 X86_64_POLL = 7  # poll(2) on x86_64
@@ -56,3 +60,37 @@ def test_the_metrics_server_sleeps_without_a_timeout_between_scrapes() -> None:
         assert not stopper.is_alive() and not thread.is_alive()
     finally:
         server.server_close()
+
+
+def test_fleet_facts_are_read_by_a_scrape_not_by_sampling_cycles(tmp_path: Path) -> None:
+    """NICs, nccl.conf and PCIe links: never read by a sampling cycle; read by the
+    first scrape, not again by one within LIVE_EVERY, and again by the first scrape
+    after a policy change (whose NCCL settings it then shows)."""
+    reads: list[int] = []
+    settings = {"NCCL_IB_HCA": "mlx5_0"}
+
+    def nccl_conf() -> tuple[dict[str, str], str | None]:
+        reads.append(1)
+        return dict(settings), None
+
+    mon = make_monitor(tmp_path)
+    mon.fleet = FleetFacts(nccl_conf=nccl_conf, python=None)
+
+    async def go() -> list[str]:
+        await mon.start()
+        for _ in range(3):
+            await mon.cycle()
+        texts = [] if reads else [mon.exposition()]  # none read by the cycles
+        texts.append(mon.exposition())
+        settings["NCCL_IB_HCA"] = "mlx5_1"
+        texts.append(mon.exposition())  # within LIVE_EVERY: the facts read before
+        mon.fleet.policy_changed(("base",), [], {"policy": {"name": "base"}})
+        texts.append(mon.exposition())
+        await mon.stop()
+        return texts
+
+    texts = asyncio.run(go())
+    assert len(texts) == 4 and len(reads) == 2
+    line = 'tunerd_nccl_setting_info{key="NCCL_IB_HCA",value="%s"} 1.0'
+    assert all(line % "mlx5_0" in t for t in texts[:3])
+    assert line % "mlx5_1" in texts[3]
