@@ -94,3 +94,70 @@ def test_fleet_facts_are_read_by_a_scrape_not_by_sampling_cycles(tmp_path: Path)
     line = 'tunerd_nccl_setting_info{key="NCCL_IB_HCA",value="%s"} 1.0'
     assert all(line % "mlx5_0" in t for t in texts[:3])
     assert line % "mlx5_1" in texts[3]
+
+
+@pytest.mark.root
+def test_the_cpuset_backstop_poll_runs_on_the_ticker_thread_not_the_loop() -> None:
+    """With inotify and a ticker (the monitor's sampling thread), the watcher arms no
+    timer of its own; a cpuset change inotify did not deliver (its reader taken off the
+    loop here) is found by ``poll_elsewhere`` from another thread, and re-bound."""
+    import os
+    import time
+
+    from tests.binding_helpers import task_cpus, thread_child
+    from tests.kubepods_helpers import kubepods_tree
+    from tunerd.cpulist import format_cpulist
+    from tunerd.daemon.cpusetwatch import CpusetWatch
+
+    with kubepods_tree(cpus="0-1") as tree, thread_child(threads=2, cgroup=tree.ctr) as p:
+        st = int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        record = {"pid": p.pid, "start_time": st, "cpus": "1"}
+        rebinds: list[str] = []
+
+        async def rebind(pid: int, cpus: frozenset[int]) -> dict[str, object]:
+            for tid in task_cpus(pid):
+                os.sched_setaffinity(tid, cpus)
+            record["cpus"] = format_cpulist(cpus)
+            rebinds.append(format_cpulist(cpus))
+            return dict(record)
+
+        def masks() -> set[str]:
+            return set(task_cpus(p.pid).values())
+
+        async def until(pred: object, what: str) -> None:
+            deadline = time.monotonic() + 10.0
+            while not pred():  # type: ignore[operator]
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.01)
+
+        async def scenario() -> None:
+            w = CpusetWatch(lambda pid: (st, str(record["cpus"])) if pid == p.pid else None,
+                            rebind, bound=lambda: [p.pid], ticker=1.0)
+            await w.start()
+            loop = asyncio.get_running_loop()
+            try:
+                assert w.status()["inotify"] is True
+                await rebind(p.pid, frozenset({1}))
+                await until(lambda: tree.cgroup_path() in w.status()["cgroups"], "tracked")
+                await until(lambda: w._expected, "the round's end (what a poll compares)")
+                # the loop has no timer for the watcher: only the ticker polls
+                assert not [h for h in loop._scheduled  # type: ignore[attr-defined]
+                            if not h.cancelled()]
+                loop.remove_reader(w._ino.fileno())  # inotify events no longer arrive
+                n = len(rebinds)
+                ticker = threading.Thread(target=w.poll_elsewhere)  # the sampler's thread
+                ticker.start()
+                ticker.join()
+                await asyncio.sleep(0.05)
+                assert len(rebinds) == n  # nothing changed: the loop was not woken
+                tree.set_cpus("0", grow=False)  # shrinks the cpuset below the binding
+                ticker = threading.Thread(target=w.poll_elsewhere)
+                ticker.start()
+                ticker.join()
+                await until(lambda: record["cpus"] == "0" and masks() == {"0"},
+                            "re-bound inside cpuset 0 after the ticker's poll")
+                assert len(rebinds) > n
+            finally:
+                await w.stop()
+
+        asyncio.run(scenario())

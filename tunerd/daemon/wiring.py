@@ -176,7 +176,10 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         b = jobs.record(pid)
         return (b.start_time, b.cpus) if b is not None and b.cpus else None
 
-    cpusets = CpusetWatch(bound_cpus, rebind_inside, bound=jobs.pids, on_change=pods.invalidate)
+    # its backstop poll runs in the monitor's sampling thread, on that thread's timer
+    cpusets = CpusetWatch(bound_cpus, rebind_inside, bound=jobs.pids, on_change=pods.invalidate,
+                          ticker=monitor.interval)
+    monitor.cycle_hooks.append(cpusets.poll_elsewhere)
     jobs.on_change(cpusets.changed)  # it follows binds and exits, not a list of all jobs
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())

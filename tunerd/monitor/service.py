@@ -150,6 +150,9 @@ class Monitor:
         self.sample_cpu_seconds_total = 0.0
         self._records: list[dict[str, Any]] = []  # job_records() while the version stays
         self._records_version: int | None = None
+        # called in the sampler thread after each timed cycle (e.g. the cpuset watch's
+        # backstop poll: one timer of the process instead of two)
+        self.cycle_hooks: list[Callable[[], None]] = []
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
         # the sampler thread's inbox: (records, reports, future) for one cycle now, or
@@ -330,6 +333,11 @@ class Monitor:
             log.exception("monitor cycle failed")
             self._on_loop(self.errors.record, "monitor", f"sampling cycle failed: {err!r}",
                           "cycle")
+        for hook in self.cycle_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("monitor cycle hook %r failed", hook)
 
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
