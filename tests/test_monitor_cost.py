@@ -161,3 +161,100 @@ def test_the_cpuset_backstop_poll_runs_on_the_ticker_thread_not_the_loop() -> No
                 await w.stop()
 
         asyncio.run(scenario())
+
+
+IDLER = """
+import subprocess, sys, time
+kids = []
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.startswith("spin"):
+        t = time.process_time()
+        while time.process_time() - t < 0.05:
+            pass
+    elif line.startswith("fork"):
+        kids.append(subprocess.Popen(["sleep", "60"]))
+    print("done", flush=True)
+"""
+
+
+def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose stat did not change and that has no child: its io and fd count are
+    not read again (for up to QUIET_EVERY - 1 cycles), and every sample is the one a
+    full read gives; CPU time or a child since makes the next cycle a full read."""
+    import subprocess
+    import sys
+
+    from tunerd.monitor import jobs as jobs_mod
+    from tunerd.monitor.jobs import JobSampler
+    from tunerd.procfs import Process
+
+    p = subprocess.Popen([sys.executable, "-c", IDLER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+
+    def ask(what: str) -> None:
+        p.stdin.write(what + "\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        assert p.stdout.readline() == "done\n"  # type: ignore[union-attr]
+
+    reads: dict[str, list[str]] = {"quiet": [], "full": []}
+
+    class Counted(jobs_mod._OpenFiles):
+        __slots__ = ("log",)
+
+        def read(self, name: str) -> bytes:
+            self.log.append(name)
+            return super().read(name)
+
+    monkeypatch.setattr(jobs_mod, "_OpenFiles", Counted)
+
+    def counting(name: str) -> JobSampler:
+        js = JobSampler(slow_every=100)
+        real = js._files
+
+        def files(key: tuple[object, object], pid: int) -> Counted | None:
+            f = real(key, pid)
+            if isinstance(f, Counted) and not hasattr(f, "log"):
+                f.log = reads[name]
+            return f  # type: ignore[return-value]
+
+        js._files = files  # type: ignore[method-assign]
+        return js
+
+    try:
+        assert p.stdout.readline() == "ready\n"
+        rec = {"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "idle",
+               "cpus": "0"}
+        quiet, full = counting("quiet"), counting("full")
+        full._quiet = lambda *a: None  # type: ignore[method-assign]
+        host = {"cpus": [{"cpu": 0, "busy_ratio": 0.5}]}
+        for js in (quiet, full):
+            js.sample([rec], {}, host)
+        for name in reads:
+            reads[name].clear()
+        cycles = 2 * jobs_mod.QUIET_EVERY
+        for i in range(cycles):
+            host = {"cpus": [{"cpu": 0, "busy_ratio": i / cycles}]}
+            [a], [b] = quiet.sample([rec], {}, host), full.sample([rec], {}, host)
+            assert a == b and a["cpus_busy_ratio"] == i / cycles and a["cpu_cores"] == 0.0
+        assert reads["full"].count("io") == cycles
+        assert reads["quiet"].count("io") == 2  # every QUIET_EVERY-th cycle
+        assert reads["quiet"].count("stat") == cycles
+        # it ran: read in full at once, its CPU time over the last cycle only
+        ask("spin")
+        n = reads["quiet"].count("io")
+        [a] = quiet.sample([rec], {}, host)
+        assert reads["quiet"].count("io") == n + 1 and a["cpu_cores"] > 0
+        for _ in range(2):
+            quiet.sample([rec], {}, host)
+        ask("fork")  # a child: read in full (the worker counted) from the next cycle on
+        n = reads["quiet"].count("io")
+        for _ in range(3):
+            [a] = quiet.sample([rec], {}, host)
+            assert a["workers"] == 1
+        assert reads["quiet"].count("io") == n + 3
+    finally:
+        p.kill()
+        p.wait()

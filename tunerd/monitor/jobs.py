@@ -15,6 +15,16 @@ fails with ESRCH, it never reads a new process that got the pid). The children o
 the job's other threads are listed on its slow reads (every ``slow_every`` cycles);
 between them a worker they had is followed while it is still the job's child.
 
+A job that has not changed is not read again: where its stat is byte for byte the one
+of its last read (no CPU time to the tick, no page fault, no other state, not moved:
+the process did not run for any time the kernel counts) and it has no child, the
+cycle reuses its last sample with its CPU and I/O rates at zero and the host's and
+GPUs' parts of this cycle (``_quiet``); /proc/PID/io, the fd count and the children
+are not read. Its counters cannot move without it running, and a full read comes at
+least every QUIET_EVERY cycles (and at every slow read) all the same: an idle job
+costs one stat and one children read a cycle instead of the whole sample
+(bench/job_sampler_cycle.py).
+
 The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
 much per job (bench/procfs_readers.py), so it is not used here.
@@ -96,6 +106,7 @@ MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoad
 JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 MAX_OPEN_JOBS = 64  # jobs whose per-cycle files stay open (3 fds each)
+QUIET_EVERY = 5  # an unchanged job is read in full at least every 5th cycle anyway
 Key = tuple[Any, Any]  # (pid, start time) of a job record
 _MISSING = object()
 
@@ -146,6 +157,8 @@ class _JobState:
     fixed: tuple[Any, ...] | None = None
     numa_out: tuple[Any, ...] | None = None
     proc: Process | None = None
+    raw: bytes = b""  # /proc/PID/stat as the last full read had it
+    quiet: int = 0  # cycles since then that reused the last sample (see _quiet)
 
 
 class JobSampler:
@@ -295,7 +308,15 @@ class JobSampler:
         proc = prev.proc if prev is not None and prev.proc is not None \
             else Process(pid, self.proc)
         files = self._files(key, pid)
-        st = proc.stat() if files is None else parse_stat(self._read(proc, files, "stat"))
+        if files is None:
+            raw, st = b"", proc.stat()
+        else:
+            raw = self._read(proc, files, "stat")
+            if prev is not None and raw == prev.raw and not prev.kids:
+                quiet = self._quiet(prev, key, rec, pid, files, gpu_mem, gpu_util, cpu_busy)
+                if quiet is not None:
+                    return quiet
+            st = parse_stat(raw)
         if isinstance(want_start, int) and want_start != st.start_time:
             return None  # PID reused by another process: not our job any more
         rb: int | None
@@ -322,6 +343,7 @@ class JobSampler:
             prev_workers = cur.workers
             cur.t, cur.ticks, cur.read_bytes, cur.write_bytes = now, ticks, rb, wb
             cur.reads += 1
+        cur.raw, cur.quiet = raw, 0
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
         if slow or files is None or prev is None:
             # one listing of the threads for their children and, on a slow read, states
@@ -423,6 +445,41 @@ class JobSampler:
             "tree_runnable": (cur.runnable if cur.runnable is not None
                               else int(st.state == "R")) + workers["runnable"],
         }
+
+    def _quiet(self, cur: _JobState, key: Key, rec: dict[str, Any], pid: int,
+               files: _OpenFiles, gpu_mem: dict[int, float], gpu_util: dict[int, float | None],
+               cpu_busy: dict[int, float]) -> dict[str, Any] | None:
+        """The sample of a job whose stat has not changed since its last full read and
+        that had no child then: the last sample, with no CPU time and no I/O since and
+        this cycle's host and GPU parts; None where it must be read in full (a slow read
+        or the QUIET_EVERY-th cycle is due, its record changed, it has a child now)."""
+        last = self._last.get(key)
+        fixed = cur.fixed
+        if (last is None or "error" in last or fixed is None
+                or cur.quiet + 1 >= QUIET_EVERY
+                or cur.reads + 1 - cur.slow_at >= self.slow_every
+                or fixed[0] != rec.get("cpus") or fixed[1] != rec.get("mems")
+                or fixed[2] != rec.get("gpus")):
+            return None
+        try:
+            if files.read(f"task/{pid}/children").strip():
+                return None  # a worker since: read in full
+        except OSError:
+            pass  # as the full read: no CONFIG_PROC_CHILDREN, or gone (next stat says)
+        cur.t = time.monotonic()  # the ticks did not move: the next rate starts here
+        cur.reads += 1
+        cur.quiet += 1
+        cpus, gpus = fixed[3], fixed[6]
+        utils = [u for g in gpus if (u := gpu_util.get(g)) is not None] if gpus else None
+        ratio = 0.0 if cpus else None
+        return {**last, "cpu_cores": 0.0, "cpu_ratio": ratio,
+                "cpus_busy_ratio": self._busy(cpus, cpu_busy),
+                "read_bytes_per_second": None if last["read_bytes_total"] is None else 0.0,
+                "write_bytes_per_second": None if last["write_bytes_total"] is None else 0.0,
+                "gpu_memory_bytes": gpu_mem.get(pid),
+                "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,
+                "torch": None, "workers_cpu_cores": 0.0, "tree_cpu_cores": 0.0,
+                "tree_cpu_ratio": ratio}
 
     def _busy(self, cpus: frozenset[int], cpu_busy: dict[int, float]) -> float | None:
         """Mean busy share of ``cpus``: worked out once per cycle per CPU set (jobs
