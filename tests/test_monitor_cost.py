@@ -258,3 +258,54 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_slow_read_of_an_unchanged_job_lists_no_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow read of a job whose stat did not change since its last full read
+    carries its threads' states and children and its context switches (none moves
+    while no thread runs) and still reads the fd limit; after CPU time it lists them."""
+    import subprocess
+    import sys
+
+    from tunerd.monitor import jobs as jobs_mod
+    from tunerd.monitor.jobs import JobSampler
+    from tunerd.procfs import Process
+
+    listed: list[int] = []
+    real = jobs_mod._threads
+
+    def threads(proc: Process, states: bool) -> tuple[list[int], int | None]:
+        listed.append(proc.pid)
+        return real(proc, states)
+
+    monkeypatch.setattr(jobs_mod, "_threads", threads)
+    p = subprocess.Popen([sys.executable, "-c", IDLER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == "ready\n"
+        rec = {"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "idle",
+               "cpus": "0"}
+        js = JobSampler(slow_every=2)
+        [first] = js.sample([rec], {})
+        assert listed == [p.pid] and first["runnable_threads"] is not None
+        nofile = js._state[(p.pid, rec["start_time"])].nofile
+        for _ in range(6):  # three slow reads
+            [s] = js.sample([rec], {})
+            assert s["voluntary_ctxt_switches_total"] == first["voluntary_ctxt_switches_total"]
+            assert s["runnable_threads"] == first["runnable_threads"]
+        assert listed == [p.pid]
+        monkeypatch.setattr(Process, "nofile", lambda self: (7, 9))
+        for _ in range(2):
+            [s] = js.sample([rec], {})
+        assert (s["nofile_soft"], s["nofile_hard"]) == (7, 9) != nofile
+        p.stdin.write("spin\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "done\n"
+        for _ in range(2):
+            [s] = js.sample([rec], {})
+        assert listed == [p.pid, p.pid]  # its slow read in full again
+    finally:
+        p.kill()
+        p.wait()

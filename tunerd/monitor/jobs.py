@@ -23,7 +23,8 @@ GPUs' parts of this cycle (``_quiet``); /proc/PID/io, the fd count and the child
 are not read. Its counters cannot move without it running, and a full read comes at
 least every QUIET_EVERY cycles (and at every slow read) all the same: an idle job
 costs one stat and one children read a cycle instead of the whole sample
-(bench/job_sampler_cycle.py).
+(bench/job_sampler_cycle.py). A slow read of such a job carries what only its threads
+change (their children and states, uid, context switches) and reads the rest.
 
 The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
@@ -343,9 +344,13 @@ class JobSampler:
             prev_workers = cur.workers
             cur.t, cur.ticks, cur.read_bytes, cur.write_bytes = now, ticks, rb, wb
             cur.reads += 1
+        # unchanged since its last full read (the same stat, no child): on a slow read,
+        # its threads' children and states, uid and context switches are carried (none
+        # can change while no thread of it runs); the fd limit and numa_maps are read
+        still = prev is not None and bool(raw) and raw == prev.raw and not prev.kids
         cur.raw, cur.quiet = raw, 0
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
-        if slow or files is None or prev is None:
+        if (slow and not still) or files is None or prev is None:
             # one listing of the threads for their children and, on a slow read, states
             kids, runnable = _threads(proc, slow)
             if slow:
@@ -386,7 +391,8 @@ class JobSampler:
                 cur.numa = None
             # the fd limit changes rarely (prlimit from outside): read with the slow ones
             cur.nofile = _optional(proc.nofile) or (None, None)
-            cur.uid, cur.ctx = _uid_ctx(proc)
+            if not still:
+                cur.uid, cur.ctx = _uid_ctx(proc)
         if prev is None:
             self._state[key] = cur
 
