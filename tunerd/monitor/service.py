@@ -43,11 +43,13 @@ from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
-# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers) are
-# read every HOST_FULL_SECONDS, and every cycle for WATCH_SECONDS after someone asked
-# for the live view (``tunerctl top``); per-CPU times every cycle. A scrape reads
-# values at most HOST_FULL_SECONDS old (their rates over that span).
-HOST_FULL_SECONDS = 5.0
+# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers,
+# ~1.5-2 ms of CPU with cold caches) are read every HOST_FULL_SECONDS, and every cycle
+# for WATCH_SECONDS after someone asked for the live view (``tunerctl top``); per-CPU
+# times every cycle. A scrape reads values at most HOST_FULL_SECONDS old (their rates
+# over that span): PSI's own avg10 is a 10 s average, Prometheus scrapes every 15 s,
+# and advise takes medians over 300 samples.
+HOST_FULL_SECONDS = 10.0
 WATCH_SECONDS = 10.0
 BEAT_SECONDS = 5.0  # the loop's heartbeat that /healthz reads
 
