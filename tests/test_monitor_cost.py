@@ -178,6 +178,19 @@ for line in sys.stdin:
 """
 
 
+def _settled(pid: int) -> None:
+    """Wait until ``pid`` sleeps (blocked in its stdin read) with a stat that stays."""
+    import time
+
+    def still() -> bool:
+        a = Path(f"/proc/{pid}/stat").read_bytes()
+        time.sleep(0.05)
+        b = Path(f"/proc/{pid}/stat").read_bytes()
+        return a == b and a[a.rindex(b")") + 2:].startswith(b"S")
+
+    wait_for(still, 10.0, f"pid {pid} asleep with an unchanging stat")
+
+
 def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A job whose stat did not change and that has no child: its io and fd count are
@@ -227,6 +240,7 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
         assert p.stdout.readline() == "ready\n"
         rec = {"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "idle",
                "cpus": "0"}
+        _settled(p.pid)
         quiet, full = counting("quiet"), counting("full")
         full._quiet = lambda *a: None  # type: ignore[method-assign]
         host = {"cpus": [{"cpu": 0, "busy_ratio": 0.5}]}
@@ -287,6 +301,7 @@ def test_a_slow_read_of_an_unchanged_job_lists_no_threads(
         assert p.stdout.readline() == "ready\n"
         rec = {"pid": p.pid, "start_time": Process(p.pid).start_time(), "name": "idle",
                "cpus": "0"}
+        _settled(p.pid)
         js = JobSampler(slow_every=1)  # every read a slow one
         [first] = js.sample([rec], {})
         assert listed == [p.pid] and first["runnable_threads"] is not None
