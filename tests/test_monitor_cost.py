@@ -195,7 +195,8 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A job whose stat did not change and that has no child: its io and fd count are
     not read again (for up to QUIET_EVERY - 1 cycles), and every sample is the one a
-    full read gives; CPU time or a child since makes the next cycle a full read."""
+    full read gives; unwatched, every other cycle it is not read at all; CPU time or a
+    child since makes the next cycle it is read a full read."""
     import subprocess
     import sys
 
@@ -249,21 +250,44 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
         for name in reads:
             reads[name].clear()
         cycles = 2 * jobs_mod.QUIET_EVERY
-        for i in range(cycles):
+        for i in range(cycles):  # watched: every job read every cycle
             host = {"cpus": [{"cpu": 0, "busy_ratio": i / cycles}]}
-            [a], [b] = quiet.sample([rec], {}, host), full.sample([rec], {}, host)
+            [a] = quiet.sample([rec], {}, host, watched=True)
+            [b] = full.sample([rec], {}, host)
             assert a == b and a["cpus_busy_ratio"] == i / cycles and a["cpu_cores"] == 0.0
         assert reads["full"].count("io") == cycles
         assert reads["quiet"].count("io") == 2  # every QUIET_EVERY-th cycle
         assert reads["quiet"].count("stat") == cycles
-        # it ran: read in full at once, its CPU time over the last cycle only
-        ask("spin")
-        n = reads["quiet"].count("io")
-        [a] = quiet.sample([rec], {}, host)
-        assert reads["quiet"].count("io") == n + 1 and a["cpu_cores"] > 0
-        for _ in range(2):
-            quiet.sample([rec], {}, host)
-        ask("fork")  # a child: read in full (the worker counted) from the next cycle on
+        # not watched: every other cycle its last sample stands, unread; the full read
+        # still comes every QUIET_EVERY-th cycle
+        reads["quiet"].clear()
+        prev = None
+        for i in range(cycles):
+            n = reads["quiet"].count("stat")
+            host = {"cpus": [{"cpu": 0, "busy_ratio": i / cycles}]}
+            [a] = quiet.sample([rec], {}, host)
+            if reads["quiet"].count("stat") == n:
+                assert a is prev
+            else:
+                assert a["cpus_busy_ratio"] == i / cycles
+            prev = a
+        assert cycles // 2 <= reads["quiet"].count("stat") < cycles
+        assert reads["quiet"].count("io") == 2
+        # it ran: read in full at once (watched) or at the next cycle, its CPU time
+        # over the cycles since it was last seen
+        for watched in (True, False):
+            ask("spin")
+            n = reads["quiet"].count("io")
+            for _ in range(1 if watched else 2):
+                [a] = quiet.sample([rec], {}, host, watched=watched)
+                if reads["quiet"].count("io") > n:
+                    break
+            assert reads["quiet"].count("io") == n + 1 and a["cpu_cores"] > 0
+            for _ in range(2):
+                quiet.sample([rec], {}, host)
+        ask("fork")  # a child: counted within two cycles, then read in full every cycle
+        counts = [quiet.sample([rec], {}, host)[0]["workers"] for _ in range(2)]
+        assert counts[-1] == 1
         n = reads["quiet"].count("io")
         for _ in range(3):
             [a] = quiet.sample([rec], {}, host)

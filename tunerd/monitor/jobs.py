@@ -23,8 +23,11 @@ GPUs' parts of this cycle (``_quiet``); /proc/PID/io, the fd count and the child
 are not read. Its counters cannot move without it running, and a full read comes at
 least every QUIET_EVERY cycles (and at every slow read) all the same: an idle job
 costs one stat and one children read a cycle instead of the whole sample
-(bench/job_sampler_cycle.py). A slow read of such a job carries what only its threads
-change (their children and states, uid, context switches) and reads the rest.
+(bench/job_sampler_cycle.py), and every other cycle (unless someone watches the live
+view) not even those: its last sample stands, as for a job waiting for its turn, so
+a change is seen one cycle late at most. A slow read of such a job carries what only
+its threads change (their children and states, uid, context switches) and reads the
+rest.
 
 The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
@@ -180,6 +183,7 @@ class JobSampler:
         self._records: list[dict[str, Any]] | None = None  # the list _index is of
         self._index: tuple[list[Key], dict[Key, int]] = ([], {})
         self._torch_set = False  # a sample's torch field was set from a report
+        self._rest = False  # this cycle, unchanged jobs keep their last sample unread
         # this cycle's CPU busy map -> {cpu set: mean busy share}
         self._busy_cache: tuple[dict[int, float], dict[frozenset[int], float | None]] = (
             {}, {})
@@ -235,7 +239,8 @@ class JobSampler:
 
     def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
                host: dict[str, Any] | None = None,
-               reports: Mapping[int, Report] | None = None) -> list[dict[str, Any]]:
+               reports: Mapping[int, Report] | None = None,
+               watched: bool = False) -> list[dict[str, Any]]:
         """One sample per bound job record; a job that is gone is left out.
 
         ``gpu`` and ``host`` are this cycle's samples: GPU memory per pid, utilization
@@ -243,9 +248,11 @@ class JobSampler:
         ``reports``: pid -> the latest ``report`` that process sent (one of an
         earlier process with the same pid, by its start time, is ignored). Each
         job's ``torch`` field is built from its report (:func:`torch_from_report`),
-        or None without one.
+        or None without one. A job its last read found unchanged is read every other
+        cycle only, unless ``watched`` (someone reads the live view: every job is read).
         """
         self._cycle += 1
+        self._rest = not watched and self._cycle % 2 == 0
         gpu_mem: dict[int, float] = {}
         for p in gpu.get("processes") or []:
             if p.get("used_memory_bytes") is not None:
@@ -306,6 +313,19 @@ class JobSampler:
         want_start = rec.get("start_time")
         key = (pid, want_start)
         prev = self._state.get(key)
+        if prev is not None and prev.quiet and self._rest:
+            # found unchanged at its last read: every other cycle it is not read at all
+            # (its last sample stands, as for jobs waiting for their turn); a skipped
+            # cycle counts towards the full read due every QUIET_EVERY-th and the slow one
+            last = self._last.get(key)
+            fixed = prev.fixed
+            if (last is not None and fixed is not None and prev.quiet + 1 < QUIET_EVERY
+                    and prev.reads + 1 - prev.slow_at < self.slow_every
+                    and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
+                    and fixed[2] == rec.get("gpus")):
+                prev.quiet += 1
+                prev.reads += 1
+                return last
         proc = prev.proc if prev is not None and prev.proc is not None \
             else Process(pid, self.proc)
         files = self._files(key, pid)

@@ -406,12 +406,13 @@ class Monitor:
         gpu = guarded("gpu", self.gpu.sample, {
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
-        full = (self._host_cycles % self.host_full_every == 0
-                or time.monotonic() < self._watched_until)
+        watched = time.monotonic() < self._watched_until
+        full = self._host_cycles % self.host_full_every == 0 or watched
         self._host_cycles += 1
         host = guarded("host", lambda: self.host.sample(full=full),
                        {"unavailable": {"all": "sampler failed"}})
-        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
+        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports,
+                                                        watched=watched), [])
         ranks, ended = rank_sample(records, reports or {})
         return {
             "time": time.time(), "interval": self.interval,
