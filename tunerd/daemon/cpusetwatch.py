@@ -21,6 +21,10 @@ levels). Two triggers, both cheap:
   ``SAFETY_POLL`` (CPU hotplug also wakes the watcher at once: :meth:`CpusetWatch.wake`,
   wired to the topology watch's udev events); without inotify it runs every
   ``POLL_INTERVAL``. (An idle daemon's 4 polls a second were ~0.3 ms/s of CPU.)
+  The backstop runs on another thread's timer where one ticks often enough (``ticker``:
+  the monitor's sampling thread, every second): :meth:`CpusetWatch.poll_elsewhere`
+  reads the files there and wakes the event loop only when one differs from what the
+  last round saw (the loop's own 1 s wake-up for it was ~0.3 ms/s of the loaded daemon).
 
 On a change the placement is applied again inside the new set: the CPUs the job
 was bound to that are still allowed, or, when none is, as many CPUs of the new set
@@ -31,6 +35,7 @@ Nothing is ever written to the cgroup itself (see tunerd.cpuset on ``kubepods``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -88,10 +93,12 @@ class CpusetWatch:
                  bound: Callable[[], Iterable[int]] = tuple, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
                  on_change: Callable[[], None] | None = None, inotify: bool = True,
-                 safety_poll: float = SAFETY_POLL) -> None:
+                 safety_poll: float = SAFETY_POLL, ticker: float | None = None) -> None:
         """``lookup``: a binding as it is now; ``bound``: the pids bound at start. After
         that the watcher looks only at pids it is told of (``changed``, wired to the
-        registry's bind/unbind/exit events): a round costs nothing per binding."""
+        registry's bind/unbind/exit events): a round costs nothing per binding.
+        ``ticker``: seconds between calls of :meth:`poll_elsewhere` by another thread;
+        at most ``safety_poll``, it runs the backstop poll instead of the loop."""
         self._lookup = lookup
         self._bound = bound
         self._use_inotify = inotify  # False: the poll alone (cgroupfs without inotify)
@@ -101,6 +108,11 @@ class CpusetWatch:
         self.sys = sys_root
         self.poll_interval = poll_interval
         self.safety_poll = max(safety_poll, poll_interval)
+        self.ticker = ticker
+        # (effective file, its text) of each watched cgroup as the last round read it:
+        # replaced whole on the loop, read by poll_elsewhere's thread
+        self._expected: tuple[tuple[Path, str | None], ...] = ()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._cgroups: dict[Path, _Watched] = {}  # cgroup dir -> what is in it
         self._wanted: dict[tuple[int, int], frozenset[int]] = {}  # the CPUs asked for
         self._set_by_us: dict[tuple[int, int], str | None] = {}
@@ -117,6 +129,7 @@ class CpusetWatch:
 
     # -- service ---------------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._changed.update(self._bound())
         if self._changed:
             self._dirty.set()  # processes bound before a restart: track them at once
@@ -135,6 +148,7 @@ class CpusetWatch:
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
+        self._loop = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -164,6 +178,29 @@ class CpusetWatch:
         effective cpusets without a write anyone is notified of)."""
         self._dirty.set()
 
+    def _polled_elsewhere(self) -> bool:
+        """The backstop poll runs on the ticker's thread (inotify works, and it ticks
+        at least every ``safety_poll``)."""
+        return (self._ino is not None and self.ticker is not None
+                and self.ticker <= self.safety_poll)
+
+    def poll_elsewhere(self) -> None:
+        """The backstop poll, from the ticker's thread: read each watched effective file
+        and wake the loop for a round if one differs from the last round's text (or is
+        gone). Nothing here touches the watcher's state."""
+        loop = self._loop
+        if loop is None or not self._polled_elsewhere():
+            return
+        for path, text in self._expected:
+            try:
+                now: str | None = read_text(path)
+            except OSError:
+                now = None
+            if now != text:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._dirty.set)
+                return
+
     def _on_inotify(self) -> None:
         try:
             self._ino.read(timeout=0)
@@ -177,7 +214,7 @@ class CpusetWatch:
             # poll only while a cgroup is watched: an idle daemon sleeps until a bind.
             # A timer that sets the event, not wait_for (a task and a future each round)
             timer = None
-            if self._cgroups and not self._dirty.is_set():
+            if self._cgroups and not self._dirty.is_set() and not self._polled_elsewhere():
                 every = self.poll_interval if self._ino is None else self.safety_poll
                 timer = loop.call_later(every, self._dirty.set)
             await self._dirty.wait()
@@ -189,6 +226,8 @@ class CpusetWatch:
             except Exception as err:  # one bad round must not end the watching
                 self.errors_total += 1
                 log.exception("cpuset watch round failed: %r", err)
+            self._expected = tuple((w.file, w.text) for w in self._cgroups.values()
+                                   if w.file is not None)
 
     async def check(self) -> None:
         """One round: follow the bound processes, re-bind where a cpuset changed."""

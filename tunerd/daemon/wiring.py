@@ -144,7 +144,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     nccl_tuner = NcclTuner(cfg.etc_root)
 
     def nccl_conf() -> tuple[dict[str, str], str | None]:
-        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (sampler thread)."""
+        """The managed nccl.conf keys and the NCCL_SOCKET_IFNAME in force (a scrape's thread)."""
         conf = nccl_tuner.load()
         return dict(conf.block), nccl_tuner.current_of(conf, "NCCL_SOCKET_IFNAME")
 
@@ -179,7 +179,10 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         b = jobs.record(pid)
         return (b.start_time, b.cpus) if b is not None and b.cpus else None
 
-    cpusets = CpusetWatch(bound_cpus, rebind_inside, bound=jobs.pids, on_change=pods.invalidate)
+    # its backstop poll runs in the monitor's sampling thread, on that thread's timer
+    cpusets = CpusetWatch(bound_cpus, rebind_inside, bound=jobs.pids, on_change=pods.invalidate,
+                          ticker=monitor.interval)
+    monitor.cycle_hooks.append(cpusets.poll_elsewhere)
     jobs.on_change(cpusets.changed)  # it follows binds and exits, not a list of all jobs
     # a change of the policy dir (a ConfigMap's ..data swap) reloads as SIGHUP does
     policywatch = PolicyWatch(cfg.policy_dir, lambda: daemon.reload())

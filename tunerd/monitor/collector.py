@@ -173,7 +173,9 @@ class MonitorCollector(Collector):
 
     def _fleet(self, f: FleetFacts, ranks: list[dict[str, Any]]) -> Iterator[Metric]:
         """What ``tunerctl fleet check`` compares between nodes (docs/fleet.md); every
-        family bounded: 1 + 1 + MAX_NICS + MAX_NCCL_KEYS + 3 x MAX_RANKS + GPUs series."""
+        family bounded: 1 + 1 + MAX_NICS + MAX_NCCL_KEYS + 3 x MAX_RANKS + GPUs series.
+        The live facts are read here, when they are older than LIVE_EVERY."""
+        f.sample()
         v = f.versions
         info = GaugeMetricFamily(
             "tunerd_node_info", "1, with the node's class (matched policy names/GPU model) "

@@ -10,9 +10,11 @@ Two kinds, read at two cadences:
   imports torch. Driver and CUDA come from NVML, else from the driver's version file.
 - Live facts — each NIC's MTU and IPv4 subnet, the managed ``/etc/nccl.conf`` keys,
   each GPU's PCIe link width against its maximum —
-  change when tunerd applies a policy, so they are re-read in the sampler thread every
-  LIVE_EVERY seconds and at once after a policy change (``getifaddrs``, sysfs and one
-  small file: ~0.5-1 ms on a loaded 2-core machine, too much for every 1 s cycle).
+  change when tunerd applies a policy. Only the metrics read them, so they are re-read
+  when a scrape (or ``tunerctl metrics``) asks for them and the last read is more than
+  LIVE_EVERY seconds old or a policy changed since (``getifaddrs``, sysfs and one small
+  file: ~0.5-1 ms on a loaded 2-core machine; read every 5 s in the sampler thread
+  they were ~0.2 ms/s of the daemon, with nobody reading them between scrapes).
 
 Label cardinality is bounded here: at most MAX_NICS NICs, MAX_NCCL_KEYS settings,
 MAX_RANKS ranks (see docs/fleet.md for the per-node series count).
@@ -233,6 +235,8 @@ class FleetFacts:
     _next_live: float = 0.0
     _again: bool = False
     _probing: threading.Lock = field(default_factory=threading.Lock)
+    _reading: threading.Lock = field(default_factory=threading.Lock)  # scrapes at once
+    _changes: int = 0  # policy changes so far (one during a read: read again next time)
 
     def policy_changed(self, names: Sequence[str], gpu_models: Sequence[str],
                        data: Mapping[str, Any]) -> None:
@@ -240,7 +244,8 @@ class FleetFacts:
         seconds); the node_info series appears once they are known."""
         self.klass = node_class(names, gpu_models)
         self.policy_hash = policy_hash(data)
-        self._next_live = 0.0  # the new policy's NIC and NCCL settings: next cycle
+        self._changes += 1
+        self._next_live = 0.0  # the new policy's NIC and NCCL settings: next scrape
         threading.Thread(target=self._probe, name="tunerd-version-probe", daemon=True).start()
 
     def _probe(self) -> None:
@@ -263,11 +268,19 @@ class FleetFacts:
                 return
 
     def sample(self) -> None:
-        """Re-read NICs and nccl.conf (the sampler thread; every LIVE_EVERY seconds)."""
-        now = time.monotonic()
-        if now < self._next_live:
-            return
-        self._next_live = now + LIVE_EVERY
+        """Re-read NICs, nccl.conf and PCIe links where the last read is LIVE_EVERY
+        seconds old or a policy changed since (the collector, before it reads them:
+        a scrape's thread, or the loop for ``tunerctl metrics``; two at once read once)."""
+        with self._reading:
+            now = time.monotonic()
+            if now < self._next_live:
+                return
+            changes = self._changes
+            self._read_live()
+            if changes == self._changes:
+                self._next_live = time.monotonic() + LIVE_EVERY
+
+    def _read_live(self) -> None:
         try:
             settings, ifname = self.nccl_conf()
         except Exception as err:

@@ -54,11 +54,6 @@ def _psutil_root(proc: Path) -> Iterator[None]:
             psutil.PROCFS_PATH = old
 
 
-def _ticks(seconds: float) -> int:
-    """psutil gives CPU times as seconds (clock ticks / CLK_TCK): back to exact ticks."""
-    return round(seconds * CLK_TCK)
-
-
 def parse_node_meminfo(text: str) -> dict[str, int]:
     """``Node 0 MemTotal:  4810524 kB`` lines -> {"MemTotal": bytes, ...}."""
     out: dict[str, int] = {}
@@ -99,6 +94,8 @@ class HostSampler:
         self._online: list[int] = []  # ids of psutil's per-CPU rows (see _cpu_ids)
         self._diskstats = str(self.proc / "diskstats")
         self._prev_stat: dict[int, tuple[int, int, int]] = {}
+        # (node_cpus, node -> its CPU list): formatted once, not every cycle
+        self._cpulists: tuple[dict[int, frozenset[int]] | None, dict[int, str]] = (None, {})
         self._prev_disk: dict[str, tuple[int, int, int, int, int]] = {}
         self._prev_net: dict[str, tuple[int, ...]] = {}
         self._whole_disks: tuple[frozenset[str], set[str]] | None = None  # see _whole
@@ -172,10 +169,11 @@ class HostSampler:
         with _psutil_root(self.proc):
             rows = psutil.cpu_times(percpu=True)
         out: dict[int, tuple[int, int, int]] = {}
+        tick = CLK_TCK
         for cpu, t in zip(self._cpu_ids(len(rows)), rows, strict=True):
-            # user nice system idle iowait irq softirq steal (guest* are in user/nice)
-            vals = [_ticks(getattr(t, f, 0.0)) for f in (
-                "user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")]
+            # user nice system idle iowait irq softirq steal, psutil's first eight fields
+            # on Linux (guest* are in user/nice): each back to its exact ticks
+            vals = [round(v * tick) for v in t[:8]]
             out[cpu] = (sum(vals), vals[3], vals[4])
         return out
 
@@ -202,8 +200,12 @@ class HostSampler:
 
         out["cpu_busy_ratio"] = ratio(agg, 1)
         out["iowait_ratio"] = ratio(agg, 2)
-        out["numa"] = [{"node": n, "cpus": format_cpulist(ids), "busy_ratio": ratio(ids, 1)}
-                       for n, ids in self.node_cpus.items()]
+        nodes = self.node_cpus
+        if self._cpulists[0] is not nodes:
+            self._cpulists = (nodes, {n: format_cpulist(ids) for n, ids in nodes.items()})
+        lists = self._cpulists[1]
+        out["numa"] = [{"node": n, "cpus": lists[n], "busy_ratio": ratio(ids, 1)}
+                       for n, ids in nodes.items()]
 
     def _memory(self, out: dict[str, Any], dt: float | None) -> None:
         with _psutil_root(self.proc):

@@ -14,12 +14,18 @@ the thousand (one half-sent request line each). This server keeps its use bounde
   once (Prometheus then reports the scrape failed, and the daemon carries on);
 - a listen backlog of 128, not socketserver's 5, so a burst of honest connects is not
   delayed by SYN retransmits.
+
+Between scrapes the server's thread sleeps in poll(2) without a timeout: socketserver's
+own loop wakes every 0.5 s to look for a shutdown request (two wake-ups a second,
+~0.2 ms/s of the loaded daemon's CPU); here ``shutdown()`` wakes it through a pipe.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import selectors
 import socket
 import struct
 import sys
@@ -108,6 +114,38 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self._closing = False
         self._reaper: threading.Thread | None = None
         self.dropped_late_total = 0
+        # serve_forever's wake-up for shutdown(); set while serve_forever does not run
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
+        self._served = threading.Event()
+        self._served.set()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """socketserver's loop (``poll_interval`` is ignored), asleep until a connection
+        or ``shutdown()`` comes, instead of waking every ``poll_interval`` to look."""
+        self._served.clear()
+        try:
+            with selectors.PollSelector() as sel:
+                sel.register(self, selectors.EVENT_READ)
+                sel.register(self._wake_r, selectors.EVENT_READ)
+                while not self._stopping:
+                    ready = sel.select()
+                    if self._stopping:
+                        break
+                    if any(key.fileobj is self for key, _ in ready):
+                        self._handle_request_noblock()  # type: ignore[attr-defined]
+                    self.service_actions()
+        finally:
+            self._served.set()
+
+    def shutdown(self) -> None:
+        """Stop serve_forever and wait until it has returned (from another thread)."""
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the thread has been woken already
+            pass
+        self._served.wait()
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         try:
@@ -161,6 +199,11 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             with wake:
                 self._closing = True
                 wake.notify()
+        for name in ("_wake_r", "_wake_w"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
         super().server_close()
 
     def _release(self, request: Any) -> None:

@@ -15,6 +15,20 @@ fails with ESRCH, it never reads a new process that got the pid). The children o
 the job's other threads are listed on its slow reads (every ``slow_every`` cycles);
 between them a worker they had is followed while it is still the job's child.
 
+A job that has not changed is not read again: where its stat is byte for byte the one
+of its last read (no CPU time to the tick, no page fault, no other state, not moved:
+the process did not run for any time the kernel counts) and it has no child, the
+cycle reuses its last sample with its CPU and I/O rates at zero and the host's and
+GPUs' parts of this cycle (``_quiet``); /proc/PID/io, the fd count and the children
+are not read. Its counters cannot move without it running, and a full read comes at
+least every QUIET_EVERY cycles (and at every slow read) all the same: an idle job
+costs one stat and one children read a cycle instead of the whole sample
+(bench/job_sampler_cycle.py), and every other cycle (unless someone watches the live
+view) not even those: its last sample stands, as for a job waiting for its turn, so
+a change is seen one cycle late at most. A slow read of such a job carries what only
+its threads change (their children and states, uid, context switches) and reads the
+rest.
+
 The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
 much per job (bench/procfs_readers.py), so it is not used here.
@@ -96,6 +110,7 @@ MAX_CHILDREN = 256  # child processes of one job sampled per cycle (its DataLoad
 JOBS_PER_CYCLE = 16
 NUMA_EVERY = 3  # numa_maps at most every third slow cycle (every ~30 s at 1 s sampling)
 MAX_OPEN_JOBS = 64  # jobs whose per-cycle files stay open (3 fds each)
+QUIET_EVERY = 5  # an unchanged job is read in full at least every 5th cycle anyway
 Key = tuple[Any, Any]  # (pid, start time) of a job record
 _MISSING = object()
 
@@ -146,6 +161,8 @@ class _JobState:
     fixed: tuple[Any, ...] | None = None
     numa_out: tuple[Any, ...] | None = None
     proc: Process | None = None
+    raw: bytes = b""  # /proc/PID/stat as the last full read had it
+    quiet: int = 0  # cycles since then that reused the last sample (see _quiet)
 
 
 class JobSampler:
@@ -166,6 +183,7 @@ class JobSampler:
         self._records: list[dict[str, Any]] | None = None  # the list _index is of
         self._index: tuple[list[Key], dict[Key, int]] = ([], {})
         self._torch_set = False  # a sample's torch field was set from a report
+        self._rest = False  # this cycle, unchanged jobs keep their last sample unread
         # this cycle's CPU busy map -> {cpu set: mean busy share}
         self._busy_cache: tuple[dict[int, float], dict[frozenset[int], float | None]] = (
             {}, {})
@@ -221,7 +239,8 @@ class JobSampler:
 
     def sample(self, records: list[dict[str, Any]], gpu: dict[str, Any],
                host: dict[str, Any] | None = None,
-               reports: Mapping[int, Report] | None = None) -> list[dict[str, Any]]:
+               reports: Mapping[int, Report] | None = None,
+               watched: bool = False) -> list[dict[str, Any]]:
         """One sample per bound job record; a job that is gone is left out.
 
         ``gpu`` and ``host`` are this cycle's samples: GPU memory per pid, utilization
@@ -229,9 +248,11 @@ class JobSampler:
         ``reports``: pid -> the latest ``report`` that process sent (one of an
         earlier process with the same pid, by its start time, is ignored). Each
         job's ``torch`` field is built from its report (:func:`torch_from_report`),
-        or None without one.
+        or None without one. A job its last read found unchanged is read every other
+        cycle only, unless ``watched`` (someone reads the live view: every job is read).
         """
         self._cycle += 1
+        self._rest = not watched and self._cycle % 2 == 0
         gpu_mem: dict[int, float] = {}
         for p in gpu.get("processes") or []:
             if p.get("used_memory_bytes") is not None:
@@ -292,10 +313,31 @@ class JobSampler:
         want_start = rec.get("start_time")
         key = (pid, want_start)
         prev = self._state.get(key)
+        if prev is not None and prev.quiet and self._rest:
+            # found unchanged at its last read: every other cycle it is not read at all
+            # (its last sample stands, as for jobs waiting for their turn); a skipped
+            # cycle counts towards the full read due every QUIET_EVERY-th and the slow one
+            last = self._last.get(key)
+            fixed = prev.fixed
+            if (last is not None and fixed is not None and prev.quiet + 1 < QUIET_EVERY
+                    and prev.reads + 1 - prev.slow_at < self.slow_every
+                    and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
+                    and fixed[2] == rec.get("gpus")):
+                prev.quiet += 1
+                prev.reads += 1
+                return last
         proc = prev.proc if prev is not None and prev.proc is not None \
             else Process(pid, self.proc)
         files = self._files(key, pid)
-        st = proc.stat() if files is None else parse_stat(self._read(proc, files, "stat"))
+        if files is None:
+            raw, st = b"", proc.stat()
+        else:
+            raw = self._read(proc, files, "stat")
+            if prev is not None and raw == prev.raw and not prev.kids:
+                quiet = self._quiet(prev, key, rec, pid, files, gpu_mem, gpu_util, cpu_busy)
+                if quiet is not None:
+                    return quiet
+            st = parse_stat(raw)
         if isinstance(want_start, int) and want_start != st.start_time:
             return None  # PID reused by another process: not our job any more
         rb: int | None
@@ -322,8 +364,13 @@ class JobSampler:
             prev_workers = cur.workers
             cur.t, cur.ticks, cur.read_bytes, cur.write_bytes = now, ticks, rb, wb
             cur.reads += 1
+        # unchanged since its last full read (the same stat, no child): on a slow read,
+        # its threads' children and states, uid and context switches are carried (none
+        # can change while no thread of it runs); the fd limit and numa_maps are read
+        still = prev is not None and bool(raw) and raw == prev.raw and not prev.kids
+        cur.raw, cur.quiet = raw, 0
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
-        if slow or files is None or prev is None:
+        if (slow and not still) or files is None or prev is None:
             # one listing of the threads for their children and, on a slow read, states
             kids, runnable = _threads(proc, slow)
             if slow:
@@ -364,7 +411,8 @@ class JobSampler:
                 cur.numa = None
             # the fd limit changes rarely (prlimit from outside): read with the slow ones
             cur.nofile = _optional(proc.nofile) or (None, None)
-            cur.uid, cur.ctx = _uid_ctx(proc)
+            if not still:
+                cur.uid, cur.ctx = _uid_ctx(proc)
         if prev is None:
             self._state[key] = cur
 
@@ -423,6 +471,41 @@ class JobSampler:
             "tree_runnable": (cur.runnable if cur.runnable is not None
                               else int(st.state == "R")) + workers["runnable"],
         }
+
+    def _quiet(self, cur: _JobState, key: Key, rec: dict[str, Any], pid: int,
+               files: _OpenFiles, gpu_mem: dict[int, float], gpu_util: dict[int, float | None],
+               cpu_busy: dict[int, float]) -> dict[str, Any] | None:
+        """The sample of a job whose stat has not changed since its last full read and
+        that had no child then: the last sample, with no CPU time and no I/O since and
+        this cycle's host and GPU parts; None where it must be read in full (a slow read
+        or the QUIET_EVERY-th cycle is due, its record changed, it has a child now)."""
+        last = self._last.get(key)
+        fixed = cur.fixed
+        if (last is None or "error" in last or fixed is None
+                or cur.quiet + 1 >= QUIET_EVERY
+                or cur.reads + 1 - cur.slow_at >= self.slow_every
+                or fixed[0] != rec.get("cpus") or fixed[1] != rec.get("mems")
+                or fixed[2] != rec.get("gpus")):
+            return None
+        try:
+            if files.read(f"task/{pid}/children").strip():
+                return None  # a worker since: read in full
+        except OSError:
+            pass  # as the full read: no CONFIG_PROC_CHILDREN, or gone (next stat says)
+        cur.t = time.monotonic()  # the ticks did not move: the next rate starts here
+        cur.reads += 1
+        cur.quiet += 1
+        cpus, gpus = fixed[3], fixed[6]
+        utils = [u for g in gpus if (u := gpu_util.get(g)) is not None] if gpus else None
+        ratio = 0.0 if cpus else None
+        return {**last, "cpu_cores": 0.0, "cpu_ratio": ratio,
+                "cpus_busy_ratio": self._busy(cpus, cpu_busy),
+                "read_bytes_per_second": None if last["read_bytes_total"] is None else 0.0,
+                "write_bytes_per_second": None if last["write_bytes_total"] is None else 0.0,
+                "gpu_memory_bytes": gpu_mem.get(pid),
+                "gpu_utilization_ratio": sum(utils) / len(utils) if utils else None,
+                "torch": None, "workers_cpu_cores": 0.0, "tree_cpu_cores": 0.0,
+                "tree_cpu_ratio": ratio}
 
     def _busy(self, cpus: frozenset[int], cpu_busy: dict[int, float]) -> float | None:
         """Mean busy share of ``cpus``: worked out once per cycle per CPU set (jobs

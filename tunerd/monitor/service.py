@@ -43,11 +43,13 @@ from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
 
-# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers) are
-# read every HOST_FULL_SECONDS, and every cycle for WATCH_SECONDS after someone asked
-# for the live view (``tunerctl top``); per-CPU times every cycle. A scrape reads
-# values at most HOST_FULL_SECONDS old (their rates over that span).
-HOST_FULL_SECONDS = 5.0
+# Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers,
+# ~1.5-2 ms of CPU with cold caches) are read every HOST_FULL_SECONDS, and every cycle
+# for WATCH_SECONDS after someone asked for the live view (``tunerctl top``); per-CPU
+# times every cycle. A scrape reads values at most HOST_FULL_SECONDS old (their rates
+# over that span): PSI's own avg10 is a 10 s average, Prometheus scrapes every 15 s,
+# and advise takes medians over 300 samples.
+HOST_FULL_SECONDS = 10.0
 WATCH_SECONDS = 10.0
 BEAT_SECONDS = 5.0  # the loop's heartbeat that /healthz reads
 
@@ -150,6 +152,9 @@ class Monitor:
         self.sample_cpu_seconds_total = 0.0
         self._records: list[dict[str, Any]] = []  # job_records() while the version stays
         self._records_version: int | None = None
+        # called in the sampler thread after each timed cycle (e.g. the cpuset watch's
+        # backstop poll: one timer of the process instead of two)
+        self.cycle_hooks: list[Callable[[], None]] = []
         self.sampler_status: dict[str, dict[str, Any]] = {
             n: {"ok": True, "errors": 0, "last_error": None} for n in ("gpu", "host", "jobs")}
         # the sampler thread's inbox: (records, reports, future) for one cycle now, or
@@ -240,7 +245,8 @@ class Monitor:
             self._beat_handle.cancel()
         self._inbox.put(None)
         if self._http is not None:
-            # BaseServer.shutdown() waits for serve_forever's next poll (up to 0.5 s):
+            # shutdown() waits for serve_forever to return (a pipe wakes it) and the
+            # handlers may still run:
             # let a daemon thread wait for it, so that SIGTERM ends the daemon at once
             http = self._http
             self._http = None
@@ -329,6 +335,11 @@ class Monitor:
             log.exception("monitor cycle failed")
             self._on_loop(self.errors.record, "monitor", f"sampling cycle failed: {err!r}",
                           "cycle")
+        for hook in self.cycle_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("monitor cycle hook %r failed", hook)
 
     # -- one cycle -----------------------------------------------------------
     def job_records(self) -> list[dict[str, Any]]:
@@ -395,14 +406,14 @@ class Monitor:
         gpu = guarded("gpu", self.gpu.sample, {
             "available": False, "reason": "not available: sampler failed", "gpus": [],
             "processes": []})
-        full = (self._host_cycles % self.host_full_every == 0
-                or time.monotonic() < self._watched_until)
+        watched = time.monotonic() < self._watched_until
+        full = self._host_cycles % self.host_full_every == 0 or watched
         self._host_cycles += 1
         host = guarded("host", lambda: self.host.sample(full=full),
                        {"unavailable": {"all": "sampler failed"}})
-        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports), [])
+        jobs = guarded("jobs", lambda: self.jobs.sample(records, gpu, host, reports=reports,
+                                                        watched=watched), [])
         ranks, ended = rank_sample(records, reports or {})
-        self.fleet.sample()
         return {
             "time": time.time(), "interval": self.interval,
             "duration_seconds": time.perf_counter() - wall0,
