@@ -11,6 +11,20 @@ from tests.helpers import DaemonProc, write_policy
 MINIMAL_POLICY = '[policy]\nname = "test"\n\n[limits]\nnofile = 65536\n'
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile tunerd/ and tests/ once, before anything runs. With
+    PYTHONDONTWRITEBYTECODE set (as in CI) nothing else writes .pyc files, and every
+    daemon, tunerctl and helper child the tests start (thousands) would compile the
+    modules it imports from source again: ~0.3 s more for each daemon start. Python
+    still reads .pyc files that exist; the code run is the same."""
+    import compileall
+
+    from tests.helpers import REPO
+
+    for part in ("tunerd", "tests"):
+        compileall.compile_dir(REPO / part, quiet=1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.geteuid() == 0:
         return
