@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,8 +39,9 @@ def test_doctor_runs_here_and_skips_gpu_checks_with_reasons(tmp_path: Path) -> N
     # no GPU on this machine: skipped, saying why
     assert checks["nvidia-driver"]["status"] == "SKIP"
     assert "no NVIDIA GPU" in checks["nvidia-driver"]["evidence"]
-    has_torch = subprocess.run([sys.executable, "-c", "import torch"],
-                               capture_output=True).returncode == 0
+    # --python is this interpreter: whether it has torch is asked here, without a second
+    # interpreter importing torch (~3 s)
+    has_torch = importlib.util.find_spec("torch") is not None
     if has_torch:  # CI installs the CPU build: it imports, and CUDA is skipped, with a reason
         assert checks["torch"]["status"] == "PASS"
         assert checks["torch-cuda"]["status"] == "SKIP" and checks["torch-cuda"]["evidence"]
@@ -153,8 +155,12 @@ def test_torch_probe_never_hangs(tmp_path: Path) -> None:
 
 def test_torch_checks_with_a_real_torch_if_installed() -> None:
     py = os.environ.get("TUNERD_TEST_TORCH_PYTHON", sys.executable)
-    if not os.path.exists(py) or subprocess.run([py, "-c", "import torch"],
-                                                capture_output=True).returncode != 0:
+    if py == sys.executable:  # this interpreter: asked here, not by importing torch in another
+        has_torch = importlib.util.find_spec("torch") is not None
+    else:
+        has_torch = os.path.exists(py) and subprocess.run(
+            [py, "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
         pytest.skip(f"no Python with torch at {py} (set TUNERD_TEST_TORCH_PYTHON)")
     checks = {c.id: c for c in doctor.check_torch(Env(python=py))}
     assert checks["torch"].status == "PASS" and checks["torch"].data["version"]
