@@ -118,8 +118,11 @@ def _free_pid() -> int:
     (["--gpus", "0"], 2, "no --cpus/--mems given and GPU placement is not available"),
     (["--cpus", ONE, "--gpus", "0"], 2, "GPU placement is not available"),
 ])
-def test_bad_input_changes_nothing(daemon: DaemonProc, args: list[str], rc: int,
+def test_bad_input_changes_nothing(module_daemon: DaemonProc, args: list[str], rc: int,
                                    message: str) -> None:
+    # one daemon for all the cases: each changes nothing (asserted), as it must
+    daemon = module_daemon
+    assert jobs_pids(daemon) == []
     with thread_child(threads=32) as p:
         before = snapshot(p.pid)
         r = daemon.ctl("bind", str(p.pid), *args)
