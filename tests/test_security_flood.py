@@ -24,9 +24,11 @@ from tunerd.logutil import RepeatFilter
 pytestmark = pytest.mark.root
 
 
-def _hold_connections(conn: Connection, path: str, n: int) -> None:
+def _hold_connections(conn: Connection, path: str, n: int, limit: int) -> None:
     """As the test user: open ``n`` connections, report how many the daemon refused,
     keep the rest open until told to stop."""
+    import select
+
     resource.setrlimit(resource.RLIMIT_NOFILE, (n + 100, resource.getrlimit(
         resource.RLIMIT_NOFILE)[1]))
     held: list[socket.socket] = []
@@ -35,8 +37,16 @@ def _hold_connections(conn: Connection, path: str, n: int) -> None:
         s.settimeout(20)
         s.connect(path)
         held.append(s)
-    # the daemon answers an over-limit connection with one line and closes it
-    time.sleep(2.0)
+    # the daemon answers an over-limit connection with one line and closes it: wait
+    # until the n - limit it must refuse have their line (at most 10 s), then 0.5 s more
+    # for any it should not have refused
+    poller = select.poll()
+    for s in held:
+        poller.register(s, select.POLLIN)
+    deadline = time.monotonic() + 10
+    while len(poller.poll(0)) < n - limit and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     refused, kept, messages = 0, 0, set()
     for s in held:
         s.setblocking(False)
@@ -66,7 +76,7 @@ def test_user_holding_1100_connections_is_limited_and_root_is_served(
     cfg.write_text("max_connections_per_user = 100\n")
     d: DaemonProc = daemon_factory(args=["--config", str(cfg)]).start()
     log_before = len(d.log())
-    with forked_as(uid, gid, _hold_connections, str(d.socket), 1100) as conn:
+    with forked_as(uid, gid, _hold_connections, str(d.socket), 1100, 100) as conn:
         refused, kept, messages = recv(conn, timeout=120)
         assert (kept, refused) == (100, 1000)
         assert len(messages) == 1 and "too many connections" in messages[0]
