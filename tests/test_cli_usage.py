@@ -37,8 +37,9 @@ def test_every_command_takes_json_after_its_name(path: tuple[str, ...]) -> None:
 
 
 @pytest.mark.root
-def test_json_after_the_command_against_a_real_daemon(daemon: DaemonProc,
+def test_json_after_the_command_against_a_real_daemon(module_daemon: DaemonProc,
                                                       tmp_path: Path) -> None:
+    daemon = module_daemon  # these tests leave nothing held: one daemon for them
     for args in (("status", "--json"), ("jobs", "--json"), ("leases", "--json"),
                  ("plan", "--json"), ("verify", "--json"), ("top", "--json"),
                  ("advise", "--json"), ("policy", "show", "--json"),
@@ -56,7 +57,8 @@ def test_json_after_the_command_against_a_real_daemon(daemon: DaemonProc,
 
 
 @pytest.mark.root
-def test_json_after_dash_dash_belongs_to_the_command(daemon: DaemonProc) -> None:
+def test_json_after_dash_dash_belongs_to_the_command(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon
     show = 'for a in "$@"; do echo "arg=$a"; done'
     r = daemon.ctl("run", "--", "sh", "-c", show, "sh", "--json", "x")
     assert r.rc == 0, r.err
@@ -70,7 +72,8 @@ def test_json_after_dash_dash_belongs_to_the_command(daemon: DaemonProc) -> None
 
 
 @pytest.mark.root
-def test_ncpus_counts_and_the_old_cpus_count_warns(daemon: DaemonProc) -> None:
+def test_ncpus_counts_and_the_old_cpus_count_warns(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon
     r = daemon.ctl("alloc", "--ncpus", "1", "--json")
     assert r.rc == 0, r.err
     lease = json.loads(r.out)
@@ -85,7 +88,8 @@ def test_ncpus_counts_and_the_old_cpus_count_warns(daemon: DaemonProc) -> None:
 
 
 @pytest.mark.root
-def test_a_cpu_list_for_run_is_parsed_and_sent_as_a_list(daemon: DaemonProc) -> None:
+def test_a_cpu_list_for_run_is_parsed_and_sent_as_a_list(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon
     r = daemon.ctl("run", "--cpus", "0-x", "--", "true")
     assert r.rc == 2 and "--cpus" in r.err  # refused by tunerctl, before the daemon
     r = daemon.ctl("run", "--cpus", "0-0", "--", "true")
