@@ -128,6 +128,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ansible_lint(tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """ansible-lint on the role and playbook (~8 s), started with the module: it only
+    reads deploy/ansible (the plays copy the checkout's tunerd, policies, scripts and
+    systemd, never deploy/), so it runs beside the first play, which waits on pip most of
+    its 30 s, rather than after. test_lint_clean looks at its result."""
+    tmp = tmp_path_factory.mktemp("ansible-lint")
+    out = tmp / "output"
+    with out.open("w") as f:
+        # --offline: no collection installs, no version check over the network
+        lint = subprocess.Popen([str(BIN / "ansible-lint"), "--offline", "--nocolor"],
+                                cwd=ANSIBLE, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "ANSIBLE_HOME": str(tmp / "ah"),
+                                     "XDG_CACHE_HOME": str(tmp / "cache")})
+    try:
+        yield lint, out
+    finally:
+        if lint.poll() is None:
+            lint.kill()
+        lint.wait()
+
+
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
     if not (BIN / "ansible-playbook").exists():
@@ -242,17 +265,15 @@ def test_absent_removes_it(node: Node) -> None:
     assert node.policy_file.exists()  # like uninstall.sh: the etc dir stays (tunerd_purge)
 
 
-def test_lint_clean(tmp_path: Path) -> None:
+def test_lint_clean(ansible_lint: tuple[subprocess.Popen[str], Path]) -> None:
     y = subprocess.run([str(BIN / "yamllint"), "-s", "."], cwd=ANSIBLE, capture_output=True,
                        text=True, timeout=120)
     assert y.returncode == 0, y.stdout + y.stderr
-    # --offline: no collection installs, no version check over the network
-    lint = subprocess.run([str(BIN / "ansible-lint"), "--offline", "--nocolor"],
-                          cwd=ANSIBLE, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ANSIBLE_HOME": str(tmp_path / "ah"),
-                               "XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert lint.returncode == 0, lint.stdout + lint.stderr
-    assert "Passed" in lint.stdout + lint.stderr
+    lint, out = ansible_lint
+    lint.wait(300)
+    text = out.read_text()
+    assert lint.returncode == 0, text
+    assert "Passed" in text
 
 
 def test_example_inventory_policies_pass_the_check(tmp_path: Path) -> None:
