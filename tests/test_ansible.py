@@ -225,9 +225,14 @@ def test_policy_change_is_reloaded(node: Node) -> None:
     node.vars["tunerd_policies"] = {"10-class.toml": POLICY_B}
 
 
-def test_new_wheel_restarts_the_daemon(node: Node) -> None:
-    # a wheel of this checkout with another version, as CI would build it
-    src = node.root / "wheel-src"
+@pytest.fixture(scope="module", autouse=True)
+def new_wheel(tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A wheel of this checkout with another version (9.9.9), as CI would build it, for
+    test_new_wheel_restarts_the_daemon: built from a copy, so it is started with the
+    module and built beside the first play rather than in the test."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "wheel-src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
@@ -236,11 +241,23 @@ def test_new_wheel_restarts_the_daemon(node: Node) -> None:
                     ignore=shutil.ignore_patterns("__pycache__"))
     init = src / "tunerd/__init__.py"
     init.write_text(re.sub(r'__version__ = "[^"]*"', '__version__ = "9.9.9"', init.read_text()))
-    w = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "-w", str(node.root / "dist"), str(src)],
-                       capture_output=True, text=True, timeout=300, cwd=node.root)
-    assert w.returncode == 0, w.stderr
-    wheel = next((node.root / "dist").glob("tunerd-9.9.9-*.whl"))
+    with (root / "pip.log").open("w") as log:
+        w = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                              "--no-build-isolation", "-w", str(root / "dist"), str(src)],
+                             stdout=log, stderr=subprocess.STDOUT, text=True, cwd=root)
+    try:
+        yield w, root
+    finally:
+        if w.poll() is None:
+            w.kill()
+        w.wait()
+
+
+def test_new_wheel_restarts_the_daemon(node: Node,
+                                       new_wheel: tuple[subprocess.Popen[str], Path]) -> None:
+    w, root = new_wheel
+    assert w.wait(300) == 0, (root / "pip.log").read_text()
+    wheel = next((root / "dist").glob("tunerd-9.9.9-*.whl"))
     before = node.pid()
     r = node.play(tunerd_source=str(wheel))
     assert changed(r) > 0
