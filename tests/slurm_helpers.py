@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -130,6 +130,8 @@ class SlurmCluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     cgroups_before: set[Path] = field(default_factory=set)
     syslog: SyslogSink | None = None
+    # how long stop() waits for each cgroup slurmd made to empty before it goes on
+    CGROUP_WAIT_S: ClassVar[float] = 5.0
 
     # -- paths ----------------------------------------------------------------------
     @property
@@ -319,7 +321,8 @@ ConstrainRAMSpace=no
                           key=lambda d: -len(d.parts))
             for d in [*dirs, cg]:
                 try:
-                    wait_for(lambda d=d: not _procs_in(d), 5, f"{d} empty", interval=0.1)
+                    wait_for(lambda d=d: not _procs_in(d), self.CGROUP_WAIT_S, f"{d} empty",
+                             interval=0.1)
                     d.rmdir()
                 except FileNotFoundError:
                     pass

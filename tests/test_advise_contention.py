@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import REPO, DaemonProc, wait_for
+from tunerd.advise import MIN_SAMPLES
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.root
@@ -128,5 +129,7 @@ def test_a_healthy_job_gets_no_finding(advise_daemon: DaemonProc,
     wait_for(lambda: (findings(d, job.pid) is not None and len(json.loads(d.ctl(
         "--json", "top").out)["sample"]["jobs"][0].get("worker_pids") or []) == 1), 25,
         "the job and its worker sampled", interval=0.5)
-    time.sleep(6)  # 12 more samples: what the starved job needed for its finding
+    # 6 more samples (0.5 s apart): twice the MIN_SAMPLES every advise rule needs before it
+    # can find anything; the starved job above has its finding within ~2 s of sampling
+    time.sleep(2 * MIN_SAMPLES * 0.5)
     assert findings(d, job.pid) == {}, d.ctl("--json", "advise", str(job.pid)).out

@@ -128,6 +128,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ansible_lint(tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """ansible-lint on the role and playbook (~8 s), started with the module: it only
+    reads deploy/ansible (the plays copy the checkout's tunerd, policies, scripts and
+    systemd, never deploy/), so it runs beside the first play, which waits on pip most of
+    its 30 s, rather than after. test_lint_clean looks at its result."""
+    tmp = tmp_path_factory.mktemp("ansible-lint")
+    out = tmp / "output"
+    with out.open("w") as f:
+        # --offline: no collection installs, no version check over the network
+        lint = subprocess.Popen([str(BIN / "ansible-lint"), "--offline", "--nocolor"],
+                                cwd=ANSIBLE, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "ANSIBLE_HOME": str(tmp / "ah"),
+                                     "XDG_CACHE_HOME": str(tmp / "cache")})
+    try:
+        yield lint, out
+    finally:
+        if lint.poll() is None:
+            lint.kill()
+        lint.wait()
+
+
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
     if not (BIN / "ansible-playbook").exists():
@@ -202,9 +225,14 @@ def test_policy_change_is_reloaded(node: Node) -> None:
     node.vars["tunerd_policies"] = {"10-class.toml": POLICY_B}
 
 
-def test_new_wheel_restarts_the_daemon(node: Node) -> None:
-    # a wheel of this checkout with another version, as CI would build it
-    src = node.root / "wheel-src"
+@pytest.fixture(scope="module", autouse=True)
+def new_wheel(tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A wheel of this checkout with another version (9.9.9), as CI would build it, for
+    test_new_wheel_restarts_the_daemon: built from a copy, so it is started with the
+    module and built beside the first play rather than in the test."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "wheel-src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
@@ -213,11 +241,23 @@ def test_new_wheel_restarts_the_daemon(node: Node) -> None:
                     ignore=shutil.ignore_patterns("__pycache__"))
     init = src / "tunerd/__init__.py"
     init.write_text(re.sub(r'__version__ = "[^"]*"', '__version__ = "9.9.9"', init.read_text()))
-    w = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "-w", str(node.root / "dist"), str(src)],
-                       capture_output=True, text=True, timeout=300, cwd=node.root)
-    assert w.returncode == 0, w.stderr
-    wheel = next((node.root / "dist").glob("tunerd-9.9.9-*.whl"))
+    with (root / "pip.log").open("w") as log:
+        w = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                              "--no-build-isolation", "-w", str(root / "dist"), str(src)],
+                             stdout=log, stderr=subprocess.STDOUT, text=True, cwd=root)
+    try:
+        yield w, root
+    finally:
+        if w.poll() is None:
+            w.kill()
+        w.wait()
+
+
+def test_new_wheel_restarts_the_daemon(node: Node,
+                                       new_wheel: tuple[subprocess.Popen[str], Path]) -> None:
+    w, root = new_wheel
+    assert w.wait(300) == 0, (root / "pip.log").read_text()
+    wheel = next((root / "dist").glob("tunerd-9.9.9-*.whl"))
     before = node.pid()
     r = node.play(tunerd_source=str(wheel))
     assert changed(r) > 0
@@ -242,17 +282,15 @@ def test_absent_removes_it(node: Node) -> None:
     assert node.policy_file.exists()  # like uninstall.sh: the etc dir stays (tunerd_purge)
 
 
-def test_lint_clean(tmp_path: Path) -> None:
+def test_lint_clean(ansible_lint: tuple[subprocess.Popen[str], Path]) -> None:
     y = subprocess.run([str(BIN / "yamllint"), "-s", "."], cwd=ANSIBLE, capture_output=True,
                        text=True, timeout=120)
     assert y.returncode == 0, y.stdout + y.stderr
-    # --offline: no collection installs, no version check over the network
-    lint = subprocess.run([str(BIN / "ansible-lint"), "--offline", "--nocolor"],
-                          cwd=ANSIBLE, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ANSIBLE_HOME": str(tmp_path / "ah"),
-                               "XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert lint.returncode == 0, lint.stdout + lint.stderr
-    assert "Passed" in lint.stdout + lint.stderr
+    lint, out = ansible_lint
+    lint.wait(300)
+    text = out.read_text()
+    assert lint.returncode == 0, text
+    assert "Passed" in text
 
 
 def test_example_inventory_policies_pass_the_check(tmp_path: Path) -> None:

@@ -44,6 +44,15 @@ def jobs_pids(d: DaemonProc) -> list[int]:
     return [j["pid"] for j in r.json()["jobs"]]
 
 
+@pytest.fixture
+def daemon(module_daemon: DaemonProc) -> DaemonProc:
+    """This module's tests share one real daemon (a start costs ~0.5 s): each binds only
+    its own children, which are gone by its end; the next waits until the daemon has
+    dropped their jobs, so that it finds the daemon as a fresh one would be."""
+    wait_for(lambda: jobs_pids(module_daemon) == [], 10, "the last test's jobs to be dropped")
+    return module_daemon
+
+
 def test_bind_sets_every_thread_and_nofile_then_unbind_restores(daemon: DaemonProc) -> None:
     with thread_child(threads=40) as p:
         before = snapshot(p.pid)

@@ -45,7 +45,8 @@ def _write_config(tmp: Path, text: str) -> Path:
     return p
 
 
-def test_status_and_socket_mode(daemon: DaemonProc) -> None:
+def test_status_and_socket_mode(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     r = daemon.ctl("--json", "status")
     assert r.rc == 0, r.err
     st = r.json()
@@ -57,7 +58,8 @@ def test_status_and_socket_mode(daemon: DaemonProc) -> None:
     assert human.rc == 0 and f"pid {daemon.proc.pid}, up" in human.out
 
 
-def test_malformed_message_gets_error_and_connection_survives(daemon: DaemonProc) -> None:
+def test_malformed_message_gets_error_and_connection_survives(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     s = _connect(daemon.socket)
     s.sendall(b"this is not json\n")
     err = _read_line(s)
@@ -73,7 +75,8 @@ def test_malformed_message_gets_error_and_connection_survives(daemon: DaemonProc
     s.close()
 
 
-def test_oversized_message_is_refused(daemon: DaemonProc) -> None:
+def test_oversized_message_is_refused(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     s = _connect(daemon.socket)
     try:
         s.sendall(b'{"cmd": "ping", "args": {"x": "' + b"a" * (MAX_MESSAGE + 10))
@@ -205,7 +208,9 @@ def test_state_survives_restart(daemon_factory) -> None:
 
 
 @pytest.mark.root
-def test_unprivileged_user_reads_status_but_cannot_reload(daemon: DaemonProc, unpriv_user) -> None:
+def test_unprivileged_user_reads_status_but_cannot_reload(module_daemon: DaemonProc,
+                                                          unpriv_user) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     uid, gid = unpriv_user
 
     def as_user(path: str) -> tuple[int, str]:

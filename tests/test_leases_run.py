@@ -28,7 +28,10 @@ SHOW = ("grep Cpus_allowed_list /proc/self/status; echo \"cvd=$CUDA_VISIBLE_DEVI
         "echo \"lease=$TUNERD_LEASE\"; grep -c bind: /proc/self/numa_maps || true")
 
 
-def test_run_execs_cmd_bound(daemon) -> None:
+def test_run_execs_cmd_bound(module_daemon) -> None:
+    # the module's daemon: this test and the others given it end with no lease left
+    daemon = module_daemon
+    assert leases_of(daemon) == []
     r = daemon.ctl("run", "--ncpus", "1", "--", "sh", "-c", SHOW)
     assert r.rc == 0, r.err
     lines = r.out.splitlines()
@@ -40,7 +43,9 @@ def test_run_execs_cmd_bound(daemon) -> None:
     wait_for(lambda: leases_of(daemon) == [], 10, "the lease to end with CMD")
 
 
-def test_exit_status_and_command_not_found(daemon) -> None:
+def test_exit_status_and_command_not_found(module_daemon) -> None:
+    daemon = module_daemon
+    assert leases_of(daemon) == []
     assert daemon.ctl("run", "--", "sh", "-c", "exit 7").rc == 7
     r = daemon.ctl("run", "--", "no-such-command-tunerd-test")
     assert r.rc == 127 and "command not found" in r.err
@@ -52,7 +57,9 @@ def test_daemon_unreachable_is_exit_3(tmp_path: Path) -> None:
     assert r.rc == 3 and "not reachable" in r.err
 
 
-def test_lease_released_when_tunerctl_is_killed(daemon) -> None:
+def test_lease_released_when_tunerctl_is_killed(module_daemon) -> None:
+    daemon = module_daemon
+    assert leases_of(daemon) == []
     p = subprocess.Popen([sys.executable, "-m", "tunerd.cli.main", "--socket",
                           str(daemon.socket), "run", "--ncpus", "1", "--", "sleep", "30"],
                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -99,7 +106,10 @@ def test_run_on_replay_sets_env_but_applies_nothing(daemon_factory) -> None:
     assert "nothing was applied" in r.err
 
 
-def test_exclusive_scope_that_does_not_exist_leaves_no_lease(daemon, tmp_path: Path) -> None:
+def test_exclusive_scope_that_does_not_exist_leaves_no_lease(module_daemon,
+                                                            tmp_path: Path) -> None:
+    daemon = module_daemon
+    assert leases_of(daemon) == []
     gone = subprocess.Popen(["true"])
     gone.wait()
     r = daemon.ctl("alloc", "--ncpus", "1", "--exclusive", "--exclusive-scope",

@@ -47,8 +47,9 @@ def exchange(path: str, payload: bytes) -> list[Any]:
     return [strict_json(ln) for ln in buf.splitlines()]
 
 
-def test_deep_nesting_nan_and_odd_ids_from_any_user(daemon: DaemonProc,
+def test_deep_nesting_nan_and_odd_ids_from_any_user(module_daemon: DaemonProc,
                                                     unpriv_user: tuple[int, int]) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     uid, gid = unpriv_user
     sock = str(daemon.socket)
     msgs = [
@@ -76,7 +77,8 @@ def test_deep_nesting_nan_and_odd_ids_from_any_user(daemon: DaemonProc,
     assert "Traceback" not in daemon.log() and "RecursionError" not in daemon.log()
 
 
-def test_long_cgroup_scope_is_a_usage_error(daemon: DaemonProc) -> None:
+def test_long_cgroup_scope_is_a_usage_error(module_daemon: DaemonProc) -> None:
+    daemon = module_daemon  # read-only: one daemon for the module's such tests
     scope = "cgroup:/" + "a" * 300
     r = daemon.ctl("alloc", "--ncpus", "1", "--exclusive", "--exclusive-scope", scope)
     assert r.rc == 2, r

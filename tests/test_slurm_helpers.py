@@ -54,7 +54,10 @@ def test_host_lock_is_exclusive_and_made_root_only(tmp_path: Path) -> None:
 
 class _LeftoverCgroup(SlurmCluster):
     """A cluster whose "cgroup made by slurmd" is a plain directory of the test's: its
-    cgroup.procs lists a process forever, so the wait for it to empty times out."""
+    cgroup.procs lists a process forever, so the wait for it to empty times out (after
+    0.5 s here: how long does not matter, that the teardown goes on after it does)."""
+
+    CGROUP_WAIT_S = 0.5
 
     def cgroup_dirs(self) -> list[Path]:
         return [self.root / "cg"]

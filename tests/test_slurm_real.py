@@ -131,7 +131,7 @@ def test_srun_c2_with_one_gpu_keeps_both_cpus(slurm: SlurmCluster,  # noqa: F811
 
 def _holder(slurm: SlurmCluster, *args: str) -> None:  # noqa: F811
     """A job holding one core (and what ``args`` ask) for the length of a test."""
-    job = slurm.sbatch("sleep 300\n", "-c1", *args)
+    job = slurm.sbatch("exec sleep 300\n", "-c1", *args)
     slurm.wait_job_running(job)
 
 
@@ -317,7 +317,7 @@ def test_a_lease_of_a_job_that_ended_while_tunerd_was_down_is_gone_at_start(
     inside a job that ends while tunerd is stopped: gone when tunerd starts."""
     out = slurm.root / "jobs" / "own-tag.json"
     job = slurm.sbatch(f"{tunerctl(tunerd)} --json alloc --gpus 0 --ncpus 1 --tag my-own "
-                       f"> {out}\necho READY\nsleep 300\n", "-c1")
+                       f"> {out}\necho READY\nexec sleep 300\n", "-c1")
     slurm.wait_output(job, "READY")
     lid = json.loads(out.read_text())["id"]
     assert lid in [x["id"] for x in leases_of(tunerd)]
@@ -395,7 +395,7 @@ def test_two_jobs_at_once_with_two_gpu_tasks_per_step(slurm: SlurmCluster,  # no
                       'echo "T${SLURM_LOCALID}_GPUS=$SLURM_STEP_GPUS"\n'
                       "exec sleep 300\n")
     step = ("-n2", "-c1", "--overcommit", "--gres=gpu:1", str(task))
-    holder = slurm.sbatch("sleep 300\n", "-c1")
+    holder = slurm.sbatch("exec sleep 300\n", "-c1")
     slurm.wait_job_running(holder)
     with srun_in_background(slurm, "job-a", *step) as job_a:
         slurm.wait_output(job_a, "T1_GPUS=")

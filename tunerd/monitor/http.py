@@ -39,7 +39,28 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 log = logging.getLogger("tunerd.monitor")
 
-REQUEST_TIMEOUT = 10.0  # Prometheus' default scrape timeout
+
+
+def _request_timeout(default: float = 10.0) -> float:
+    """``default`` (Prometheus' default scrape timeout), or the seconds in the environment
+    variable TUNERD_METRICS_REQUEST_TIMEOUT (tests set it low, so that their slow
+    clients need not wait 10 s); a value that is not a number in (0, 3600] is named in a
+    warning and ignored."""
+    text = os.environ.get("TUNERD_METRICS_REQUEST_TIMEOUT", "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if 0 < value <= 3600:
+        return value
+    log.warning("ignored TUNERD_METRICS_REQUEST_TIMEOUT=%r: not a number of seconds in "
+                "(0, 3600]; the metrics request timeout is %g s", text, default)
+    return default
+
+
+REQUEST_TIMEOUT = _request_timeout()
 PER_CLIENT = 4
 MAX_HANDLERS = 32
 
