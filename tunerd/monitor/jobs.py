@@ -319,10 +319,9 @@ class JobSampler:
             # cycle counts towards the full read due every QUIET_EVERY-th and the slow one
             last = self._last.get(key)
             fixed = prev.fixed
-            if (last is not None and fixed is not None and prev.quiet + 1 < QUIET_EVERY
+            if (last is not None and prev.quiet + 1 < QUIET_EVERY
                     and prev.reads + 1 - prev.slow_at < self.slow_every
-                    and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
-                    and fixed[2] == rec.get("gpus")):
+                    and _same_record(fixed, rec)):
                 prev.quiet += 1
                 prev.reads += 1
                 return last
@@ -484,8 +483,7 @@ class JobSampler:
         if (last is None or "error" in last or fixed is None
                 or cur.quiet + 1 >= QUIET_EVERY
                 or cur.reads + 1 - cur.slow_at >= self.slow_every
-                or fixed[0] != rec.get("cpus") or fixed[1] != rec.get("mems")
-                or fixed[2] != rec.get("gpus")):
+                or not _same_record(fixed, rec)):
             return None
         try:
             if files.read(f"task/{pid}/children").strip():
@@ -570,6 +568,12 @@ class JobSampler:
                 "kids": tuple(kids),
                 "cores": cores if ticks else (0.0 if prev is not None else None),
                 "rss": rss, "runnable": runnable}
+
+
+def _same_record(fixed: tuple[Any, ...] | None, rec: dict[str, Any]) -> bool:
+    """The record's CPUs, nodes and GPUs are the ones ``fixed`` was built for."""
+    return (fixed is not None and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
+            and fixed[2] == rec.get("gpus"))
 
 
 def _threads(proc: Process, states: bool) -> tuple[list[int], int | None]:
