@@ -249,10 +249,13 @@ class JobSampler:
         earlier process with the same pid, by its start time, is ignored). Each
         job's ``torch`` field is built from its report (:func:`torch_from_report`),
         or None without one. A job its last read found unchanged is read every other
-        cycle only, unless ``watched`` (someone reads the live view: every job is read).
+        cycle only, unless ``watched`` (someone reads the live view: every job is read)
+        or more than ``jobs_per_cycle`` are bound (they take turns instead).
         """
         self._cycle += 1
-        self._rest = not watched and self._cycle % 2 == 0
+        # (not where jobs take turns already: a turn is not to be spent unread)
+        self._rest = (not watched and self._cycle % 2 == 0
+                      and len(records) <= self.jobs_per_cycle)
         gpu_mem: dict[int, float] = {}
         for p in gpu.get("processes") or []:
             if p.get("used_memory_bytes") is not None:
