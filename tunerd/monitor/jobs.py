@@ -249,10 +249,13 @@ class JobSampler:
         earlier process with the same pid, by its start time, is ignored). Each
         job's ``torch`` field is built from its report (:func:`torch_from_report`),
         or None without one. A job its last read found unchanged is read every other
-        cycle only, unless ``watched`` (someone reads the live view: every job is read).
+        cycle only, unless ``watched`` (someone reads the live view: every job is read)
+        or more than ``jobs_per_cycle`` are bound (they take turns instead).
         """
         self._cycle += 1
-        self._rest = not watched and self._cycle % 2 == 0
+        # (not where jobs take turns already: a turn is not to be spent unread)
+        self._rest = (not watched and self._cycle % 2 == 0
+                      and len(records) <= self.jobs_per_cycle)
         gpu_mem: dict[int, float] = {}
         for p in gpu.get("processes") or []:
             if p.get("used_memory_bytes") is not None:
@@ -319,10 +322,9 @@ class JobSampler:
             # cycle counts towards the full read due every QUIET_EVERY-th and the slow one
             last = self._last.get(key)
             fixed = prev.fixed
-            if (last is not None and fixed is not None and prev.quiet + 1 < QUIET_EVERY
+            if (last is not None and prev.quiet + 1 < QUIET_EVERY
                     and prev.reads + 1 - prev.slow_at < self.slow_every
-                    and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
-                    and fixed[2] == rec.get("gpus")):
+                    and _same_record(fixed, rec)):
                 prev.quiet += 1
                 prev.reads += 1
                 return last
@@ -484,8 +486,7 @@ class JobSampler:
         if (last is None or "error" in last or fixed is None
                 or cur.quiet + 1 >= QUIET_EVERY
                 or cur.reads + 1 - cur.slow_at >= self.slow_every
-                or fixed[0] != rec.get("cpus") or fixed[1] != rec.get("mems")
-                or fixed[2] != rec.get("gpus")):
+                or not _same_record(fixed, rec)):
             return None
         try:
             if files.read(f"task/{pid}/children").strip():
@@ -570,6 +571,12 @@ class JobSampler:
                 "kids": tuple(kids),
                 "cores": cores if ticks else (0.0 if prev is not None else None),
                 "rss": rss, "runnable": runnable}
+
+
+def _same_record(fixed: tuple[Any, ...] | None, rec: dict[str, Any]) -> bool:
+    """The record's CPUs, nodes and GPUs are the ones ``fixed`` was built for."""
+    return (fixed is not None and fixed[0] == rec.get("cpus") and fixed[1] == rec.get("mems")
+            and fixed[2] == rec.get("gpus"))
 
 
 def _threads(proc: Process, states: bool) -> tuple[list[int], int | None]:
