@@ -299,6 +299,20 @@ class JobSampler:
             self._forget(key)
         return out
 
+    def _alive(self, pid: int) -> bool:
+        """Whether ``pid`` still runs, for a cycle that does not read it (one kill(pid, 0),
+        no /proc read; a tree other than the real /proc: its directory). A job that
+        exited is then read, found gone and left out, as the sampler promises."""
+        if self.proc != PROC:
+            return os.path.isdir(f"{self.proc}/{pid}")
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # another user's: it exists
+        return True
+
     @staticmethod
     def _torch(s: dict[str, Any], reports: Mapping[int, Report] | None,
                now: float) -> dict[str, Any] | None:
@@ -324,7 +338,7 @@ class JobSampler:
             fixed = prev.fixed
             if (last is not None and prev.quiet + 1 < QUIET_EVERY
                     and prev.reads + 1 - prev.slow_at < self.slow_every
-                    and _same_record(fixed, rec)):
+                    and _same_record(fixed, rec) and self._alive(pid)):
                 prev.quiet += 1
                 prev.reads += 1
                 return last
