@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,19 +131,19 @@ def daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
     return daemon_factory().start()  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module")
-def module_daemon() -> Iterator[DaemonProc]:
-    """A running real tunerd with a minimal policy, as ``daemon``, shared by the tests of
-    a module that use it: only for tests that leave it as they found it (nothing bound,
-    leased or reloaded; each such test asserts that), so that the next one finds it as a
-    fresh one would be. A daemon start costs ~0.5 s."""
+@contextlib.contextmanager
+def own_daemon(extra_args: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Iterator[DaemonProc]:
+    """A running real tunerd with a minimal policy in its own world-traversable temp
+    dir (users' tests reach its socket), stopped and removed after the block."""
     import shutil
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="tunerd-test-"))
     root.chmod(0o755)
     d = DaemonProc(tmp=root, policy_dir=write_policy(root / "policies", "00-test.toml",
-                                                     MINIMAL_POLICY).parent)
+                                                     MINIMAL_POLICY).parent,
+                   extra_args=extra_args or [], env=env or {})
     try:
         yield d.start()
     finally:
@@ -150,3 +151,13 @@ def module_daemon() -> Iterator[DaemonProc]:
             d.stop()
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator[DaemonProc]:
+    """A running real tunerd with a minimal policy, as ``daemon``, shared by the tests of
+    a module that use it: only for tests that leave it as they found it (nothing bound,
+    leased or reloaded; each such test asserts that), so that the next one finds it as a
+    fresh one would be. A daemon start costs ~0.5 s."""
+    with own_daemon() as d:
+        yield d

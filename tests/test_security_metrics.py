@@ -12,20 +12,17 @@ TUNERD_METRICS_REQUEST_TIMEOUT=TIMEOUT, so that the attacks need not wait 10 s e
 from __future__ import annotations
 
 import resource
-import shutil
 import socket
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import MINIMAL_POLICY
-from tests.helpers import DaemonProc, wait_for, write_policy
+from tests.conftest import own_daemon
+from tests.helpers import DaemonProc, wait_for
 from tests.security_helpers import forked_as, recv
 from tunerd.client import Client
 from tunerd.monitor.http import PER_CLIENT, socket_owner
@@ -93,19 +90,9 @@ def _timed(fn: Any) -> tuple[Any, float]:
 def metrics_daemon() -> Iterator[DaemonProc]:
     """One real daemon with its metrics server on a free port, for this module's two
     attacks in turn (the first leaves none of its connections behind: it asserts so)."""
-    root = Path(tempfile.mkdtemp(prefix="tunerd-test-"))
-    root.chmod(0o755)
-    d = DaemonProc(tmp=root, policy_dir=write_policy(root / "policies", "00-test.toml",
-                                                     MINIMAL_POLICY).parent,
-                   extra_args=["--metrics-listen", "127.0.0.1:0"],
-                   env={"TUNERD_METRICS_REQUEST_TIMEOUT": str(TIMEOUT)})
-    try:
-        yield d.start()
-    finally:
-        try:
-            d.stop()
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+    with own_daemon(extra_args=["--metrics-listen", "127.0.0.1:0"],
+                    env={"TUNERD_METRICS_REQUEST_TIMEOUT": str(TIMEOUT)}) as d:
+        yield d
 
 
 def test_slow_requests_on_the_metrics_port_leave_the_daemon_serving(

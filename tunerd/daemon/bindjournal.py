@@ -90,8 +90,11 @@ class BindJournal:
 
 def _read(path: Path) -> list[InFlight]:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_READ + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            raw = os.read(fd, MAX_READ + 1)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return []
     except OSError as err:

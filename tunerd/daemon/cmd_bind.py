@@ -154,11 +154,9 @@ class BindCommands:
         held at once, as ``_reserve`` holds them after it (which replaces this). Returns
         [the reservation this one replaced] where it made one, else []; the hold is
         added to ``holding``."""
-        group = request(ctx).group if ctx is not None else None
-        if not exclusive and group is None:
+        hold = _hold_of(ctx, exclusive, uid)
+        if hold is None:
             return []
-        hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
-                    exclusive=exclusive, uid=uid)
         holding.append(hold)
         return [self.placer.reserve(_reservation(pid, cpus, gpus if ctx is not None else (),
                                                  hold))]
@@ -170,11 +168,9 @@ class BindCommands:
         kept with its binding: a restarted daemon holds it again (``_adopted``)."""
         if exclusive:
             self.gate.hold(f"bind:{pid}", uid)
-        group = request(ctx).group if ctx is not None else None
-        if not exclusive and group is None:
+        hold = _hold_of(ctx, exclusive, uid)
+        if hold is None:
             return
-        hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
-                    exclusive=exclusive, uid=uid)
         gpus = tuple(result.get("gpus") or ()) if ctx is not None else ()
         self.placer.reserve(_reservation(pid, parse_cpulist(result["cpus"]), gpus, hold))
         self.jobs.set_hold(pid, hold)
@@ -233,6 +229,16 @@ class BindCommands:
         return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
                 "leases": seen.redact(req.peer, self.leases.list_leases()),
                 "left_alone": seen.redact(req.peer, self._left_alone())}
+
+
+def _hold_of(ctx: JobContext | None, exclusive: bool, uid: int) -> Hold | None:
+    """What a bind holds: its CPUs against everyone (exclusive), or against the other
+    ranks/tasks of its group; None for a bind that holds nothing."""
+    group = request(ctx).group if ctx is not None else None
+    if not exclusive and group is None:
+        return None
+    return Hold(group=group, job=ctx.job_key if ctx is not None else None,
+                exclusive=exclusive, uid=uid)
 
 
 def _reservation(pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
