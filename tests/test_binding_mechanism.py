@@ -141,3 +141,19 @@ def test_restore_only_touches_what_bind_changed() -> None:
         assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
         assert snapshot(p.pid)["nofile"][0] == 1024
         t.close()
+
+
+def test_after_main_runs_once_the_main_thread_has_its_cpus_and_the_others_follow() -> None:
+    """Plan.after_main (the exec watcher lowers its priority there): called once, when
+    the main thread's mask is set already; every thread is bound all the same."""
+    b = Binder()
+    with thread_child(threads=8) as p:
+        t = b.pin(p.pid)
+        plan = b.prepare(t, cpus=ONE)
+        at_call: list[dict[int, str]] = []
+        plan.after_main = lambda: at_call.append(task_cpus(p.pid))
+        b.apply(plan)
+        assert len(at_call) == 1
+        assert at_call[0][p.pid] == format_cpulist(ONE)
+        assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
+        t.close()

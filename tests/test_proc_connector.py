@@ -362,3 +362,45 @@ def test_the_watcher_thread_is_real_time_while_sparse_and_normal_in_a_storm() ->
     assert w.batches >= 1, w.status()
     in_storm = [policies[p] for p in storm if p in policies]
     assert os.SCHED_OTHER in in_storm, in_storm  # those read in batches
+
+
+@ROOT
+def test_the_watcher_runs_the_rest_of_an_event_at_a_normal_priority_once_lowered() -> None:
+    """lower_for_rest, from ``select`` (the exec watcher binds the main thread first,
+    then lowers): the rest of that event runs at SCHED_OTHER, the next event starts at
+    SCHED_FIFO again; called from another thread it changes nothing."""
+    seen: dict[int, tuple[int, int]] = {}
+    holder: list[ExecWatcher[int]] = []
+
+    def select(pid: int) -> int:
+        before = os.sched_getscheduler(0)
+        holder[0].lower_for_rest()
+        seen[pid] = (before, os.sched_getscheduler(0))
+        return pid
+
+    async def main() -> list[int]:
+        w = ExecWatcher(lambda pid: None, lambda: None, select=select, rt_priority=1,
+                        nice=-10)
+        holder.append(w)
+        w.start()
+        loop = asyncio.get_running_loop()
+
+        def run() -> list[int]:
+            pids = []
+            for _ in range(3):
+                p = subprocess.Popen(["/bin/true"])
+                p.wait()
+                pids.append(p.pid)
+                time.sleep(0.1)  # sparse: each read on its own, at SCHED_FIFO
+            return pids
+
+        pids = await loop.run_in_executor(None, run)
+        await asyncio.sleep(0.2)
+        w.lower_for_rest()  # not the watcher's thread: no effect on it, nor on this one
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert w._rt and not w._lowered
+        w.stop()
+        return pids
+
+    pids = asyncio.run(main())
+    assert all(seen.get(p) == (os.SCHED_FIFO, os.SCHED_OTHER) for p in pids), (pids, seen)

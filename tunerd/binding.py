@@ -161,6 +161,10 @@ class Plan:
     # a failing fd-limit or memory-node step is a note, not a failure: the CPU binding
     # stays (rule and lease binds; an explicit `tunerctl bind --nofile` is all or nothing)
     partial: bool = False
+    # called once, right after the main thread's mask is set and before the other
+    # threads are listed (the exec watcher's thread lowers its priority there: what
+    # follows is not what the starting process waits for)
+    after_main: Callable[[], None] | None = None
 
 
 @dataclass
@@ -588,12 +592,14 @@ class Binder:
 
         self.check(t)
         live = self._set_masks(t, want, done, known=orig.threads if plan.first else {},
-                               record=orig.threads if plan.first else None)
+                               record=orig.threads if plan.first else None,
+                               after_main=plan.after_main)
         return len(set(live) & done.keys()) or len(done)
 
     def _set_masks(self, t: Target, want: Callable[[int], frozenset[int]],
                    done: dict[int, frozenset[int]], known: dict[int, frozenset[int]],
-                   record: dict[int, frozenset[int]] | None) -> list[int]:
+                   record: dict[int, frozenset[int]] | None,
+                   after_main: Callable[[], None] | None = None) -> list[int]:
         """Give every thread of ``t`` the mask ``want(tid)``; returns the last tid listing.
 
         Passes repeat while they find threads that needed a change: a thread found
@@ -602,7 +608,8 @@ class Binder:
         thread cloned while its parent was being set may have copied the old mask
         before it showed up in task/; it is new in a later listing, so its mask is
         read and fixed. ``known``: masks read just before (skips a getaffinity in the
-        first pass); ``record``: where first-seen masks are kept as originals.
+        first pass); ``record``: where first-seen masks are kept as originals;
+        ``after_main``: called once the main thread has its mask (``Plan.after_main``).
         """
         quiet = 0
         live: list[int] = []
@@ -614,6 +621,9 @@ class Binder:
             w = want(t.pid)
             if main != w and self._set_one(t, t.pid, w):
                 early = 1
+            if after_main is not None:
+                after_main()
+                after_main = None
             done[t.pid] = main
             if record is not None:
                 record.setdefault(t.pid, main)
@@ -636,6 +646,9 @@ class Binder:
                 done[tid] = known.get(tid, before)
                 if record is not None and (n_pass == 0 or before != w):
                     record.setdefault(tid, before)
+            if after_main is not None:
+                after_main()
+                after_main = None
             # stop after two listings in a row that needed no write: the second one
             # catches a thread whose clone(2) was still in flight during the first
             quiet = 0 if changed else quiet + 1

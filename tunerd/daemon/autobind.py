@@ -589,8 +589,12 @@ class AutoBinder:
                 # one thread when the intake read it: its mask as read there is every mask
                 mask = ctx.allocation.mask if ctx.threads == 1 else None
                 orig = self.jobs.binder.read_originals(target, mask)
+                # the rest of this bind at a normal priority once the main thread has
+                # its CPUs (``ExecWatcher.lower_for_rest``)
+                w = self.watcher
                 self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
-                                            mems=None, nofile=None))
+                                            mems=None, nofile=None,
+                                            after_main=w.lower_for_rest if w else None))
             except Exception as err:  # gone, or not ours to set: the loop's bind says why
                 if isinstance(err, NoSuchProcess):
                     return self._to_loop("exited while being bound", None)
