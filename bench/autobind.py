@@ -50,8 +50,9 @@ def allowed(pid: int) -> str | None:
     return data[i + 18:data.index(b"\n", i)].strip().decode()
 
 
-def measure(exe: Path, n: int, expected: dict[int, str],
-            pin_self: bool, gap: float = 0.0) -> tuple[list[float], int]:
+def measure(exe: Path, n: int, expected: dict[int, str], pin_self: bool, gap: float = 0.0,
+            seen: dict[int, tuple[int, int]] | None = None) -> tuple[list[float], int]:
+    """``seen``: pid -> (Popen returned, seen bound), CLOCK_MONOTONIC ns, for the timeline."""
     lat: list[float] = []
     missed = 0
     for i in range(n):
@@ -60,12 +61,15 @@ def measure(exe: Path, n: int, expected: dict[int, str],
         rank = i % 2
         p = subprocess.Popen([str(exe), "30"], env={**os.environ, "LOCAL_RANK": str(rank)})
         t0 = time.perf_counter()
+        t0_ns = time.monotonic_ns()
         if pin_self:
             os.sched_setaffinity(p.pid, {int(expected[rank])})
         want = expected[rank]
         while True:
             if allowed(p.pid) == want:
                 lat.append((time.perf_counter() - t0) * 1000)
+                if seen is not None:
+                    seen[p.pid] = (t0_ns, time.monotonic_ns())
                 break
             if time.perf_counter() - t0 > GIVE_UP:
                 missed += 1
@@ -77,6 +81,25 @@ def measure(exe: Path, n: int, expected: dict[int, str],
     return lat, missed
 
 
+def timeline(outside: dict[int, tuple[int, int]],
+             inside: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Each spaced start cut into steps, the launcher's clock and the daemon's being the
+    same (CLOCK_MONOTONIC): Popen returned -> the kernel stamped the proc connector's exec
+    event -> the watcher thread read it -> the main thread's CPUs set -> the launcher saw
+    them. The daemon's status keeps its last 256 binds (``timeline_ns``)."""
+    steps: dict[str, list[float]] = {"popen_returned_to_exec_event": [],
+                                     "event_to_watcher_read": [], "read_to_cpus_set": [],
+                                     "cpus_set_to_seen": []}
+    for pid, stamped, read, cpus_set in inside:
+        if pid not in outside:
+            continue
+        t0, seen = outside[pid]
+        for key, (a, b) in zip(steps, ((t0, stamped), (stamped, read), (read, cpus_set),
+                                       (cpus_set, seen)), strict=True):
+            steps[key].append((b - a) / 1e6)
+    return {k: summary(v) for k, v in steps.items() if v}
+
+
 def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
             root: Path | None, state_dir: Path | None = None,
             config: str | None = None) -> dict[str, Any]:
@@ -86,7 +109,8 @@ def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
     try:
         measure(exe, 10, expected, False)  # warm-up (imports, caches)
         lat, missed = measure(exe, n, expected, False)
-        spaced, spaced_missed = measure(exe, n, expected, False, SPACING)
+        outside: dict[int, tuple[int, int]] = {}
+        spaced, spaced_missed = measure(exe, n, expected, False, SPACING, outside)
         st = d.status()["services"]["autobind"]
     finally:
         d.stop()
@@ -94,6 +118,7 @@ def one_run(exe: Path, snap: Path, expected: dict[int, str], n: int,
             "exec_to_bound_ms": summary(lat), "never_bound": missed,
             "spaced_exec_to_bound_ms": summary(spaced), "spaced_never_bound": spaced_missed,
             "watcher": st["watcher"], "failed": st["failed"], "last_error": st["last_error"],
+            "spaced_timeline_ms": timeline(outside, st.get("timeline_ns") or []),
             "bound_in_watcher": st.get("bound_in_watcher"),
             "left_to_loop": st.get("left_to_loop")}
 
@@ -150,6 +175,12 @@ def main() -> int:
               f"median {s['median']:.2f} ms  p99 {s['p99']:.2f} ms"
               + (f"; steps (median ms): {s['bind_first_steps_median']}"
                  if s.get("bind_first_steps_median") else ""))
+        tl = r.get("spaced_timeline_ms") or {}
+        if tl:
+            print(f"  {name}, {SPACING * 1000:.0f} ms apart, step by step (median / p99 ms, "
+                  f"n={min(v['n'] for v in tl.values())}): "
+                  + ", ".join(f"{k.replace('_', ' ')} {v['median']:.2f} / {v['p99']:.2f}"
+                              for k, v in tl.items()))
         wk = r["watcher"].get("wake_ms") or {}
         if wk.get("n"):
             print(f"  {name}, before that: the kernel's exec event -> the watcher thread read "

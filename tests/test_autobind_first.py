@@ -67,6 +67,10 @@ def test_cpus_are_set_before_the_binding_is_saved_and_originals_come_back(
         assert st["bound_in_watcher"] >= 1, st
         rb = [b for b in st["bound"] if b["pid"] == p.pid]
         assert rb and rb[0]["timing"]["bind_first_ms"] is not None
+        # its steps on one clock: the kernel's exec stamp <= read <= CPUs set <= now
+        tl = [t for t in st["timeline_ns"] if t[0] == p.pid]
+        assert len(tl) == 1, st["timeline_ns"]
+        assert tl[0][1] <= tl[0][2] <= tl[0][3] <= time.monotonic_ns(), tl
         # the rest of the rule follows the CPUs
         wait_for(lambda: any(j["pid"] == p.pid and j["nofile"] == 2048
                              for j in d.ctl("--json", "jobs").json()["jobs"]), 5,

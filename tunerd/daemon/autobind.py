@@ -171,6 +171,10 @@ class AutoBinder:
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
         self.steps_ms: deque[dict[str, float]] = deque(maxlen=1000)
+        # binds in the watcher's thread, the last 256: (pid, the kernel's exec stamp, the
+        # watcher read it, the main thread's CPUs set), CLOCK_MONOTONIC ns (status
+        # "timeline_ns"; bench/autobind.py --timeline)
+        self.timeline: deque[tuple[int, int, int, int]] = deque(maxlen=256)
         self._match_ns = 0
         # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the
         # ones whose CPUs are set already (``_inflight``) are recorded before we go
@@ -272,6 +276,7 @@ class AutoBinder:
                 "partial": self.partial, "last_error": self.last_error,
                 "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
                 "bound_at_start": len(at_start),
+                "timeline_ns": [list(t) for t in self.timeline],
                 "left_alone": self.left_alone_now(),
                 "bound": [{"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
                            "cpus": format_cpulist(b.placement.cpus or frozenset()),
@@ -545,6 +550,9 @@ class AutoBinder:
                 or rule_reach_refused(m.rule, m.uid) is not None):
             return self._to_loop("seen before, or refused", None)
         ns = {"m0": self._match_ns, "t0": time.perf_counter_ns()}
+        ev = self.watcher.event_ns if self.watcher is not None else None
+        if ev is not None:
+            ns["stamped"], ns["read"] = ev
         try:
             # the pidfd first: what the intake reads next is of the process it holds
             pidfd = os.pidfd_open(pid)
@@ -589,12 +597,9 @@ class AutoBinder:
                 # one thread when the intake read it: its mask as read there is every mask
                 mask = ctx.allocation.mask if ctx.threads == 1 else None
                 orig = self.jobs.binder.read_originals(target, mask)
-                # the rest of this bind at a normal priority once the main thread has
-                # its CPUs (``ExecWatcher.lower_for_rest``)
-                w = self.watcher
                 self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
                                             mems=None, nofile=None,
-                                            after_main=w.lower_for_rest if w else None))
+                                            after_main=lambda: self._main_set(ns)))
             except Exception as err:  # gone, or not ours to set: the loop's bind says why
                 if isinstance(err, NoSuchProcess):
                     return self._to_loop("exited while being bound", None)
@@ -609,6 +614,13 @@ class AutoBinder:
         if rb is not None:
             rb.pidfd = os.dup(target.pidfd)
         return _Fast(ctx, group, placed, target, orig, at, ns)
+
+    def _main_set(self, ns: dict[str, int]) -> None:
+        """The main thread of a bind in the watcher's thread has its CPUs: the time, and
+        the rest of the bind at a normal priority (``ExecWatcher.lower_for_rest``)."""
+        ns["set"] = time.monotonic_ns()  # the clock of the kernel's stamp and the read
+        if self.watcher is not None:
+            self.watcher.lower_for_rest()
 
     def _to_loop(self, why: str, ctx: JobContext | None) -> _Fast | None:
         """Not bound in the watcher's thread: counted by why, the look passed on."""
@@ -655,6 +667,8 @@ class AutoBinder:
             steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
         steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
         self.steps_ms.append(steps)
+        if "stamped" in ns and "set" in ns:
+            self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
         try:
             if self.record_delay:  # crash tests: a window between the bind and its record
                 await asyncio.sleep(self.record_delay)

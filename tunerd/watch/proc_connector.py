@@ -458,6 +458,9 @@ class ExecWatcher(Generic[T]):
         # exec event stamped by the kernel -> this thread read it, for blocking reads (the
         # wake-up a bind waits for before any of tunerd's work), ms, the last 1000
         self.wake_ms: deque[float] = deque(maxlen=1000)
+        # while ``select`` runs on a lone event: (the kernel's stamp, read), CLOCK_MONOTONIC
+        # ns; None in a batch (bench/autobind.py --timeline lines them up with its own)
+        self.event_ns: tuple[int, int] | None = None
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
         self.use_connector = use_connector
@@ -571,8 +574,11 @@ class ExecWatcher(Generic[T]):
             if n < _MSG_MIN or unpack_what(buf, _OFF_WHAT)[0] != PROC_EVENT_EXEC:
                 continue  # an exit queued while batches were read
             self.events += 1
-            self.wake_ms.append((time.monotonic_ns() - _U64.unpack_from(buf, _OFF_TS)[0]) / 1e6)
+            stamped, read = _U64.unpack_from(buf, _OFF_TS)[0], time.monotonic_ns()
+            self.wake_ms.append((read - stamped) / 1e6)
+            self.event_ns = (stamped, read)
             take(unpack_tgid(buf, _OFF_TGID)[0])
+            self.event_ns = None
             now = time.monotonic()
             if self.batch_window > 0 and now - recent[0] < span:
                 self._batches(conn)
