@@ -9,7 +9,9 @@ The path is tunerd's: ``RuleSet.match`` (command line, environment, uid), then
 CPUs. No daemon and no exec: what differs between the two columns is only whether the
 CPU's caches still hold the path. A third series sleeps 50 ms and then busy-spins 2 ms
 before the timed run (a CPU kept busy, the path's caches still cold), a fourth runs
-the path once before the timed run (caches warm).
+the path once before the timed run (caches warm). A third row, ``minimal_path``, makes
+about the same system calls with the least Python around them (one straight-line
+function): the floor a leaner intake could reach on this machine.
 
     python bench/bind_path_cold.py [--n 150] [--json FILE]
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import select
 import shutil
 import statistics
 import subprocess
@@ -87,6 +91,43 @@ def main() -> int:
         os.sched_getaffinity(pid)
         os.sched_getaffinity(me)
 
+    want = re.compile(rb".*" + re.escape(exe.name.encode()) + rb".*", re.S)
+
+    def minimal() -> None:
+        # the least Python around about the same system calls: one straight-line function
+        # (a regex and bytes.find for the match, stat and cgroup read, both masks, a pidfd
+        # poll, a dictionary lookup for the placement), the floor a leaner intake could reach
+        base = f"/proc/{pid}/"
+        fd = os.open(base + "cmdline", os.O_RDONLY | os.O_CLOEXEC)
+        cmd = os.read(fd, 4097)
+        os.close(fd)
+        if not want.match(cmd):
+            raise AssertionError(cmd)
+        fd = os.open(base + "environ", os.O_RDONLY | os.O_CLOEXEC)
+        env = os.read(fd, 65536)
+        os.close(fd)
+        i = env.find(b"\0LOCAL_RANK=")
+        rank = int(env[i + 12:env.find(b"\0", i + 1)]) if i >= 0 else -1
+        pidfd = os.pidfd_open(pid)
+        fd = os.open(base + "stat", os.O_RDONLY | os.O_CLOEXEC)
+        st = os.read(fd, 4096)
+        os.close(fd)
+        fields = st[st.rfind(b")") + 2:].split()
+        ppid, _threads, _start = int(fields[1]), int(fields[17]), int(fields[19])
+        fd = os.open(base + "cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        cg = os.read(fd, 8192)
+        os.close(fd)
+        same = os.sched_getaffinity(pid) == os.sched_getaffinity(ppid)
+        poll = select.poll()
+        poll.register(pidfd, select.POLLIN)
+        gone = poll.poll(0)
+        os.close(pidfd)
+        if gone or not same:
+            raise AssertionError("gone, or set its own mask")
+        placements.get((cg, rank))
+
+    placements: dict[tuple[bytes, int], frozenset[int]] = {}
+
     def spin() -> None:
         end = time.perf_counter() + 0.002
         while time.perf_counter() < end:
@@ -109,7 +150,8 @@ def main() -> int:
     try:
         for _ in range(50):
             tunerd_path()
-        for name, fn in (("tunerd_path", tunerd_path), ("syscalls_only", syscalls)):
+        for name, fn in (("tunerd_path", tunerd_path), ("syscalls_only", syscalls),
+                         ("minimal_path", minimal)):
             res[name] = {"warm_us": series(fn, 0), "cold_us": series(fn, GAP),
                          "cold_after_spin_us": series(fn, GAP, spin),
                          "cold_after_one_run_us": series(fn, GAP, fn)}
@@ -120,7 +162,7 @@ def main() -> int:
     print(f"rule match + intake + placement on one running process, median of {a.n} runs (us):")
     print(f"  {'':16s} {'back to back':>13s} {'50 ms apart':>12s} {'.. + 2 ms spin':>15s} "
           f"{'.. + one run':>13s}")
-    for name in ("tunerd_path", "syscalls_only"):
+    for name in ("tunerd_path", "syscalls_only", "minimal_path"):
         r = res[name]
         print(f"  {name:16s} {r['warm_us']:13.0f} {r['cold_us']:12.0f} "
               f"{r['cold_after_spin_us']:15.0f} {r['cold_after_one_run_us']:13.0f}")
