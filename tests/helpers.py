@@ -179,6 +179,14 @@ class DaemonProc:
 T = TypeVar("T")
 
 
+def ask_child(p: subprocess.Popen[str], what: str) -> None:
+    """One command to a line-driven test child (``what`` on its stdin); it answers "done"."""
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(what + "\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == "done\n"
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, *, interval: float = 0.05,
              detail: Callable[[], str] | None = None) -> T:
     """Poll ``pred`` until it returns something truthy, and return that value.

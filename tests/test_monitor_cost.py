@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from tests.helpers import wait_for
+from tests.helpers import ask_child, wait_for
 from tests.test_monitor_service import make_monitor
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.http import serve_metrics
@@ -209,9 +209,7 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
     assert p.stdin is not None and p.stdout is not None
 
     def ask(what: str) -> None:
-        p.stdin.write(what + "\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
-        assert p.stdout.readline() == "done\n"  # type: ignore[union-attr]
+        ask_child(p, what)
 
     reads: dict[str, list[str]] = {"quiet": [], "full": []}
 

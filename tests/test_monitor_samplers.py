@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FIXTURES, ready_child, wait_for
+from tests.helpers import FIXTURES, ask_child, ready_child, wait_for
 from tests.monitor_helpers import TelemetryReplay
 from tunerd import nvml
 from tunerd.errors import UsageError
@@ -464,9 +464,7 @@ def test_job_sampler_keeps_files_open_and_follows_workers_of_any_thread() -> Non
     assert p.stdin is not None and p.stdout is not None
 
     def ask(what: str) -> None:
-        p.stdin.write(what + "\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
-        assert p.stdout.readline() == "done\n"  # type: ignore[union-attr]
+        ask_child(p, what)
 
     try:
         assert p.stdout.readline() == "ready\n"
