@@ -168,12 +168,10 @@ def _raw_line(sock: str, line: bytes) -> dict:
 
 
 
-def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
-                                                unpriv_user: tuple[int, int]) -> None:
-    """Issue 16, found 14: `tunerctl --json jobs` gave any user every bound process's
-    command line, also where /proc is mounted hidepid=2. The daemon runs in a mount
-    namespace of its own with such a /proc (the host's /proc is untouched)."""
-    d = daemon_factory()
+def _hidepid_daemon(daemon_factory, **kw: object) -> DaemonProc:
+    """A daemon in a mount namespace of its own with /proc mounted hidepid=2 (the
+    host's /proc is untouched)."""
+    d = daemon_factory(**kw)
     d.log_path = d.tmp / "tunerd.log"
     with open(d.log_path, "ab") as logf:
         d.proc = subprocess.Popen(
@@ -181,6 +179,14 @@ def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
              'mount -t proc -o hidepid=2 proc /proc && exec "$@"', "sh", *d.argv()],
             stdout=logf, stderr=subprocess.STDOUT, cwd=str(Path(__file__).parent.parent))
     d.wait_ready()
+    return d
+
+
+def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
+                                                unpriv_user: tuple[int, int]) -> None:
+    """Issue 16, found 14: `tunerctl --json jobs` gave any user every bound process's
+    command line, also where /proc is mounted hidepid=2."""
+    d = _hidepid_daemon(daemon_factory)
     secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
                                "--password=SECRET"])  # root's
     try:
@@ -202,6 +208,45 @@ def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
             kill(mine)
     finally:
         kill(secret)
+
+
+def test_advise_and_status_past_hidepid_keep_others_text_hidden(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    """`advise` and `status` named another user's processes as jobs/top would not
+    past hidepid=2: a `tunerctl bind`'s process name, and the why of a rank a rule
+    left alone (its environment's run id), in advise's finding and status's
+    services.autobind.left_alone."""
+    job = unique_sleeper(tmp_path, f"hidden_job_{os.getpid()}")
+    named = unique_sleeper(tmp_path, f"SECRETcomm{os.getpid()}"[:15])
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", f'[policy]\nname = "t"\n[[job]]\nname = "ranks"\n'
+                                 f'match.cmdline = ["*{job.name}*"]\n')
+    d = _hidepid_daemon(daemon_factory, policy_dir=pol)
+    rank = {**os.environ, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "SECRETrun",
+            "LOCAL_WORLD_SIZE": "SECRETws"}
+    procs = [subprocess.Popen([sys.executable, "-c", "import os, sys; os.execv(sys.argv[1], "
+                               "[sys.argv[2], '300'])", str(job), f"{job}--password=SECRET"],
+                              env=rank),  # root's, as every process here
+             # as taskset would start it: its own CPUs from the first exec on
+             subprocess.Popen([str(job), "300"], env=rank,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {0})),
+             subprocess.Popen([str(named), "300"])]
+    try:
+        assert d.ctl("bind", str(procs[2].pid), "--cpus", "0").rc == 0
+        wait_for(lambda: len(d.ctl("--json", "advise").json()["jobs"]) >= 3, 15,
+                 "advise to list the bound rank, the bound process and the rank left "
+                 "alone", detail=d.log)
+        # root sees them all: what the user must not
+        assert "SECRETrun" in d.ctl("--json", "status").out  # the left-alone's why
+        assert "SECRETcomm" in d.ctl("--json", "advise").out
+        assert "SECRETrun" in d.ctl("--json", "advise").out  # the self-affined's why
+        for args in (("--json", "advise"), ("advise",), ("--json", "status"), ("status",)):
+            r = ctl_as(unpriv_user, d.socket, *args)
+            assert r.returncode in (0, 1), (args, r.stderr)
+            assert "SECRET" not in r.stdout + r.stderr, (args, r.stdout)
+    finally:
+        for p in procs:
+            kill(p)
 
 
 def test_without_hidepid_command_lines_are_shown_as_proc_shows_them(
