@@ -28,7 +28,7 @@ from tests.leases_helpers import (
 from tests.security_helpers import ctl_as, spawn_as
 from tunerd.client import Client
 from tunerd.errors import TunerdError
-from tunerd.protocol import MAX_CMD, MAX_TAG
+from tunerd.protocol import MAX_CMD, MAX_ERROR_MESSAGE, MAX_TAG
 
 pytestmark = pytest.mark.root
 
@@ -147,6 +147,50 @@ def test_hostile_numbers_are_ignored_without_a_traceback(
         assert "Traceback" not in d.log() and "ValueError" not in d.log(), d.log()[-3000:]
     finally:
         kill(p)
+
+
+def _reply_error(sock: str, cmd: str, args: dict) -> str:
+    try:
+        with Client(sock, timeout=30) as c:
+            c.call(cmd, **args)
+    except TunerdError as err:
+        return err.message
+    return ""
+
+
+def test_error_replies_are_bounded_and_tracebacks_escaped(
+        daemon: DaemonProc, unpriv_user: tuple[int, int], tmp_path: Path) -> None:
+    """An error that quotes what a user sent (a 200 KB cpulist with ESC and CR LF in
+    it) comes back cut to MAX_ERROR_MESSAGE and escaped; and a traceback the daemon logs
+    (log.exception) for an exception whose text quotes a command line is written with
+    that text escaped on its one line, through the daemon's own logging set-up."""
+    mine = spawn_as(unpriv_user, ["sleep", "302"])
+    try:
+        msg = run_as(*unpriv_user, _reply_error, str(daemon.socket), "bind",
+                     {"pid": mine.pid, "cpus": "0-" + EVIL + "x" * 200_000})
+        assert "malformed cpulist" in msg and len(msg) <= MAX_ERROR_MESSAGE, len(msg)
+        assert "more characters)" in msg, msg[-200:]
+        _no_raw_controls(msg, "the error reply")
+        _no_raw_controls(daemon.log(), "the log")
+    finally:
+        kill(mine)
+    log = tmp_path / "tunerd.log"
+    code = ("import logging, sys; from pathlib import Path\n"
+            "from tunerd.daemon.main import setup_logging\n"
+            "setup_logging('info', Path(sys.argv[1]))\n"
+            "try:\n"
+            "    try:\n"
+            "        raise KeyError('inner')\n"
+            "    except KeyError as e:\n"
+            "        raise ValueError('pid 7 (' + sys.argv[2] + '): bad') from e\n"
+            "except ValueError:\n"
+            "    logging.getLogger('tunerd.autobind').exception('binding failed')\n")
+    subprocess.run([sys.executable, "-c", code, str(log), EVIL], check=True,
+                   cwd=str(Path(__file__).parent.parent))
+    text = log.read_text()
+    _no_raw_controls(text, "a logged traceback")
+    assert "ValueError: pid 7 (\\x1b]2;owned" in text, text  # visibly escaped, one line
+    assert "direct cause" in text and "KeyError: 'inner'" in text, text
 
 
 def _raw_line(sock: str, line: bytes) -> dict:
