@@ -259,7 +259,8 @@ def test_advise_and_status_past_hidepid_keep_others_text_hidden(
     """`advise` and `status` named another user's processes as jobs/top would not
     past hidepid=2: a `tunerctl bind`'s process name, and the why of a rank a rule
     left alone (its environment's run id), in advise's finding and status's
-    services.autobind.left_alone."""
+    services.autobind.left_alone; top's sample named a bound process by its comm, and
+    jobs's left_alone gave the why."""
     job = unique_sleeper(tmp_path, f"hidden_job_{os.getpid()}")
     named = unique_sleeper(tmp_path, f"SECRETcomm{os.getpid()}"[:15])
     pol = tmp_path / "pol"
@@ -284,7 +285,8 @@ def test_advise_and_status_past_hidepid_keep_others_text_hidden(
         assert "SECRETrun" in d.ctl("--json", "status").out  # the left-alone's why
         assert "SECRETcomm" in d.ctl("--json", "advise").out
         assert "SECRETrun" in d.ctl("--json", "advise").out  # the self-affined's why
-        for args in (("--json", "advise"), ("advise",), ("--json", "status"), ("status",)):
+        for args in (("--json", "advise"), ("advise",), ("--json", "status"), ("status",),
+                     ("--json", "top"), ("--json", "jobs")):
             r = ctl_as(unpriv_user, d.socket, *args)
             assert r.returncode in (0, 1), (args, r.stderr)
             assert "SECRET" not in r.stdout + r.stderr, (args, r.stdout)

@@ -97,7 +97,12 @@ class MonitorCommands:
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         sample = m.latest
         if sample and sample.get("jobs") and not seen.sees_all(req.peer)[0]:
-            sample = {**sample, "jobs": seen.redact(req.peer, sample["jobs"])}
+            # a sample's job has no origin: its name is a cli/run job's comm or command
+            origin = {r.get("pid"): r.get("origin") for r in m.job_records()}
+            jobs = seen.redact(req.peer, [{**j, "origin": origin.get(j.get("pid"), "cli")}
+                                          for j in sample["jobs"]])
+            sample = {**sample, "jobs": [{k: v for k, v in j.items() if k != "origin"}
+                                         for j in jobs]}
         return {"sample": sample, "jobs": seen.redact(req.peer, m.job_records()),
                 "interval": m.interval}
 
