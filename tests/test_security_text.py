@@ -28,7 +28,7 @@ from tests.leases_helpers import (
 from tests.security_helpers import ctl_as, spawn_as
 from tunerd.client import Client
 from tunerd.errors import TunerdError
-from tunerd.protocol import MAX_CMD, MAX_TAG
+from tunerd.protocol import MAX_CMD, MAX_ERROR_MESSAGE, MAX_TAG
 
 pytestmark = pytest.mark.root
 
@@ -149,6 +149,50 @@ def test_hostile_numbers_are_ignored_without_a_traceback(
         kill(p)
 
 
+def _reply_error(sock: str, cmd: str, args: dict) -> str:
+    try:
+        with Client(sock, timeout=30) as c:
+            c.call(cmd, **args)
+    except TunerdError as err:
+        return err.message
+    return ""
+
+
+def test_error_replies_are_bounded_and_tracebacks_escaped(
+        daemon: DaemonProc, unpriv_user: tuple[int, int], tmp_path: Path) -> None:
+    """An error that quotes what a user sent (a 200 KB cpulist with ESC and CR LF in
+    it) comes back cut to MAX_ERROR_MESSAGE and escaped; and a traceback the daemon logs
+    (log.exception) for an exception whose text quotes a command line is written with
+    that text escaped on its one line, through the daemon's own logging set-up."""
+    mine = spawn_as(unpriv_user, ["sleep", "302"])
+    try:
+        msg = run_as(*unpriv_user, _reply_error, str(daemon.socket), "bind",
+                     {"pid": mine.pid, "cpus": "0-" + EVIL + "x" * 200_000})
+        assert "malformed cpulist" in msg and len(msg) <= MAX_ERROR_MESSAGE, len(msg)
+        assert "more characters)" in msg, msg[-200:]
+        _no_raw_controls(msg, "the error reply")
+        _no_raw_controls(daemon.log(), "the log")
+    finally:
+        kill(mine)
+    log = tmp_path / "tunerd.log"
+    code = ("import logging, sys; from pathlib import Path\n"
+            "from tunerd.daemon.main import setup_logging\n"
+            "setup_logging('info', Path(sys.argv[1]))\n"
+            "try:\n"
+            "    try:\n"
+            "        raise KeyError('inner')\n"
+            "    except KeyError as e:\n"
+            "        raise ValueError('pid 7 (' + sys.argv[2] + '): bad') from e\n"
+            "except ValueError:\n"
+            "    logging.getLogger('tunerd.autobind').exception('binding failed')\n")
+    subprocess.run([sys.executable, "-c", code, str(log), EVIL], check=True,
+                   cwd=str(Path(__file__).parent.parent))
+    text = log.read_text()
+    _no_raw_controls(text, "a logged traceback")
+    assert "ValueError: pid 7 (\\x1b]2;owned" in text, text  # visibly escaped, one line
+    assert "direct cause" in text and "KeyError: 'inner'" in text, text
+
+
 def _raw_line(sock: str, line: bytes) -> dict:
     import socket
 
@@ -168,12 +212,10 @@ def _raw_line(sock: str, line: bytes) -> dict:
 
 
 
-def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
-                                                unpriv_user: tuple[int, int]) -> None:
-    """Issue 16, found 14: `tunerctl --json jobs` gave any user every bound process's
-    command line, also where /proc is mounted hidepid=2. The daemon runs in a mount
-    namespace of its own with such a /proc (the host's /proc is untouched)."""
-    d = daemon_factory()
+def _hidepid_daemon(daemon_factory, **kw: object) -> DaemonProc:
+    """A daemon in a mount namespace of its own with /proc mounted hidepid=2 (the
+    host's /proc is untouched)."""
+    d = daemon_factory(**kw)
     d.log_path = d.tmp / "tunerd.log"
     with open(d.log_path, "ab") as logf:
         d.proc = subprocess.Popen(
@@ -181,6 +223,14 @@ def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
              'mount -t proc -o hidepid=2 proc /proc && exec "$@"', "sh", *d.argv()],
             stdout=logf, stderr=subprocess.STDOUT, cwd=str(Path(__file__).parent.parent))
     d.wait_ready()
+    return d
+
+
+def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
+                                                unpriv_user: tuple[int, int]) -> None:
+    """Issue 16, found 14: `tunerctl --json jobs` gave any user every bound process's
+    command line, also where /proc is mounted hidepid=2."""
+    d = _hidepid_daemon(daemon_factory)
     secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
                                "--password=SECRET"])  # root's
     try:
@@ -202,6 +252,47 @@ def test_command_lines_past_hidepid_stay_hidden(daemon_factory,
             kill(mine)
     finally:
         kill(secret)
+
+
+def test_advise_and_status_past_hidepid_keep_others_text_hidden(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    """`advise` and `status` named another user's processes as jobs/top would not
+    past hidepid=2: a `tunerctl bind`'s process name, and the why of a rank a rule
+    left alone (its environment's run id), in advise's finding and status's
+    services.autobind.left_alone; top's sample named a bound process by its comm, and
+    jobs's left_alone gave the why."""
+    job = unique_sleeper(tmp_path, f"hidden_job_{os.getpid()}")
+    named = unique_sleeper(tmp_path, f"SECRETcomm{os.getpid()}"[:15])
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", f'[policy]\nname = "t"\n[[job]]\nname = "ranks"\n'
+                                 f'match.cmdline = ["*{job.name}*"]\n')
+    d = _hidepid_daemon(daemon_factory, policy_dir=pol)
+    rank = {**os.environ, "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "SECRETrun",
+            "LOCAL_WORLD_SIZE": "SECRETws"}
+    procs = [subprocess.Popen([sys.executable, "-c", "import os, sys; os.execv(sys.argv[1], "
+                               "[sys.argv[2], '300'])", str(job), f"{job}--password=SECRET"],
+                              env=rank),  # root's, as every process here
+             # as taskset would start it: its own CPUs from the first exec on
+             subprocess.Popen([str(job), "300"], env=rank,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {0})),
+             subprocess.Popen([str(named), "300"])]
+    try:
+        assert d.ctl("bind", str(procs[2].pid), "--cpus", "0").rc == 0
+        wait_for(lambda: len(d.ctl("--json", "advise").json()["jobs"]) >= 3, 15,
+                 "advise to list the bound rank, the bound process and the rank left "
+                 "alone", detail=d.log)
+        # root sees them all: what the user must not
+        assert "SECRETrun" in d.ctl("--json", "status").out  # the left-alone's why
+        assert "SECRETcomm" in d.ctl("--json", "advise").out
+        assert "SECRETrun" in d.ctl("--json", "advise").out  # the self-affined's why
+        for args in (("--json", "advise"), ("advise",), ("--json", "status"), ("status",),
+                     ("--json", "top"), ("--json", "jobs")):
+            r = ctl_as(unpriv_user, d.socket, *args)
+            assert r.returncode in (0, 1), (args, r.stderr)
+            assert "SECRET" not in r.stdout + r.stderr, (args, r.stdout)
+    finally:
+        for p in procs:
+            kill(p)
 
 
 def test_without_hidepid_command_lines_are_shown_as_proc_shows_them(

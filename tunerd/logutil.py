@@ -15,11 +15,17 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from types import TracebackType
 
 from tunerd.text import safe
 
-__all__ = ["LOG_FILE_BACKUPS", "LOG_FILE_BYTES", "EscapeFilter", "PrivateRotatingFileHandler",
-           "RepeatFilter", "UserRateFilter", "acting_for"]
+__all__ = ["LOG_FILE_BACKUPS", "LOG_FILE_BYTES", "MAX_LOG_TEXT", "EscapeFilter",
+           "PrivateRotatingFileHandler", "RepeatFilter", "UserRateFilter", "acting_for",
+           "safe_traceback"]
+
+# characters of one log message, and of one line of a traceback (an exception's text
+# may quote a whole command line, a tag, an environment value or a policy string)
+MAX_LOG_TEXT = 16384
 
 # --log-file (no journald): at most LOG_FILE_BYTES * (1 + LOG_FILE_BACKUPS) on disk
 LOG_FILE_BYTES = 10 << 20
@@ -113,17 +119,66 @@ class UserRateFilter(logging.Filter):
 class EscapeFilter(logging.Filter):
     """Control characters in a message (a tag, a command line, a process name a user
     chose) are escaped visibly (tunerd.text.safe): no user can forge a log line with a
-    newline, or send ESC sequences to whoever reads the log on a terminal."""
+    newline, or send ESC sequences to whoever reads the log on a terminal. The message
+    is cut to MAX_LOG_TEXT; a traceback (``log.exception``) is written with each line
+    escaped the same way (safe_traceback), its stack (``stack_info``) too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             text = record.getMessage()
         except Exception:  # a bad format string is the handler's problem, not ours
             return True
-        clean = safe(text)
+        clean = safe(text, MAX_LOG_TEXT)
         if clean != text:
             record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:  # the Formatter keeps exc_text
+            record.exc_text = safe_traceback(record.exc_info)
+        if record.stack_info:
+            record.stack_info = "\n".join(safe(line, MAX_LOG_TEXT)
+                                          for line in record.stack_info.splitlines())
         return True
+
+
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+
+
+def safe_traceback(exc_info: ExcInfo) -> str:
+    """The traceback logging would write for ``exc_info``, each line made ``safe`` and
+    cut to MAX_LOG_TEXT: an exception's message that quotes a user's text (a command
+    line with ESC and CR LF in it) stays on its one line, escaped, instead of moving
+    the reader's cursor or starting a line that looks like a record of its own."""
+    import traceback
+
+    value = exc_info[1]
+    if value is None:
+        return "NoneType: None"
+    chain: list[tuple[str | None, traceback.TracebackException]] = []
+    te: traceback.TracebackException | None = traceback.TracebackException(
+        type(value), value, exc_info[2])
+    seen: set[int] = set()
+    while te is not None and id(te) not in seen and len(chain) < 32:
+        seen.add(id(te))
+        if te.__cause__ is not None:
+            chain.append((_CAUSE, te))
+            te = te.__cause__
+        elif te.__context__ is not None and not te.__suppress_context__:
+            chain.append((_CONTEXT, te))
+            te = te.__context__
+        else:
+            chain.append((None, te))
+            te = None
+    lines: list[str] = []
+    for why, exc in reversed(chain):  # the first cause first, as Python prints it
+        if why is not None:
+            lines += ["", why, ""]
+        if exc.stack:
+            lines.append("Traceback (most recent call last):")
+            lines += [ln for chunk in exc.stack.format() for ln in chunk.splitlines()]
+        # one chunk is "Type: message" whole, the newlines in the message with it
+        lines += [chunk.rstrip("\n") for chunk in exc.format_exception_only()]
+    return "\n".join(safe(line, MAX_LOG_TEXT) for line in lines)
 
 
 class RepeatFilter(logging.Filter):

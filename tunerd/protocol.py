@@ -95,10 +95,25 @@ def exit_code(err: TunerdError) -> ExitCode:
     return _wire(err)[1]
 
 
+# characters of an error's message in a reply (one that quotes a user's 900 KB
+# --cpus, or lists every lease, is cut: the CLI prints it on someone's terminal)
+MAX_ERROR_MESSAGE = 4096
+
+
+def bounded_message(text: str, limit: int = MAX_ERROR_MESSAGE) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    note = f"... ({len(text) - limit + 60} more characters)"
+    return text[:limit - 60] + note
+
+
 def error_to_wire(err: TunerdError) -> dict[str, Any]:
-    """The ``error`` object of a reply: code, message, exit status, details."""
+    """The ``error`` object of a reply: code, message (at most MAX_ERROR_MESSAGE
+    characters), exit status, details."""
     code, status = _wire(err)
-    d: dict[str, Any] = {"code": code, "message": err.message, "exit": int(status)}
+    d: dict[str, Any] = {"code": code, "message": bounded_message(err.message),
+                         "exit": int(status)}
     if err.details:
         d["details"] = err.details
     return d

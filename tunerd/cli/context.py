@@ -78,7 +78,8 @@ def report_error(err: TunerdError, as_json: bool) -> None:
 
         click.echo(f"tunerctl: error: {unreachable_message(err.message)}", err=True)
     else:
+        from tunerd.protocol import bounded_message
         from tunerd.text import safe
 
-        click.echo(f"tunerctl: error: {safe(err.message)}", err=True)
+        click.echo(f"tunerctl: error: {safe(bounded_message(err.message))}", err=True)
     sys.stderr.flush()

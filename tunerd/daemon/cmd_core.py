@@ -8,6 +8,7 @@ from typing import Any
 
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
+from tunerd.daemon.visibility import HIDDEN, ProcVisibility
 from tunerd.errors import Failed
 from tunerd.policy import Policy
 
@@ -34,7 +35,7 @@ class CoreCommands:
         return {"pong": True, "pid": os.getpid(), "peer_uid": req.peer.uid}
 
     async def status(self, req: Request) -> dict[str, Any]:
-        return self._status()
+        return redact_status(ProcVisibility(), req.peer, self._status())
 
     async def reload(self, req: Request) -> dict[str, Any]:
         req.require_root("reload")
@@ -54,3 +55,35 @@ class CoreCommands:
         if req.arg("explain", bool, False):
             out["provenance"] = self.policy.policy.provenance
         return out
+
+
+def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[str, Any]:
+    """``st`` (Daemon.status) as ``peer`` may see it where /proc is mounted hidepid:
+    the rules' bound and left-alone processes of other users without the text their
+    command lines and environments put there (notes, why), and the errors about such a
+    process ("rule R, pid N: ...") without their message."""
+    if seen.sees_all(peer)[0]:
+        return st
+    st = dict(st)
+    auto = (st.get("services") or {}).get("autobind")
+    if isinstance(auto, dict) and ("bound" in auto or "left_alone" in auto):
+        auto = dict(auto)
+        auto["bound"] = seen.redact(peer, auto.get("bound") or [])
+        auto["left_alone"] = seen.redact(peer, auto.get("left_alone") or [])
+        if auto.get("last_error"):
+            auto["last_error"] = _problem_hidden(seen, peer, str(auto["last_error"]))
+        st["services"] = {**st["services"], "autobind": auto}
+    for k in ("errors", "warnings", "resolved_errors"):
+        st[k] = [p if p.get("source") != "autobind" else
+                 {**p, "message": _problem_hidden(seen, peer, str(p.get("message", "")))}
+                 for p in st.get(k) or []]
+    return st
+
+
+def _problem_hidden(seen: ProcVisibility, peer: Any, message: str) -> str:
+    """"rule R, pid N: MESSAGE" with MESSAGE hidden unless pid N is ``peer``'s."""
+    head, sep, _ = message.partition(": ")
+    pid = head.rpartition(", pid ")[2]
+    if sep and pid.isdigit() and seen.owner(int(pid)) == peer.uid:
+        return message
+    return f"{head}{sep}{HIDDEN}" if sep else HIDDEN

@@ -9,7 +9,7 @@ from typing import Any
 from tunerd import procfs
 from tunerd.cpulist import format_cpulist
 from tunerd.daemon.router import Request, Router
-from tunerd.daemon.visibility import ProcVisibility
+from tunerd.daemon.visibility import HIDDEN, ProcVisibility
 from tunerd.errors import NoSuchProcess, PermissionDenied
 from tunerd.monitor.reports import parse_report
 from tunerd.monitor.service import Monitor
@@ -97,7 +97,12 @@ class MonitorCommands:
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         sample = m.latest
         if sample and sample.get("jobs") and not seen.sees_all(req.peer)[0]:
-            sample = {**sample, "jobs": seen.redact(req.peer, sample["jobs"])}
+            # a sample's job has no origin: its name is a cli/run job's comm or command
+            origin = {r.get("pid"): r.get("origin") for r in m.job_records()}
+            jobs = seen.redact(req.peer, [{**j, "origin": origin.get(j.get("pid"), "cli")}
+                                          for j in sample["jobs"]])
+            sample = {**sample, "jobs": [{k: v for k, v in j.items() if k != "origin"}
+                                         for j in jobs]}
         return {"sample": sample, "jobs": seen.redact(req.peer, m.job_records()),
                 "interval": m.interval}
 
@@ -107,8 +112,11 @@ class MonitorCommands:
         m = self.monitor
         pid = req.arg("pid", int, None)
         latest = {j["pid"]: j for j in (m.latest or {}).get("jobs") or [] if "error" not in j}
-        # hidepid: another user's command name stays hidden, as `tunerctl jobs` does
-        own = {a["pid"]: a for a in ProcVisibility().redact(req.peer, [
+        # hidepid: another user's command name, and what its environment says (the
+        # rank's why, the binding findings), stay hidden, as `tunerctl jobs` does
+        seen = ProcVisibility()
+        hidden = self._hidden_from(seen, req.peer)
+        own = {a["pid"]: a for a in seen.redact(req.peer, [
             {**a, "uid": procfs.read_uid(a["pid"]), "comm": procfs.read_comm(a["pid"])}
             for a in self.left_alone() if a.get("self_affined")])}
         if pid is not None and pid not in latest and pid in own:
@@ -118,6 +126,7 @@ class MonitorCommands:
             raise NoSuchProcess(f"process {pid} is not a bound job (bound jobs: {bound}); "
                                 "advise reads the history of jobs bound with tunerctl "
                                 "bind/run or by a [[job]] rule", pid=pid)
+        origin = {r.get("pid"): r.get("origin") for r in m.job_records()}
         out = []
         for p, job in sorted(latest.items()):
             if pid is not None and p != pid:
@@ -126,12 +135,24 @@ class MonitorCommands:
                 ring = m.history.job(p)
                 cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
             findings = [f.to_dict() for f in run_rules(job, cols)]
-            findings += binding_findings(p, job)
-            out.append({"pid": p, "name": job.get("name"),
+            name = job.get("name")
+            if hidden(p, job.get("uid")):
+                # its environ and maps: /proc shows them to their owner alone
+                name = name if origin.get(p) in ("rule", "worker") else HIDDEN
+            else:
+                findings += binding_findings(p, job)
+            out.append({"pid": p, "name": name,
                         "samples": len(cols.get("time", [])), "findings": findings})
         if pid is None:
             out += [_self_affined(a) for p, a in sorted(own.items()) if p not in latest]
         return {"jobs": out, "interval": m.interval}
+
+    @staticmethod
+    def _hidden_from(seen: ProcVisibility, peer: Any) -> Callable[[int, Any], bool]:
+        """``hidden(pid, uid)``: /proc hides that process's text from ``peer``."""
+        if seen.sees_all(peer)[0]:
+            return lambda pid, uid: False
+        return lambda pid, uid: uid != peer.uid
 
     async def report(self, req: Request) -> dict[str, Any]:
         """A training process reports its steps and memory (tunerd.torch.StepReporter)."""

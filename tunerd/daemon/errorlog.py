@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from tunerd.protocol import bounded_message
+
 __all__ = ["ErrorLog", "Problem"]
 
 log = logging.getLogger("tunerd")
@@ -55,6 +57,7 @@ class ErrorLog:
     def record(self, source: str, message: str, key: str | int | None = None, *,
                level: str = "error") -> None:
         k = (source, None if key is None else str(key))
+        message = bounded_message(message)  # 200 of them in every `tunerctl status`
         now = time.time()
         self.total += 1
         log.log(logging.WARNING if level == "warning" else logging.ERROR,

@@ -8,7 +8,9 @@ import errno
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from tunerd.errors import TunerdError
@@ -58,6 +60,23 @@ def setup_logging(level: str, log_file: Path | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # an exception no code caught (a thread's, the main one's) goes through the same
+    # filters, escaped, instead of Python's hooks writing its traceback raw to stderr
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_thread_death
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException,
+                  tb: TracebackType | None) -> None:
+    logging.getLogger("tunerd").critical("uncaught exception", exc_info=(kind, exc, tb))
+
+
+def _log_thread_death(args: threading.ExceptHookArgs) -> None:
+    if issubclass(args.exc_type, SystemExit):
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("tunerd").error("thread %s died (%s)", name, args.exc_type.__name__,
+                                      exc_info=args.exc_value)
 
 
 def _epilog() -> str:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunerd import procfs
+
 __all__ = ["HIDDEN", "ProcVisibility"]
 
 HIDDEN = "(hidden: /proc is mounted hidepid)"
 # what a non-owner may not see where /proc hides it: command lines, the names a user
-# chose (comm, a run's command), environment-derived values
-_USER_TEXT = ("cmdline", "cmd", "comm", "tag")
+# chose (comm, a run's command), environment-derived values (a rank's ``why`` names
+# its launcher and TORCHELASTIC_RUN_ID; ``notes`` quote ignored environment values)
+_USER_TEXT = ("cmdline", "cmd", "comm", "tag", "why")
+_USER_LISTS = ("notes",)
 _LEVELS = {"0": 0, "off": 0, "1": 1, "noaccess": 1, "2": 2, "invisible": 2,
            "4": 4, "ptraceable": 4}
 
@@ -83,14 +87,25 @@ class ProcVisibility:
             return records
         out = []
         for rec in records:
-            if rec.get(uid_key) == peer.uid:
+            uid = rec[uid_key] if uid_key in rec else self.owner(rec.get("pid"))
+            if uid == peer.uid:
                 out.append(rec)
                 continue
             rec = dict(rec)
             for k in _USER_TEXT:
                 if rec.get(k) is not None:
                     rec[k] = HIDDEN
+            for k in _USER_LISTS:
+                if rec.get(k):
+                    rec[k] = [HIDDEN]
             if rec.get("origin") in ("cli", "run") and rec.get("name") is not None:
                 rec["name"] = HIDDEN  # a run's name is its command's
             out.append(rec)
         return out
+
+    def owner(self, pid: Any) -> int | None:
+        """The uid of a record that names only its pid (None: gone, or no pid): a
+        record of a process that is gone is nobody's, and stays hidden."""
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            return None
+        return procfs.read_uid(pid, self.proc)
