@@ -305,3 +305,28 @@ def test_without_hidepid_command_lines_are_shown_as_proc_shows_them(
         assert "--visible" in r.stdout  # /proc/PID/cmdline is world-readable here
     finally:
         kill(other)
+
+
+def test_advise_keeps_what_a_process_environment_says_to_its_owner(
+        daemon: DaemonProc, unpriv_user: tuple[int, int]) -> None:
+    """/proc/PID/environ and maps are their owner's to read, hidepid or not: advise's
+    findings built from them (OMP_NUM_THREADS here) reach root, not another user."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                             env={**os.environ, "OMP_NUM_THREADS": "777"})
+    try:
+        assert daemon.ctl("bind", str(other.pid), "--cpus", "0").rc == 0
+
+        last: list[str] = []
+
+        def roots_finding() -> bool:
+            r = daemon.ctl("--json", "advise", str(other.pid))
+            last[:] = [r.out + r.err]
+            return r.rc == 1 and "omp-threads-oversubscribe" in r.out  # 1: findings
+        wait_for(roots_finding, 15, "root's advise names OMP_NUM_THREADS=777",
+                 detail=lambda: last)
+        r = ctl_as(unpriv_user, daemon.socket, "--json", "advise", str(other.pid))
+        assert r.returncode in (0, 1) and json.loads(r.stdout)["jobs"], r.stderr
+        assert "777" not in r.stdout and "omp-threads" not in r.stdout, r.stdout
+    finally:
+        kill(other)
+        daemon.ctl("unbind", str(other.pid))

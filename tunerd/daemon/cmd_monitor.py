@@ -137,9 +137,10 @@ class MonitorCommands:
             findings = [f.to_dict() for f in run_rules(job, cols)]
             name = job.get("name")
             if hidden(p, job.get("uid")):
-                # its environ and maps: /proc shows them to their owner alone
                 name = name if origin.get(p) in ("rule", "worker") else HIDDEN
-            else:
+            if req.peer.is_root or job.get("uid") == req.peer.uid:
+                # its environ and maps: /proc shows them to their owner alone, hidepid
+                # or not
                 findings += binding_findings(p, job)
             out.append({"pid": p, "name": name,
                         "samples": len(cols.get("time", [])), "findings": findings})
