@@ -68,6 +68,18 @@ def test_over_allocation_says_what_is_free_and_who_holds_the_rest(replay) -> Non
     assert "need 4 GPU(s), 2 free" in r.err
     assert "held by lease L1 (root)" in r.err
     assert [x["id"] for x in leases_of(replay)] == ["L1"]  # nothing half-made
+    # a run's lease is named by id, user and pid, never by its command (hidepid may
+    # hide that from whoever gets the error; `tunerctl leases` shows it where it may)
+    holder = _ctl_popen(replay, "run", "--gpus", "1", "--", "sleep", "30")
+    try:
+        wait_for(lambda: len(leases_of(replay)) == 2, 15, "the run's lease",
+                 detail=replay.log)
+        r = replay.ctl("alloc", "--gpus", "2")
+        assert r.rc == 1 and "held by lease L2 (root, pid " in r.err, r.err
+        assert "sleep" not in r.err, r.err
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_release(replay) -> None:

@@ -176,11 +176,11 @@ class LeaseService:
                                                 key=lambda r: int(r.id[1:]))]
 
     def _holder(self, rec: Lease) -> str:
+        # named in other users' conflict errors: no command (hidepid may hide it from
+        # them; `tunerctl leases` shows it to those who may see it)
         who = f"lease {rec.id} ({rec.user}"
         if rec.pid:
             who += f", pid {rec.pid}"
-            if rec.cmd:
-                who += f" {os.path.basename(rec.cmd[0])}"
         return who + (f", {rec.job}" if rec.job else "") + ")"
 
     def _reservation(self, rec: Lease) -> Reservation:
