@@ -88,7 +88,7 @@ class JobRegistry:
     def __init__(self, binder: Binder, records: dict[str, dict[str, Any]],
                  save: Callable[[], None], pidwatch: PidWatch, errors: ErrorLog, *,
                  dry_run: bool = False, proc_root: str = procfs.PROC,
-                 mover: ExclusiveMover | None = None) -> None:
+                 mover: ExclusiveMover | None = None, bind_delay: float = 0.0) -> None:
         self.binder = binder
         self.mover = mover
         self._records = records  # the runtime store's section: JSON of self._bindings
@@ -98,6 +98,8 @@ class JobRegistry:
         self.errors = errors
         self.dry_run = dry_run
         self.proc = proc_root
+        # debug_bind_delay (tests): a placed bind waits this long before it changes anything
+        self.bind_delay = bind_delay
         self._callbacks: list[ExitCallback] = []
         self._adopt_callbacks: list[AdoptCallback] = []
         self._change_callbacks: list[ChangeCallback] = []
@@ -264,6 +266,10 @@ class JobRegistry:
                 require_owner(peer, pid, target.uid, target.euid)
                 if callable(placement):
                     placement, why = placement()
+                    if self.bind_delay:  # tests: a window between the placement and the bind
+                        log.debug("pid %d placed; binding it in %g s (debug_bind_delay)",
+                                  pid, self.bind_delay)
+                        await asyncio.sleep(self.bind_delay)
                 ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
                            persist_after, originals, hold)
                 return await self._bind(target, t0, ask)
