@@ -307,12 +307,22 @@ def test_a_cli_bind_writes_the_state_once(daemon: DaemonProc) -> None:
     no deferred second write follows (that is only for what a bind learns from the
     change itself). A write is a new file renamed over state.json: a new inode."""
     state = daemon.runtime_dir / "state.json"
+
+    def inode() -> int | None:
+        return state.stat().st_ino if state.exists() else None
+
+    def settled() -> bool:  # no write for 0.6 s (the last test's exits are saved deferred)
+        before = inode()
+        time.sleep(0.6)
+        return inode() == before
+
     with thread_child(threads=4) as p:
-        ino = state.stat().st_ino if state.exists() else None
+        wait_for(settled, 10, "the runtime state to settle")
+        ino = inode()
         bind_json(daemon, str(p.pid), "--cpus", ONE, "--exclusive")
         written = state.stat().st_ino
         assert written != ino  # saved before the reply, ...
         rec = json.loads(state.read_text())["bindings"][str(p.pid)]
         assert len(rec["originals"]["threads"][ALL]) == 5 and rec["hold"]["exclusive"]
         time.sleep(1.2)  # ... and not again: a deferred save runs 0.5 s after the bind
-        assert state.stat().st_ino == written
+        assert inode() == written
