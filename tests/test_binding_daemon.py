@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,30 @@ def test_start_sweeps_child_cpusets_of_processes_that_died_unwatched(daemon_fact
     second: DaemonProc = daemon_factory(name="second").start()
     wait_for(lambda: not cdir.exists(), 10, f"{cdir} to be swept")
     assert jobs_pids(second) == []
+
+
+def test_a_cli_bind_writes_the_state_once(daemon: DaemonProc) -> None:
+    """Issue 15: `tunerctl bind` rewrites the runtime state (the whole file, 277 KiB with
+    620 bindings) once, before the process is changed, with its originals and its hold;
+    no deferred second write follows (that is only for what a bind learns from the
+    change itself). A write is a new file renamed over state.json: a new inode."""
+    state = daemon.runtime_dir / "state.json"
+
+    def inode() -> int | None:
+        return state.stat().st_ino if state.exists() else None
+
+    def settled() -> bool:  # no write for 0.6 s (the last test's exits are saved deferred)
+        before = inode()
+        time.sleep(0.6)
+        return inode() == before
+
+    with thread_child(threads=4) as p:
+        wait_for(settled, 10, "the runtime state to settle")
+        ino = inode()
+        bind_json(daemon, str(p.pid), "--cpus", ONE, "--exclusive")
+        written = state.stat().st_ino
+        assert written != ino  # saved before the reply, ...
+        rec = json.loads(state.read_text())["bindings"][str(p.pid)]
+        assert len(rec["originals"]["threads"][ALL]) == 5 and rec["hold"]["exclusive"]
+        time.sleep(1.2)  # ... and not again: a deferred save runs 0.5 s after the bind
+        assert inode() == written

@@ -126,7 +126,13 @@ class BindCommands:
             placing = place
         else:
             def given() -> tuple[Placement | None, str | None]:
+                """As asked; an exclusive bind's CPUs are held at once, as placed ones are
+                (and its hold goes into the record that is saved before the change)."""
                 admit()
+                if cpus and not self.jobs.dry_run:
+                    with self.placer.lock:
+                        held_before.extend(self._hold_cpus(pid, cpus, (), None, exclusive,
+                                                           req.peer.uid, holding))
                 return Placement.given(cpus, mems,
                                        explanation="as given on the command line"), None
 

@@ -50,6 +50,8 @@ class DaemonConfig:
     etc_root: Path = Path("/etc")
     debug_apply_delay: float = 0.0  # seconds slept between two host writes (crash tests)
     # ... and before a bind the exec watcher's thread made is recorded
+    # seconds a `tunerctl bind` waits once placed (and held), before it binds (race tests)
+    debug_bind_delay: float = 0.0
     # the Python training jobs run with; `tunerctl doctor` checks its torch
     job_python: Path | None = None
     # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
@@ -162,6 +164,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "debug_apply_delay": ("seconds slept between host writes and before a rule bind's "
                           "record (tests)",
                           _seconds(0, inclusive=True)),
+    "debug_bind_delay": ("seconds `tunerctl bind` waits once placed and held (tests)",
+                         _seconds(0, inclusive=True)),
     "job_python": ("absolute path of the Python training jobs use (`tunerctl doctor`)",
                    _abs_path),
     "debug_nvml_replay": ("NVML recording's driver/CUDA with --topology (tests)",

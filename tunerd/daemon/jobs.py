@@ -88,7 +88,7 @@ class JobRegistry:
     def __init__(self, binder: Binder, records: dict[str, dict[str, Any]],
                  save: Callable[[], None], pidwatch: PidWatch, errors: ErrorLog, *,
                  dry_run: bool = False, proc_root: str = procfs.PROC,
-                 mover: ExclusiveMover | None = None) -> None:
+                 mover: ExclusiveMover | None = None, bind_delay: float = 0.0) -> None:
         self.binder = binder
         self.mover = mover
         self._records = records  # the runtime store's section: JSON of self._bindings
@@ -98,6 +98,8 @@ class JobRegistry:
         self.errors = errors
         self.dry_run = dry_run
         self.proc = proc_root
+        # debug_bind_delay (tests): a placed bind waits this long before it changes anything
+        self.bind_delay = bind_delay
         self._callbacks: list[ExitCallback] = []
         self._adopt_callbacks: list[AdoptCallback] = []
         self._change_callbacks: list[ChangeCallback] = []
@@ -264,6 +266,10 @@ class JobRegistry:
                 require_owner(peer, pid, target.uid, target.euid)
                 if callable(placement):
                     placement, why = placement()
+                    if self.bind_delay:  # tests: a window between the placement and the bind
+                        log.debug("pid %d placed; binding it in %g s (debug_bind_delay)",
+                                  pid, self.bind_delay)
+                        await asyncio.sleep(self.bind_delay)
                 ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
                            persist_after, originals, hold)
                 return await self._bind(target, t0, ask)
@@ -300,7 +306,7 @@ class JobRegistry:
         rec = self._new_record(target, ask, plan, prev,
                                prev.originals if prev is not None and on_disk
                                else _before_moves(plan.originals, moved))
-        save_ms = self._save_first(rec, prev, on_disk or ask.persist_after)
+        save_ms, written = self._save_first(rec, prev, on_disk or ask.persist_after)
         result = await self._apply(plan, rec, prev, on_disk)
         if target.exited():  # exited during an executor apply: the exit handler may have run
             self._bindings.pop(pid, None)
@@ -315,15 +321,19 @@ class JobRegistry:
             nofile=rec.nofile if result.nofile_new is not None or ask.nofile is None
             else (prev.nofile if prev else None),
             notes=tuple(result.notes), originals=_before_moves(plan.originals, moved))
-        self._put(rec)
+        kept = self._put(rec)
         if moved and self.mover is not None:
             self.mover.disown(pid)  # the binding's originals hold the masks from before
         if self._unapplied.pop(pid, None) is not None:
             self.version += 1
         self.binds_total += 1
         if ask.persist_after and not on_disk:
-            self._save_quietly()  # bound first: now its originals
-        self._save_soon()
+            self._save_quietly()  # bound first: now its originals (and all the rest)
+        elif kept != written:
+            # learnt only from the change itself (a thread cloned meanwhile, a step a partial
+            # bind left out, its notes), or a re-bind whose originals are on disk already:
+            # coalesced. A bind that found nothing new is written once, before the change.
+            self._save_soon()
         if prev is None:
             self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)
         reply = rec.public()
@@ -354,10 +364,12 @@ class JobRegistry:
             hold=(ask.hold() if ask.hold is not None else None)
             or (prev.hold if prev is not None else None), originals=originals)
 
-    def _put(self, rec: Binding) -> None:
+    def _put(self, rec: Binding) -> dict[str, Any]:
+        """Keep ``rec`` (not saved); returns its JSON as the state holds it now."""
         self._bindings[rec.pid] = rec
-        self._records[str(rec.pid)] = rec.to_json()
+        raw = self._records[str(rec.pid)] = rec.to_json()
         self._changed(rec.pid)
+        return raw
 
     def _restore(self, pid: int, prev: Binding | None) -> None:
         if prev is not None:
@@ -367,19 +379,22 @@ class JobRegistry:
             self._records.pop(str(pid), None)
             self._changed(pid)
 
-    def _save_first(self, rec: Binding, prev: Binding | None, on_disk: bool) -> float:
+    def _save_first(self, rec: Binding, prev: Binding | None,
+                    on_disk: bool) -> tuple[float, dict[str, Any] | None]:
         """Keep the record, and save the originals before anything changes (the runtime
         store: tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
-        process anyway). A failed write refuses the bind: nothing changed."""
-        self._put(rec)
+        process anyway). A failed write refuses the bind: nothing changed. Returns the
+        milliseconds it took and the record's JSON as written (None: nothing written)."""
+        raw = self._put(rec)
         t_save = time.perf_counter()
-        if not on_disk:
-            try:
-                self._save()
-            except TunerdError:
-                self._restore(rec.pid, prev)
-                raise
-        return _ms(t_save)
+        if on_disk:
+            return _ms(t_save), None
+        try:
+            self._save()
+        except TunerdError:
+            self._restore(rec.pid, prev)
+            raise
+        return _ms(t_save), raw
 
     async def _apply(self, plan: Any, rec: Binding, prev: Binding | None,
                      on_disk: bool) -> Any:

@@ -109,7 +109,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     mover = ExclusiveMover(leases_section["moved"], save_runtime, dry_run=cfg.dry_run)
     # exact: the registry stores and deletes whole records (a save compares only those)
     jobs = JobRegistry(binder, runtime.section("bindings", exact=True), save_runtime,
-                       pidwatch, errors, dry_run=cfg.dry_run, mover=mover)
+                       pidwatch, errors, dry_run=cfg.dry_run, mover=mover,
+                       bind_delay=cfg.debug_bind_delay)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
     gate = ReservationGate(policy.lease_limits, policy.default_nofile)
