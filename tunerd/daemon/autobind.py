@@ -597,9 +597,10 @@ class AutoBinder:
                 # one thread when the intake read it: its mask as read there is every mask
                 mask = ctx.allocation.mask if ctx.threads == 1 else None
                 orig = self.jobs.binder.read_originals(target, mask)
-                self.jobs.binder.apply(Plan(target=target, originals=orig, cpus=placed.cpus,
-                                            mems=None, nofile=None,
-                                            after_main=lambda: self._main_set(ns)))
+                cpus, before, start = placed.cpus, orig.process_cpus, ctx.start_time
+                self.jobs.binder.apply(Plan(
+                    target=target, originals=orig, cpus=cpus, mems=None, nofile=None,
+                    after_main=lambda: self._main_set(ns, pid, start, before, cpus)))
             except Exception as err:  # gone, or not ours to set: the loop's bind says why
                 if isinstance(err, NoSuchProcess):
                     return self._to_loop("exited while being bound", None)
@@ -607,7 +608,6 @@ class AutoBinder:
             self._reserve(m, ctx, group, placed, 0.0, False)
         orig.affinity_set = True
         ns["bound"] = time.perf_counter_ns()
-        self.journal.add(pid, ctx.start_time, orig.process_cpus, placed.cpus)
         self._unrecorded.add(pid)
         at = time.monotonic()
         rb = self.bound.get(pid)
@@ -615,10 +615,16 @@ class AutoBinder:
             rb.pidfd = os.dup(target.pidfd)
         return _Fast(ctx, group, placed, target, orig, at, ns)
 
-    def _main_set(self, ns: dict[str, int]) -> None:
-        """The main thread of a bind in the watcher's thread has its CPUs: the time, and
-        the rest of the bind at a normal priority (``ExecWatcher.lower_for_rest``)."""
+    def _main_set(self, ns: dict[str, int], pid: int, start_time: int,
+                  before: frozenset[int], cpus: frozenset[int]) -> None:
+        """The main thread of a bind in the watcher's thread has its CPUs: the time, the
+        binds-in-flight line (still at real-time priority: the window in which a killed
+        daemon would leave the process bound without either is a few microseconds), then
+        the rest of the bind at a normal priority (``ExecWatcher.lower_for_rest``). A
+        line whose bind then fails is harmless: recovery skips a recorded process and
+        puts back only threads that still have ``cpus``."""
         ns["set"] = time.monotonic_ns()  # the clock of the kernel's stamp and the read
+        self.journal.add(pid, start_time, before, cpus)
         if self.watcher is not None:
             self.watcher.lower_for_rest()
 
