@@ -19,7 +19,7 @@ from tests.binding_helpers import reap, snapshot, task_cpus, thread_child, user_
 from tests.helpers import DaemonProc, run_as, write_policy
 from tunerd.client import Client
 from tunerd.cpulist import parse_cpulist
-from tunerd.errors import PermissionDenied
+from tunerd.errors import PermissionDenied, TunerdError
 from tunerd.protocol import ExitCode, exit_code
 
 pytestmark = pytest.mark.root
@@ -120,5 +120,34 @@ def test_nofile_on_another_users_process_is_a_clear_eperm(
             assert f"prlimit on pid {pid} (uid {uid}) failed: EPERM" in msg
             assert "CAP_SYS_RESOURCE" in msg
             assert snapshot(pid) == before  # the CPUs were not bound either
+    finally:
+        reap(pid)
+
+
+def test_bind_cpus_passes_the_gate_of_exclusive_holds(open_daemon: DaemonProc,
+                                                      unpriv_user: tuple[int, int]) -> None:
+    """`bind --cpus LIST` onto CPUs root's exclusive lease holds: refused for a user
+    (exit 1, naming the lease, nothing changed), done for root (its own lease); CPUs no
+    one holds stay the user's to choose."""
+    uid, gid = unpriv_user
+    sock = str(open_daemon.socket)
+    lease = open_daemon.ctl("--json", "alloc", "--cpus", f"{ONE}-{ONE}", "--exclusive")
+    assert lease.rc == 0, lease.err
+    pid = user_thread_child(uid, gid, threads=2)
+    mine = thread_child(threads=2)
+    try:
+        before = snapshot(pid)
+        with pytest.raises(TunerdError, match=rf"CPU {ONE} held exclusively by lease L\d+ "
+                                              r"\(root") as err:
+            run_as(uid, gid, call, sock, "bind", {"pid": pid, "cpus": ONE})
+        assert exit_code(err.value) == ExitCode.FAILED
+        assert snapshot(pid) == before
+        others = sorted(ONLINE - {int(ONE)})
+        if others:  # a CPU no lease holds: as asked
+            run_as(uid, gid, call, sock, "bind", {"pid": pid, "cpus": str(others[0])})
+            assert set(task_cpus(pid).values()) == {str(others[0])}
+        with mine as p:  # root's process into root's own lease: as asked
+            call(sock, "bind", {"pid": p.pid, "cpus": ONE})
+            assert set(task_cpus(p.pid).values()) == {ONE}
     finally:
         reap(pid)

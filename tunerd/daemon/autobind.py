@@ -776,7 +776,7 @@ class AutoBinder:
         self.placer.reserve(Reservation(
             key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
-            pid=m.pid, group=group, job=ctx.job_key))
+            pid=m.pid, group=group, job=ctx.job_key, uid=m.uid))
         return rb
 
     def _hold(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,

@@ -15,7 +15,7 @@ from tunerd.daemon.placer import Placer, Reservation
 from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, UsageError
+from tunerd.errors import Failed, PlacementError, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
 
@@ -131,6 +131,7 @@ class BindCommands:
                 admit()
                 if cpus and not self.jobs.dry_run:
                     with self.placer.lock:
+                        self._others_exclusive(req, pid, cpus, notes)
                         held_before.extend(self._hold_cpus(pid, cpus, (), None, exclusive,
                                                            req.peer.uid, holding))
                 return Placement.given(cpus, mems,
@@ -152,6 +153,22 @@ class BindCommands:
             self._reserve(pid, result, seen[0] if seen else None, exclusive, req.peer.uid)
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
+
+    def _others_exclusive(self, req: Request, pid: int, cpus: frozenset[int],
+                          notes: list[str]) -> None:
+        """``bind --cpus LIST`` passes the gate ``run --cpus`` and placements do: CPUs
+        another user's lease or exclusive bind holds are refused (PlacementError, exit
+        1); root may bind there (a lease's own processes, an operator's choice), with
+        a note naming the holder."""
+        held = self.placer.held_by_others(cpus, req.peer.uid, f"bind:{pid}")
+        if not held:
+            return
+        taken = frozenset(held)
+        text = (f"CPU {format_cpulist(taken)} held exclusively by "
+                f"{'; '.join(sorted(set(held.values())))}")
+        if not req.peer.is_root:
+            raise PlacementError(text, held_cpus={str(c): h for c, h in held.items()})
+        notes.append(f"{text}: bound there as root asked")
 
     def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
                    ctx: JobContext | None, exclusive: bool, uid: int,
@@ -257,4 +274,4 @@ def _reservation(pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
         # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
         # inside the job may take that GPU: the job's own processes use it)
         gpus=gpus if hold.exclusive else (), cpus=cpus, exclusive=hold.exclusive, pid=pid,
-        group=hold.group, job=hold.job)
+        group=hold.group, job=hold.job, uid=hold.uid)

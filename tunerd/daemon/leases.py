@@ -187,7 +187,7 @@ class LeaseService:
         return Reservation(key=f"lease:{rec.id}", holder=self._holder(rec),
                            gpus=tuple(rec.gpus), cpus=parse_cpulist(rec.cpus),
                            exclusive=bool(rec.exclusive), soft=True,
-                           pid=rec.pid, job=rec.job)
+                           pid=rec.pid, job=rec.job, uid=rec.uid)
 
     # -- alloc / run / release ----------------------------------------------
     def _check(self, peer: Peer, gpus: int, ncpus: int | None, exclusive: bool,

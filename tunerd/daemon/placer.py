@@ -114,6 +114,7 @@ class Reservation:
     pid: int | None = None  # the process that holds it (a `run` lease: children inherit)
     group: str | None = None
     job: str | None = None  # scheduler job it was made in ("slurm:12")
+    uid: int | None = None  # whose it is (None: not known, counts as someone else's)
 
 
 class Placer:
@@ -218,6 +219,12 @@ class Placer:
                 for c in r.cpus:
                     out.setdefault(c, r.holder)
         return out
+
+    def held_by_others(self, cpus: frozenset[int], uid: int, key: str) -> dict[int, str]:
+        """CPUs of ``cpus`` that a reservation other than ``key`` holds exclusively and
+        that is not ``uid``'s: CPU -> its holder (``bind --cpus``'s gate)."""
+        return {c: r.holder for r in self._held() if r.exclusive and r.key != key
+                and r.uid != uid for c in r.cpus & cpus}
 
     def enclosing_cpus(self, pid: int) -> frozenset[int] | None:
         """CPUs of the `tunerctl run` lease ``pid`` descends from, if any."""
