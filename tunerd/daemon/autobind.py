@@ -625,6 +625,8 @@ class AutoBinder:
         puts back only threads that still have ``cpus``."""
         ns["set"] = time.monotonic_ns()  # the clock of the kernel's stamp and the read
         self.journal.add(pid, start_time, before, cpus)
+        if "stamped" in ns:  # also for a process that exits before the bind is done
+            self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
         if self.watcher is not None:
             self.watcher.lower_for_rest()
 
@@ -673,8 +675,6 @@ class AutoBinder:
             steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
         steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
         self.steps_ms.append(steps)
-        if "stamped" in ns and "set" in ns:
-            self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
         try:
             if self.record_delay:  # crash tests: a window between the bind and its record
                 await asyncio.sleep(self.record_delay)
