@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, thread_child
 from tests.helpers import DaemonProc, run_as, wait_for, write_policy
 from tests.leases_helpers import (
     DGX_H100,
@@ -330,3 +331,28 @@ def test_advise_keeps_what_a_process_environment_says_to_its_owner(
     finally:
         kill(other)
         daemon.ctl("unbind", str(other.pid))
+
+
+@pytest.mark.skipif(not (CPUSET_ROOT / "cpuset.cpus").exists() or os.cpu_count() == 1,
+                    reason="needs cgroup v1 cpusets and two CPUs")
+def test_past_hidepid_a_rule_error_about_another_users_process_keeps_its_message(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    """status's errors: "rule R, pid N: MESSAGE" about root's process (its cgroup's
+    path in MESSAGE here) reaches another user past hidepid=2 as "rule R, pid N:" and
+    the hidden marker; root reads it whole."""
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", '[policy]\nname = "t"\n[[job]]\nname = "outside"\n'
+                                 'match.cmdline = ["*threading*park"]\ncpus = "1"\n')
+    d = _hidepid_daemon(daemon_factory, policy_dir=pol)
+    with scratch_cpuset("0") as cg, thread_child(threads=1, cgroup=cg) as p:
+        head = f"rule outside, pid {p.pid}: "
+
+        def roots_error() -> str:
+            errs = d.ctl("--json", "status").json().get("errors") or []
+            return next((e["message"] for e in errs if e["message"].startswith(head)), "")
+        whole = wait_for(roots_error, 15, "the rule's error in root's status", detail=d.log)
+        assert cg.name in whole, whole
+        r = ctl_as(unpriv_user, d.socket, "--json", "status")
+        assert r.returncode in (0, 1), r.stderr
+        assert cg.name not in r.stdout, r.stdout
+        assert head + "(hidden: /proc is mounted hidepid)" in r.stdout, r.stdout
