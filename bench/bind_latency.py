@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _leases_common import task_ns
+
 REPO = Path(__file__).resolve().parent.parent
 THREADS = 64
 CHILD = ("import threading\nev = threading.Event()\n"
@@ -64,14 +66,7 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def daemon_cpu_ms(pid: int) -> float:
     """CPU milliseconds of the threads of ``pid`` alive now (/proc/PID/task/*/schedstat)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e6
+    return task_ns(pid) / 1e6
 
 
 def tunerctl_argv() -> tuple[list[str], str]:

@@ -173,7 +173,7 @@ class AutoBinder:
         self.steps_ms: deque[dict[str, float]] = deque(maxlen=1000)
         # binds in the watcher's thread, the last 256: (pid, the kernel's exec stamp, the
         # watcher read it, the main thread's CPUs set), CLOCK_MONOTONIC ns (status
-        # "timeline_ns"; bench/autobind.py --timeline)
+        # "timeline_ns", which bench/autobind.py cuts into steps)
         self.timeline: deque[tuple[int, int, int, int]] = deque(maxlen=256)
         self._match_ns = 0
         # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the

@@ -11,11 +11,11 @@ from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.peer import host_pid
-from tunerd.daemon.placer import Placer, Reservation
+from tunerd.daemon.placer import Placer, Reservation, held_exclusively
 from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, PlacementError, UsageError
+from tunerd.errors import Failed, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
 
@@ -163,12 +163,10 @@ class BindCommands:
         held = self.placer.held_by_others(cpus, req.peer.uid, f"bind:{pid}")
         if not held:
             return
-        taken = frozenset(held)
-        text = (f"CPU {format_cpulist(taken)} held exclusively by "
-                f"{'; '.join(sorted(set(held.values())))}")
+        refusal = held_exclusively(held)
         if not req.peer.is_root:
-            raise PlacementError(text, held_cpus={str(c): h for c, h in held.items()})
-        notes.append(f"{text}: bound there as root asked")
+            raise refusal
+        notes.append(f"{refusal.message}: bound there as root asked")
 
     def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
                    ctx: JobContext | None, exclusive: bool, uid: int,

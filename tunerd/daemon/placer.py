@@ -117,6 +117,14 @@ class Reservation:
     uid: int | None = None  # whose it is (None: not known, counts as someone else's)
 
 
+def held_exclusively(taken: Mapping[int, str]) -> PlacementError:
+    """The refusal of CPUs others hold exclusively (CPU -> holder), in one wording for
+    given placements and ``bind --cpus``."""
+    return PlacementError(f"CPU {format_cpulist(taken)} held exclusively by "
+                          f"{'; '.join(sorted(set(taken.values())))}",
+                          held_cpus={str(c): h for c, h in sorted(taken.items())})
+
+
 class Placer:
     name = "placer"
 
@@ -489,12 +497,9 @@ class Placer:
                          f"{alloc.describe() if alloc else 'the allocation'}")
             cpus = inside
         held = self.exclusive_cpus(job=req.job)
-        taken = sorted(c for c in cpus if c in held)
+        taken = {c: held[c] for c in cpus if c in held}
         if taken:
-            raise PlacementError(
-                f"CPU {format_cpulist(taken)} held exclusively by "
-                f"{'; '.join(sorted({held[c] for c in taken}))}",
-                held_cpus={str(c): held[c] for c in taken})
+            raise held_exclusively(taken)
         gpus: tuple[int, ...] = tuple(req.gpu_ids or ())
         if req.gpus and not gpus:
             busy = self.busy_gpus(req.job)

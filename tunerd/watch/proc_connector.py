@@ -459,7 +459,7 @@ class ExecWatcher(Generic[T]):
         # wake-up a bind waits for before any of tunerd's work), ms, the last 1000
         self.wake_ms: deque[float] = deque(maxlen=1000)
         # while ``select`` runs on a lone event: (the kernel's stamp, read), CLOCK_MONOTONIC
-        # ns; None in a batch (bench/autobind.py --timeline lines them up with its own)
+        # ns; None in a batch (bench/autobind.py lines them up with its own clock)
         self.event_ns: tuple[int, int] | None = None
         self.on_rescan = on_rescan
         self.scan_interval = scan_interval
