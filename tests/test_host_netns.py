@@ -225,7 +225,9 @@ def test_apply_once_setting_is_not_drift_corrected(tmp_path: Path, ns: str,
              detail=d.log)
     ns_set_sysctl(ns, "net.core.somaxconn", "99")  # the operator takes it over
     sh("ip", "-n", ns, "link", "set", "veth1", "txqueuelen", "50")
-    ns_set_sysctl(ns, "net.ipv4.tcp_rmem", "4096 1000 2000")
+    # a triple the kernel accepts (min <= default <= max: Linux 6.18 refuses others with
+    # EINVAL, and sh() raises), unlike the policy's, so the periodic verify has drift to fix
+    ns_set_sysctl(ns, "net.ipv4.tcp_rmem", "4096 65536 4194304")
     wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456", 10,
              "the periodic verify to correct tcp_rmem", detail=d.log)
     time.sleep(0.7)
