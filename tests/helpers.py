@@ -68,6 +68,9 @@ class DaemonProc:
     policy_dir: Path
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # rules bind only what this test run started (--scope-pid: and no node lock); False
+    # only for a test of the node lock itself, with its own --node-lock and no rules
+    scoped: bool = True
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     _notify: _NotifySocket | None = field(default=None, repr=False)
@@ -90,6 +93,7 @@ class DaemonProc:
                 "--runtime-dir", str(self.runtime_dir),
                 "--state-dir", str(self.state_dir),
                 "--metrics-listen", "off", "--log-level", "debug",
+                *(["--scope-pid", str(os.getpid())] if self.scoped else []),
                 *self.extra_args]
 
     def start(self, wait: bool = True, timeout: float = 20.0) -> DaemonProc:

@@ -302,7 +302,7 @@ def test_a_second_daemon_on_the_same_runtime_dir_leaves_the_first_reachable(
     second = subprocess.run(
         [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(daemon.policy_dir),
          "--runtime-dir", str(daemon.runtime_dir), "--state-dir", str(daemon.state_dir),
-         "--metrics-listen", "off", *extra],
+         "--metrics-listen", "off", "--scope-pid", str(os.getpid()), *extra],
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert second.returncode == 1, second.stderr
     lines = second.stderr.strip().splitlines()

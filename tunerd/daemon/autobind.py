@@ -58,6 +58,7 @@ from tunerd.daemon.leases import user_name
 from tunerd.daemon.peer import Peer
 from tunerd.daemon.pidwatch import PidWatch
 from tunerd.daemon.placer import Placer, Reservation
+from tunerd.daemon.scope import ProcessScope
 from tunerd.errors import NoSuchProcess, TunerdError
 from tunerd.logutil import acting_for
 from tunerd.placement import Placement, mems_of
@@ -125,8 +126,9 @@ class AutoBinder:
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
                  journal: Path | None = None, record_delay: float = 0.0,
-                 proc_root: str = procfs.PROC) -> None:
+                 proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
         self.placer = placer
+        self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = jobs
         self.intake = intake
@@ -262,6 +264,9 @@ class AutoBinder:
                         f"{', '.join(users)})")
         if self.failed:
             summary += f"; {self.failed} failed"
+        if self.scope is not None:
+            summary += (f"; scoped to pid {self.scope.root}'s subtree, "
+                        f"{self.scope.out_of_scope} out of scope")
         lat = sorted(self.latencies_ms)
         latency: dict[str, Any] = {"n": len(lat), "median": round(statistics.median(lat), 3),
                    "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
@@ -276,6 +281,7 @@ class AutoBinder:
                 "partial": self.partial, "last_error": self.last_error,
                 "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
                 "bound_at_start": len(at_start),
+                "scope": None if self.scope is None else self.scope.status(),
                 "timeline_ns": [list(t) for t in self.timeline],
                 "left_alone": self.left_alone_now(),
                 "bound": [{"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
@@ -306,7 +312,7 @@ class AutoBinder:
         # binding first: the uid is read after the CPUs are set where the gate does not
         # need it before (a rule that reserves nothing for others)
         m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
-        if m is None:
+        if m is None or (self.scope is not None and not self.scope.admits(pid)):
             return None
         seen = time.monotonic()
         fast = self._bind_now(m) if fast_path else None
@@ -338,8 +344,12 @@ class AutoBinder:
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
         m = self.rules.match(pid)
-        if m is not None:
-            self.on_match(m)
+        if m is None:
+            return
+        if self.scope is not None and not self.scope.admits(pid):
+            self._settled.add(pid)  # outside for good: not looked at again until it execs
+            return
+        self.on_match(m)
 
     def on_match(self, m: RuleMatch, seen: float | None = None,
                  ctx: JobContext | None = None) -> None:

@@ -58,6 +58,12 @@ class DaemonConfig:
     debug_nvml_replay: Path | None = None
     # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.podresources)
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    # one daemon binds processes on a node: the node-wide claim every unscoped,
+    # non-dry-run daemon locks (tunerd.daemon.runtime.NodeClaim), whatever its runtime dir
+    node_lock: Path = Path("/run/lock/tunerd.lock")
+    # a test daemon: [[job]] rules bind only this process and its descendants, and no
+    # node-wide claim is taken (tunerd.daemon.scope); None: the whole node
+    scope_pid: int | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -172,6 +178,10 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                           _abs_path),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
+    "node_lock": ("node-wide lock: a second unscoped, non-dry-run tunerd (any runtime dir) "
+                  "refuses to start", _abs_path),
+    "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons)",
+                  _count(1)),
 }
 
 

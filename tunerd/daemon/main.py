@@ -87,7 +87,8 @@ def _epilog() -> str:
         lines += [f"  {key} = {default}", f"      {meaning}"]
     lines += ["", "signals: SIGHUP re-reads the policies (a bad policy is refused and the",
               "old one kept); SIGTERM/SIGINT stop gracefully.",
-              "exit codes: 0 stopped cleanly, 1 failed (e.g. a bad policy at start),",
+              "exit codes: 0 stopped cleanly, 1 failed (e.g. a bad policy at start, or",
+              "another tunerd holds the node lock),",
               "2 usage error (bad flag, config file or snapshot), 4 permission denied",
               "(not root, and a dir it needs is not writable)."]
     return "\n".join(lines)
@@ -125,6 +126,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", default=None,
                    help="plan and log every change but write nothing to the host "
                         "(default off)")
+    p.add_argument("--node-lock", type=Path, metavar="FILE",
+                   help=f"node-wide lock: one unscoped, non-dry-run tunerd per node, "
+                        f"whatever its runtime dir (default {d.node_lock})")
+    p.add_argument("--scope-pid", type=int, metavar="PID",
+                   help="bind by [[job]] rules only PID and its descendants, and take no "
+                        "node lock (test daemons; default: the whole node)")
     p.add_argument("--log-level", choices=LOG_LEVELS,
                    help=f"log verbosity, to stderr (default {d.log_level})")
     p.add_argument("--log-file", type=Path, metavar="FILE",
@@ -143,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             "policy_dir": args.policy_dir, "runtime_dir": args.runtime_dir,
             "state_dir": args.state_dir, "topology": args.topology,
             "metrics_listen": args.metrics_listen, "dry_run": args.dry_run,
-            "log_level": args.log_level,
+            "log_level": args.log_level, "node_lock": args.node_lock,
+            "scope_pid": args.scope_pid,
         })
         if cfg.topology is not None:  # a bad snapshot is a usage error, not a traceback
             from tunerd.topology import read_snapshot
@@ -180,7 +188,7 @@ async def _run(cfg: DaemonConfig) -> int:
             log.error("hint: tunerd runs as root (systemctl start tunerd, or sudo tunerd); to "
                       "try it as yourself, give it dirs you own: tunerd --runtime-dir "
                       "/tmp/tunerd-$USER/run --state-dir /tmp/tunerd-$USER/state "
-                      "--metrics-listen off")
+                      "--metrics-listen off --dry-run (or --scope-pid PID)")
             return int(ExitCode.PERMISSION)
         return int(exit_code(err)) if int(exit_code(err)) != int(ExitCode.USAGE) else 1
     return await daemon.run()

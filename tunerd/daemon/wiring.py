@@ -48,9 +48,11 @@ from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.policywatch import PolicyWatch
 from tunerd.daemon.preview import PolicyPreview
 from tunerd.daemon.router import Peer, Router
-from tunerd.daemon.runtime import PidLock
+from tunerd.daemon.runtime import NodeClaim, PidLock
+from tunerd.daemon.scope import ProcessScope
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.errors import Failed
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.placement import Placement
@@ -73,14 +75,26 @@ def build(cfg: DaemonConfig) -> Daemon:
     state or the policy cannot be used.
     """
     errors = ErrorLog()
-    # owned by root (or by us, unprivileged), writable by nobody else: refused otherwise
-    prepare_dir(cfg.runtime_dir, 0o755, "runtime dir")
-    # one daemon per runtime dir: locked before its state or socket is touched
-    pidlock = PidLock.acquire(cfg.runtime_dir / "tunerd.pid")
+    # one daemon binds processes on a node, whatever its runtime dir: an unscoped one
+    # that writes claims the node before it touches anything (held until it exits:
+    # the kernel drops the flock with the process, SIGKILL included)
+    claim = (NodeClaim.acquire(cfg.node_lock, cfg.runtime_dir)
+             if cfg.scope_pid is None and not cfg.dry_run else None)
+    try:
+        # owned by root (or by us, unprivileged), writable by nobody else: refused otherwise
+        prepare_dir(cfg.runtime_dir, 0o755, "runtime dir")
+        # one daemon per runtime dir: locked before its state or socket is touched
+        pidlock = PidLock.acquire(cfg.runtime_dir / "tunerd.pid")
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
     try:
         return _build(cfg, errors, pidlock)
     except BaseException:
         pidlock.release()
+        if claim is not None:
+            claim.release()
         raise
 
 
@@ -118,7 +132,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
                           intake, limits=policy.lease_limits,
                           default_nofile=policy.default_nofile, gate=gate)
-    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake,
+    # a test daemon: rules (and cpuset re-binds) touch only its test's process subtree
+    scope = ProcessScope(cfg.scope_pid) if cfg.scope_pid is not None else None
+    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake, scope=scope,
                           default_nofile=policy.default_nofile, gate=gate,
                           use_connector=cfg.watch_execs,
                           realtime=cfg.exec_watch_realtime,
@@ -165,6 +181,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
 
     async def rebind_inside(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
         """The kubelet changed pid's cpuset: its binding again, inside the new set."""
+        if scope is not None and not scope.admits(pid):
+            raise Failed(f"pid {pid} is out of this daemon's scope (--scope-pid "
+                         f"{scope.root}): left alone", pid=pid)
         return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
                                placement=Placement.given(cpus, None), origin="cli")
 
