@@ -178,8 +178,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                           _abs_path),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
-    "node_lock": ("node-wide lock: a second unscoped, non-dry-run tunerd (any runtime dir) "
-                  "refuses to start", _abs_path),
+    "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",
+                  _abs_path),
     "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons)",
                   _count(1)),
 }
