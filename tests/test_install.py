@@ -38,7 +38,9 @@ class Tree:
             "ZSH_COMPLETION_DIR": str(root / "usr/local/share/zsh/site-functions"),
             "RUNTIME_DIR": str(root / "run/tunerd"), "STATE_DIR": str(root / "var/lib/tunerd"),
             "LOG_FILE": str(root / "var/log/tunerd.log"), "INIT": "none",
-            "TUNERD_ARGS": "--metrics-listen off",
+            # scoped to this test run: its daemons take no node lock (a real tunerd on
+            # this node is not in their way) and bind nothing of anyone else's
+            "TUNERD_ARGS": f"--metrics-listen off --scope-pid {os.getpid()}",
         }
         self.bin = Path(self.env["BIN_DIR"])
         self.socket = Path(self.env["RUNTIME_DIR"]) / "tunerd.sock"
