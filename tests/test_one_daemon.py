@@ -110,3 +110,43 @@ def test_a_scoped_daemon_binds_only_inside_its_scope(tmp_path: Path, daemon_fact
     finally:
         kill(outside)
         kill(root)  # type: ignore[arg-type]
+
+
+def test_the_node_lock_is_never_a_symlink_nor_in_a_dir_others_may_write(tmp_path: Path) -> None:
+    from tunerd.daemon.runtime import NodeClaim
+    from tunerd.errors import Failed
+
+    d = tmp_path / "lockdir"
+    d.mkdir(mode=0o755)
+    (d / "target").write_text("")
+    (d / "tunerd.lock").symlink_to(d / "target")
+    with pytest.raises(Failed, match="cannot open the node lock"):
+        NodeClaim.acquire(d / "tunerd.lock", tmp_path / "run")
+    assert (d / "target").read_text() == ""  # nothing written through the link
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # writable by all and not sticky: anyone could swap the file
+    with pytest.raises(Failed, match="writable by others and not sticky"):
+        NodeClaim.acquire(open_dir / "tunerd.lock", tmp_path / "run")
+    claim = NodeClaim.acquire(d / "ok.lock", tmp_path / "run")
+    try:
+        pid, run, started = (d / "ok.lock").read_text().split()
+        assert (int(pid), run) == (os.getpid(), str(tmp_path / "run")) and int(started) > 0
+    finally:
+        claim.release()
+
+
+def test_the_scope_is_the_subtree_of_its_pid() -> None:
+    from tunerd.daemon.scope import ProcessScope
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        mine = ProcessScope(os.getpid())
+        assert mine.admits(child.pid) and mine.admits(os.getpid())
+        theirs = ProcessScope(child.pid)  # a subtree below us: we are outside it
+        assert theirs.admits(child.pid)
+        assert not theirs.admits(os.getpid()) and not theirs.admits(1)
+        assert theirs.status() == {"pid": child.pid, "out_of_scope": 2}
+        assert not mine.admits(999_999_999)  # gone: outside
+    finally:
+        kill(child)  # type: ignore[arg-type]
