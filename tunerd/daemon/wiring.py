@@ -58,7 +58,7 @@ from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import Topology, load_topology
-from tunerd.tuners import build_tuners
+from tunerd.tuners import IrqContext, build_tuners
 from tunerd.tuners.nccl import NcclTuner
 
 __all__ = ["build"]
@@ -127,8 +127,23 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
+    def irq_context() -> IrqContext:
+        """The CPUs interrupts may use now: none a bound process or a reservation holds."""
+        held: dict[int, str] = {}
+        for r in placer.reservations():
+            for c in r.cpus:
+                held.setdefault(c, r.holder)
+        for pid in jobs.pids():
+            rec = jobs.record(pid)
+            if rec is not None and rec.cpus:
+                for c in rec.cpu_set():
+                    held.setdefault(c, f"pid {pid}")
+        gpus = [] if replay else [(g.index, g.pci_bus_id) for g in placer.topo.gpus]
+        return IrqContext(online=placer.host.cpus, held=held,
+                          housekeeping=placer.housekeeping(), gpus=gpus)
+
     host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
-                                     gpu_unavailable=replay),
+                                     gpu_unavailable=replay, irq_context=irq_context),
                         durable.section("host"), save_durable, errors,
                         state_path=cfg.state_path, dry_run=cfg.dry_run,
                         verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)
@@ -140,7 +155,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                 "host_drifted": float((host.last_verify or {}).get("drift", 0)),
                 "host_failed": float(len(host.failed)),
                 "rule_bind_failures": float(autobind.failed),
-                "rule_matches": float(autobind.matched)}
+                "rule_matches": float(autobind.matched),
+                "irq_reapplied": float(host.irq_reapplied)}
 
     nccl_tuner = NcclTuner(cfg.etc_root)
 

@@ -145,6 +145,8 @@ HEALTH = [
      "[[job]] rule matches that could not be bound", CounterMetricFamily),
     ("rule_matches", "tunerd_rule_matches", "Processes matched by a [[job]] rule",
      CounterMetricFamily),
+    ("irq_reapplied", "tunerd_irq_reapplied", "Managed interrupts put back on their CPUs "
+     "after something else moved them ([irq])", CounterMetricFamily),
 ]
 
 
