@@ -251,7 +251,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)
-    EnvCommands(policy, nccl_file).register(router)
+    EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology).register(router)
     MonitorCommands(monitor, settings_for=settings_for,
                     left_alone=autobind.left_alone_now).register(router)
     return daemon
