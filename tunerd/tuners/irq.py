@@ -96,6 +96,10 @@ class IrqTuner:
         self.etc = Path(etc_root)
         self.context = context or self._default_context
         self.stuck: dict[str, str] = {}  # device -> why its interrupts stay (last plan)
+        # the check runs every second: what never changes for a device is read once
+        self._pci_cache: dict[tuple[str, str], str | None] = {}
+        self._local_cache: dict[str, tuple[frozenset[int], int | None]] = {}
+        self._masks: dict[str, tuple[frozenset[int], str]] = {}  # mask text -> (CPUs, list)
 
     # -- discovery -------------------------------------------------------------
     def _default_context(self) -> IrqContext:
@@ -125,7 +129,10 @@ class IrqTuner:
             except OSError:
                 continue
             for name in names:
-                pci = self._pci_of(d / name / "device")
+                k = (cls, name)
+                if k not in self._pci_cache:
+                    self._pci_cache[k] = self._pci_of(d / name / "device")
+                pci = self._pci_cache[k]
                 if pci is not None:
                     out.append((name, pci))
         out += [(f"gpu{i}", bus) for i, bus in ctx.gpus]
@@ -137,19 +144,26 @@ class IrqTuner:
         for name, pci in self.candidates(ctx):
             if pci in seen or not _names(section, name):
                 continue
-            d = self.sys / "bus/pci/devices" / pci
+            d = f"{self.sys}/bus/pci/devices/{pci}"
             try:
-                irqs = tuple(sorted(int(x) for x in os.listdir(d / "msi_irqs") if x.isdigit()))
+                irqs = tuple(sorted(int(x) for x in os.listdir(d + "/msi_irqs") if x.isdigit()))
             except OSError:
                 irqs = ()
-            try:
-                local = parse_cpulist(read_value(d / "local_cpulist") or "")
-            except CpuListError:
-                local = frozenset()
-            node_s = read_value(d / "numa_node")
-            node = int(node_s) if node_s and node_s.lstrip("-").isdigit() else None
-            seen[pci] = ManagedDevice(name, pci, irqs, local, node if node is not None
-                                      and node >= 0 else None)
+            if pci not in self._local_cache:
+                try:
+                    local = parse_cpulist(read_value(Path(d, "local_cpulist")) or "")
+                except CpuListError:
+                    local = frozenset()
+                node_s = read_value(Path(d, "numa_node"))
+                node = int(node_s) if node_s and node_s.lstrip("-").isdigit() else None
+                self._local_cache[pci] = (local, node if node is not None and node >= 0
+                                          else None)
+                if not irqs:  # not bound to a driver yet: read its locality again later
+                    del self._local_cache[pci]
+                    seen[pci] = ManagedDevice(name, pci, irqs, local, node)
+                    continue
+            local, node = self._local_cache[pci]
+            seen[pci] = ManagedDevice(name, pci, irqs, local, node)
         return list(seen.values())
 
     def target(self, dev: ManagedDevice, section: IrqSection,
@@ -188,18 +202,38 @@ class IrqTuner:
                 return t
         return None
 
+    def _affinity(self, irq: int) -> tuple[frozenset[int], str] | None:
+        """(CPUs, cpulist) of /proc/irq/N/smp_affinity; None when it cannot be read."""
+        try:
+            fd = os.open(f"{self.proc}/irq/{irq}/smp_affinity", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            raw = os.read(fd, 4096).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        hit = self._masks.get(raw)
+        if hit is None:
+            try:
+                cpus = parse_mask(raw)
+            except ValueError:
+                return None
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            hit = self._masks[raw] = (cpus, format_cpulist(cpus))
+        return hit
+
     def current(self, key: str) -> str | None:
         if key == BALANCE_KEY:
             bal = self._balance()
             return None if bal is None else bal.current_of(bal.load(), "IRQBALANCE_ARGS")
-        path = self._path(key)
-        raw = read_value(path) if path else None
-        if raw is None:
+        parts = key.split(":")
+        if len(parts) != 3 or not parts[2].isdigit():
             return None
-        try:
-            return format_cpulist(parse_mask(raw))
-        except ValueError:
-            return None
+        aff = self._affinity(int(parts[2]))
+        return None if aff is None else aff[1]
 
     def read(self, keys: Iterable[str] | None = None) -> dict[str, str | None]:
         if keys is None:
@@ -216,25 +250,26 @@ class IrqTuner:
         managed: list[int] = []
         for dev in self.devices(desired, ctx):
             cpus, why = self.target(dev, desired, ctx)
+            want = format_cpulist(cpus)
             if not dev.irqs:
                 stuck[dev.name] = f"{dev.name}: no MSI/MSI-X interrupts ({dev.pci})"
             for irq in dev.irqs:
                 key = f"irq:{dev.name}:{irq}"
-                path = self.proc / "irq" / str(irq) / "smp_affinity"
-                cur = self.current(key)
-                if cur is None:
+                path = f"{self.proc}/irq/{irq}/smp_affinity"
+                aff = self._affinity(irq)
+                if aff is None:
                     changes.append(Change(key, None, None, available=False,
-                                          reason=f"{path} cannot be read", path=str(path)))
+                                          reason=f"{path} cannot be read", path=path))
                     continue
                 managed.append(irq)
+                now, cur = aff
                 if why is not None:
                     stuck[dev.name] = why
                     changes.append(Change(key, cur, None, available=False, reason=why,
-                                          path=str(path)))
+                                          path=path))
                     continue
-                inside = parse_cpulist(cur) <= cpus and bool(cur)
-                changes.append(Change(key, cur, cur if inside else format_cpulist(cpus),
-                                      path=str(path)))
+                inside = bool(now) and now <= cpus
+                changes.append(Change(key, cur, cur if inside else want, path=path))
         self.stuck = stuck
         if desired.irqbalance == "ban" and managed:
             bal = self._balance()
