@@ -74,8 +74,8 @@ def main() -> None:
     for k in ("irq", "baseline"):
         print(f"{k:9s} median {res[k]['stat_ms_per_s']:.2f} ms/s (stat), "
               f"{res[k]['schedstat_ms_per_s']:.2f} ms/s (schedstat), {a.rounds} x {a.window:g} s")
-    print(f"[irq] cost: {res['irq']['schedstat_ms_per_s'] - res['baseline']['schedstat_ms_per_s']:.2f}"
-          " ms/s (schedstat medians)")
+    cost = res["irq"]["schedstat_ms_per_s"] - res["baseline"]["schedstat_ms_per_s"]
+    print(f"[irq] cost: {cost:.2f} ms/s (schedstat medians)")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
 
