@@ -10,6 +10,7 @@ directory under its PCIe path (``sys/devices/pci0000:15/0000:15:01.0/...``) with
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 from tunerd.cpulist import format_cpulist
@@ -17,9 +18,28 @@ from tunerd.topology.model import Topology
 from tunerd.tuners.irq import format_mask
 
 
-def build(root: Path, topo: Topology, vectors: int = 4, first_irq: int = 100
-          ) -> dict[str, list[int]]:
-    """Write the tree under ``root`` (``root/sys``, ``root/proc``); PCI bus id -> IRQs."""
+def config_space(acs_ctl: int | None = None, relaxed_ordering: bool = True) -> bytes:
+    """4 KiB of PCI config space: a PCI Express capability at 0x40 (Device Control with
+    or without Relaxed Ordering) and, for ``acs_ctl``, an ACS extended capability at
+    0x100 whose Control register is ``acs_ctl``."""
+    cfg = bytearray(4096)
+    struct.pack_into("<H", cfg, 0x06, 0x0010)  # status: capability list
+    cfg[0x34] = 0x40
+    cfg[0x40], cfg[0x41] = 0x10, 0x00  # PCI Express capability, last
+    struct.pack_into("<H", cfg, 0x48, 0x2810 if relaxed_ordering else 0x2800)
+    if acs_ctl is not None:
+        struct.pack_into("<I", cfg, 0x100, 0x000D | (1 << 16))  # ACS, version 1, last
+        struct.pack_into("<H", cfg, 0x104, 0x005F)  # capabilities
+        struct.pack_into("<H", cfg, 0x106, acs_ctl)
+    return bytes(cfg)
+
+
+def build(root: Path, topo: Topology, vectors: int = 4, first_irq: int = 100,
+          acs_on: frozenset[str] = frozenset()) -> dict[str, list[int]]:
+    """Write the tree under ``root`` (``root/sys``, ``root/proc``); PCI bus id -> IRQs.
+
+    Every bridge of a PCIe path gets a ``config`` with an ACS capability (Source
+    Validation on for those in ``acs_on``); devices get x16 links at full width."""
     sysr, proc = root / "sys", root / "proc"
     online = frozenset(topo.cpus)
     (sysr / "devices/system/cpu").mkdir(parents=True, exist_ok=True)
@@ -51,6 +71,21 @@ def build(root: Path, topo: Topology, vectors: int = 4, first_irq: int = 100
         link = sysr / "bus/pci/devices" / bus
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(d, link.parent))
+        (d / "config").write_bytes(config_space())
+        for attr, v in (("current_link_speed", "32.0 GT/s PCIe"), ("max_link_speed",
+                        "32.0 GT/s PCIe"), ("current_link_width", "16"),
+                        ("max_link_width", "16")):
+            (d / attr).write_text(v + "\n")
+        parent = sysr / "devices"
+        for part in path:
+            parent = parent / part
+            if part.startswith("pci"):
+                continue
+            blink = sysr / "bus/pci/devices" / part
+            if not blink.exists():
+                (parent / "config").write_bytes(
+                    config_space(acs_ctl=0x001D if part in acs_on else 0x0000))
+                blink.symlink_to(os.path.relpath(parent, blink.parent))
         irqs[bus] = []
         for v in range(vectors):
             (d / "msi_irqs" / str(nxt)).write_text("msix\n")
