@@ -57,3 +57,41 @@ def test_numa_mismatch_iommu_relaxed_ordering_and_narrow_link(tmp_path: Path) ->
     assert checks["io-relaxed-ordering"].status == WARN
     assert "mlx5_" in checks["io-relaxed-ordering"].evidence
     assert checks["io-link"].status == WARN and "x8 of x16" in checks["io-link"].evidence
+
+
+def test_opt_in_acs_clearing_planned_applied_verified_reverted(tmp_path: Path) -> None:
+    from tunerd.policy.typed import PcieSection
+    from tunerd.tuners.pcie import PcieTuner
+
+    topo = read_snapshot(DGX)
+    build(tmp_path, topo, acs_on=frozenset({"0000:4e:00.0", "0000:4e:01.0"}))
+    cfg = tmp_path / "sys/bus/pci/devices/0000:4e:00.0/config"
+    before = cfg.read_bytes()
+    t = PcieTuner(tmp_path / "proc", tmp_path / "sys", lambda: topo)
+    assert t.plan(PcieSection()) == []  # opt-in
+    plan = {c.key: c for c in t.plan(PcieSection(clear_acs=True))}
+    needed = sorted(k for k, c in plan.items() if c.needed)
+    assert needed == ["pcie:0000:4e:00.0:acs", "pcie:0000:4e:01.0:acs"]
+    c = plan["pcie:0000:4e:00.0:acs"]
+    assert (c.current, c.desired) == ("001d", "001c")
+    saved = {k: t.save_original(plan[k]) for k in needed}
+    for k in needed:
+        t.apply(plan[k])
+    assert not [c for c in t.plan(PcieSection(clear_acs=True)) if c.needed]  # verify
+    assert _checks(tmp_path, topo)["io-acs"].status == PASS
+    for k in needed:
+        t.revert(k, saved[k])
+    assert cfg.read_bytes() == before
+    assert _checks(tmp_path, topo)["io-acs"].status == WARN
+
+
+def test_acs_is_never_cleared_inside_a_vm(tmp_path: Path) -> None:
+    from tunerd.policy.typed import PcieSection
+    from tunerd.tuners.pcie import PcieTuner
+
+    topo = read_snapshot(DGX)
+    build(tmp_path, topo, acs_on=frozenset({"0000:4e:00.0"}))
+    (tmp_path / "proc/cpuinfo").write_text("flags\t\t: fpu vme hypervisor lahf_lm\n")
+    t = PcieTuner(tmp_path / "proc", tmp_path / "sys", lambda: topo)
+    (c,) = [c for c in t.plan(PcieSection(clear_acs=True)) if c.key == "pcie:0000:4e:00.0:acs"]
+    assert not c.available and "virtual machine" in (c.reason or "")

@@ -143,7 +143,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                           housekeeping=placer.housekeeping(), gpus=gpus)
 
     host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
-                                     gpu_unavailable=replay, irq_context=irq_context),
+                                     gpu_unavailable=replay, irq_context=irq_context,
+                                     topology=lambda: None if replay else placer.topo),
                         durable.section("host"), save_durable, errors,
                         state_path=cfg.state_path, dry_run=cfg.dry_run,
                         verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)

@@ -215,6 +215,12 @@ IRQ = Table({
 }, description="interrupts kept on their device's NUMA node, housekeeping CPUs first, "
                "never on a CPU a bound rank holds")
 
+PCIE = Table({
+    "clear_acs": Bool(description="clear ACS source validation on the PCIe bridges between "
+                                  "each GPU and its NIC (setpci ECAP_ACS+6.w; original saved, "
+                                  "applied again at every start; never inside a VM)"),
+}, description="opt-in changes to the PCIe path between each GPU and its NIC")
+
 LEASES = Table({
     "user_exclusive": Bool(description="may non-root users take exclusive leases "
                                        "(default false)"),
@@ -237,6 +243,7 @@ FILE_SCHEMA = Table({
     "vm": VM,
     "gpu": GPU,
     "irq": IRQ,
+    "pcie": PCIE,
     "job": TableArray(JOB, unique="name"),
     "leases": LEASES,
 }, description="a tunerd policy file")
@@ -247,7 +254,7 @@ ARRAY_KEYS = {"nic": "match", "block": "match", "job": "name"}
 # the normalized policy has every section, empty when no file sets it
 SECTION_DEFAULTS: dict[str, Any] = {
     "sysctl": {}, "nic": [], "nccl": {}, "block": [], "limits": {}, "cpu": {}, "vm": {},
-    "gpu": {}, "irq": {}, "job": [], "leases": {},
+    "gpu": {}, "irq": {}, "pcie": {}, "job": [], "leases": {},
 }
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "Limits",
     "NcclValue",
     "NicRule",
+    "PcieSection",
     "PolicyInfo",
     "PolicyModel",
     "SysctlValue",
@@ -123,6 +124,13 @@ class IrqSection:
 
 
 @dataclass(frozen=True, slots=True)
+class PcieSection:
+    """``[pcie]``: opt-in changes to the PCIe path between each GPU and its NIC."""
+
+    clear_acs: bool = False  # clear ACS source validation on the bridges between them
+
+
+@dataclass(frozen=True, slots=True)
 class TorchSettings:
     """A rule's ``torch`` table: what tunerd.torch applies in the processes it bound.
 
@@ -188,6 +196,7 @@ class PolicyModel:
     vm: VmSection = VmSection()
     gpu: GpuSection = GpuSection()
     irq: IrqSection = IrqSection()
+    pcie: PcieSection = PcieSection()
     nccl_per_rank_nic: bool = False  # [nccl] per_rank_nic: each rank gets its GPU's NIC
     jobs: tuple[JobSpec, ...] = ()
     apply_once: tuple[str, ...] = ()  # setting-key globs applied once, never drift-corrected
@@ -200,7 +209,7 @@ class PolicyModel:
         return getattr(self, name)
 
 
-_HOST_SECTIONS = frozenset({"sysctl", "nic", "nccl", "block", "vm", "cpu", "gpu", "irq"})
+_HOST_SECTIONS = frozenset({"sysctl", "nic", "nccl", "block", "vm", "cpu", "gpu", "irq", "pcie"})
 
 
 def _opt_cpus(text: str | None) -> frozenset[int] | None:
@@ -250,6 +259,7 @@ def build_model(data: Mapping[str, Any], sources: Sequence[str]) -> PolicyModel:
                        irqbalance=irq.get("irqbalance", "ban"),
                        cpus=_opt_cpus(irq.get("cpus")),
                        check_interval_ms=irq.get("check_interval_ms", 1000)),
+        pcie=PcieSection(**data.get("pcie", {})),
         jobs=tuple(_job(j) for j in data.get("job", ())),
         apply_once=tuple(meta.get("apply_once", ())),
         leases=LeasePolicy(**data.get("leases", {})),
