@@ -169,6 +169,39 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root, sys_root=cfg.sys_root,
                        gpu_pci=[(g.index, g.pci_bus_id) for g in topology.gpus],
                        python=str(cfg.job_python) if cfg.job_python is not None else None)
+    io_cache: dict[str, Any] = {}
+
+    def io_path() -> dict[str, str]:
+        """tunerd_io_path_info's labels (a scrape's thread: plain reads; the topology part
+        is read again at most once a minute)."""
+        import time
+
+        from tunerd.topology.iopath import gpu_nics
+        from tunerd.topology.pcicfg import read_function
+
+        now = time.monotonic()
+        if not io_cache or now - io_cache["t"] > 60:
+            pairs = gpu_nics(placer.topo)
+            pairing = ",".join(f"{g}:{ps[0].tier}" if ps else f"{g}:-"
+                               for g, ps in pairs.items())
+            if replay:
+                acs = "n/a"
+            else:
+                pcie: Any = host.tuners.get("pcie")
+                bridges = pcie.bridges() if pcie is not None else []
+                acs = str(sum(1 for b in bridges
+                              if read_function(b, cfg.sys_root).acs_source_validation))
+            io_cache.update(t=now, pairing=pairing, acs=acs)
+        sec = policy.model.irq
+        if not sec.devices:
+            irq = "off"
+        else:
+            st = host.irq_status()
+            irq = ("not placed: " + ",".join(sorted(st["not_placed"]))
+                   if st["not_placed"] else "placed")
+        return {"irq": irq, "acs": io_cache["acs"], "pairing": io_cache["pairing"]}
+
+    fleet.io_path = io_path
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
