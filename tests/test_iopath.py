@@ -91,3 +91,14 @@ def test_tunerctl_topology_shows_each_gpus_nic(daemon_factory) -> None:
     data = json.loads(r.out)
     assert data["gpu_nics"]["5"][0]["device"] == "mlx5_5:1"
     assert data["gpu_nics"]["5"][0]["tier"] == "switch"
+
+
+def test_advise_names_a_gpu_whose_nic_is_on_another_numa_node() -> None:
+    from tunerd.advise import advise
+
+    topo = read_snapshot(TOPOLOGIES / "workstation.json")  # its NIC has no NUMA node
+    nics = pairing_json(gpu_nics(topo))
+    (f,) = [f for f in advise({"gpus": [0], "gpu_nics": nics}, {}) if f.id == "nic-far"]
+    assert f.evidence["pairs"][0]["nic"] == "enp5s0"
+    dgx = pairing_json(gpu_nics(read_snapshot(TOPOLOGIES / "dgx-h100.json")))
+    assert not [f for f in advise({"gpus": [3], "gpu_nics": dgx}, {}) if f.id == "nic-far"]

@@ -286,8 +286,13 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     HostCommands(host).register(router)
     topology_cmds.register(router)
     EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology).register(router)
+    def pairing() -> dict[str, Any]:
+        from tunerd.topology.iopath import gpu_nics, pairing_json
+
+        return pairing_json(gpu_nics(placer.topo))
+
     MonitorCommands(monitor, settings_for=settings_for,
-                    left_alone=autobind.left_alone_now).register(router)
+                    left_alone=autobind.left_alone_now, gpu_nics=pairing).register(router)
     return daemon
 
 
