@@ -35,6 +35,11 @@ def test_mask_round_trip() -> None:
     assert parse_mask("00000000,00000003") == {0, 1}
     assert format_mask({0, 1}, "ffffffff,ffffffff") == "00000000,00000003"
     assert format_mask({40}, None) == "00000100,00000000"
+    assert format_mask({0}, "3") == "1"  # 2 CPUs: the kernel's one short group
+    assert format_mask(set(range(2, 56)) | {112}, "ffff") == \
+        "00010000,00000000,00ffffff,fffffffc"
+    for cpus in ({0}, {1, 33}, set(range(2, 56)) | set(range(112, 168))):
+        assert parse_mask(format_mask(cpus, "ff,ffffffff")) == cpus
 
 
 def test_fabric_and_gpu_interrupts_go_to_their_node_off_ranks_housekeeping_first(tree) -> None:

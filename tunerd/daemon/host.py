@@ -70,6 +70,7 @@ class HostSettings:
         self._irq_written: dict[str, str] = {}
         self._irq_seen: set[str] = set()
         self.irq_last_rewrite: dict[str, Any] | None = None
+        self.irq_last_change: dict[str, Any] | None = None  # a new vector, a rank bound
         self._pending: set[asyncio.Task[Any]] = set()
 
     # -- state --------------------------------------------------------------------
@@ -360,6 +361,18 @@ class HostSettings:
             new = [c.key for c in drift if c.key not in before and before]
             if new:
                 log.info("irq: new interrupt(s) %s: placing them", ", ".join(new))
+                self.irq_last_change = {
+                    "time": time.time(), "keys": new,
+                    "why": "new interrupt vector(s) (a driver reload, a link coming up, "
+                           "more queues)"}
+            moved = [c.key for c in drift if c not in rewritten and c.key in before
+                     and c.key in self._irq_written]
+            if moved:
+                log.info("irq: %s: their CPUs changed (a process bound or unbound, "
+                         "housekeeping changed); moving them", ", ".join(moved))
+                self.irq_last_change = {
+                    "time": time.time(), "keys": moved,
+                    "why": "the CPUs they may use changed (a process bound on them)"}
             result = await self._apply_changes(drift, "irq", retry_failed=False)
             done = {x["key"] for x in result["changed"]}
             self.irq_reapplied += sum(1 for c in rewritten if c.key in done)
@@ -514,5 +527,6 @@ class HostSettings:
         managed = sorted(k for k in self._irq_seen if k.count(":") == 2
                          and k.split(":")[2].isdigit())
         return {"managed": len(managed), "reapplied_total": self.irq_reapplied,
-                "last_rewrite": self.irq_last_rewrite, "not_placed": stuck,
+                "last_rewrite": self.irq_last_rewrite, "last_change": self.irq_last_change,
+                "not_placed": stuck,
                 "irqbalance": self._policy_model().irq.irqbalance}

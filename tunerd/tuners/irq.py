@@ -60,10 +60,16 @@ def format_mask(cpus: Iterable[int], like: str | None = None) -> str:
     bits = 0
     for c in cpus:
         bits |= 1 << c
-    groups = max(len(like.strip().split(",")) if like else 1, (bits.bit_length() + 31) // 32, 1)
-    width = len(like.strip().split(",")[-1]) if like else 8
-    parts = [f"{(bits >> (32 * i)) & 0xFFFFFFFF:0{width}x}" for i in range(groups)]
-    return ",".join(reversed(parts))
+    like_groups = like.strip().split(",") if like else ["00000000"]
+    groups = max(len(like_groups), (bits.bit_length() + 31) // 32, 1)
+    parts = [f"{(bits >> (32 * i)) & 0xFFFFFFFF:08x}" for i in range(groups)][::-1]
+    # the kernel prints 8 hex digits a group, the first one only as wide as nr_cpu_ids
+    # needs ("3" on 2 CPUs): keep that width when the value fits in it
+    if groups == len(like_groups):
+        w = len(like_groups[0])
+        if len(parts[0].lstrip("0")) <= w:
+            parts[0] = parts[0][-w:]
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
