@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -67,6 +68,7 @@ def main() -> None:
     finally:
         d_irq.stop()
         d_base.stop()
+        shutil.rmtree(tree, ignore_errors=True)
     res = {k: {"stat_ms_per_s": statistics.median(x[0] for x in v),
                "schedstat_ms_per_s": statistics.median(x[1] for x in v),
                "windows": v} for k, v in out.items()}
