@@ -342,7 +342,7 @@ def test_gpu_without_driver_is_not_available_and_never_fails(nvml_backend: Any) 
 
 def test_build_tuners_uses_the_given_roots(tmp_path: Path, proc: Path, sysfs: Path) -> None:
     tuners = build_tuners(proc, sysfs, tmp_path)
-    assert sorted(tuners) == ["block", "cpu", "gpu", "nccl", "nic", "sysctl", "vm"]
+    assert sorted(tuners) == ["block", "cpu", "gpu", "irq", "nccl", "nic", "pcie", "sysctl", "vm"]
     assert tuners["nic"].read(["nic:eth0:mtu"]) == {"nic:eth0:mtu": "1500"}
 
 

@@ -28,7 +28,7 @@ else:  # pragma: no cover
 BUNDLED = REPO / "policies"
 NO_GPU = NodeFacts(hostname="node1")
 SECTIONS = {"policy", "sysctl", "nic", "nccl", "block", "limits", "cpu", "vm", "gpu", "job",
-            "leases"}
+            "leases", "irq", "pcie"}
 LEASE_DEFAULTS = {"user_exclusive": False, "max_per_user": 64, "alloc_ttl": 86400}
 
 

@@ -99,6 +99,7 @@ def test_real_readers_reproduce_every_recorded_node(tmp_path: Path, name: str) -
     a, b = got.to_json(), rec.to_json()
     for key in ("hostname", "cpus", "numa_nodes", "gpus", "links"):
         assert a[key] == b[key], key
+    assert a.get("rdma") == b.get("rdma")  # InfiniBand/RoCE ports, their netdevs and paths
     assert sorted(a["nics"], key=lambda n: n["name"]) == sorted(b["nics"],
                                                                 key=lambda n: n["name"])
 

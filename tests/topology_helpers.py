@@ -116,8 +116,11 @@ def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
     pci_links = sysd / "bus/pci/devices"
     pci_links.mkdir(parents=True, exist_ok=True)
 
-    def pci_dev(bus: str, numa: int | None, local: frozenset[int]) -> Path:
-        d = sysd / f"devices/pci{bus[:4]}:{bus[5:7]}" / bus
+    def pci_dev(bus: str, numa: int | None, local: frozenset[int],
+                path: tuple[str, ...] = ()) -> Path:
+        # under its recorded PCIe path (the bridges from the host bridge down); a
+        # snapshot without one: directly under devices/ (read back as no path)
+        d = sysd / "devices" / Path(*path) / bus if path else sysd / "devices" / bus
         write(d, "numa_node", str(-1 if numa is None else numa))
         write(d, "local_cpulist", format_cpulist(local))
         if not (pci_links / bus).exists():
@@ -125,7 +128,7 @@ def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
         return d
 
     for g in topo.gpus:
-        pci_dev(g.pci_bus_id, g.numa_node, g.local_cpus)
+        pci_dev(g.pci_bus_id, g.numa_node, g.local_cpus, g.pcie_path)
     net = sysd / "class/net"
     net.mkdir(parents=True, exist_ok=True)
     for nic in topo.nics:
@@ -134,7 +137,7 @@ def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
         else:
             local = topo.numa_nodes[nic.numa_node].cpus if nic.numa_node is not None \
                 else frozenset()
-            dev = pci_dev(nic.pci_bus_id, nic.numa_node, local)
+            dev = pci_dev(nic.pci_bus_id, nic.numa_node, local, nic.pcie_path)
             d = dev / "net" / nic.name
             d.mkdir(parents=True)
             os.symlink(dev, d / "device")
@@ -142,4 +145,15 @@ def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
         if nic.speed_mbps:
             write(d, "speed", str(nic.speed_mbps))
         os.symlink(d, net / nic.name)
+    for r in topo.rdma:  # InfiniBand / RoCE ports: /sys/class/infiniband/DEV
+        ib = sysd / "class/infiniband" / r.name
+        write(ib, f"ports/{r.port}/rate", f"{r.rate_gbps} Gb/sec (4X NDR)")
+        write(ib, f"ports/{r.port}/link_layer", str(r.link_layer))
+        if r.pci_bus_id:
+            local = topo.numa_nodes[r.numa_node].cpus if r.numa_node is not None \
+                else frozenset()
+            dev = pci_dev(r.pci_bus_id, r.numa_node, local, r.pcie_path)
+            os.symlink(dev, ib / "device")
+            if r.netdev:
+                write(dev / "net" / r.netdev, "dev_port", str(r.port - 1))
     return sysd, procd

@@ -252,9 +252,27 @@ def cpu_oversubscription(job: dict[str, Any], cols: Columns) -> Finding | None:
         "processes sharing them, lower DataLoader num_workers, or bind more CPUs.")
 
 
+def nic_far(job: dict[str, Any], cols: Columns) -> Finding | None:
+    """The NIC of one of the job's GPUs is on another NUMA node (``gpu_nics``: what the
+    daemon adds to the job from tunerd.topology.iopath, GPU -> its NICs as JSON)."""
+    pairs = job.get("gpu_nics") or {}
+    far = [p for g in job.get("gpus") or [] for p in pairs.get(str(g), [])
+           if p.get("tier") == "remote"]
+    if not far:
+        return None
+    return Finding(
+        "nic-far", "warning", "a GPU's NIC is on another NUMA node",
+        {"pairs": [{"gpu": p["gpu"], "nic": p["device"], "nic_numa_node": p["numa_node"]}
+                   for p in far]},
+        "Network traffic of the GPU crosses the socket interconnect: multi-node bus "
+        "bandwidth can drop to about half (NVIDIA/nccl-tests #347).",
+        "Put a fabric NIC on the GPU's NUMA node, or run the ranks of this node's other "
+        "GPUs; [nccl] per_rank_nic = true gives every rank the nearest NIC there is.")
+
+
 RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
     data_loading, workers_crowded, io_bound, remote_numa, gpu_fragmentation, throttling,
-    fd_limit, cpu_oversubscription,
+    fd_limit, cpu_oversubscription, nic_far,
 ]
 
 

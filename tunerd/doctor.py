@@ -163,6 +163,8 @@ class Env:
     python_notes: list[str] = field(default_factory=list)
     data_dir: Path = field(default_factory=Path.cwd)
     torch_timeout: float = TORCH_TIMEOUT
+    # the node's topology for the GPU/NIC path checks (None: read this machine's)
+    topology: Any = None
     _torch: dict[str, Any] | None = None
 
     def which(self, name: str) -> str | None:
@@ -479,6 +481,100 @@ def check_iommu(env: Env) -> Check:
                  "line so GPU and NIC DMA (GPUDirect RDMA, NCCL) skips translation.")
 
 
+def _speed(text: str | None) -> float | None:
+    m = re.match(r"\s*([\d.]+)", text or "")
+    return float(m.group(1)) if m else None
+
+
+def check_io_paths(env: Env) -> list[Check]:
+    """Per GPU and its NIC (tunerd.topology.iopath): ACS source validation on a bridge
+    between them, their NUMA nodes, IOMMU translation, relaxed ordering on the NIC,
+    links below their width or generation."""
+    from tunerd.topology.iopath import gpu_nics
+    from tunerd.topology.pcicfg import read_function
+
+    topo = env.topology
+    if topo is None:
+        try:
+            from tunerd.topology import read_system
+
+            topo = read_system(env.sys_root, env.proc_root)
+        except Exception as err:
+            return [Check("io-path", "GPU/NIC I/O path", SKIP, f"no topology: {err}")]
+    pairs = gpu_nics(topo)
+    if not any(pairs.values()):
+        return [Check("io-path", "GPU/NIC I/O path", SKIP,
+                      "no GPU with a fabric NIC on this node")]
+    acs: list[str] = []
+    far: list[str] = []
+    iommu: list[str] = []
+    ro: list[str] = []
+    links: list[str] = []
+    slow: list[str] = []
+    seen: set[str] = set()
+    data: dict[str, Any] = {}
+    for g in topo.gpus:
+        for p in pairs.get(g.index, ()):
+            n = p.nic
+            start = max(len(p.shared_path) - 1, 1)
+            between = [b for b in (*g.pcie_path[start:], *n.pcie_path[start:])
+                       if not b.startswith("pci")]
+            on = [b for b in dict.fromkeys(between)
+                  if read_function(b, env.sys_root).acs_source_validation]
+            if on:
+                acs.append(f"GPU{g.index}-{n.device}: {', '.join(on)}")
+            if not p.same_numa:
+                far.append(f"GPU{g.index} (node {g.numa_node}) - {n.device} "
+                           f"(node {n.numa_node})")
+            data[str(g.index)] = {"nic": n.device, "tier": p.tier, "acs_bridges": on}
+            for what, bdf in ((f"GPU{g.index}", g.pci_bus_id), (n.device, n.pci_bus_id)):
+                if not bdf or bdf in seen:
+                    continue
+                seen.add(bdf)
+                f = read_function(bdf, env.sys_root)
+                if f.iommu_type is not None and f.iommu_type != "identity":
+                    iommu.append(f"{what} ({f.iommu_type})")
+                if what == n.device and f.relaxed_ordering is False:
+                    ro.append(what)
+                if f.link_width and f.max_link_width and f.link_width < f.max_link_width:
+                    links.append(f"{what} x{f.link_width} of x{f.max_link_width}")
+                cur, top = _speed(f.link_speed), _speed(f.max_link_speed)
+                if cur and top and cur < top:
+                    slow.append(f"{what} {f.link_speed} of {f.max_link_speed}")
+    t = "GPU/NIC path"
+    out = [
+        Check("io-acs", f"{t}: ACS", WARN if acs else PASS,
+              ("ACS source validation on a bridge between a GPU and its NIC: " + "; ".join(acs))
+              if acs else f"no ACS source validation between {len(data)} GPU(s) and their NICs",
+              "ACS routes GPU<->NIC traffic (GPUDirect RDMA) through the root complex "
+              "(NCCL: inter-node all-reduce far below line rate). On bare metal clear it: "
+              "setpci -s BDF ECAP_ACS+6.w=0000 (every boot; never inside a VM).",
+              data={"pairs": data}),
+        Check("io-numa", f"{t}: NUMA", WARN if far else PASS,
+              ("NIC on another NUMA node than its GPU: " + "; ".join(far)) if far
+              else "every GPU's NIC is on its NUMA node",
+              "Use a NIC on the GPU's node (NCCL_IB_HCA per rank: [nccl] per_rank_nic)."),
+        Check("io-iommu", f"{t}: IOMMU", WARN if iommu else PASS,
+              ("DMA translated (IOMMU domain not identity): " + ", ".join(iommu)) if iommu
+              else "GPU and NIC DMA not translated (no IOMMU or passthrough)",
+              "Boot with iommu=pt so GPUDirect RDMA skips translation."),
+        Check("io-relaxed-ordering", f"{t}: relaxed ordering",
+              WARN if ro else PASS,
+              ("relaxed ordering disabled on " + ", ".join(ro)) if ro
+              else "relaxed ordering enabled (or not readable) on the GPUs' NICs",
+              "Enable PCIe relaxed ordering on the NIC (mlxconfig PCI_WR_ORDERING / "
+              "NCCL_IB_PCI_RELAXED_ORDERING=1)."),
+        Check("io-link", f"{t}: PCIe links", WARN if links else PASS,
+              ("link narrower than the device's: " + ", ".join(links)) if links
+              else "every GPU and NIC link at its full width"
+              + (f" (below top speed, often idle power saving: {', '.join(slow)})"
+                 if slow else ""),
+              "Reseat the card or check the slot/riser: a link below its width halves "
+              "bandwidth."),
+    ]
+    return out
+
+
 def _read_whole(path: Path) -> str | None:
     """All of a file that may be large (mountinfo on a host with many mounts), or None."""
     try:
@@ -668,7 +764,7 @@ def check_nccl_mtu(env: Env) -> Check:
 CHECKS: list[Callable[[Env], Check | list[Check]]] = [
     check_driver, check_nvcc, check_libcudart, check_python, check_torch, check_acs, check_iommu,
     check_data_fs, check_nofile, check_training_env, check_numa_balancing, check_governor,
-    check_nccl_mtu,
+    check_nccl_mtu, check_io_paths,
 ]
 
 

@@ -206,8 +206,13 @@ def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | Non
     # the daemon keeps a bounded record of the command; the exec below runs all of it
     r = ctx.call("run", command=command_record(argv),
                  **_request(gpus, ncpus, cpus, workers, exclusive, exclusive_scope, tag))
+    nic_env: dict[str, str] = {}
+    if r.get("gpus"):  # [nccl] per_rank_nic: the NICs of the lease's GPUs
+        nic_env = ctx.call("env", gpus=list(r["gpus"])).get("nic_env") or {}
     ctx.client().close()
     env = _env(r, uuids)
+    # a value the job set itself is never overridden
+    env.update({k: v for k, v in nic_env.items() if k not in os.environ and k not in env})
     os.environ.update(env)
     if r.get("applied"):
         # the daemon bound this process already -- or could not (no CAP_SYS_NICE: a

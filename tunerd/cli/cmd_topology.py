@@ -78,5 +78,11 @@ def topology(save: Path | None, local: bool) -> int:
             }
         _save(data, save)
         click.echo(f"saved the topology of {data.get('hostname')} to {save}", err=True)
+    if ctx.as_json:
+        # each GPU's NIC, derived from the snapshot (never saved in it)
+        from tunerd.topology.iopath import gpu_nics, pairing_json
+        from tunerd.topology.model import Topology
+
+        data = {**data, "gpu_nics": pairing_json(gpu_nics(Topology.from_json(data)))}
     ctx.emit(data, lambda d: render(d, origin))
     return 0

@@ -180,6 +180,16 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
     for _, key in VERSION_KEYS:
         findings += _compare(classes, key, versions[key])
     findings += _compare(classes, "policy_hash", policy)
+    io: dict[str, dict[str, str]] = {"irq": {}, "acs": {}, "pairing": {}}
+    for s in prom.query(f"max by (instance, irq, acs, pairing) "
+                        f"(tunerd_io_path_info{{{sel[1:]}}})"):
+        m = s["metric"]
+        for key in io:
+            io[key][m.get("instance", "")] = m.get(key, "")
+    for key in ("irq", "acs", "pairing"):
+        if io[key]:  # nodes of a tunerd without the series are not compared
+            have = {k: [n for n in v if n in io[key]] for k, v in classes.items()}
+            findings += _compare(have, f"io_{key}", io[key])
     stragglers = find_stragglers(prom, node_class, window, threshold, sel)
     return {"nodes": len(node_class), "classes": {k: len(v) for k, v in sorted(classes.items())},
             "findings": [f.to_dict() for f in findings + stragglers],

@@ -73,8 +73,11 @@ def _self_affined(entry: dict[str, Any]) -> dict[str, Any]:
 class MonitorCommands:
     def __init__(self, monitor: Monitor,
                  settings_for: Callable[[int], dict[str, Any]] | None = None,
-                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 left_alone: Callable[[], list[dict[str, Any]]] = list,
+                 gpu_nics: Callable[[], dict[str, Any]] | None = None) -> None:
         self.monitor = monitor
+        # each GPU's NIC as JSON (tunerd.topology.iopath.pairing_json): the nic-far rule
+        self.gpu_nics = gpu_nics or (lambda: {})
         # processes a rule matched and left as they are (AutoBinder.left_alone_now)
         self.left_alone = left_alone
         # the `torch` settings of the [[job]] rule that bound a pid ({} when none)
@@ -134,7 +137,8 @@ class MonitorCommands:
             with m.lock:  # the sampler thread appends to the rings
                 ring = m.history.job(p)
                 cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
-            findings = [f.to_dict() for f in run_rules(job, cols)]
+            nics = self.gpu_nics() if job.get("gpus") else {}
+            findings = [f.to_dict() for f in run_rules({**job, "gpu_nics": nics}, cols)]
             name = job.get("name")
             if hidden(p, job.get("uid")):
                 name = name if origin.get(p) in ("rule", "worker") else HIDDEN

@@ -31,7 +31,7 @@ from tunerd.tuners.base import normalize
 log = logging.getLogger("tunerd.host")
 
 # policy sections that are lists of {match: glob, ...}
-_LIST_SECTIONS = {"nic", "block"}
+_LIST_SECTIONS = {"nic", "block", "irq"}  # devices that may go away
 # uevent subsystem -> policy section whose settings are per device
 _UEVENT_SECTIONS = {"net": "nic", "block": "block"}
 
@@ -63,6 +63,14 @@ class HostSettings:
         self.failed: dict[str, str | None] = {}  # key -> desired value whose write failed
         self._monitor: Any = None
         self._verify_task: asyncio.Task[None] | None = None
+        self._irq_task: asyncio.Task[None] | None = None
+        # [irq]: interrupts put back after an outside write (tunerd_irq_reapplied_total),
+        # what tunerd last wrote to each, the keys the last check saw, the last rewrite
+        self.irq_reapplied = 0
+        self._irq_written: dict[str, str] = {}
+        self._irq_seen: set[str] = set()
+        self.irq_last_rewrite: dict[str, Any] | None = None
+        self.irq_last_change: dict[str, Any] | None = None  # a new vector, a rank bound
         self._pending: set[asyncio.Task[Any]] = set()
 
     # -- state --------------------------------------------------------------------
@@ -201,6 +209,8 @@ class HostSettings:
                                          "message": f"{c.key}: {err!r}"})
                 continue
             self.failed.pop(c.key, None)
+            if c.key.startswith("irq:") and c.desired is not None:
+                self._irq_written[c.key] = c.desired
             log.info("%s: set %s: %s -> %s", reason, c.key, c.current, c.desired)
             result["changed"].append({"key": c.key, "from": c.current, "to": c.desired})
             if self._is_once(c.key) and c.key not in self._host_state["applied_once"]:
@@ -320,6 +330,83 @@ class HostSettings:
                 self._reverify()
             return result
 
+    # -- [irq]: kept in place ------------------------------------------------------
+    def _irq_interval(self) -> float:
+        return self._policy_model().irq.check_interval_ms / 1000.0
+
+    async def correct_irq(self) -> dict[str, Any]:
+        """The quick check of the managed interrupts only (every ``check_interval_ms``):
+        an interrupt moved off its CPUs (irqbalance, a driver reload, a link coming up),
+        a new MSI-X vector, or a rank bound on its CPUs since: put where the policy wants."""
+        section = self._policy_model().irq
+        tuner = self.tuners.get("irq")
+        if tuner is None or not section.devices:
+            return {"changed": [], "errors": []}
+        async with self.lock:
+            changes = tuner.plan(section)
+            seen, before = {c.key for c in changes}, self._irq_seen
+            self._irq_seen = seen
+            drift = [c for c in changes if c.needed and not self._once_done(c.key)]
+            if not self.enforcing or not drift:
+                return {"changed": [], "errors": []}
+            rewritten = [c for c in drift if c.key in self._irq_written
+                         and c.current != self._irq_written[c.key]]
+            if rewritten:
+                writer = self._irq_writer()
+                for c in rewritten:
+                    log.warning("irq: %s was moved to CPUs %s (%s); putting it back on %s",
+                                c.key, c.current, writer, c.desired)
+                self.irq_last_rewrite = {"time": time.time(), "keys": [c.key for c in rewritten],
+                                         "likely_writer": writer}
+            new = [c.key for c in drift if c.key not in before and before]
+            if new:
+                log.info("irq: new interrupt(s) %s: placing them", ", ".join(new))
+                self.irq_last_change = {
+                    "time": time.time(), "keys": new,
+                    "why": "new interrupt vector(s) (a driver reload, a link coming up, "
+                           "more queues)"}
+            moved = [c.key for c in drift if c not in rewritten and c.key in before
+                     and c.key in self._irq_written]
+            if moved:
+                log.info("irq: %s: their CPUs changed (a process bound or unbound, "
+                         "housekeeping changed); moving them", ", ".join(moved))
+                self.irq_last_change = {
+                    "time": time.time(), "keys": moved,
+                    "why": "the CPUs they may use changed (a process bound on them)"}
+            result = await self._apply_changes(drift, "irq", retry_failed=False)
+            done = {x["key"] for x in result["changed"]}
+            self.irq_reapplied += sum(1 for c in rewritten if c.key in done)
+            return result
+
+    def _irq_writer(self) -> str:
+        """Who most likely moved a managed interrupt (read only when one was moved)."""
+        from tunerd import procfs
+
+        proc = Path(getattr(self.tuners.get("irq"), "proc", "/proc"))
+        pids = []
+        try:
+            for d in proc.iterdir():
+                if d.name.isdigit() and procfs.read_value(d / "comm") == "irqbalance":
+                    pids.append(d.name)
+        except OSError:
+            pass
+        if pids:
+            return (f"irqbalance is running (pid {', '.join(pids)}); "
+                    + ("its --banirq list names them once it restarts"
+                       if self._policy_model().irq.irqbalance == "ban"
+                       else "[irq] irqbalance = \"leave\": it will keep moving them"))
+        return ("no irqbalance running: a driver reload, a link coming up or a manual write "
+                "(echo > /proc/irq/N/smp_affinity)")
+
+    async def _irq_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._irq_interval())
+            try:
+                await self.correct_irq()
+            except Exception as err:
+                log.exception("irq check failed")
+                self.errors.record("host", f"irq check failed: {err!r}", key="irq-check")
+
     async def _verify_loop(self) -> None:
         while True:
             await asyncio.sleep(self.verify_interval)
@@ -389,6 +476,7 @@ class HostSettings:
     async def start(self) -> None:
         self._start_uevents()
         self._verify_task = asyncio.ensure_future(self._verify_loop())
+        self._irq_task = asyncio.ensure_future(self._irq_loop())
 
     async def policy_changed(self, policy: Policy) -> None:
         self._policy = policy
@@ -403,6 +491,8 @@ class HostSettings:
     async def stop(self) -> None:
         if self._verify_task is not None:
             self._verify_task.cancel()
+        if self._irq_task is not None:
+            self._irq_task.cancel()
         if self._monitor is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._monitor.fileno())
@@ -414,12 +504,29 @@ class HostSettings:
         drift = "not verified yet" if v is None else (
             "no drift" if not v["drift"] else f"{v['drift']} drifted")
         mode = "enforcing" if self.enforcing else "reverted (not enforcing until apply)"
+        irq = ""
+        if self._policy_model().irq.devices:
+            st = self.irq_status()
+            irq = (f"; irq: {st['managed']} managed, {st['reapplied_total']} put back"
+                   + (f", not placed: {'; '.join(st['not_placed'].values())}"
+                      if st["not_placed"] else ""))
         return {
             "summary": f"{len(self.originals)} setting(s) changed from their originals; "
-                       f"{drift}; {mode}" + (" (dry run)" if self.dry_run else ""),
+                       f"{drift}; {mode}" + (" (dry run)" if self.dry_run else "") + irq,
             "originals": len(self.originals),
             "enforcing": self.enforcing,
             "last_apply": self.last_apply,
             "last_verify": self.last_verify,
             "hotplug": self._monitor is not None,
+            **({"irq": self.irq_status()} if self._policy_model().irq.devices else {}),
         }
+
+    def irq_status(self) -> dict[str, Any]:
+        tuner: Any = self.tuners.get("irq")
+        stuck = dict(getattr(tuner, "stuck", {}) or {})
+        managed = sorted(k for k in self._irq_seen if k.count(":") == 2
+                         and k.split(":")[2].isdigit())
+        return {"managed": len(managed), "reapplied_total": self.irq_reapplied,
+                "last_rewrite": self.irq_last_rewrite, "last_change": self.irq_last_change,
+                "not_placed": stuck,
+                "irqbalance": self._policy_model().irq.irqbalance}

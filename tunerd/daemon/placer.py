@@ -200,6 +200,10 @@ class Placer:
         """The reservations now (a copy: another thread may reserve meanwhile)."""
         return list(self._res.values())
 
+    def reservations(self) -> list[Reservation]:
+        """Every reservation now (a copy; read-only use: the [irq] placement)."""
+        return self._held()
+
     def busy_gpus(self, job: str | None = None) -> dict[int, str]:
         """GPUs held, and by whom (``job``: not those the same scheduler job holds)."""
         return {g: r.holder for r in self._held() for g in self._held_gpus(r)

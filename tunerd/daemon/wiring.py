@@ -60,7 +60,7 @@ from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
 from tunerd.safefs import prepare_dir
 from tunerd.topology import Topology, load_topology
-from tunerd.tuners import build_tuners
+from tunerd.tuners import IrqContext, build_tuners
 from tunerd.tuners.nccl import NcclTuner
 
 __all__ = ["build"]
@@ -143,8 +143,24 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
+    def irq_context() -> IrqContext:
+        """The CPUs interrupts may use now: none a bound process or a reservation holds."""
+        held: dict[int, str] = {}
+        for r in placer.reservations():
+            for c in r.cpus:
+                held.setdefault(c, r.holder)
+        for pid in jobs.pids():
+            rec = jobs.record(pid)
+            if rec is not None and rec.cpus:
+                for c in rec.cpu_set():
+                    held.setdefault(c, f"pid {pid}")
+        gpus = [] if replay else [(g.index, g.pci_bus_id) for g in placer.topo.gpus]
+        return IrqContext(online=placer.host.cpus, held=held,
+                          housekeeping=placer.housekeeping(), gpus=gpus)
+
     host = HostSettings(build_tuners(cfg.proc_root, cfg.sys_root, cfg.etc_root,
-                                     gpu_unavailable=replay),
+                                     gpu_unavailable=replay, irq_context=irq_context,
+                                     topology=lambda: None if replay else placer.topo),
                         durable.section("host"), save_durable, errors,
                         state_path=cfg.state_path, dry_run=cfg.dry_run,
                         verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)
@@ -156,7 +172,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                 "host_drifted": float((host.last_verify or {}).get("drift", 0)),
                 "host_failed": float(len(host.failed)),
                 "rule_bind_failures": float(autobind.failed),
-                "rule_matches": float(autobind.matched)}
+                "rule_matches": float(autobind.matched),
+                "irq_reapplied": float(host.irq_reapplied)}
 
     nccl_tuner = NcclTuner(cfg.etc_root)
 
@@ -168,6 +185,39 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     fleet = FleetFacts(nccl_conf=nccl_conf, proc_root=cfg.proc_root, sys_root=cfg.sys_root,
                        gpu_pci=[(g.index, g.pci_bus_id) for g in topology.gpus],
                        python=str(cfg.job_python) if cfg.job_python is not None else None)
+    io_cache: dict[str, Any] = {}
+
+    def io_path() -> dict[str, str]:
+        """tunerd_io_path_info's labels (a scrape's thread: plain reads; the topology part
+        is read again at most once a minute)."""
+        import time
+
+        from tunerd.topology.iopath import gpu_nics
+        from tunerd.topology.pcicfg import read_function
+
+        now = time.monotonic()
+        if not io_cache or now - io_cache["t"] > 60:
+            pairs = gpu_nics(placer.topo)
+            pairing = ",".join(f"{g}:{ps[0].tier}" if ps else f"{g}:-"
+                               for g, ps in pairs.items())
+            if replay:
+                acs = "n/a"
+            else:
+                pcie: Any = host.tuners.get("pcie")
+                bridges = pcie.bridges() if pcie is not None else []
+                acs = str(sum(1 for b in bridges
+                              if read_function(b, cfg.sys_root).acs_source_validation))
+            io_cache.update(t=now, pairing=pairing, acs=acs)
+        sec = policy.model.irq
+        if not sec.devices:
+            irq = "off"
+        else:
+            st = host.irq_status()
+            irq = ("not placed: " + ",".join(sorted(st["not_placed"]))
+                   if st["not_placed"] else "placed")
+        return {"irq": irq, "acs": io_cache["acs"], "pairing": io_cache["pairing"]}
+
+    fleet.io_path = io_path
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
@@ -254,9 +304,14 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)
-    EnvCommands(policy, nccl_file).register(router)
+    EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology).register(router)
+    def pairing() -> dict[str, Any]:
+        from tunerd.topology.iopath import gpu_nics, pairing_json
+
+        return pairing_json(gpu_nics(placer.topo))
+
     MonitorCommands(monitor, settings_for=settings_for,
-                    left_alone=autobind.left_alone_now).register(router)
+                    left_alone=autobind.left_alone_now, gpu_nics=pairing).register(router)
     return daemon
 
 

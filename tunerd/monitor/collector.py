@@ -145,6 +145,8 @@ HEALTH = [
      "[[job]] rule matches that could not be bound", CounterMetricFamily),
     ("rule_matches", "tunerd_rule_matches", "Processes matched by a [[job]] rule",
      CounterMetricFamily),
+    ("irq_reapplied", "tunerd_irq_reapplied", "Managed interrupts put back on their CPUs "
+     "after something else moved them ([irq])", CounterMetricFamily),
 ]
 
 
@@ -219,6 +221,14 @@ class MonitorCollector(Collector):
         yield step
         yield tput
         yield bound
+        io = GaugeMetricFamily("tunerd_io_path_info", "1, with the state of the GPUs' I/O "
+                               "path: [irq] placement, ACS-enabled bridges between GPUs and "
+                               "their NICs, each GPU's NIC pairing tier",
+                               labels=["irq", "acs", "pairing"])
+        vals = f.io_path() if f.io_path is not None else None
+        if vals:
+            io.add_metric([vals["irq"], vals["acs"], vals["pairing"]], 1.0)
+        yield io
         # a link trained to fewer lanes than it has (a reseat or riser fault) halves
         # host<->GPU bandwidth for good; the speed alone drops when the GPU idles (ASPM)
         link = GaugeMetricFamily("tunerd_gpu_pcie_link_degraded", "1 when the GPU's PCIe "

@@ -232,6 +232,8 @@ class FleetFacts:
     gpu_pci: list[tuple[int, str]] = field(default_factory=list)  # (index, sysfs bus id)
     sys_root: Path = Path("/sys")
     pcie: list[PcieLink] = field(default_factory=list)
+    # the GPUs' I/O path for tunerd_io_path_info: {"irq", "acs", "pairing"} (the daemon)
+    io_path: Callable[[], dict[str, str]] | None = None
     _next_live: float = 0.0
     _again: bool = False
     _probing: threading.Lock = field(default_factory=threading.Lock)

@@ -97,6 +97,10 @@ NIC = Table({
 }, required=("match",))
 
 NCCL = Table(
+    {"per_rank_nic": Bool(description="each rank gets its GPU's NIC: tunerctl run, tunerctl "
+                                      "env --local-rank N and tunerd.torch.export_nccl_env "
+                                      "set NCCL_IB_HCA (or NCCL_SOCKET_IFNAME) and "
+                                      "UCX_NET_DEVICES for it; never written to nccl.conf")},
     values=AnyOf(Str(what="a string", allow_empty=True, max_len=1024),
                  Int(-(1 << 63), (1 << 63) - 1), Bool(),
                  what="a string, an integer or a boolean"),
@@ -193,6 +197,30 @@ JOB = Table({
     "torch": TORCH,
 }, required=("name",))
 
+IRQ = Table({
+    "devices": StrList(Str(_NAME_GLOB, what="an interface/RDMA-device name glob or \"gpu\"",
+                           max_len=256),
+                       description="whose interrupts are placed: NIC names or globs "
+                                   "(network interfaces, RDMA devices such as mlx5_*) and "
+                                   "\"gpu\" for the GPUs' own interrupts"),
+    "irqbalance": Enum(("ban", "leave"),
+                       description="ban (default): irqbalance's --banirq list names every "
+                                   "managed interrupt (a managed block in its environment "
+                                   "file); leave: tunerd never touches irqbalance's files"),
+    "cpus": Str(what="a cpulist (e.g. \"0-3\")", convert=_cpulist(False), max_len=1024,
+                description="interrupts only ever go to these CPUs (still on their "
+                            "device's NUMA node, never on a bound rank's CPU)"),
+    "check_interval_ms": Int(100, 60000, description="how often a moved interrupt is "
+                                                     "looked for and put back (default 1000)"),
+}, description="interrupts kept on their device's NUMA node, housekeeping CPUs first, "
+               "never on a CPU a bound rank holds")
+
+PCIE = Table({
+    "clear_acs": Bool(description="clear ACS source validation on the PCIe bridges between "
+                                  "each GPU and its NIC (setpci ECAP_ACS+6.w; original saved, "
+                                  "applied again at every start; never inside a VM)"),
+}, description="opt-in changes to the PCIe path between each GPU and its NIC")
+
 LEASES = Table({
     "user_exclusive": Bool(description="may non-root users take exclusive leases "
                                        "(default false)"),
@@ -214,6 +242,8 @@ FILE_SCHEMA = Table({
     "cpu": CPU,
     "vm": VM,
     "gpu": GPU,
+    "irq": IRQ,
+    "pcie": PCIE,
     "job": TableArray(JOB, unique="name"),
     "leases": LEASES,
 }, description="a tunerd policy file")
@@ -224,7 +254,7 @@ ARRAY_KEYS = {"nic": "match", "block": "match", "job": "name"}
 # the normalized policy has every section, empty when no file sets it
 SECTION_DEFAULTS: dict[str, Any] = {
     "sysctl": {}, "nic": [], "nccl": {}, "block": [], "limits": {}, "cpu": {}, "vm": {},
-    "gpu": {}, "job": [], "leases": {},
+    "gpu": {}, "irq": {}, "pcie": {}, "job": [], "leases": {},
 }
 
 

@@ -27,11 +27,13 @@ __all__ = [
     "BlockRule",
     "CpuSection",
     "GpuSection",
+    "IrqSection",
     "JobSpec",
     "LeasePolicy",
     "Limits",
     "NcclValue",
     "NicRule",
+    "PcieSection",
     "PolicyInfo",
     "PolicyModel",
     "SysctlValue",
@@ -112,6 +114,23 @@ class GpuSection:
 
 
 @dataclass(frozen=True, slots=True)
+class IrqSection:
+    """``[irq]``: whose interrupts tunerd places, and how it deals with irqbalance."""
+
+    devices: tuple[str, ...] = ()  # NIC names/globs (netdevs, RDMA devices) and "gpu"
+    irqbalance: str = "ban"  # ban (its --banirq list names them) | leave (its files untouched)
+    cpus: frozenset[int] | None = None  # interrupts only ever go to these CPUs
+    check_interval_ms: int = 1000  # how often a moved interrupt is looked for
+
+
+@dataclass(frozen=True, slots=True)
+class PcieSection:
+    """``[pcie]``: opt-in changes to the PCIe path between each GPU and its NIC."""
+
+    clear_acs: bool = False  # clear ACS source validation on the bridges between them
+
+
+@dataclass(frozen=True, slots=True)
 class TorchSettings:
     """A rule's ``torch`` table: what tunerd.torch applies in the processes it bound.
 
@@ -176,6 +195,9 @@ class PolicyModel:
     cpu: CpuSection = CpuSection()
     vm: VmSection = VmSection()
     gpu: GpuSection = GpuSection()
+    irq: IrqSection = IrqSection()
+    pcie: PcieSection = PcieSection()
+    nccl_per_rank_nic: bool = False  # [nccl] per_rank_nic: each rank gets its GPU's NIC
     jobs: tuple[JobSpec, ...] = ()
     apply_once: tuple[str, ...] = ()  # setting-key globs applied once, never drift-corrected
     leases: LeasePolicy = LeasePolicy()
@@ -187,7 +209,7 @@ class PolicyModel:
         return getattr(self, name)
 
 
-_HOST_SECTIONS = frozenset({"sysctl", "nic", "nccl", "block", "vm", "cpu", "gpu"})
+_HOST_SECTIONS = frozenset({"sysctl", "nic", "nccl", "block", "vm", "cpu", "gpu", "irq", "pcie"})
 
 
 def _opt_cpus(text: str | None) -> frozenset[int] | None:
@@ -217,18 +239,27 @@ def build_model(data: Mapping[str, Any], sources: Sequence[str]) -> PolicyModel:
     """The typed view of a merged policy that passed validation (``Policy.data``'s shape)."""
     meta = data.get("policy", {})
     cpu = data.get("cpu", {})
+    irq = data.get("irq", {})
+    nccl = dict(data.get("nccl") or {})
+    per_rank_nic = bool(nccl.pop("per_rank_nic", False))
     return PolicyModel(
         info=PolicyInfo(name=meta.get("name", ""), names=tuple(meta.get("names", ())),
                         sources=tuple(sources)),
         sysctl=_frozen_map(data.get("sysctl")),
         nic=tuple(NicRule(**e) for e in data.get("nic", ())),
-        nccl=_frozen_map(data.get("nccl")),
+        nccl=_frozen_map(nccl),
+        nccl_per_rank_nic=per_rank_nic,
         block=tuple(BlockRule(**e) for e in data.get("block", ())),
         limits=Limits(**data.get("limits", {})),
         cpu=CpuSection(housekeeping=_opt_cpus(cpu.get("housekeeping")) or frozenset(),
                        governor=cpu.get("governor")),
         vm=VmSection(**data.get("vm", {})),
         gpu=GpuSection(**data.get("gpu", {})),
+        irq=IrqSection(devices=tuple(irq.get("devices", ())),
+                       irqbalance=irq.get("irqbalance", "ban"),
+                       cpus=_opt_cpus(irq.get("cpus")),
+                       check_interval_ms=irq.get("check_interval_ms", 1000)),
+        pcie=PcieSection(**data.get("pcie", {})),
         jobs=tuple(_job(j) for j in data.get("job", ())),
         apply_once=tuple(meta.get("apply_once", ())),
         leases=LeasePolicy(**data.get("leases", {})),

@@ -20,6 +20,7 @@ from tunerd.topology.model import (
     Link,
     Nic,
     NumaNode,
+    RdmaDevice,
     SnapshotError,
     Topology,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "Link",
     "Nic",
     "NumaNode",
+    "RdmaDevice",
     "SnapshotError",
     "Topology",
     "load_topology",
@@ -65,7 +67,7 @@ def _hostname(proc_root: Path) -> str:
 def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) -> Topology:
     """The real node: sysfs for CPUs/NUMA/PCI/NICs, NVML for GPUs and their links."""
     from tunerd.topology.gpu import read_gpus
-    from tunerd.topology.sysfs import read_cpus, read_nics, read_numa_nodes
+    from tunerd.topology.sysfs import pcie_path, read_cpus, read_nics, read_numa_nodes, read_rdma
 
     cpus = read_cpus(sys_root)
     nodes = read_numa_nodes(sys_root, frozenset(cpus), proc_root)
@@ -81,9 +83,11 @@ def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) 
         # that answer the NVML NUMA node id with the CPU node on x86 are not that
         mem_nodes = tuple(n for n in g.memory_numa_nodes
                           if n in nodes and not nodes[n].cpus and n != node)
-        gpus[i] = replace(g, numa_node=node, memory_numa_nodes=mem_nodes)
+        gpus[i] = replace(g, numa_node=node, memory_numa_nodes=mem_nodes,
+                          pcie_path=pcie_path(g.pci_bus_id, sys_root) if g.pci_bus_id else ())
     return Topology(hostname=_hostname(proc_root), replayed=False, note=note, cpus=cpus,
-                    numa_nodes=nodes, gpus=gpus, links=links, nics=read_nics(sys_root))
+                    numa_nodes=nodes, gpus=gpus, links=links, nics=read_nics(sys_root),
+                    rdma=read_rdma(sys_root))
 
 
 def load_topology(snapshot: Path | None = None) -> Topology:

@@ -21,6 +21,7 @@ __all__ = [
     "Link",
     "Nic",
     "NumaNode",
+    "RdmaDevice",
     "SnapshotError",
     "Topology",
 ]
@@ -66,6 +67,9 @@ class Gpu:
     mig_devices: tuple[dict[str, Any], ...] = ()
     nvswitch_links: int = 0  # active NVLinks that end at an NVSwitch
     memory_numa_nodes: tuple[int, ...] = ()  # NUMA nodes holding this GPU's memory (C2C)
+    # PCIe path from the host bridge down to (not including) the GPU, from sysfs's real
+    # device path: ("pci0000:15", "0000:15:01.0", "0000:16:00.0", "0000:17:00.0")
+    pcie_path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,26 @@ class Nic:
     speed_mbps: int | None
     mtu: int | None
     virtual: bool = False
+    pcie_path: tuple[str, ...] = ()  # bridges above the NIC's PCI function (as Gpu's)
+
+
+@dataclass(frozen=True)
+class RdmaDevice:
+    """One port of an InfiniBand / RoCE device (/sys/class/infiniband/mlx5_0/ports/1)."""
+
+    name: str  # mlx5_0
+    port: int = 1
+    netdev: str | None = None  # its network interface (ibp24s0, ens1f0np0), if any
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    link_layer: str | None = None  # "InfiniBand" | "Ethernet" (RoCE)
+    rate_gbps: int | None = None
+    pcie_path: tuple[str, ...] = ()
+
+    @property
+    def hca(self) -> str:
+        """``mlx5_0:1``: NCCL_IB_HCA's and UCX_NET_DEVICES' spelling."""
+        return f"{self.name}:{self.port}"
 
 
 @dataclass
@@ -102,6 +126,7 @@ class Topology:
     gpus: list[Gpu] = field(default_factory=list)
     links: dict[tuple[int, int], Link] = field(default_factory=dict)
     nics: list[Nic] = field(default_factory=list)
+    rdma: list[RdmaDevice] = field(default_factory=list)  # InfiniBand / RoCE ports
     source: Any = None  # where a recorded snapshot's facts come from (URLs, "recorded")
     # derived indexes for tunerd.placement; not part of equality or the snapshot. A
     # Topology is read-only once built: build a new one (or clear this) to change it
@@ -179,7 +204,8 @@ class Topology:
              "local_cpus": format_cpulist(g.local_cpus), "mig_enabled": g.mig_enabled,
              "mig_devices": [dict(m) for m in g.mig_devices],
              "nvswitch_links": g.nvswitch_links,
-             "memory_numa_nodes": list(g.memory_numa_nodes)}
+             "memory_numa_nodes": list(g.memory_numa_nodes),
+             **({"pcie_path": list(g.pcie_path)} if g.pcie_path else {})}
             for g in self.gpus
         ]
         d["links"] = [
@@ -188,9 +214,18 @@ class Topology:
         ]
         d["nics"] = [
             {"name": n.name, "numa_node": n.numa_node, "pci_bus_id": n.pci_bus_id,
-             "speed_mbps": n.speed_mbps, "mtu": n.mtu, "virtual": n.virtual}
+             "speed_mbps": n.speed_mbps, "mtu": n.mtu, "virtual": n.virtual,
+             **({"pcie_path": list(n.pcie_path)} if n.pcie_path else {})}
             for n in self.nics
         ]
+        if self.rdma:  # absent in snapshots of nodes without InfiniBand/RoCE (and old ones)
+            d["rdma"] = [
+                {"name": r.name, "port": r.port, "netdev": r.netdev,
+                 "pci_bus_id": r.pci_bus_id, "numa_node": r.numa_node,
+                 "link_layer": r.link_layer, "rate_gbps": r.rate_gbps,
+                 "pcie_path": list(r.pcie_path)}
+                for r in self.rdma
+            ]
         return d
 
     @classmethod
@@ -233,6 +268,13 @@ class _Reader:
             return parse_cpulist(text)
         except CpuListError as err:
             raise self.fail(f"{path}.{key}", str(err)) from err
+
+    def path(self, d: dict[str, Any], p: str) -> tuple[str, ...]:
+        xs = self.get(d, "pcie_path", list, p, [])
+        for i, x in enumerate(xs):
+            if not isinstance(x, str) or not x:
+                raise self.fail(f"{p}.pcie_path[{i}]", f"expected a PCI address, got {x!r}")
+        return tuple(xs)
 
     def items(self, d: dict[str, Any], key: str) -> list[tuple[str, dict[str, Any]]]:
         xs = self.get(d, key, list, "$", [])
@@ -284,6 +326,7 @@ class _Reader:
                 mig_devices=tuple(m for m in migs if isinstance(m, dict)),
                 nvswitch_links=self.get(g, "nvswitch_links", int, p, 0),
                 memory_numa_nodes=tuple(self.get(g, "memory_numa_nodes", list, p, [])),
+                pcie_path=self.path(g, p),
             ))
         indexes = [g.index for g in topo.gpus]
         if len(set(indexes)) != len(indexes):
@@ -304,7 +347,15 @@ class _Reader:
                 pci_bus_id=self.get(n, "pci_bus_id", str, p, None),
                 speed_mbps=self.get(n, "speed_mbps", int, p, None),
                 mtu=self.get(n, "mtu", int, p, None),
-                virtual=self.get(n, "virtual", bool, p, False)))
+                virtual=self.get(n, "virtual", bool, p, False), pcie_path=self.path(n, p)))
+        for p, r in self.items(d, "rdma"):
+            topo.rdma.append(RdmaDevice(
+                name=self.get(r, "name", str, p), port=self.get(r, "port", int, p, 1),
+                netdev=self.get(r, "netdev", str, p, None),
+                pci_bus_id=self.get(r, "pci_bus_id", str, p, None),
+                numa_node=self.get(r, "numa_node", int, p, None),
+                link_layer=self.get(r, "link_layer", str, p, None),
+                rate_gbps=self.get(r, "rate_gbps", int, p, None), pcie_path=self.path(r, p)))
         for cpu in topo.cpus.values():
             if topo.numa_nodes and cpu.numa_node not in topo.numa_nodes:
                 raise self.fail("$.cpus", f"CPU {cpu.id} is on NUMA node {cpu.numa_node}, "

@@ -103,4 +103,33 @@ def render(data: dict[str, Any], origin: str = "") -> str:
         lines += _table(rows)
     if virt:
         lines.append(f"virtual interfaces: {', '.join(virt)}")
+    if topo.rdma:
+        import textwrap
+
+        lines += textwrap.wrap("RDMA: " + ", ".join(
+            f"{r.hca}" + (f" ({r.netdev})" if r.netdev else "") for r in topo.rdma),
+            width=80, subsequent_indent="  ")
+    lines += _gpu_nics(topo)
     return "\n".join(lines)
+
+
+def _gpu_nics(topo: Topology) -> list[str]:
+    """Each GPU's nearest fabric NIC (tunerd.topology.iopath)."""
+    from tunerd.topology.iopath import gpu_nics
+
+    pairs = gpu_nics(topo)
+    if not topo.gpus:
+        return []
+    rows = [["GPU", "NIC", "netdev", "path", "NUMA"]]
+    for g in topo.gpus:
+        ps = pairs.get(g.index, ())
+        if not ps:
+            rows.append([f"GPU{g.index}", "-", "-", "no fabric NIC", "-"])
+            continue
+        words = {"switch": "same PCIe switch", "host-bridge": "same host bridge",
+                 "numa": "same NUMA node", "remote": "other NUMA node"}
+        rows.append([f"GPU{g.index}", ",".join(p.nic.device for p in ps),
+                     ",".join(p.nic.netdev or "-" for p in ps), words[ps[0].tier],
+                     f"{g.numa_node if g.numa_node is not None else 'N/A'}"
+                     f"/{ps[0].nic.numa_node if ps[0].nic.numa_node is not None else 'N/A'}"])
+    return ["", "Each GPU's NIC (NUMA: GPU/NIC):", *("  " + r for r in _table(rows))]

@@ -13,14 +13,16 @@ from pathlib import Path
 
 from tunerd.cpulist import CpuListError, parse_cpulist
 from tunerd.procfs import read_value
-from tunerd.topology.model import Cpu, Nic, NumaNode
+from tunerd.topology.model import Cpu, Nic, NumaNode, RdmaDevice
 
 __all__ = [
     "normalize_bus_id",
     "pci_locality",
+    "pcie_path",
     "read_cpus",
     "read_nics",
     "read_numa_nodes",
+    "read_rdma",
 ]
 
 _PCI_ADDR = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -184,6 +186,75 @@ def _pci_parent(dev: Path) -> Path | None:
     return None
 
 
+def _path_above(real: Path) -> tuple[str, ...]:
+    """The PCIe bridges above the PCI function at ``real`` (its resolved sysfs dir):
+    the host bridge (``pci0000:15``) first, the device itself left out."""
+    out: list[str] = []
+    for part in real.parent.parts:
+        if part.startswith("pci") and ":" in part:
+            out = [part]  # a host bridge starts the path (nothing above it counts)
+        elif out and _PCI_ADDR.match(part):
+            out.append(part)
+    return tuple(out)
+
+
+def pcie_path(bus_id: str, sys_root: Path = Path("/sys")) -> tuple[str, ...]:
+    """The chain of bridges from the host bridge down to PCI device ``bus_id``, from
+    sysfs's real device path (``/sys/devices/pci0000:15/0000:15:01.0/.../0000:18:00.0``);
+    () when sysfs does not have it."""
+    try:
+        real = (sys_root / "bus/pci/devices" / normalize_bus_id(bus_id)).resolve(strict=True)
+    except OSError:
+        return ()
+    return _path_above(real)
+
+
+def read_rdma(sys_root: Path = Path("/sys")) -> list[RdmaDevice]:
+    """InfiniBand / RoCE ports (/sys/class/infiniband/DEV/ports/N) with their netdev."""
+    out: list[RdmaDevice] = []
+    root = sys_root / "class/infiniband"
+    try:
+        names = sorted(os.listdir(root), key=_natural)
+    except OSError:
+        return out
+    for name in names:
+        d = root / name
+        pci = _pci_parent(d / "device") if (d / "device").exists() else None
+        node: int | None = None
+        if pci is not None:
+            n = _read_int(pci / "numa_node")
+            node = n if n is not None and n >= 0 else None
+        netdevs: list[tuple[int, str]] = []
+        try:
+            for nd in sorted(os.listdir(d / "device/net")):
+                netdevs.append((_read_int(d / "device/net" / nd / "dev_port") or 0, nd))
+        except OSError:
+            pass
+        try:
+            ports = sorted(int(p) for p in os.listdir(d / "ports") if p.isdigit())
+        except OSError:
+            ports = [1]
+        for port in ports:
+            pd = d / "ports" / str(port)
+            rate = re.match(r"\s*(\d+)", read_value(pd / "rate") or "")
+            # a port's netdev: the one whose dev_port is port - 1, or the only one
+            netdev = next((nd for dp, nd in netdevs if dp == port - 1), None)
+            if netdev is None and len(netdevs) == 1:
+                netdev = netdevs[0][1]
+            out.append(RdmaDevice(
+                name=name, port=port, netdev=netdev,
+                pci_bus_id=pci.name if pci else None, numa_node=node,
+                link_layer=read_value(pd / "link_layer"),
+                rate_gbps=int(rate.group(1)) if rate else None,
+                pcie_path=_path_above(pci) if pci else ()))
+    return out
+
+
+def _natural(name: str) -> tuple[str, int]:
+    m = re.match(r"(.*?)(\d+)$", name)
+    return (m.group(1), int(m.group(2))) if m else (name, -1)
+
+
 def read_nics(sys_root: Path = Path("/sys")) -> list[Nic]:
     """Network interfaces; virtual ones (lo, bridges, veth, ifb...) are marked virtual."""
     out: list[Nic] = []
@@ -204,5 +275,6 @@ def read_nics(sys_root: Path = Path("/sys")) -> list[Nic]:
         speed = _read_int(d / "speed")  # EINVAL while the link is down
         out.append(Nic(name=name, numa_node=node, pci_bus_id=pci.name if pci else None,
                        speed_mbps=speed if speed is not None and speed > 0 else None,
-                       mtu=_read_int(d / "mtu"), virtual=virtual))
+                       mtu=_read_int(d / "mtu"), virtual=virtual,
+                       pcie_path=_path_above(pci) if pci else ()))
     return out

@@ -21,14 +21,28 @@ from tunerd.torch.settings import log
 __all__ = ["export_nccl_env"]
 
 
-def export_nccl_env(socket_path: str | None = None, timeout: float = 0.5) -> dict[str, str]:
-    """Set the daemon's [nccl] settings that the environment lacks; returns those set."""
+def export_nccl_env(socket_path: str | None = None, timeout: float = 0.5,
+                    local_rank: int | None = None) -> dict[str, str]:
+    """Set the daemon's [nccl] settings that the environment lacks; returns those set.
+
+    ``local_rank`` (default: $LOCAL_RANK when set): with ``[nccl] per_rank_nic = true``
+    also the rank's GPU's NIC (NCCL_IB_HCA or NCCL_SOCKET_IFNAME, UCX_NET_DEVICES)."""
     from tunerd.client import Client
 
+    if local_rank is None and os.environ.get("LOCAL_RANK", "").isdigit():
+        local_rank = int(os.environ["LOCAL_RANK"])
+    args: dict[str, object] = {}
+    if local_rank is not None:
+        from tunerd.topology.iopath import rank_gpus
+
+        args["local_rank"] = local_rank
+        gpus = rank_gpus(local_rank)
+        if gpus is not None:
+            args["gpus"] = gpus
     try:
         client = Client(socket_path, timeout=timeout)
         try:
-            reply = client.call("env")
+            reply = client.call("env", **args)
         finally:
             client.close()
     except TunerdError as err:
@@ -37,9 +51,12 @@ def export_nccl_env(socket_path: str | None = None, timeout: float = 0.5) -> dic
     settings = reply.get("nccl") if isinstance(reply, dict) else None
     if not isinstance(settings, dict):
         return {}
+    nic = reply.get("nic_env")
+    if isinstance(nic, dict):
+        settings = {**settings, **nic}
     done: dict[str, str] = {}
     for key, value in settings.items():
-        if (isinstance(key, str) and key.startswith("NCCL_") and isinstance(value, str)
+        if (isinstance(key, str) and key.startswith(("NCCL_", "UCX_")) and isinstance(value, str)
                 and key not in os.environ):
             os.environ[key] = value
             done[key] = value
