@@ -23,6 +23,7 @@ import pytest
 
 from tests.binding_helpers import task_cpus
 from tests.helpers import REPO, DaemonProc, wait_for
+from tests.launcher_helpers import spawn_rank
 from tests.leases_helpers import DGX_H100, autobind_status, descendants, kill, kill_tree, spawn
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.allocation import Allocation
@@ -80,22 +81,30 @@ if __name__ == "__main__":
 @pytest.fixture
 def rank_tree() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
     """A process with a rank identity, its forked worker and a helper it started."""
-    p = subprocess.Popen([sys.executable, "-c", RANK_TREE], stdout=subprocess.PIPE,
-                         text=True, env={**os.environ, "LOCAL_RANK": "1",
-                                         "LOCAL_WORLD_SIZE": "2"})
-    assert p.stdout is not None
-    worker, helper = map(int, p.stdout.readline().split())
+    agent, rank = spawn_rank([sys.executable, "-c", RANK_TREE],
+                             {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+                             stdout=subprocess.PIPE)
+    assert agent.stdout is not None
+    worker, helper = map(int, agent.stdout.readline().split())
+    p = _Rank(rank)
     try:
-        yield p, worker, helper
+        yield p, worker, helper  # type: ignore[misc]
     finally:
-        kids = descendants(p.pid)
-        p.kill()
-        p.wait()
+        kids = descendants(agent.pid)
+        agent.kill()
+        agent.wait()
         for k in kids:
             try:
                 os.kill(k, 9)
             except ProcessLookupError:
                 pass
+
+
+class _Rank:
+    """The rank under the launcher, as much of a Popen as the tests use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
 
 
 def test_a_ranks_workers_and_helpers_are_its_descendants(
@@ -131,15 +140,16 @@ def test_rank_numbers_are_bounded() -> None:
 @needs_two_cpus
 def test_a_rank_that_set_its_own_affinity_is_left_as_it_is() -> None:
     cpu = max(HOST_CPUS)
-    p = spawn(["numactl", f"--physcpubind={cpu}", "sleep", "30"], {"LOCAL_RANK": "0"})
+    agent, pid = spawn_rank(["numactl", f"--physcpubind={cpu}", "sleep", "30"],
+                            {"LOCAL_RANK": "0"})
     try:
-        wait_for(lambda: Path(f"/proc/{p.pid}/comm").read_text().strip() == "sleep", 5,
+        wait_for(lambda: Path(f"/proc/{pid}/comm").read_text().strip() == "sleep", 5,
                  "numactl to exec sleep")
-        ctx = intake().describe(p.pid)
+        ctx = intake().describe(pid)
         assert ctx.role == "rank" and ctx.self_affined, ctx.why
         assert "set its own affinity" in ctx.why
     finally:
-        kill(p)
+        kill_tree(agent)
 
 
 # -- ranks split their allocation (the recorded DGX H100) --------------------------------
@@ -360,9 +370,10 @@ def test_advise_says_a_rank_set_its_own_affinity(daemon_factory, tmp_path: Path)
     bundled_rule_policy(pdir, token)
     d = daemon_factory(policy_dir=pdir).start()
     cpu = max(HOST_CPUS)
-    p = subprocess.Popen(["taskset", "-c", str(cpu), "sleep", "60"],
-                         env={**os.environ, "TUNERD_TEST_TOKEN": token, "LOCAL_RANK": "0",
-                              "LOCAL_WORLD_SIZE": "1"})
+    agent, pid = spawn_rank(["taskset", "-c", str(cpu), "sleep", "60"],
+                            {"TUNERD_TEST_TOKEN": token, "LOCAL_RANK": "0",
+                             "LOCAL_WORLD_SIZE": "1"})
+    p = _Rank(pid)
     try:
         def listed() -> dict[str, Any] | None:
             jobs = d.ctl("--json", "advise").json()["jobs"]
@@ -379,7 +390,7 @@ def test_advise_says_a_rank_set_its_own_affinity(daemon_factory, tmp_path: Path)
         assert os.sched_getaffinity(p.pid) == {cpu}  # left as it is
         assert not [b for b in autobind_status(d)["bound"] if b["pid"] == p.pid]
     finally:
-        kill(p)
+        kill_tree(agent)  # type: ignore[arg-type]
 
 
 # -- bind from inside a PID namespace ----------------------------------------------------

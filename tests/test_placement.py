@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.topology_helpers import FIXTURE_NAMES, fixture
+from tunerd.cpulist import parse_cpulist
 from tunerd.errors import Failed, UsageError
 from tunerd.placement import (
     MODES,
@@ -19,6 +20,7 @@ from tunerd.placement import (
 )
 from tunerd.protocol import ExitCode, exit_code
 from tunerd.topology import Topology
+from tunerd.topology.nodemap import node_map
 
 R = PlacementRequest
 GPU_FIXTURES = [n for n in FIXTURE_NAMES if fixture(n).gpus]
@@ -75,8 +77,8 @@ def test_gpu_local_cpus_whole_cores_first() -> None:
     assert p.gpus == (4,)
     assert p.cpus == frozenset({56, 57, 58, 168, 169, 170})  # 3 whole cores on node 1
     assert p.mems == frozenset({1})
-    shared_all = place(t, R(gpus=1))
-    assert shared_all.cpus == t.numa_nodes[0].cpus
+    shared_all = place(t, R(gpus=1))  # GPU 0's slice of the node map, not its whole node
+    assert shared_all.cpus == node_map(t).slices[0].cpus == parse_cpulist("0-13,112-125")
 
 
 def test_housekeeping_and_exclusive_cpus_are_never_given() -> None:
@@ -85,7 +87,7 @@ def test_housekeeping_and_exclusive_cpus_are_never_given() -> None:
     held = {c: "lease L1 (pid 7)" for c in range(2, 10)}
     p = place(t, R(gpus=1), housekeeping=hk, exclusive_cpus=held)
     assert not p.cpus & hk and not p.cpus & set(held)
-    assert p.cpus == t.numa_nodes[0].cpus - hk - set(held)
+    assert p.cpus == node_map(t, hk).slices[0].cpus - set(held)
     # a 3-CPU shared request takes a whole core, then the odd thread from a core that is
     # already split (cpu 2, whose sibling 114 is held) rather than breaking a whole one
     q = place(t, R(gpus=1, cpus=3), exclusive_cpus={114: "x"})

@@ -59,9 +59,10 @@ def test_ranks_whose_share_cannot_hold_their_workers_share_cpus() -> None:
     pl = placer("this-machine-2gpus")
     for rank in (0, 1):
         p = pl.place(PlaceRequest(gpu_ids=(rank,), rank=rank, ranks=2, workers=1,
-                                  group="ddp", ignore_busy_gpus=True))
+                                  group="ddp", ignore_busy_gpus=True, gpu_peers=(0, 1)))
         assert p.cpus == frozenset({0, 1}), p.explanation
-        assert "share CPUs 0-1 instead of crowding onto one core" in p.explanation
+        assert ("share CPUs 0-1 (the slices of GPU 0-1) instead of crowding onto one core"
+                in p.explanation)
         pl.reserve(Reservation(key=f"rule:{rank}", holder="r", gpus=p.gpus, cpus=p.cpus,
                                group="ddp"))
 

@@ -39,7 +39,7 @@ from tunerd.cpuset import CHILD_PREFIX, CpusetCgroup, find_cpuset
 from tunerd.procfs import _read_once
 from tunerd.text import bounded_int
 from tunerd.topology.model import Topology
-from tunerd.topology.visible import parse_gpu_list, visible_gpus
+from tunerd.topology.visible import parse_gpu_list, resolve_cvd, visible_gpus
 
 __all__ = ["Allocation", "add_gpu_source", "cvd_names", "read_allocation",
            "scheduler_gpus", "slurm_gpus"]
@@ -106,24 +106,6 @@ def slurm_gpus(topo: Topology, env: Mapping[str, str]) -> tuple[int, ...] | None
     return ()
 
 
-def _cvd_within(topo: Topology, cvd: str, job: tuple[int, ...]) -> tuple[int, ...]:
-    """CUDA_VISIBLE_DEVICES inside a job whose GPUs are ``job`` (global indices).
-
-    Slurm with ConstrainDevices renumbers the job's GPUs from 0; without it the
-    variable holds global indices. Indices all in ``job`` are global; otherwise
-    indices below len(job) are positions in it.
-    """
-    items = [x.strip() for x in cvd.split(",") if x.strip()]
-    if all(x.isdigit() and len(x) <= 6 for x in items):  # 5,000 digits: no ValueError
-        ids = [int(x) for x in items]
-        if all(i in job for i in ids):
-            return tuple(ids)
-        if all(i < len(job) for i in ids):
-            return tuple(job[i] for i in ids)
-        return tuple(i for i in ids if i in job)
-    return tuple(i for i in visible_gpus(topo, cvd) if i in job)
-
-
 def cvd_names(topo: Topology, env: Mapping[str, str]) -> dict[int, str]:
     """GPU index -> how the process's own CUDA_VISIBLE_DEVICES names it.
 
@@ -136,7 +118,7 @@ def cvd_names(topo: Topology, env: Mapping[str, str]) -> dict[int, str]:
     items = [x.strip() for x in cvd.split(",") if x.strip()]
     job = slurm_gpus(topo, env)
     if job is not None and all(x.isdigit() for x in items):
-        ids = _cvd_within(topo, cvd, job)
+        ids = resolve_cvd(topo, cvd, job)
         if len(ids) == len(items):
             return dict(zip(ids, items, strict=True))
         return {}
@@ -184,7 +166,7 @@ def read_allocation(pid: int, env: Mapping[str, str] | None, topo: Topology, *,
     granted = gpus
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None and cvd is not None and cvd.strip() not in ("", "NoDevFiles"):
-        gpus = _cvd_within(topo, cvd, gpus)
+        gpus = resolve_cvd(topo, cvd, gpus)
     ncpus: int | None = None
     per_task = bounded_int(env.get("SLURM_CPUS_PER_TASK"), 1, 1 << 20)
     if env.get("SLURM_JOB_ID") and per_task is not None:

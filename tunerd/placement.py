@@ -20,7 +20,8 @@ sibling) are taken before split ones; cores are taken in core order so a request
 fills one L3 group before the next. When the local CPUs run out the choice spills
 to the nearest NUMA node by SLIT distance, and ``explanation`` says so. Modes:
 
-  gpu-local     the GPUs' local CPUs (sysfs local_cpulist)          [default]
+  gpu-local     the GPUs' slices of the node map (tunerd.topology.nodemap: each GPU
+                its share of its NUMA node's cores), else their local CPUs [default]
   node          every CPU of the GPUs' NUMA node(s)
   socket        every CPU of the GPUs' package(s)
   exclusive     gpu-local, whole cores, held by this job alone
@@ -52,6 +53,7 @@ from typing import Any
 from tunerd.cpulist import format_cpulist
 from tunerd.errors import PlacementError, UsageError
 from tunerd.topology.model import Gpu, Link, Topology
+from tunerd.topology.nodemap import node_map
 
 __all__ = [
     "EXACT_LIMIT",
@@ -383,13 +385,22 @@ def place(topo: Topology, req: PlacementRequest, *,
 
     # the domain: which nodes (and which CPUs inside them) count as local
     within: frozenset[int] | None = None
+    sliced = False  # ``within`` is the GPUs' slices of the node map
     if req.mode == "none":
         home = sorted(idx.node_cores)
     elif gpus:
         home = _gpu_nodes(topo, gpus)
         if req.mode in ("gpu-local", "exclusive", "core-complex"):
-            local = frozenset().union(*(g.local_cpus for g in gpus))
+            # each GPU's slice of the node (tunerd.topology.nodemap): a rank on another
+            # GPU of the same NUMA node, of any job, has its own slice
+            own = node_map(topo, housekeeping).slice_cpus(gpu_ids)
+            if allowed_cpus is not None and own and not own & usable:
+                notes.append(f"the allocation holds no CPU of GPU {format_cpulist(gpu_ids)}'s "
+                             "slice: its CPUs near the GPU instead")
+                own = frozenset()
+            local = own or frozenset().union(*(g.local_cpus for g in gpus))
             within = local or None
+            sliced = bool(own)
         elif req.mode == "socket":
             pkgs = {idx.node_package.get(n) for n in home}
             home = sorted(n for p in pkgs if p is not None for n in idx.package_nodes[p])
@@ -408,8 +419,11 @@ def place(topo: Topology, req: PlacementRequest, *,
 
     order = _order_nodes(idx, home)
     whole, split = picker.cores_in(home, within)
+    inner = sum(len(c) for c in whole + split)  # CPUs of the domain proper
     if within is not None:  # node-local CPUs outside the GPU's local set come next
         w2, s2 = picker.cores_in(home, frozenset(c for c in eligible if c not in within))
+        if sliced and req.cpus is None and not exclusive and inner:
+            w2, s2 = [], []  # shared, every free CPU of the slice: never the others'
         whole, split = whole + w2, split + s2
 
     if req.mode == "core-complex" and req.cpus is None:
@@ -461,6 +475,11 @@ def place(topo: Topology, req: PlacementRequest, *,
         raise _cpu_error(topo, count or 1, exclusive, usable, eligible, held, housekeeping)
 
     cpus = frozenset(chosen)
+    if sliced and within is not None and not cpus <= within:
+        outside = cpus - within
+        notes.append(f"GPU {format_cpulist(gpu_ids)}'s slice ({format_cpulist(within)}) has "
+                     f"{inner} free CPU(s): {len(outside)} taken from other GPUs' slices "
+                     f"({format_cpulist(outside)})")
     mems = frozenset(topo.cpus[c].numa_node for c in cpus)
     ncores = len({idx.cpu_core[c] for c in cpus})
     notes.append(f"CPU {format_cpulist(cpus)} ({len(cpus)} CPUs on {ncores} cores, "
@@ -553,7 +572,8 @@ def whole_cores(topo: Topology, cpus: Iterable[int]) -> frozenset[int]:
     return frozenset(out)
 
 
-def per_gpu_cpu_share(topo: Topology, gpu: int, usable: frozenset[int]) -> int:
+def per_gpu_cpu_share(topo: Topology, gpu: int, usable: frozenset[int],
+                      housekeeping: frozenset[int] = frozenset()) -> int:
     """CPUs one GPU's process should get so that all GPUs sharing its CPUs fit side by side.
 
     E.g. a DGX H100: 4 GPUs per socket, 112 CPUs per socket -> 28 CPUs per GPU.
@@ -563,6 +583,9 @@ def per_gpu_cpu_share(topo: Topology, gpu: int, usable: frozenset[int]) -> int:
     g = gpus.get(gpu)
     if g is None:
         return max(1, len(usable))
+    own = node_map(topo, housekeeping).slice_cpus((gpu,)) & usable
+    if own:  # its slice of the node map, inside the allocation
+        return len(own)
     local = (frozenset(g.local_cpus) or topo.online_cpus()) & usable or usable
     sharing = sum(1 for o in topo.gpus if ((frozenset(o.local_cpus) or local) & local))
     return max(1, len(local) // max(1, sharing))

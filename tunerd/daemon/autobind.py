@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +424,13 @@ class AutoBinder:
         prev = self.bound.get(pid)
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
             return None  # the same process exec'd again (sh -> python): keep its place
+        rec = self.jobs.record(pid)
+        if ctx.self_affined and rec is not None and rec.start_time == ctx.start_time:
+            # the mask tunerd set itself (a daemon restarted mid-job): known from its
+            # record, never taken for the rank's own choice; ``_adopt`` holds it again
+            ctx = replace(ctx, self_affined=False,
+                          why=ctx.why.replace("; set its own affinity (numactl/taskset): "
+                                              "left as it is", "") + "; bound by tunerd")
         if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
             self._left_alone(ctx)
             self._settle(ctx)

@@ -32,8 +32,8 @@ from tunerd.allocation import Allocation, read_allocation, scheduler_gpus
 from tunerd.daemon.placer import PlaceRequest
 from tunerd.errors import NoSuchProcess, TunerdError
 from tunerd.topology.model import Topology
-from tunerd.topology.visible import gpus_from_env
-from tunerd.watch.launchers import WRAPPERS, is_launcher, wrapper_name
+from tunerd.topology.visible import gpus_from_env, visible_list
+from tunerd.watch.launchers import WRAPPERS, is_launcher, launcher_comm, wrapper_name
 from tunerd.watch.launchers import _base as _base
 
 __all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request"]
@@ -111,6 +111,8 @@ class JobContext:
     self_affined: bool = False  # it set its own affinity (numactl, taskset)
     notes: tuple[str, ...] = field(default=())
     threads: int = 0  # its number of threads when read (stat), 0: not known
+    visible: tuple[int, ...] = ()  # the node GPUs it sees, in CUDA order (its grant's)
+    launcher: str | None = None  # the launcher or scheduler step above it ("torchrun 42")
 
     @property
     def cmdline(self) -> str:
@@ -152,6 +154,8 @@ class Intake:
         # the parent is the same process, and its stat need not be read again
         self._chains: dict[int, tuple[int, float, list[Up], int]] = {}
         self._parents: dict[int, tuple[int, float, list[str], Mapping[str, str]]] = {}
+        # (pid, start time) -> the launcher a Python process is (None: none), read once
+        self._launchers: dict[tuple[int, int], str | None] = {}
         self._cache_lock = threading.Lock()
 
     def exec_seen(self, pid: int) -> None:
@@ -181,7 +185,7 @@ class Intake:
         alloc = read_allocation(pid, env, self.topo, proc_root=self._proc_path,
                                 online=self.online, quick=quick)
         rank = _rank_of(env, alloc, st.ppid, notes)
-        gpus, how = self._gpus(pid, env, rank, alloc)
+        gpus, how, visible = self._gpus(pid, env, rank, alloc)
         role, why = "process", "no rank identity in its environment"
         if is_launcher(argv, st.comm):
             role, why = "launcher", f"{_base(argv[0]) if argv else st.comm} starts ranks"
@@ -193,16 +197,26 @@ class Intake:
                          uid=uid if uid is not None or uid_later else _uid(p), comm=st.comm,
                          argv=tuple(argv), env=env,
                          allocation=alloc, gpus=gpus, gpus_how=how, rank=rank, role=role,
-                         why=why, notes=tuple(notes), threads=st.num_threads)
+                         why=why, notes=tuple(notes), threads=st.num_threads, visible=visible)
         return self._tree(ctx, quick)
 
     def _gpus(self, pid: int, env: Mapping[str, str], rank: RankId | None,
-              alloc: Allocation | None = None) -> tuple[tuple[int, ...], str]:
-        # the scheduler's grant bounds them: Slurm's, else the pod's (PodResources), as
-        # the allocation read them
+              alloc: Allocation | None = None) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+        """(GPUs, how told, how many GPUs it sees). The scheduler's grant bounds them:
+        Slurm's, else the pod's (PodResources), as the allocation read them; its
+        CUDA_VISIBLE_DEVICES is resolved through that grant (Slurm's ConstrainDevices
+        renumbers from 0), and a rank's local rank picks its GPU, whichever launcher
+        told it (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID)."""
         granted = alloc.granted if alloc is not None else scheduler_gpus(pid, self.topo, env)
-        gpus = gpus_from_env(self.topo, env, allowed=granted)
-        return tuple(gpus or ()), "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+        seen = visible_list(self.topo, env, granted)
+        visible = tuple(seen) if seen is not None else tuple(g.index for g in self.topo.gpus)
+        if rank is not None:
+            gpus = gpus_from_env(self.topo, env, allowed=granted, local_rank=rank.local_rank)
+            how = f"its CUDA_VISIBLE_DEVICES/{rank.var}"
+        else:
+            gpus = gpus_from_env(self.topo, env, allowed=granted)
+            how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
+        return tuple(gpus or ()), how, visible
 
     def _walk(self, ctx: JobContext) -> Iterator[Up]:
         """``ctx``'s parent, its parent, ... (up to ANCESTOR_DEPTH, to pid 1 or
@@ -268,9 +282,14 @@ class Intake:
         in, and whether it set its own affinity (a mask narrower than its parent's)."""
         changes: dict[str, object] = {}
         first: Up | None = None
+        launcher: tuple[int, int, str] | None = None
         for depth, (ppid, st) in enumerate(self._ancestors(ctx, quick)):
             if depth == 0:
                 first = (ppid, st)
+            if launcher is None and ctx.rank is not None:
+                name = self._launcher_name(ppid, st)
+                if name is not None:
+                    launcher = (ppid, st.start_time, name)
             lease = self._lease(ppid)
             if lease is not None and "lease" not in changes:
                 changes.update(lease=lease[0], enclosing=lease[1])
@@ -285,7 +304,30 @@ class Intake:
             changes.update(role="descendant",
                            why=f"{ctx.rank.source} inherited from its parent {ctx.ppid}, "
                                "which is that rank")
+        if ctx.rank is not None:
+            changes.update(_identity(ctx, launcher, changes))
         return replace(ctx, **changes) if changes else ctx  # type: ignore[arg-type]
+
+    def _launcher_name(self, pid: int, st: procfs.Stat) -> str | None:
+        """The launcher ``pid`` is (``torchrun``, ``mpirun``, ``slurmstepd`` ...), or None.
+        Told by its name, or for a Python process by its command line (``python -m
+        torch.distributed.run``), read once per process (pid + start time)."""
+        name = launcher_comm(st.comm)
+        if name is not None or not st.comm.startswith(("python", "pt_")):
+            return name
+        key = (pid, st.start_time)
+        if key in self._launchers:
+            return self._launchers[key]
+        try:
+            argv = procfs.Process(pid, self.proc).cmdline(4096)
+        except TunerdError:
+            return None
+        found = _launcher_of_argv(argv, st.comm)
+        with self._cache_lock:
+            if len(self._launchers) > 1024:
+                self._launchers.clear()
+            self._launchers[key] = found
+        return found
 
     def _under_bound(self, ctx: JobContext, ppid: int, comm: str,
                      cpus: frozenset[int]) -> dict[str, object]:
@@ -330,6 +372,50 @@ class Intake:
             and prank.var == ctx.rank.var
 
 
+def _launcher_of_argv(argv: list[str], comm: str) -> str | None:
+    if not is_launcher(argv, comm):
+        return None
+    for i, a in enumerate(argv[1:6], 1):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[i + 1][:48]
+    return _base(argv[0])[:48] if argv else comm
+
+
+def _identity(ctx: JobContext, launcher: tuple[int, int, str] | None,
+              changes: Mapping[str, object]) -> dict[str, object]:
+    """A rank identity counts only under a launcher or a scheduler step (a Slurm job's
+    cgroup or slurmstepd, a pod, a ``tunerctl run`` lease): ``LOCAL_RANK=0 python
+    prep.py`` typed in a shell is no rank for ``match.rank`` (an explicit rule may still
+    name it). The job is keyed by that launcher (pid and start time), never by a run id
+    such as torchrun's ``none``."""
+    assert ctx.rank is not None
+    a = ctx.allocation
+    out: dict[str, object] = {}
+    rank = ctx.rank
+    if launcher is not None:
+        pid, start, name = launcher
+        out["launcher"] = f"{name} {pid}"
+        if not rank.slurm_task:
+            inside = f"slurm:{a.slurm_job}.{a.slurm_step}/" if a.slurm_job else ""
+            out["rank"] = replace(rank, group=f"{inside}{name}:{pid}.{start}")
+        return out
+    scheduler = None
+    if a.job_from_cgroup and a.slurm_job:
+        scheduler = f"Slurm job {a.slurm_job}"
+    elif changes.get("lease") is not None or ctx.lease is not None:
+        scheduler = "tunerctl run"
+    elif a.scheduler is not None and a.scheduler.startswith("Kubernetes pod"):
+        scheduler = a.scheduler
+    if scheduler is not None:
+        out["launcher"] = scheduler
+        return out
+    if changes.get("role", ctx.role) == "rank":
+        out.update(role="process",
+                   why=f"{rank.source}, but no launcher or scheduler step above it "
+                       "(torchrun, mpirun, srun, deepspeed, accelerate ...): not a rank")
+    return out
+
+
 def _readable(pidfd: int) -> bool:
     """A pidfd polls readable once its process has exited (poll: fds above 1024)."""
     p = select.poll()
@@ -365,9 +451,13 @@ def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
     group = ctx.group or (f"slurm:{a.slurm_job}.{a.slurm_step}"
                           if a.job_from_cgroup and a.slurm_step else None)
     alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler)
+    sharers = None
+    if rank is not None and rank.local_world and ctx.visible:
+        sharers = -(-rank.local_world // len(ctx.visible))  # ranks per GPU, rounded up
     base: dict[str, Any] = dict(
         allocation=alloc, rank=rank.local_rank if rank else None,
         ranks=rank.local_world if rank else None, group=group, job=ctx.job_key,
+        gpu_sharers=sharers, gpu_peers=ctx.visible if rank is not None else None,
         what=f"process {ctx.pid}")
     base.update(kw)
     return PlaceRequest(**base)
@@ -408,12 +498,10 @@ def _rank_of(env: Mapping[str, str], alloc: Allocation, ppid: int,
             return RankId(rank, world, f"Slurm task {rank} of {world or '?'}",
                           f"slurm:{alloc.slurm_job}.{alloc.slurm_step or '?'}",
                           slurm_task=True, var=var)
-        if var == "LOCAL_RANK":
-            run = env.get("TORCHELASTIC_RUN_ID") or (
-                f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
-                if env.get("MASTER_PORT") else f"ppid {ppid}")
-        else:
-            run = f"ppid {ppid}"
+        # the launcher above keys the job (``_identity``); without one, the parent. A
+        # run id is no key: torchrun without --rdzv-id exports TORCHELASTIC_RUN_ID=none
+        # in every job
+        run = f"ppid {ppid}"
         inside = f"slurm:{alloc.slurm_job}.{alloc.slurm_step}/" if alloc.slurm_job else ""
         return RankId(rank, world, f"{var}={rank} ({who})", f"{inside}{who.split('/')[0]}:"
                       f"{run[:64]}", var=var)

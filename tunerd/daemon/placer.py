@@ -53,6 +53,7 @@ from tunerd.placement import (
 from tunerd.placement import place as place_on_topology
 from tunerd.procfs import read_text
 from tunerd.topology.model import Topology
+from tunerd.topology.nodemap import node_map
 from tunerd.topology.visible import gpus_from_nvml
 
 __all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
@@ -97,6 +98,8 @@ class PlaceRequest:
     workers: int = 0  # DataLoader worker processes of each rank
     rank: int | None = None  # LOCAL_RANK
     ranks: int | None = None  # LOCAL_WORLD_SIZE: ranks splitting the allocation
+    gpu_sharers: int | None = None  # ranks of the job on the same GPU(s): they split its slice
+    gpu_peers: tuple[int, ...] | None = None  # the GPUs the job's ranks see (rank k: k % len)
     group: str | None = None  # job the rank belongs to (siblings avoid each other)
     job: str | None = None  # scheduler job ("slurm:12"): its own exclusive leases never block it
     ignore_busy_gpus: bool = False  # bind: the process already uses these GPUs
@@ -405,18 +408,35 @@ class Placer:
             count = len(usable)
         ranks = req.ranks if req.ranks and req.ranks > 1 else None
         if count is None and ranks is not None:
-            if req.gpus or req.gpu_ids:
-                # per GPU: the node's share for that GPU, and never more than 1/ranks
-                gpu = req.gpu_ids[0] if req.gpu_ids else None
-                share = (per_gpu_cpu_share(self.topo, gpu, usable) if gpu is not None
-                         else max(1, len(usable) // ranks))
-                count = max(1, min(share, len(usable) // ranks or 1))
+            if req.gpu_ids:
+                # per GPU: its slice of the node map, split by the job's ranks on it
+                share = sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
+                count = max(1, min(share // max(1, req.gpu_sharers or 1),
+                                   len(usable) // ranks or 1))
+            elif req.gpus:
+                count = max(1, len(usable) // ranks)
             else:
                 count = max(1, len(usable) // ranks)
             smt = self._smt()
             if count > smt:  # whole cores: a rank never shares a core with the next one
                 count -= count % smt
             need = 1 + max(0, req.workers)
+            own = node_map(self.topo, hk).slice_cpus(req.gpu_ids or ()) & usable
+            if own and count < need:  # its GPU's slice is too small: never other slices
+                gpus = format_cpulist(req.gpu_ids or ())
+                sharers = req.gpu_sharers or 1
+                if sharers > 1:
+                    notes.append(f"GPU {gpus}'s slice (CPU {format_cpulist(own)}) cannot give "
+                                 f"each of the {sharers} ranks on it room for {req.workers} "
+                                 f"DataLoader worker(s): they share the slice")
+                    return count, notes, own
+                if req.gpu_peers and len(req.gpu_peers) > 1 \
+                        and not (alloc is not None and alloc.scheduler):
+                    rank = req.rank if req.rank is not None else 0
+                    return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
+                notes.append(f"GPU {gpus}'s slice has {len(own)} CPU(s), too few for the "
+                             f"rank and its {req.workers} DataLoader worker(s): they share them")
+                return count, notes, None
             if count < need and not (alloc is not None and alloc.scheduler):
                 rank = req.rank if req.rank is not None else 0
                 return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
@@ -433,7 +453,9 @@ class Placer:
             gpu = req.gpu_ids[0] if req.gpu_ids else (
                 self.topo.gpus[0].index if self.topo.gpus else -1)
             ngpu = len(req.gpu_ids) if req.gpu_ids else req.gpus
-            count = min(len(usable), per_gpu_cpu_share(self.topo, gpu, usable) * ngpu)
+            share = (sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
+                     if req.gpu_ids else per_gpu_cpu_share(self.topo, gpu, usable, hk) * ngpu)
+            count = min(len(usable), share // max(1, req.gpu_sharers or 1))
         if count is not None and req.workers and count < 1 + req.workers:
             notes.append(f"{count} CPU(s) for a process with {req.workers} DataLoader "
                          "worker(s): they will share them")
@@ -453,6 +475,19 @@ class Placer:
         order = ordered_cpus(self.topo, usable, near)
         g = min(ranks, math.ceil(need / max(1, share)))
         pools = max(1, ranks // g)
+        peers = req.gpu_peers or ()
+        nm = node_map(self.topo, self.housekeeping())
+        if peers and nm.slice_cpus(peers) & usable:
+            # the job's own GPUs' slices, pooled by consecutive ranks: never another's
+            k = min(rank // g, pools - 1)
+            last = ranks if k == pools - 1 else (k + 1) * g
+            mine = {peers[j % len(peers)] for j in range(k * g, last)}
+            pooled = (nm.slice_cpus(mine) & usable) or frozenset(order)
+            notes.append(f"a share of {share} CPU(s) per rank cannot hold a rank and its "
+                         f"{req.workers} DataLoader worker(s): ranks {k * g}-{last - 1} of "
+                         f"{ranks} share CPUs {format_cpulist(pooled)} (the slices of GPU "
+                         f"{format_cpulist(mine)}) instead of crowding onto one core")
+            return pooled
         size = max(1, len(order) // pools)
         k = min(rank // g, pools - 1)
         lo, hi = k * size, (len(order) if k == pools - 1 else (k + 1) * size)

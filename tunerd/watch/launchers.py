@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["AFFINITY_WRAPPERS", "RANK_VARS", "WRAPPERS", "is_launcher", "wrapper_name"]
+__all__ = ["AFFINITY_WRAPPERS", "RANK_VARS", "WRAPPERS", "is_launcher", "launcher_comm",
+           "wrapper_name"]
 
 # variables a launcher sets in each rank it starts
 RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
@@ -48,6 +49,12 @@ def is_launcher(argv: list[str], comm: str = "") -> bool:
             if not a.startswith("-"):
                 return _base(a) in _LAUNCHER_NAMES
     return False
+
+
+def launcher_comm(comm: str) -> str | None:
+    """The launcher a process is by its name alone (``/proc/PID/comm``: a launcher
+    script's own name, e.g. ``torchrun``), or None."""
+    return comm if comm in _LAUNCHER_NAMES else None
 
 
 def wrapper_name(argv: list[str], comm: str = "") -> str | None:

@@ -1,0 +1,300 @@
+"""The node map (issue 26): each GPU's slice of the node, several jobs at once on the
+recorded DGX H100 and 8-GPU PCIe snapshots, identity from the tree, physical GPUs, and
+holds across a daemon restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.launcher_helpers import spawn_rank
+from tests.leases_helpers import (
+    DGX_H100,
+    autobind_status,
+    cpus_allowed,
+    kill,
+    kill_tree,
+    snapshot_with_gpus_here,
+    spawn,
+)
+from tests.test_torch_ddp import bundled_rule_policy
+from tunerd.allocation import Allocation
+from tunerd.cpulist import parse_cpulist
+from tunerd.daemon.intake import Intake, JobContext, RankId, request
+from tunerd.daemon.placer import HostCapacity, Placer, Reservation
+from tunerd.topology import load_topology
+from tunerd.topology.model import Topology
+from tunerd.topology.nodemap import node_map
+from tunerd.topology.visible import gpus_from_env
+
+REPO = Path(__file__).resolve().parent.parent
+PCIE_8GPU = REPO / "tests" / "fixtures" / "topologies" / "pcie-8gpu.json"
+EPYC = REPO / "tests" / "fixtures" / "topologies" / "epyc-nps4.json"
+HOST_CPUS = frozenset(os.sched_getaffinity(0))
+
+
+def _placer(topo: Topology) -> Placer:
+    return Placer(topo, HostCapacity(topo.online_cpus(), frozenset(topo.numa_nodes)),
+                  frozenset)
+
+
+# -- the map itself --------------------------------------------------------------------
+
+@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU, EPYC])
+def test_each_gpu_owns_a_disjoint_slice_of_whole_cores_on_its_node(snap: Path) -> None:
+    topo = load_topology(snap)
+    m = node_map(topo)
+    assert sorted(m.slices) == [g.index for g in topo.gpus]
+    seen: set[int] = set()
+    for g in topo.gpus:
+        s = m.slices[g.index]
+        assert s.cpus and not s.cpus & seen, (g.index, s.cpus)
+        seen |= s.cpus
+        assert all(s.cpus >= topo.cpus[c].siblings for c in s.cpus)  # whole cores
+        assert {topo.cpus[c].numa_node for c in s.cpus} == {g.numa_node} == set(s.mems)
+    # every CPU is in one slice, or in the pool of nodes without a GPU
+    assert seen | m.shared == topo.online_cpus() and not seen & m.shared
+
+
+def test_dgx_slices_are_the_nodes_cores_divided_among_its_gpus() -> None:
+    m = node_map(load_topology(DGX_H100))
+    assert [len(m.slices[g].cpus) for g in range(8)] == [28] * 8  # 56 cores / 4 GPUs
+    assert m.slices[1].cpus == parse_cpulist("14-27,126-139")
+    assert m.slices[4].cpus == parse_cpulist("56-69,168-181")
+
+
+def test_l3_groups_are_kept_whole_and_housekeeping_belongs_to_no_slice() -> None:
+    topo = load_topology(EPYC)
+    m = node_map(topo)
+    for s in m.slices.values():  # NPS4, 2 GPUs per node with 4 CCXs: 2 whole CCXs each
+        assert len(s.l3_groups) == 2
+        assert {topo.cpus[c].l3_id for c in s.cpus} == set(s.l3_groups)
+    dgx = load_topology(DGX_H100)
+    hk = node_map(dgx, frozenset({0}))  # grown to the core: 0 and its sibling 112
+    assert hk.housekeeping == {0, 112}
+    assert not hk.slice_cpus(range(8)) & {0, 112}
+
+
+# -- several jobs on one node ----------------------------------------------------------
+
+def _rank(pid: int, job: str, rank: int, world: int, gpus: tuple[int, ...],
+          visible: tuple[int, ...]) -> JobContext:
+    return JobContext(pid=pid, start_time=1, ppid=pid // 100, uid=0, comm="python",
+                      argv=("python", "train.py"), env={}, allocation=Allocation(),
+                      gpus=gpus, gpus_how="LOCAL_RANK",
+                      rank=RankId(rank, world, f"LOCAL_RANK={rank}", job), role="rank",
+                      why="LOCAL_RANK", visible=visible)
+
+
+def _run_jobs(topo: Topology, jobs: list[list[tuple[int, ...]]], workers: int = 2
+              ) -> dict[str, list[frozenset[int]]]:
+    """Every rank of every job placed and held as the rule does; job -> its ranks' CPUs."""
+    placer = _placer(topo)
+    out: dict[str, list[frozenset[int]]] = {}
+    for j, ranks in enumerate(jobs):
+        visible = tuple(dict.fromkeys(g for gs in ranks for g in gs))
+        key = f"torchrun:{1000 + j}.1"
+        for r, gpus in enumerate(ranks):
+            ctx = _rank(100_000 * (j + 1) + r, key, r, len(ranks), gpus, visible)
+            req = request(ctx, gpu_ids=gpus, ignore_busy_gpus=True, workers=workers,
+                          group=key)
+            p = placer.place(req)
+            assert p.cpus, p.explanation
+            placer.reserve(Reservation(key=f"rule:{ctx.pid}", holder=f"rank {r} of {key}",
+                                       gpus=p.gpus, cpus=p.cpus, group=key))
+            out.setdefault(key, []).append(p.cpus)
+    return out
+
+
+def _no_core_shared_between_jobs(got: dict[str, list[frozenset[int]]]) -> None:
+    keys = sorted(got)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            for x in got[a]:
+                for y in got[b]:
+                    assert not x & y, f"{a} and {b} share CPUs {sorted(x & y)}"
+
+
+@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU])
+@pytest.mark.parametrize("shape", ["eight 1-GPU jobs", "two 4-GPU jobs", "four 2-GPU jobs",
+                                   "mixed"])
+def test_ranks_of_different_jobs_on_different_gpus_share_no_cpu(snap: Path,
+                                                                 shape: str) -> None:
+    jobs = {"eight 1-GPU jobs": [[(g,)] for g in range(8)],
+            "two 4-GPU jobs": [[(g,) for g in range(4)], [(g,) for g in range(4, 8)]],
+            "four 2-GPU jobs": [[(g,), (g + 1,)] for g in range(0, 8, 2)],
+            "mixed": [[(0,)], [(1,), (2,)], [(3,), (4,), (5,), (6,)], [(7,)]]}[shape]
+    topo = load_topology(snap)
+    got = _run_jobs(topo, jobs)
+    _no_core_shared_between_jobs(got)
+    m = node_map(topo)
+    for key, cpus in got.items():  # and each rank inside its own GPU's slice
+        j = int(key.split(":")[1].split(".")[0]) - 1000
+        for gpus, c in zip(jobs[j], cpus, strict=True):
+            assert c <= m.slice_cpus(gpus), (key, gpus, sorted(c))
+
+
+def test_ranks_of_one_job_sharing_a_gpu_split_its_slice() -> None:
+    topo = load_topology(DGX_H100)
+    got = _run_jobs(topo, [[(0,)] * 4])["torchrun:1000.1"]
+    assert [len(c) for c in got] == [6, 6, 6, 6]  # 28 CPUs / 4, whole cores
+    assert frozenset().union(*got) <= node_map(topo).slices[0].cpus
+    assert len(frozenset().union(*got)) == 24
+
+
+def test_a_slice_too_small_for_a_rank_and_its_workers_is_said() -> None:
+    topo = load_topology(DGX_H100)
+    placer = _placer(topo)
+    ctx = _rank(4242, "torchrun:1.1", 0, 1, (0,), (0,))
+    p = placer.place(request(ctx, gpu_ids=(0,), ignore_busy_gpus=True, workers=40))
+    assert p.cpus is not None and p.cpus <= node_map(topo).slices[0].cpus
+    assert "40 DataLoader worker(s)" in p.explanation
+
+
+# -- identity from the tree, physical GPUs ----------------------------------------------
+
+def _intake(topo: Topology | None = None) -> Intake:
+    return Intake(topo or load_topology(None), HOST_CPUS, bound=lambda pid: None,
+                  lease=lambda pid: None)
+
+
+def test_local_rank_without_a_launcher_is_no_rank() -> None:
+    p = spawn(["sleep", "30"], {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    try:
+        wait_for(lambda: b"LOCAL_RANK" in Path(f"/proc/{p.pid}/environ").read_bytes(), 5,
+                 "the exec")
+        ctx = _intake().describe(p.pid)
+        assert ctx.role == "process" and ctx.launcher is None, ctx.why
+        assert "no launcher" in ctx.why
+    finally:
+        kill(p)
+
+
+def test_a_job_is_keyed_by_its_launcher_not_by_a_run_id_of_none() -> None:
+    """torchrun without --standalone/--rdzv-id exports TORCHELASTIC_RUN_ID=none in every
+    job: two such jobs are two groups, each keyed by its agent."""
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none"}
+    a, ra = spawn_rank(["sleep", "30"], env)
+    b, rb = spawn_rank(["sleep", "30"], env)
+    try:
+        ca, cb = (_intake().describe(pid) for pid in (ra, rb))
+        assert ca.role == cb.role == "rank", (ca.why, cb.why)
+        assert ca.launcher == f"torchrun {a.pid}" and cb.launcher == f"torchrun {b.pid}"
+        assert ca.group != cb.group and f"torchrun:{a.pid}." in (ca.group or "")
+    finally:
+        kill_tree(a)  # type: ignore[arg-type]
+        kill_tree(b)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cvd", [None, "0,1,2,3,4,5,6,7"])
+def test_mpi_local_rank_i_is_placed_near_gpu_i(cvd: str | None) -> None:
+    topo = load_topology(DGX_H100)
+    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}
+    if cvd is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cvd
+    agent, pid = spawn_rank(["sleep", "30"], env, name="mpirun")
+    try:
+        ctx = _intake(topo).describe(pid)
+        assert ctx.role == "rank" and ctx.gpus == (5,), (ctx.why, ctx.gpus)
+        p = _placer(topo).place(request(ctx, gpu_ids=ctx.gpus, ignore_busy_gpus=True))
+        assert p.cpus is not None and p.cpus <= node_map(topo).slices[5].cpus
+        assert {topo.cpus[c].numa_node for c in p.cpus} == {1}  # one NUMA node, GPU 5's
+    finally:
+        kill_tree(agent)  # type: ignore[arg-type]
+
+
+def test_a_slurm_job_given_gpu_1_sees_cuda_device_0_and_is_placed_near_gpu_1() -> None:
+    """ConstrainDevices renumbers the job's GPUs from 0."""
+    topo = load_topology(DGX_H100)
+    env = {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "0"}
+    assert gpus_from_env(topo, env, allowed=(1,), local_rank=0) == (1,)
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": "0,1"}, allowed=(3, 4),
+                         local_rank=1) == (4,)
+    assert gpus_from_env(topo, {"CUDA_VISIBLE_DEVICES": "1"}, allowed=(1,),
+                         local_rank=None) == (1,)  # not renumbered: node index kept
+    ctx = JobContext(pid=77, start_time=1, ppid=76, uid=0, comm="python", argv=("python",),
+                     env=env, allocation=Allocation(gpus=(1,), granted=(1,),
+                                                    scheduler="Slurm job 2 step batch",
+                                                    slurm_job="2", slurm_step="batch",
+                                                    job_from_cgroup=True),
+                     gpus=(1,), gpus_how="", rank=RankId(0, 1, "LOCAL_RANK=0", "s"),
+                     role="rank", why="")
+    p = _placer(topo).place(request(ctx, gpu_ids=(1,), ignore_busy_gpus=True))
+    assert p.gpus == (1,) and p.cpus is not None
+    assert p.cpus <= node_map(topo).slices[1].cpus
+
+
+# -- holds survive the daemon ------------------------------------------------------------
+
+@pytest.mark.root
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_after_a_restart_mid_job_ranks_keep_their_holds(daemon_factory, tmp_path: Path,
+                                                        how: signal.Signals) -> None:
+    """Rank 0 bound by the bundled rule; the daemon stops (upgrade) or is killed; the
+    new daemon knows rank 0's mask as its own (not "set its own affinity"), holds it,
+    and the job's next rank is placed apart from it."""
+    if len(HOST_CPUS) < 2:
+        pytest.skip("needs 2 CPUs")
+    snap, _, _ = snapshot_with_gpus_here(tmp_path / "snap.json")
+    pdir = tmp_path / "policies"
+    token = f"nm{os.getpid()}"
+    bundled_rule_policy(pdir, token)
+    args = ["--topology", str(snap)]
+    d = daemon_factory(policy_dir=pdir, args=args).start()
+    env = {"TUNERD_TEST_TOKEN": token, "LOCAL_WORLD_SIZE": "2", "TUNERD_NUM_WORKERS": "0",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    launcher_env = {**env}
+    agent = subprocess.Popen([sys.executable, "-c", _TWO_RANKS], env={**os.environ,
+                             **launcher_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert agent.stdin is not None and agent.stdout is not None
+        r0 = int(agent.stdout.readline())
+        wait_for(lambda: any(b["pid"] == r0 for b in autobind_status(d)["bound"]), 20,
+                 "rank 0 bound", detail=d.log)
+        first = cpus_allowed(r0)
+        if how == signal.SIGKILL:
+            d.kill9()
+        else:
+            d.stop()
+        d2 = d.start()  # the same runtime and state dirs: an upgrade's restart
+        st = wait_for(lambda: next((b for b in autobind_status(d2)["bound"]
+                                    if b["pid"] == r0), None), 20,
+                      "rank 0 held again after the restart", detail=d2.log)
+        assert st is not None
+        assert not [x for x in autobind_status(d2).get("left_alone", [])
+                    if x.get("pid") == r0], autobind_status(d2)
+        assert cpus_allowed(r0) == first
+        agent.stdin.write("go\n")
+        agent.stdin.flush()
+        r1 = int(agent.stdout.readline())
+        wait_for(lambda: any(b["pid"] == r1 for b in autobind_status(d2)["bound"]), 20,
+                 "rank 1 bound", detail=d2.log)
+        a, b = (parse_cpulist(cpus_allowed(p) or "") for p in (r0, r1))
+        assert a and b and not a & b, (a, b)
+    finally:
+        kill_tree(agent)  # type: ignore[arg-type]
+
+
+# a torchrun-like agent (its name says launcher: the script runs as "torchrun"): starts
+# rank 0, waits for a line, starts rank 1
+_TWO_RANKS = r"""
+import os, subprocess, sys
+sys.argv[0] = "torchrun"
+import ctypes
+ctypes.CDLL(None).prctl(15, b"torchrun", 0, 0, 0)  # PR_SET_NAME: the agent's comm
+kids = []
+for r in (0, 1):
+    if r == 1:
+        sys.stdin.readline()
+    kids.append(subprocess.Popen(["sleep", "60"], env={**os.environ, "LOCAL_RANK": str(r)}))
+    print(kids[-1].pid, flush=True)
+for k in kids:
+    k.wait()
+"""
