@@ -298,3 +298,15 @@ for r in (0, 1):
 for k in kids:
     k.wait()
 """
+
+
+@pytest.mark.root
+def test_topology_shows_the_node_map(daemon_factory) -> None:
+    d = daemon_factory(args=["--topology", str(DGX_H100)]).start()
+    r = d.ctl("--json", "topology")
+    assert r.rc == 0, r.err
+    slices = r.json()["node_map"]["slices"]
+    assert [(s["gpu"], s["cpus"], s["mems"]) for s in slices[:2]] == [
+        (0, "0-13,112-125", "0"), (1, "14-27,126-139", "0")]
+    text = d.ctl("topology").out
+    assert "Node map" in text and "GPU1  14-27,126-139   28    0" in text, text

@@ -82,7 +82,10 @@ def topology(save: Path | None, local: bool) -> int:
         # each GPU's NIC, derived from the snapshot (never saved in it)
         from tunerd.topology.iopath import gpu_nics, pairing_json
         from tunerd.topology.model import Topology
+        from tunerd.topology.nodemap import node_map
 
-        data = {**data, "gpu_nics": pairing_json(gpu_nics(Topology.from_json(data)))}
+        topo = Topology.from_json(data)
+        data = {**data, "gpu_nics": pairing_json(gpu_nics(topo)),
+                "node_map": node_map(topo).to_json()}
     ctx.emit(data, lambda d: render(d, origin))
     return 0

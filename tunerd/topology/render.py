@@ -109,8 +109,32 @@ def render(data: dict[str, Any], origin: str = "") -> str:
         lines += textwrap.wrap("RDMA: " + ", ".join(
             f"{r.hca}" + (f" ({r.netdev})" if r.netdev else "") for r in topo.rdma),
             width=80, subsequent_indent="  ")
+    lines += _node_map(topo)
     lines += _gpu_nics(topo)
     return "\n".join(lines)
+
+
+def _node_map(topo: Topology) -> list[str]:
+    """Each GPU's slice of the node (tunerd.topology.nodemap)."""
+    from tunerd.topology.nodemap import node_map
+
+    if not topo.gpus:
+        return []
+    m = node_map(topo)
+    rows = [["GPU", "slice CPUs", "CPUs", "memory node", "L3 groups"]]
+    for g in topo.gpus:
+        sl = m.slices.get(g.index)
+        if sl is None:
+            rows.append([f"GPU{g.index}", "-", "0", "-", "-"])
+            continue
+        rows.append([f"GPU{g.index}", format_cpulist(sl.cpus), str(len(sl.cpus)),
+                     format_cpulist(sl.mems) or "N/A",
+                     ",".join(map(str, sl.l3_groups)) or "-"])
+    out = ["", "Node map (each GPU's slice: ranks near a GPU are placed in it):",
+           *("  " + r for r in _table(rows))]
+    if m.shared:
+        out.append(f"  shared pool (near no GPU): CPU {format_cpulist(m.shared)}")
+    return out
 
 
 def _gpu_nics(topo: Topology) -> list[str]:
