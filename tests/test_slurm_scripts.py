@@ -439,3 +439,19 @@ def test_timeout_with_a_working_daemon(daemon: DaemonProc) -> None:
     r, _ = ctl("--socket", str(daemon.socket), "--timeout", "5", "--json", "status")
     assert r.rc == 0, r.err
     assert r.out and "pid" in r.out
+
+
+def test_the_scripts_own_tools_carry_no_rank_variable(scripts: Path, tmp_path: Path) -> None:
+    """Issue 26: the TaskProlog's sed/awk/logger/tunerctl were bound as ranks (they
+    carried the task's SLURM_LOCALID). After ts_init the script keeps the task's local
+    id in TS_LOCALID, and what it runs sees no rank variable."""
+    probe = tmp_path / "probe.sh"
+    probe.write_text(f'TS_DIR={scripts}\n. "$TS_DIR/tunerd-slurm-common.sh"\n'
+                     'ts_init untrusted\necho "localid=$TS_LOCALID"\n'
+                     'env | grep -E "^(SLURM_LOCALID|LOCAL_RANK|OMPI_COMM_WORLD_LOCAL_RANK|'
+                     'MPI_LOCALRANKID)=" || echo "no rank variable"\n')
+    r = subprocess.run(["sh", str(probe)], capture_output=True, text=True, timeout=30,
+                       env={**task_env(os.getpid(), localid=3), "LOCAL_RANK": "3",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["localid=3", "no", "rank", "variable"], r.stdout

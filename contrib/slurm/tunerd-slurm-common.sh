@@ -111,6 +111,11 @@ ts_read_conf() {
 # environment override it, "untrusted" (the TaskProlog: the job's environment)
 # ignores them.
 ts_init() {
+    # the task's rank identity is kept in TS_LOCALID and taken out of this script's own
+    # environment, so that the tools it runs (sed, awk, logger, tunerctl ...) carry no
+    # rank variable: a rule daemon never takes them for ranks of the job
+    TS_LOCALID=${SLURM_LOCALID:-}
+    unset SLURM_LOCALID LOCAL_RANK OMPI_COMM_WORLD_LOCAL_RANK MPI_LOCALRANKID
     if [ -e "$TS_DIR/tunerd-slurm.conf" ]; then
         TS_CONF=$TS_DIR/tunerd-slurm.conf
     elif [ -e /etc/tunerd/slurm.conf ]; then

@@ -68,7 +68,7 @@ esac
 tasks=${SLURM_NTASKS_PER_NODE:-${SLURM_STEP_TASKS_PER_NODE:-1}}
 tasks=${tasks%%[!0-9]*}
 ngpus=$(echo "$gpus" | tr ',' '\n' | grep -c .)
-localid=${SLURM_LOCALID:-0}
+localid=${TS_LOCALID:-0}
 case $localid in ''|*[!0-9]*) localid=0 ;; esac
 if [ "${TUNERD_SLURM_GPUS_PER_TASK:-one}" != "all" ] && [ "${tasks:-1}" -gt 1 ] \
         && [ "$ngpus" -gt 1 ] && [ "$localid" -lt "$ngpus" ]; then
