@@ -28,9 +28,11 @@ from typing import Any
 import pytest
 
 from tests.helpers import REPO, DaemonProc, wait_for, write_policy
+from tests.launcher_helpers import spawn_rank
 from tests.leases_helpers import (
     cpus_allowed,
     kill,
+    kill_tree,
     scope_bundled_rule,
     snapshot_with_gpus_here,
     unique_sleeper,
@@ -106,12 +108,30 @@ def low_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, LOW_NOFILE)
 
 
-def start_rank(tmp_path: Path, token: str) -> subprocess.Popen[bytes]:
-    """A process the bundled rule matches (a `train*.py` with LOCAL_RANK set)."""
+class _Rank:
+    """A rank under its launcher: ``pid`` is the rank's, ``kill`` ends both."""
+
+    def __init__(self, agent: subprocess.Popen[str], pid: int) -> None:
+        self.agent, self.pid = agent, pid
+
+    def kill(self) -> None:
+        kill_tree(self.agent)  # type: ignore[arg-type]
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.agent.wait(timeout)
+
+    def poll(self) -> int | None:
+        return self.agent.poll()
+
+
+def start_rank(tmp_path: Path, token: str) -> _Rank:
+    """A rank the bundled rule matches (LOCAL_RANK set, under a torchrun-named launcher)."""
     exe = unique_sleeper(tmp_path, f"train_nocap_{token}.py")
-    return subprocess.Popen([str(exe), "300"], preexec_fn=low_nofile,
-                            env={"PATH": "/usr/bin:/bin", "LOCAL_RANK": "0",
-                                 "CUDA_VISIBLE_DEVICES": "0", "TUNERD_NOCAP_TEST": token})
+    agent, pid = spawn_rank([str(exe), "300"], {"PATH": "/usr/bin:/bin", "LOCAL_RANK": "0",
+                                                "CUDA_VISIBLE_DEVICES": "0",
+                                                "TUNERD_NOCAP_TEST": token},
+                            preexec_fn=low_nofile)
+    return _Rank(agent, pid)
 
 
 def job_of(d: DaemonProc, pid: int) -> dict[str, Any] | None:
@@ -150,7 +170,7 @@ def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
         assert "CAP_SYS_RESOURCE" in " ".join(job.get("notes") or []), job
         assert "CAP_SYS_RESOURCE" in str(status), status
     finally:
-        kill(rank)
+        rank.kill()
 
 
 def test_status_exits_1_when_a_rule_failed(
@@ -164,7 +184,7 @@ def test_status_exits_1_when_a_rule_failed(
         r = d.ctl("status")
         assert r.rc == 1, r.out
     finally:
-        kill(rank)
+        rank.kill()
 
 
 def test_run_keeps_its_cpus_and_notes_the_missing_capability(

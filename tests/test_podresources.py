@@ -153,9 +153,9 @@ def test_fake_kubelets_list_decides_the_gpu_a_pod_rank_is_placed_near(
         # replayed DGX topology: placed on the snapshot, nothing applied here (exit 1)
         err = r.json()["error"]
         assert r.rc == 1 and err["details"]["applied"] is False, r.out + d.log()
-        # GPU 6 (the pod's second GPU), CPUs of its NUMA node 1
+        # GPU 6 (the pod's second GPU), its slice of NUMA node 1 (tunerd.topology.nodemap)
         assert "LOCAL_RANK: 6;" in err["message"], err
-        assert "would bind CPUs 56-69,168-181" in err["message"], err
+        assert "would bind CPUs 84-97,196-209" in err["message"], err
     assert kubelet.calls["List"] == 1
     st = d.ctl("--json", "status").json()["services"]["podresources"]
     assert st["lists_total"] == 1 and st["pods"] == 4 and st["last_error"] is None
