@@ -310,3 +310,42 @@ def test_topology_shows_the_node_map(daemon_factory) -> None:
         (0, "0-13,112-125", "0"), (1, "14-27,126-139", "0")]
     text = d.ctl("topology").out
     assert "Node map" in text and "GPU1  14-27,126-139   28    0" in text, text
+
+
+@pytest.mark.root
+def test_a_helper_the_ranks_shell_started_before_exec_ends_inside_the_ranks_cpus(
+        daemon_factory, tmp_path: Path) -> None:
+    """`bash -c 'helper & exec train'` under a launcher: the helper was looked at before
+    its rank was bound; it is narrowed into the rank's CPUs once the rank is, 20 of 20."""
+    if len(HOST_CPUS) < 2:
+        pytest.skip("needs 2 CPUs")
+    snap, _, _ = snapshot_with_gpus_here(tmp_path / "snap.json")
+    pdir = tmp_path / "policies"
+    token = f"fl{os.getpid()}"
+    bundled_rule_policy(pdir, token)
+    d = daemon_factory(policy_dir=pdir, args=["--topology", str(snap)]).start()
+    train = tmp_path / f"train_follow_{token}"
+    helper = tmp_path / f"helper_follow_{token}"
+    for exe in (train, helper):
+        exe.write_bytes(Path("/bin/sleep").read_bytes())
+        exe.chmod(0o755)
+    env = {"TUNERD_TEST_TOKEN": token, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "CUDA_VISIBLE_DEVICES": "0", "TUNERD_NUM_WORKERS": "0"}
+    inside = 0
+    for _ in range(20):
+        agent, rank = spawn_rank(["bash", "-c", f"{helper} 30 & exec {train} 30"], env)
+        try:
+            wait_for(lambda: Path(f"/proc/{rank}/comm").read_text().strip() == train.name
+                     [:15], 5, "the shell to exec the rank")
+            mine = wait_for(lambda: next((b for b in autobind_status(d)["bound"]
+                                          if b["pid"] == rank), None), 10, "rank bound",
+                            detail=d.log)
+            cpus = parse_cpulist(mine["cpus"])
+            kids = Path(f"/proc/{rank}/task/{rank}/children").read_text().split()
+            assert len(kids) == 1
+            ok = wait_for(lambda: parse_cpulist(cpus_allowed(int(kids[0])) or "") <= cpus, 3,
+                          "the helper inside its rank's CPUs", detail=d.log)
+            inside += bool(ok)
+        finally:
+            kill_tree(agent)  # type: ignore[arg-type]
+    assert inside == 20

@@ -67,6 +67,9 @@ from tunerd.watch.rules import RuleMatch, RuleSet
 
 __all__ = ["AutoBinder"]
 
+FOLLOWERS_MAX = 256  # processes a rank's bind looks at again (``_followers``)
+FOLLOWERS_DEPTH = 4  # ... and how far down its tree
+
 log = logging.getLogger("tunerd.autobind")
 
 STOP_DRAIN_S = 0.3  # at stop, how long binds made in the watcher's thread get to be recorded
@@ -766,9 +769,54 @@ class AutoBinder:
                  format_cpulist(placed.cpus or frozenset()),
                  ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000, ctx.why)
         self._partial(m, ctx, placed, notes)
+        await self._followers(m, pid, placed.cpus or frozenset(), rb.group)
         if m.rule.exclusive and m.rule.exclusive_scope:
             self.mover.move_off(f"rule:{pid}:{ctx.start_time}", m.rule.exclusive_scope,
                                 placed.cpus or frozenset(), pid, 0)
+
+    async def _followers(self, m: RuleMatch, pid: int, cpus: frozenset[int],
+                         group: str) -> None:
+        """A rank just bound: what it started before its bind was recorded (a helper its
+        shell ran before exec'ing it, workers forked meanwhile) was looked at while it
+        was not bound yet -- and may have been taken for a rank of the same job, its
+        parent being a shell then; look again, and narrow each into the rank's CPUs
+        (a rank's descendants are never ranks: such a hold is given back). Bounded:
+        FOLLOWERS_MAX processes, FOLLOWERS_DEPTH levels."""
+        if not cpus:
+            return
+        todo, seen = [(pid, 0)], 0
+        while todo and seen < FOLLOWERS_MAX:
+            parent, depth = todo.pop()
+            try:
+                kids = procfs.Process(parent, self.proc).children()
+            except TunerdError:
+                continue
+            for kid in kids[:FOLLOWERS_MAX]:
+                seen += 1
+                if depth + 1 < FOLLOWERS_DEPTH:
+                    todo.append((kid, depth + 1))
+                held, rec = self.bound.get(kid), self.jobs.record(kid)
+                if held is not None and held.group == group:  # taken for a rank: it is not
+                    self.placer.release(f"rule:{kid}")
+                    self._close(self.bound.pop(kid, None))
+                elif held is not None or (rec is not None and rec.origin != "worker"):
+                    continue  # another job's rank, or bound by someone else
+                try:
+                    mask = frozenset(os.sched_getaffinity(kid))
+                except OSError:
+                    continue
+                if mask <= cpus:
+                    continue
+                try:
+                    await self.jobs.bind(kid, peer=self.peer, placement=Placement(
+                        cpus=cpus, mems=None, explanation=f"follower of rank {pid}: "
+                                                          "kept inside the rank's CPUs"),
+                        origin="worker", name=m.rule.name, partial=True,
+                        why=f"started by rank {pid} before its bind was recorded")
+                    log.info("rule %s: pid %d, started by rank %d, narrowed to its CPUs %s",
+                             m.rule.name, kid, pid, format_cpulist(cpus))
+                except TunerdError as err:
+                    log.debug("pid %d (follower of rank %d): %s", kid, pid, err.message)
 
     def _partial(self, m: RuleMatch, ctx: JobContext, placed: Placement,
                  notes: list[str]) -> None:

@@ -397,7 +397,10 @@ def _identity(ctx: JobContext, launcher: tuple[int, int, str] | None,
         out["launcher"] = f"{name} {pid}"
         if not rank.slurm_task:
             inside = f"slurm:{a.slurm_job}.{a.slurm_step}/" if a.slurm_job else ""
-            out["rank"] = replace(rank, group=f"{inside}{name}:{pid}.{start}")
+            group = f"{inside}{name}:{pid}.{start}"
+            out["rank"] = replace(rank, group=group)
+            why = str(changes.get("why", ctx.why))
+            out["why"] = why.replace(f"group {rank.group}", f"group {group}")
         return out
     scheduler = None
     if a.job_from_cgroup and a.slurm_job:
