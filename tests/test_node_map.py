@@ -349,3 +349,31 @@ def test_a_helper_the_ranks_shell_started_before_exec_ends_inside_the_ranks_cpus
         finally:
             kill_tree(agent)  # type: ignore[arg-type]
     assert inside == 20
+
+
+@pytest.mark.root
+def test_a_rule_for_a_wrapper_script_binds_the_python_it_runs(daemon_factory,
+                                                              tmp_path: Path) -> None:
+    """`[[job]] match.cmdline = ["*myjob.sh*"]` for `bash myjob.sh`, which runs python:
+    the shell is left alone (it only starts the next process), what it runs is bound."""
+    if len(HOST_CPUS) < 2:
+        pytest.skip("needs 2 CPUs")
+    token = f"wr{os.getpid()}"
+    script = tmp_path / f"myjob_{token}.sh"
+    script.write_text(f'{sys.executable} -c "import time; time.sleep(30)"\n')
+    pdir = tmp_path / "policies"
+    from tests.leases_helpers import rule_policy
+
+    rule_policy(pdir, f'[[job]]\nname = "myjob"\nmatch.cmdline = ["*myjob_{token}.sh*"]\n'
+                      'cpus = "1"\n')
+    d = daemon_factory(policy_dir=pdir).start()
+    p = subprocess.Popen(["bash", str(script)])
+    try:
+        py = int(wait_for(lambda: Path(f"/proc/{p.pid}/task/{p.pid}/children")
+                          .read_text().split(), 10, "the script's python")[0])
+        wait_for(lambda: cpus_allowed(py) == "1", 10, "the python the script runs bound",
+                 detail=d.log)
+        assert cpus_allowed(p.pid) != "1"  # the shell itself is left alone
+        assert any(b["pid"] == py for b in autobind_status(d)["bound"])
+    finally:
+        kill_tree(p)  # type: ignore[arg-type]

@@ -69,6 +69,7 @@ __all__ = ["AutoBinder"]
 
 FOLLOWERS_MAX = 256  # processes a rank's bind looks at again (``_followers``)
 FOLLOWERS_DEPTH = 4  # ... and how far down its tree
+WRAPPED_MAX = 1024  # wrappers matched by an explicit rule, remembered at once
 
 log = logging.getLogger("tunerd.autobind")
 
@@ -190,6 +191,9 @@ class AutoBinder:
         # (tunerd.daemon.bindjournal), emptied whenever this is
         self.journal = BindJournal(journal)
         self._unrecorded: set[int] = set()
+        # wrappers an explicit rule matched: pid -> (start time, the match); what they
+        # run matches that rule (``_wrapped_match``)
+        self._wrapped: dict[int, tuple[int, RuleMatch]] = {}
         self.record_delay = record_delay  # debug_apply_delay: seconds before a record
 
     # -- lifecycle -------------------------------------------------------------
@@ -315,6 +319,8 @@ class AutoBinder:
         # binding first: the uid is read after the CPUs are set where the gate does not
         # need it before (a rule that reserves nothing for others)
         m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
+        if m is None and self._wrapped:
+            m = self._wrapped_match(pid)
         if m is None or (self.scope is not None and not self.scope.admits(pid)):
             return None
         seen = time.monotonic()
@@ -344,9 +350,38 @@ class AutoBinder:
             return
         self.on_match(m, seen, fast.ctx if fast is not None else None)
 
+    def _wrapped_match(self, pid: int) -> RuleMatch | None:
+        """An explicit rule matched a wrapper (``bash myjob.sh``): what the wrapper runs
+        -- the image it execs, the children it starts -- is that rule's match."""
+        start = procfs.read_start_time(pid, self.proc)
+        hit = self._wrapped.get(pid)
+        if hit is None or hit[0] != start:
+            ppid = procfs.read_ppid(pid, self.proc)
+            hit = self._wrapped.get(ppid) if ppid is not None else None
+            if hit is None or ppid is None or procfs.read_start_time(ppid, self.proc) != hit[0]:
+                return None
+        got = procfs.read_cmdline_prefix(pid, self.proc)
+        env = procfs.read_environ_view(pid, self.proc)
+        if got is None or env is None:
+            return None
+        wrapper = hit[1]
+        return RuleMatch(rule=wrapper.rule, pid=pid, cmdline=got[0], uid=wrapper.uid,
+                         env=env)
+
+    def _wrap(self, m: RuleMatch, ctx: JobContext) -> None:
+        """Remember a wrapper an explicit rule matched (``_wrapped_match``)."""
+        if m.rule.rank or ctx.role != "wrapper":
+            return
+        if len(self._wrapped) >= WRAPPED_MAX:
+            self._wrapped.clear()
+        self._wrapped[ctx.pid] = (ctx.start_time, m)  # a stale entry never matches: the
+        # start time is checked, and the table is bounded
+
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
         m = self.rules.match(pid)
+        if m is None and self._wrapped:
+            m = self._wrapped_match(pid)
         if m is None:
             return
         if self.scope is not None and not self.scope.admits(pid):
@@ -435,6 +470,7 @@ class AutoBinder:
                           why=ctx.why.replace("; set its own affinity (numactl/taskset): "
                                               "left as it is", "") + "; bound by tunerd")
         if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
+            self._wrap(m, ctx)
             self._left_alone(ctx)
             self._settle(ctx)
             return None
@@ -596,6 +632,8 @@ class AutoBinder:
                    ns: dict[str, int]) -> _Fast | None:
         """``_bind_now`` once the intake looked: place, reserve, set the CPUs."""
         pid = m.pid
+        if ctx.role == "wrapper":
+            self._wrap(m, ctx)  # before what it starts execs (the loop's look may be later)
         if ctx.role not in ("rank", "process") or ctx.self_affined \
                 or (m.rule.rank and ctx.role != "rank"):
             return self._to_loop(ctx.role, ctx)
