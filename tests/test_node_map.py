@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import DaemonProc, wait_for
 from tests.launcher_helpers import spawn_rank
 from tests.leases_helpers import (
     DGX_H100,
@@ -331,24 +331,25 @@ def test_a_helper_the_ranks_shell_started_before_exec_ends_inside_the_ranks_cpus
         exe.chmod(0o755)
     env = {"TUNERD_TEST_TOKEN": token, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "CUDA_VISIBLE_DEVICES": "0", "TUNERD_NUM_WORKERS": "0"}
-    inside = 0
-    for _ in range(20):
-        agent, rank = spawn_rank(["bash", "-c", f"{helper} 30 & exec {train} 30"], env)
-        try:
-            wait_for(lambda: Path(f"/proc/{rank}/comm").read_text().strip() == train.name
-                     [:15], 5, "the shell to exec the rank")
-            mine = wait_for(lambda: next((b for b in autobind_status(d)["bound"]
-                                          if b["pid"] == rank), None), 10, "rank bound",
-                            detail=d.log)
-            cpus = parse_cpulist(mine["cpus"])
-            kids = Path(f"/proc/{rank}/task/{rank}/children").read_text().split()
-            assert len(kids) == 1
-            ok = wait_for(lambda: parse_cpulist(cpus_allowed(int(kids[0])) or "") <= cpus, 3,
-                          "the helper inside its rank's CPUs", detail=d.log)
-            inside += bool(ok)
-        finally:
-            kill_tree(agent)  # type: ignore[arg-type]
+    inside = sum(_helper_inside(d, env, helper, train) for _ in range(20))
     assert inside == 20
+
+
+def _helper_inside(d: DaemonProc, env: dict[str, str], helper: Path, train: Path) -> bool:
+    agent, rank = spawn_rank(["bash", "-c", f"{helper} 30 & exec {train} 30"], env)
+    try:
+        wait_for(lambda: Path(f"/proc/{rank}/comm").read_text().strip() == train.name[:15],
+                 5, "the shell to exec the rank")
+        mine = wait_for(lambda: next((b for b in autobind_status(d)["bound"]
+                                      if b["pid"] == rank), None), 10, "rank bound",
+                        detail=d.log)
+        cpus = parse_cpulist(mine["cpus"])
+        kids = Path(f"/proc/{rank}/task/{rank}/children").read_text().split()
+        assert len(kids) == 1
+        return bool(wait_for(lambda: parse_cpulist(cpus_allowed(int(kids[0])) or "") <= cpus,
+                             3, "the helper inside its rank's CPUs", detail=d.log))
+    finally:
+        kill_tree(agent)  # type: ignore[arg-type]
 
 
 @pytest.mark.root
