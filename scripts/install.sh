@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install tunerd, or upgrade it in place: a venv (default /opt/tunerd), tunerd and
-# tunerctl on the PATH, the systemd unit, bash and zsh completion, then start the
-# daemon (on the bundled default policy until /etc/tunerd/policies has files).
+# tunerctl on the PATH, the systemd unit, bash and zsh completion, the bundled policies
+# into ETC_DIR/policies when it has none, then start the daemon.
 #
 #   ./scripts/install.sh              install or upgrade, and (re)start the daemon
 #   ./scripts/install.sh --no-start   install or upgrade only
@@ -92,6 +92,26 @@ install -d -m 0755 "$BIN_DIR" "$ETC_DIR" "$ETC_DIR/policies" "$UNIT_DIR" \
     "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR" "$PREFIX/share/tunerd"
 ln -sfn "$PREFIX/bin/tunerd" "$BIN_DIR/tunerd"
 ln -sfn "$PREFIX/bin/tunerctl" "$BIN_DIR/tunerctl"
+# The bundled policies into the policy dir on the first install (no *.toml there yet), so
+# that the daemon does its main job out of the box: the torch-training rule binds ranks as
+# they exec (00-base.toml), with the node-type policies that match this node. Files there
+# are the operator's from then on: never overwritten; an upgrade whose bundled copy
+# differs says so.
+bundled=$("$PREFIX/bin/python" -I -c \
+    'from tunerd.policy.loader import BUNDLED_DIR; print(BUNDLED_DIR)')
+if ! ls "$ETC_DIR/policies"/*.toml >/dev/null 2>&1; then
+    install -m 0644 "$bundled"/*.toml "$ETC_DIR/policies/"
+    echo "installed the bundled policies into $ETC_DIR/policies:" \
+        "$(cd "$bundled" && ls ./*.toml | sed 's|^\./||' | tr '\n' ' ' | sed 's/ $//')"
+else
+    for f in "$bundled"/*.toml; do
+        n=$(basename "$f")
+        if [ -f "$ETC_DIR/policies/$n" ] && ! cmp -s "$f" "$ETC_DIR/policies/$n"; then
+            echo "note: $ETC_DIR/policies/$n differs from the bundled $n of $new_version" \
+                 "(kept; compare with: diff $ETC_DIR/policies/$n $f)"
+        fi
+    done
+fi
 # A config file listing every key with its default, all commented out; never overwritten.
 if [ ! -e "$ETC_DIR/tunerd.toml" ]; then
     "$PREFIX/bin/python" -I - "$ETC_DIR/tunerd.toml" <<'EOF'

@@ -256,7 +256,8 @@ class AutoBinder:
         n = len(self.rules.rules)
         bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
         at_start = [b for b in bound if b.at_start]
-        summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
+        names = ", ".join(r.name for r in self.rules.rules)
+        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
             users = sorted({user_name(b.uid) for b in at_start})
