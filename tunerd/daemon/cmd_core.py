@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
-from tunerd.errors import Failed
+from tunerd.errors import Failed, UsageError
 from tunerd.policy import Policy
 
 Guard = Callable[[Policy], "str | None"]
@@ -17,7 +18,7 @@ Guard = Callable[[Policy], "str | None"]
 
 class CoreCommands:
     def __init__(self, status: Callable[[], dict[str, Any]],
-                 reload: Callable[[Guard | None], Awaitable[dict[str, Any]]],
+                 reload: Callable[[Guard | None, Path | None], Awaitable[dict[str, Any]]],
                  policy: PolicyHolder,
                  refuse_rebind: Callable[[Policy, int], str | None] | None = None) -> None:
         self._status = status
@@ -46,7 +47,16 @@ class CoreCommands:
 
             def guard(p: Policy) -> str | None:
                 return refuse(p, uid)
-        return await self._reload(guard)
+        staged: Path | None = None
+        if req.arg("policy_dir", str, None) is not None:
+            staged = Path(req.arg("policy_dir", str))
+            if not staged.is_absolute() or not staged.is_dir():
+                raise UsageError(f"--policy-dir {staged}: not an absolute path of a directory")
+            if self.policy.policy_dir is not None and \
+                    staged.resolve() == self.policy.policy_dir.resolve():
+                raise UsageError(f"--policy-dir {staged} is the policy dir itself: stage the "
+                                 f"new files in another directory")
+        return await self._reload(guard, staged)
 
     async def policy_show(self, req: Request) -> dict[str, Any]:
         if self.policy.policy is None:
