@@ -88,6 +88,13 @@ fi
 new_version=$(installed_version)
 [ -n "$new_version" ] || { echo "install.sh: $PREFIX/bin/python cannot import tunerd" >&2; exit 1; }
 
+# the directories this install creates (and the ones an earlier install created): an
+# uninstall removes them again once empty
+created=$(manifest_value CREATED_DIRS)
+for d in "$BIN_DIR" "$ETC_DIR" "$UNIT_DIR" "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR"; do
+    [ -d "$d" ] || created="$created $d"
+done
+created=$(printf '%s\n' $created | awk 'NF && !seen[$0]++' | tr '\n' ' ' | sed 's/ $//')
 install -d -m 0755 "$BIN_DIR" "$ETC_DIR" "$ETC_DIR/policies" "$UNIT_DIR" \
     "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR" "$PREFIX/share/tunerd"
 ln -sfn "$PREFIX/bin/tunerd" "$BIN_DIR/tunerd"
@@ -149,8 +156,9 @@ write_file "$PREFIX/share/tunerd/install.env" 0644 "$(
         eval "v=\$$k"
         printf "%s=%s\n" "$k" "$(shell_quote "$v")"
     done
-    printf "INIT=%s\nDAEMON_FLAGS=%s\nVERSION=%s\nSOURCE_HASH=%s\n" "$INIT_SETTING" \
-        "$(shell_quote "$daemon_args")" "$new_version" "$new_hash")"
+    printf "INIT=%s\nDAEMON_FLAGS=%s\nVERSION=%s\nSOURCE_HASH=%s\nCREATED_DIRS=%s\n" \
+        "$INIT_SETTING" "$(shell_quote "$daemon_args")" "$new_version" "$new_hash" \
+        "$(shell_quote "$created")")"
 
 if [ -z "$old_version" ]; then
     echo "installed tunerd $new_version in $PREFIX"

@@ -328,9 +328,22 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     bash_script = Path(env["BASH_COMPLETION_DIR"]) / "tunerctl"
     assert unit.exists() and bash_script.exists()
 
-    # -- uninstall: reverted, stopped, removed; /etc and state kept --------------------
-    r = tree.script("uninstall.sh")
-    assert r.returncode == 0, r.stdout + r.stderr
+    # a process bound by `tunerctl bind`: uninstall puts it back as unbind does
+    all_cpus = sorted(os.sched_getaffinity(0))
+    bound = subprocess.Popen(["sleep", "300"])
+    try:
+        b = tree.ctl("bind", str(bound.pid), "--cpus", str(all_cpus[-1]))
+        assert b.returncode == 0, b.stdout + b.stderr
+        assert sorted(os.sched_getaffinity(bound.pid)) == [all_cpus[-1]]
+
+        # -- uninstall: unbound, reverted, stopped, removed; /etc and state kept ----------
+        r = tree.script("uninstall.sh")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "restored 1 bound process(es) as `tunerctl unbind` does" in r.stdout, r.stdout
+        assert sorted(os.sched_getaffinity(bound.pid)) == all_cpus
+    finally:
+        bound.kill()
+        bound.wait()
     # the bundled 00-base.toml's host setting (in the tree), put back
     assert "restored vm:numa_balancing: 0 -> 1" in r.stdout, r.stdout
     assert (tree.root / "proc/sys/kernel/numa_balancing").read_text().strip() == "1"
@@ -343,5 +356,13 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     for kept in (Path(env["ETC_DIR"]) / "tunerd.toml", Path(env["STATE_DIR"]),
                  Path(env["LOG_FILE"])):
         assert kept.exists(), kept
+    # --purge after a plain uninstall removes what it kept, and the directories
+    # install.sh created (this tree's: all of them), now empty
     r = tree.script("uninstall.sh", "--purge")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for gone in (env["ETC_DIR"], env["STATE_DIR"], env["LOG_FILE"], env["ZSH_COMPLETION_DIR"],
+                 env["BASH_COMPLETION_DIR"], env["UNIT_DIR"], env["BIN_DIR"]):
+        assert not os.path.lexists(gone), (gone, r.stdout)
+    assert "tunerd is purged" in r.stdout
+    r = tree.script("uninstall.sh", "--purge")  # nothing left: says so
     assert r.returncode == 1 and "no tunerd install" in r.stderr
