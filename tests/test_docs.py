@@ -194,3 +194,12 @@ def test_policies_md_describes_each_bundled_policy_and_rule_exactly() -> None:
         for key, value in (doc.get("vm") or {}).items():
             assert f"{key} = {json.dumps(value)}" in row, (f.name, key)
         assert "*torchrun*" not in row and "LOCAL_RANK` set" not in row
+
+
+def test_bundled_policy_comments_say_which_binds_take_the_fd_limit() -> None:
+    """[limits] nofile is applied by `run` and rule binds, never by a plain `bind`
+    (that one needs --nofile): 00-default.toml's comment said otherwise."""
+    text = (REPO / "policies/00-default.toml").read_text()
+    assert "`tunerctl bind` / `tunerctl run` use" not in text
+    assert "`tunerctl run` leases and [[job]] rule binds apply" in text
+    assert "a plain `tunerctl bind` changes a limit only when given --nofile" in text
