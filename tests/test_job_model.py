@@ -416,3 +416,18 @@ def test_bind_from_a_pid_namespace_maps_the_callers_pids(daemon_factory,
         assert parse_cpulist(task_cpus(os.getpid())[os.getpid()]) == HOST_CPUS  # not us
     finally:
         kill_tree(p)  # type: ignore[arg-type]
+
+
+def test_a_narrowed_allocation_calls_a_cpu_mask_a_cpu_mask() -> None:
+    """Messages name the cgroup's CPUs a cpuset, and CPUs narrowed by a mask (a lease, a
+    launcher, the process's own affinity) a CPU mask, never a cpuset (issue 29)."""
+    cg = Allocation(cpus=frozenset(range(8)), scheduler="cgroup /job")
+    ctx = JobContext(pid=3000, start_time=1, ppid=2999, uid=0, comm="python",
+                     argv=("python", "train.py"), env={}, allocation=cg, gpus=(),
+                     gpus_how="", rank=None, role="process", why="")
+    assert request(ctx).allocation.describe() == "cgroup /job (cpuset 0-7)"
+    under_lease = replace(ctx, enclosing=frozenset({2, 3}), lease="L1")
+    assert request(under_lease).allocation.describe() == "cgroup /job (CPU mask 2-3)"
+    masked = replace(ctx, allocation=replace(cg, cpus=None, current=frozenset({5})),
+                     rank=RankId(0, 1, "LOCAL_RANK=0", "torchrun:x"))
+    assert request(masked).allocation.describe() == "cgroup /job (CPU mask 5)"

@@ -364,7 +364,8 @@ def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
     rank = ctx.rank
     group = ctx.group or (f"slurm:{a.slurm_job}.{a.slurm_step}"
                           if a.job_from_cgroup and a.slurm_step else None)
-    alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler)
+    alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler,
+                    cpus_what=a.cpus_what if cpus == a.cpus else "CPU mask")
     base: dict[str, Any] = dict(
         allocation=alloc, rank=rank.local_rank if rank else None,
         ranks=rank.local_world if rank else None, group=group, job=ctx.job_key,
