@@ -64,7 +64,36 @@ class CoreCommands:
         out = self.policy.policy.to_dict()
         if req.arg("explain", bool, False):
             out["provenance"] = self.policy.policy.provenance
+        differs = self._on_disk()
+        if differs:
+            out["on_disk"] = differs
         return out
+
+    def _on_disk(self) -> dict[str, Any] | None:
+        """How the policy dir differs from the policy in force (an edit the last reload
+        rejected, or one not reloaded yet): files changed or gone since it was loaded,
+        files added; None when it matches."""
+        pol, d, since = self.policy.policy, self.policy.policy_dir, self.policy.loaded_at
+        if pol is None or d is None or since is None:
+            return None
+        changed: list[str] = []
+        for f in pol.sources:
+            if not f.startswith(str(d)):
+                continue  # a bundled policy pulled in by extends
+            try:
+                if os.stat(f).st_mtime > since:
+                    changed.append(f)
+            except OSError:
+                changed.append(f"{f} (gone)")
+        known = set(pol.sources) | {s["file"] for s in pol.skipped}
+        try:
+            new = sorted(str(f) for f in d.glob("*.toml")
+                         if not f.name.startswith(".") and str(f) not in known)
+        except OSError:
+            new = []
+        if not (changed or new or self.policy.error):
+            return None
+        return {"changed": changed, "new": new, "rejected": self.policy.error}
 
 
 def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[str, Any]:
