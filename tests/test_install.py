@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, run_as, wait_for
-from tests.leases_helpers import scope_bundled_rule
+from tests.leases_helpers import descendants, kill_tree, scope_bundled_rule, unique_sleeper
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -328,22 +328,35 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     bash_script = Path(env["BASH_COMPLETION_DIR"]) / "tunerctl"
     assert unit.exists() and bash_script.exists()
 
-    # a process bound by `tunerctl bind`: uninstall puts it back as unbind does
+    # a process bound by `tunerctl bind`, and a rank the installed bundled rule bound as it
+    # exec'd (out of the box: the rule narrowed to this test's env token, see above):
+    # uninstall puts both back as unbind does
     all_cpus = sorted(os.sched_getaffinity(0))
     bound = subprocess.Popen(["sleep", "300"])
+    exe = unique_sleeper(tree.root, "train_install_test.py")
+    launcher = subprocess.Popen(["sh", "-c", f"{exe} 300 & wait"], env={
+        "PATH": "/usr/bin:/bin", "LOCAL_RANK": "0", "TUNERD_INSTALL_TEST": "never-set"})
     try:
         b = tree.ctl("bind", str(bound.pid), "--cpus", str(all_cpus[-1]))
         assert b.returncode == 0, b.stdout + b.stderr
         assert sorted(os.sched_getaffinity(bound.pid)) == [all_cpus[-1]]
 
+        def rank() -> dict[str, object] | None:
+            jobs = json.loads(tree.ctl("--json", "jobs").stdout)["jobs"]
+            return next((j for j in jobs if j.get("origin") == "rule"), None)
+        job = wait_for(rank, 15, "the bundled rule to bind the rank")
+        assert job["name"] == "torch-training" and job["pid"] in descendants(launcher.pid), job
+
         # -- uninstall: unbound, reverted, stopped, removed; /etc and state kept ----------
         r = tree.script("uninstall.sh")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "restored 1 bound process(es) as `tunerctl unbind` does" in r.stdout, r.stdout
+        assert "restored 2 bound process(es) as `tunerctl unbind` does" in r.stdout, r.stdout
         assert sorted(os.sched_getaffinity(bound.pid)) == all_cpus
+        assert sorted(os.sched_getaffinity(int(str(job["pid"])))) == all_cpus
     finally:
         bound.kill()
         bound.wait()
+        kill_tree(launcher)
     # the bundled 00-base.toml's host setting (in the tree), put back
     assert "restored vm:numa_balancing: 0 -> 1" in r.stdout, r.stdout
     assert (tree.root / "proc/sys/kernel/numa_balancing").read_text().strip() == "1"
