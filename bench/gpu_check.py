@@ -592,6 +592,9 @@ def train_args(ctx: Ctx, extra: list[str]) -> list[str]:
 
 
 def step_training(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
+    if "version" not in ctx.torch:  # a bare python3: the example needs torch
+        raise Skip(f"no torch in {ctx.python}: the training example not run "
+                   f"({ctx.torch.get('error', 'not probed')})")
     seconds = ("8" if ctx.quick else "12") if ctx.gpu else ("3" if ctx.quick else "6")
     run = ["run", "--gpus", "1"] if ctx.gpu else ["run", "--ncpus", "2"]
     argv = tunerctl(ctx, *run, "--", *train_args(ctx, ["--seconds", seconds, "--steps", "8"]))

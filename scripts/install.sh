@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install tunerd, or upgrade it in place: a venv (default /opt/tunerd), tunerd and
-# tunerctl on the PATH, the systemd unit, bash and zsh completion, then start the
-# daemon (on the bundled default policy until /etc/tunerd/policies has files).
+# tunerctl on the PATH, the systemd unit, bash and zsh completion, the bundled policies
+# into ETC_DIR/policies when it has none, then start the daemon.
 #
 #   ./scripts/install.sh              install or upgrade, and (re)start the daemon
 #   ./scripts/install.sh --no-start   install or upgrade only
@@ -88,10 +88,37 @@ fi
 new_version=$(installed_version)
 [ -n "$new_version" ] || { echo "install.sh: $PREFIX/bin/python cannot import tunerd" >&2; exit 1; }
 
+# the directories this install creates (and the ones an earlier install created): an
+# uninstall removes them again once empty
+created=$(manifest_value CREATED_DIRS)
+for d in "$BIN_DIR" "$ETC_DIR" "$UNIT_DIR" "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR"; do
+    [ -d "$d" ] || created="$created $d"
+done
+created=$(printf '%s\n' $created | awk 'NF && !seen[$0]++' | tr '\n' ' ' | sed 's/ $//')
 install -d -m 0755 "$BIN_DIR" "$ETC_DIR" "$ETC_DIR/policies" "$UNIT_DIR" \
     "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR" "$PREFIX/share/tunerd"
 ln -sfn "$PREFIX/bin/tunerd" "$BIN_DIR/tunerd"
 ln -sfn "$PREFIX/bin/tunerctl" "$BIN_DIR/tunerctl"
+# The bundled policies into the policy dir on the first install (no *.toml there yet), so
+# that the daemon does its main job out of the box: the torch-training rule binds ranks as
+# they exec (00-base.toml), with the node-type policies that match this node. Files there
+# are the operator's from then on: never overwritten; an upgrade whose bundled copy
+# differs says so.
+bundled=$("$PREFIX/bin/python" -I -c \
+    'from tunerd.policy.loader import BUNDLED_DIR; print(BUNDLED_DIR)')
+if ! ls "$ETC_DIR/policies"/*.toml >/dev/null 2>&1; then
+    install -m 0644 "$bundled"/*.toml "$ETC_DIR/policies/"
+    echo "installed the bundled policies into $ETC_DIR/policies:" \
+        "$(cd "$bundled" && ls ./*.toml | sed 's|^\./||' | tr '\n' ' ' | sed 's/ $//')"
+else
+    for f in "$bundled"/*.toml; do
+        n=$(basename "$f")
+        if [ -f "$ETC_DIR/policies/$n" ] && ! cmp -s "$f" "$ETC_DIR/policies/$n"; then
+            echo "note: $ETC_DIR/policies/$n differs from the bundled $n of $new_version" \
+                 "(kept; compare with: diff $ETC_DIR/policies/$n $f)"
+        fi
+    done
+fi
 # A config file listing every key with its default, all commented out; never overwritten.
 if [ ! -e "$ETC_DIR/tunerd.toml" ]; then
     "$PREFIX/bin/python" -I - "$ETC_DIR/tunerd.toml" <<'EOF'
@@ -129,8 +156,9 @@ write_file "$PREFIX/share/tunerd/install.env" 0644 "$(
         eval "v=\$$k"
         printf "%s=%s\n" "$k" "$(shell_quote "$v")"
     done
-    printf "INIT=%s\nDAEMON_FLAGS=%s\nVERSION=%s\nSOURCE_HASH=%s\n" "$INIT_SETTING" \
-        "$(shell_quote "$daemon_args")" "$new_version" "$new_hash")"
+    printf "INIT=%s\nDAEMON_FLAGS=%s\nVERSION=%s\nSOURCE_HASH=%s\nCREATED_DIRS=%s\n" \
+        "$INIT_SETTING" "$(shell_quote "$daemon_args")" "$new_version" "$new_hash" \
+        "$(shell_quote "$created")")"
 
 if [ -z "$old_version" ]; then
     echo "installed tunerd $new_version in $PREFIX"

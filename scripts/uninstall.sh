@@ -1,17 +1,21 @@
 #!/bin/sh
 # Remove what scripts/install.sh put in place, after putting the host back.
 #
-#   ./scripts/uninstall.sh           revert host settings, stop tunerd, remove the venv,
-#                                    links, unit, completion; keep /etc/tunerd, the state
-#                                    dir and the log
-#   ./scripts/uninstall.sh --purge   also remove /etc/tunerd, the state dir and the log
+#   ./scripts/uninstall.sh           unbind every bound process (as `tunerctl unbind`),
+#                                    revert host settings, stop tunerd, remove the venv,
+#                                    links, unit, completion, the runtime dir; keep
+#                                    /etc/tunerd, the state dir and the log
+#   ./scripts/uninstall.sh --purge   also remove /etc/tunerd, the state dir, the log and
+#                                    the directories install.sh created; also after a
+#                                    plain uninstall (its record is in the state dir)
 #   ./scripts/uninstall.sh --force   go on even if `tunerctl revert` fails
 #
 # Run it as root. Paths come from the install's record (PREFIX/share/tunerd/install.env),
 # so the same environment variables as install.sh (PREFIX first) find a moved install.
 # Host settings are put back with `tunerctl revert` while the daemon still runs; if it is
 # not running, their originals stay in the state dir (kept even with --purge) so a later
-# `tunerd` + `tunerctl revert` can still restore them.
+# `tunerd` + `tunerctl revert` can still restore them, and the runtime dir (the originals
+# of bound processes) is kept for the same reason.
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 . "$here/scripts/service-lib.sh"
@@ -28,15 +32,56 @@ for arg in "$@"; do
 done
 require_root uninstall.sh "it removes what install.sh put in /opt, /usr/local and /etc"
 load_layout
+record="$STATE_DIR/uninstalled.env"  # what a plain uninstall left, for a later --purge
 if [ ! -f "$PREFIX/share/tunerd/install.env" ] && [ ! -f "$PREFIX/pyvenv.cfg" ]; then
+    if [ "$purge" = yes ] && [ -f "$record" ] && [ ! -L "$record" ]; then
+        # --purge after a plain uninstall: remove what it kept, as it recorded it
+        # shellcheck disable=SC1090
+        . "$record"
+        rm -rf "$ETC_DIR" "$RUNTIME_DIR"
+        rm -f "$LOG_FILE"
+        echo "removed $ETC_DIR, $RUNTIME_DIR and $LOG_FILE"
+        if [ "${REVERTED:-no}" = yes ]; then
+            rm -rf "$STATE_DIR"
+            echo "removed $STATE_DIR"
+        else
+            rm -f "$record"
+            echo "kept $STATE_DIR: it holds the originals of host settings not reverted"
+        fi
+        for d in ${CREATED_DIRS:-}; do
+            if [ -d "$d" ] && rmdir "$d" 2>/dev/null; then echo "removed $d (empty)"; fi
+        done
+        echo "tunerd is purged"
+        exit 0
+    fi
     echo "uninstall.sh: no tunerd install in $PREFIX (set PREFIX to where it is)" >&2
     exit 1
 fi
+created_dirs=$(manifest_value CREATED_DIRS)
 
-# 1. put the host back while the daemon can still do it
+# 1. put bound processes and the host back while the daemon can still do it
 reverted=no
+unbound=no
 pid=$(daemon_pid)
 if [ -n "$pid" ]; then
+    # every binding the daemon holds (bind, rules, run), restored as `tunerctl unbind` does
+    pids=$(ctl --json jobs 2>/dev/null | "$PREFIX/bin/python" -I -c \
+        'import json, sys; print(" ".join(str(j["pid"]) for j in json.load(sys.stdin)["jobs"]))' \
+        2>/dev/null) || pids=""
+    n=0
+    failed=""
+    for p in $pids; do
+        if out=$(ctl unbind "$p" 2>&1); then
+            n=$((n + 1))
+        else
+            failed="$failed pid $p: $(printf '%s' "$out" | tail -n 1);"
+        fi
+    done
+    echo "restored $n bound process(es) as \`tunerctl unbind\` does"
+    if [ -n "$failed" ]; then
+        echo "note: could not restore:$failed" | sed 's/;$//'
+    fi
+    unbound=yes
     if ctl revert; then
         reverted=yes
     elif [ "$force" = yes ]; then
@@ -48,7 +93,9 @@ if [ -n "$pid" ]; then
     fi
 else
     echo "note: tunerd is not running, so host settings it changed were not reverted;" \
-         "their originals stay in $STATE_DIR (start tunerd and run \`tunerctl revert\`)"
+         "their originals stay in $STATE_DIR (start tunerd and run \`tunerctl revert\`)," \
+         "and bound processes keep their CPUs: $RUNTIME_DIR, which holds their originals," \
+         "is kept"
 fi
 
 # 2. stop it
@@ -71,9 +118,13 @@ for f in "$UNIT_DIR/tunerd.service" "$BASH_COMPLETION_DIR/tunerctl" \
     if [ -e "$f" ]; then rm -f "$f"; echo "removed $f"; fi
 done
 if [ "$INIT" = systemd ]; then systemctl daemon-reload || true; fi
-rm -rf "$RUNTIME_DIR"
 rm -rf "$PREFIX"
-echo "removed $PREFIX and $RUNTIME_DIR"
+if [ "$unbound" = yes ] || [ "$purge" = yes ] || [ "$force" = yes ]; then
+    rm -rf "$RUNTIME_DIR"
+    echo "removed $PREFIX and $RUNTIME_DIR"
+else
+    echo "removed $PREFIX"
+fi
 
 if [ "$purge" = yes ]; then
     rm -rf "$ETC_DIR"
@@ -86,6 +137,19 @@ if [ "$purge" = yes ]; then
         echo "kept $STATE_DIR: it holds the originals of host settings not reverted"
     fi
 else
-    echo "kept $ETC_DIR, $STATE_DIR and $LOG_FILE (--purge removes them)"
+    # what `uninstall.sh --purge` needs later, when the install's own record is gone
+    if [ -d "$STATE_DIR" ] || mkdir -p -m 0700 "$STATE_DIR"; then
+        write_file "$record" 0600 "$(
+            for k in ETC_DIR RUNTIME_DIR STATE_DIR LOG_FILE; do
+                eval "v=\$$k"
+                printf "%s=%s\n" "$k" "$(shell_quote "$v")"
+            done
+            printf "REVERTED=%s\nCREATED_DIRS=%s\n" "$reverted" "$(shell_quote "$created_dirs")")"
+    fi
+    echo "kept $ETC_DIR, $STATE_DIR and $LOG_FILE (--purge removes them, also later)"
 fi
+# the directories install.sh created, once empty (ETC_DIR after --purge)
+for d in $created_dirs; do
+    if [ -d "$d" ] && rmdir "$d" 2>/dev/null; then echo "removed $d (empty)"; fi
+done
 echo "tunerd is uninstalled"

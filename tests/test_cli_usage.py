@@ -74,7 +74,7 @@ def test_json_after_dash_dash_belongs_to_the_command(module_daemon: DaemonProc) 
 
 
 @pytest.mark.root
-def test_ncpus_counts_and_the_old_cpus_count_warns(module_daemon: DaemonProc) -> None:
+def test_ncpus_counts_and_cpus_is_a_list(module_daemon: DaemonProc) -> None:
     daemon = module_daemon
     r = daemon.ctl("alloc", "--ncpus", "1", "--json")
     assert r.rc == 0, r.err
@@ -82,9 +82,10 @@ def test_ncpus_counts_and_the_old_cpus_count_warns(module_daemon: DaemonProc) ->
     assert len(lease["cpus"].split(",")) == 1 and "-" not in lease["cpus"]
     assert "warning" not in r.err
     assert daemon.ctl("release", lease["id"]).rc == 0
-    r = daemon.ctl("run", "--cpus", "1", "--", "true")  # the old spelling, one more release
+    # --cpus is a CPU list as in bind: `--cpus 1` is CPU 1, never one CPU counted from 0
+    r = daemon.ctl("run", "--cpus", "1", "--", "grep", "Cpus_allowed_list", "/proc/self/status")
     assert r.rc == 0, r.err
-    assert "--cpus 1 as a CPU count is deprecated" in r.err and "--ncpus 1" in r.err
+    assert r.out.split(":")[1].strip() == "1" and "deprecated" not in r.err
     r = daemon.ctl("run", "--ncpus", "1", "--cpus", "0", "--", "true")
     assert r.rc == 2 and "not both" in r.err
 
@@ -213,3 +214,12 @@ def test_completion_scripts_are_produced_and_complete_command_names(tmp_path: Pa
                        env={**env, "COMP_WORDS": "tunerctl policy ch", "COMP_CWORD": "2",
                             "_TUNERCTL_COMPLETE": "zsh_complete"})
     assert q.stdout.splitlines()[:2] == ["plain", "check"], q.stdout
+
+
+def test_an_unreachable_prometheus_is_not_blamed_on_tunerd() -> None:
+    """fleet check names Prometheus and never suggests starting tunerd (issue 29)."""
+    r = run_ctl("fleet", "check", "--prometheus", "http://127.0.0.1:1")
+    assert r.rc == 3, r
+    assert "cannot reach Prometheus at http://127.0.0.1:1" in r.err
+    assert "is Prometheus running there?" in r.err
+    assert "start it with" not in r.err and "tunerd is not run" not in r.err, r.err

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -157,3 +158,48 @@ def test_readme_is_a_front_page_and_links_resolve() -> None:
             if dest.name in OTHER_BRANCH_DOCS:
                 continue
             assert dest.exists(), f"{page.relative_to(REPO)}: link to missing {target}"
+
+
+def test_policies_md_describes_each_bundled_policy_and_rule_exactly() -> None:
+    """docs/policies.md's table row of each bundled file names its match, every [[job]]
+    rule with each of its keys and values, and every host setting it writes."""
+    try:
+        import tomllib
+    except ImportError:  # python 3.10
+        import tomli as tomllib
+
+    rows = {m.group(1): m.group(0) for m in re.finditer(
+        r"^\| `(00-[a-z0-9-]+\.toml)` \|.*$", (REPO / "docs/policies.md").read_text(), re.M)}
+    files = sorted((REPO / "policies").glob("*.toml"))
+    assert sorted(rows) == [f.name for f in files]
+    for f in files:
+        row, doc = rows[f.name], tomllib.loads(f.read_text())
+        for job in doc.get("job", []):
+            assert f"`[[job]] {job['name']}`" in row, (f.name, job["name"])
+            for key, value in job.items():
+                if key == "name":
+                    continue
+                if key == "match":
+                    for mk, mv in value.items():
+                        want = (f"match.{mk} = true" if mv is True
+                                else f"match.{mk} = {json.dumps(mv)}".replace('", "', '", "'))
+                        assert want in row, (f.name, job["name"], want)
+                else:
+                    assert f"{key} = {json.dumps(value)}" in row, (f.name, key, value)
+        for key, value in (doc.get("sysctl") or {}).items():
+            assert f"`{key}`" in row or key.rsplit(".", 1)[-1] in row, (f.name, key)
+            assert str(value) in row, (f.name, key, value)
+        for key, value in (doc.get("nccl") or {}).items():
+            assert f"{key}={value}" in row, (f.name, key)
+        for key, value in (doc.get("vm") or {}).items():
+            assert f"{key} = {json.dumps(value)}" in row, (f.name, key)
+        assert "*torchrun*" not in row and "LOCAL_RANK` set" not in row
+
+
+def test_bundled_policy_comments_say_which_binds_take_the_fd_limit() -> None:
+    """[limits] nofile is applied by `run` and rule binds, never by a plain `bind`
+    (that one needs --nofile): 00-default.toml's comment said otherwise."""
+    text = (REPO / "policies/00-default.toml").read_text()
+    assert "`tunerctl bind` / `tunerctl run` use" not in text
+    assert "`tunerctl run` leases and [[job]] rule binds apply" in text
+    assert "a plain `tunerctl bind` changes a limit only when given --nofile" in text

@@ -303,6 +303,20 @@ def test_nofile_check_reads_this_process() -> None:
     assert c.status == ("WARN" if soft < 65536 else "PASS") and str(soft) in c.evidence
 
 
+def test_nofile_fix_never_asks_past_the_hard_limit() -> None:
+    """A hard limit of 20000 cannot take `ulimit -n 1048576` (issue 29)."""
+    import resource
+
+    c = doctor.check_nofile(Env(), limits=(1024, 20000))
+    assert c.status == "WARN" and "ulimit -n 1048576" not in c.fix
+    assert "hard limit 20000" in c.fix and "only root" in c.fix
+    c = doctor.check_nofile(Env(), limits=(1024, 524288))
+    assert "`ulimit -n 524288`" in c.fix
+    c = doctor.check_nofile(Env(), limits=(1024, resource.RLIM_INFINITY))
+    assert "`ulimit -n 1048576`" in c.fix
+    assert doctor.check_nofile(Env(), limits=(65536, 65536)).status == "PASS"
+
+
 def test_read_acs_runs_the_real_pciutils_on_a_device_without_acs() -> None:
     import shutil
 

@@ -194,12 +194,26 @@ def test_promtool_checks_the_exposition(fleet: Fleet) -> None:
 DASHBOARD = REPO / "deploy" / "grafana" / "tunerd.json"
 
 
+def _dashboard_variables() -> dict[str, tuple[str, str]]:
+    """Each query variable: (selector, label), as Grafana's label_values(selector, label)."""
+    out = {}
+    for v in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        # a constant (custom) variable would assume a scrape config: none may
+        assert v["type"] in ("query", "datasource"), v
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]["query"])
+            assert m, v
+            out[v["name"]] = (m.group(1), m.group(2))
+    return out
+
+
 def _dashboard_queries() -> dict[str, str]:
     """Every panel's query (and every query variable's selector), variables filled in
     as Grafana does with "All" selected."""
     dash = json.loads(DASHBOARD.read_text())
     names = {v["name"] for v in dash["templating"]["list"]}
     assert {"node", "class", "job"} <= names
+    _dashboard_variables()
     out: dict[str, str] = {}
     for p in dash["panels"]:
         for t in p.get("targets", []):
@@ -210,7 +224,7 @@ def _dashboard_queries() -> dict[str, str]:
             assert m, v
             out[f"variable {v['name']}"] = m.group(1)
     return {k: e.replace("$class", ".*").replace("$node", ".*").replace("$job", ".*")
-            .replace("$scrape_job", "tunerd") for k, e in out.items()}
+            .replace("$scrape_job", ".*") for k, e in out.items()}
 
 
 def test_every_dashboard_query_parses_and_returns_data(fleet: Fleet, tmp_path: Path) -> None:
@@ -238,6 +252,17 @@ def test_every_dashboard_query_parses_and_returns_data(fleet: Fleet, tmp_path: P
 
         wait_for(lambda: not empty(), 30, "every dashboard query to return data",
                  interval=1.0, detail=lambda: repr(empty()))
+        # ... and every variable resolves under this default scrape config (honor_labels
+        # false: the rank's own `job` label is stored as exported_job): the label it
+        # takes its values from is on the series, with the values the fleet has
+        variables = _dashboard_variables()
+        answers = fleet.query(*(sel.replace("$class", ".*") for sel, _ in variables.values()))
+        got = {name: {a["metric"].get(label) for a in ans["data"]["result"]} - {None}
+               for (name, (_, label)), ans in zip(variables.items(), answers, strict=True)}
+        assert "dash" in got["job"], got
+        assert got["scrape_job"] == {"tunerd"}, got
+        assert {n.instance for n in fleet.nodes} <= got["node"], got
+        assert all(got.values()), got
     finally:
         for pr in procs:
             kill(pr)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, run_as, wait_for
+from tests.launcher_helpers import launcher as torchrun_like
+from tests.leases_helpers import descendants, kill_tree, scope_bundled_rule, unique_sleeper
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -39,9 +41,17 @@ class Tree:
             "RUNTIME_DIR": str(root / "run/tunerd"), "STATE_DIR": str(root / "var/lib/tunerd"),
             "LOG_FILE": str(root / "var/log/tunerd.log"), "INIT": "none",
             # scoped to this test run: its daemons take no node lock (a real tunerd on
-            # this node is not in their way) and bind nothing of anyone else's
-            "TUNERD_ARGS": f"--metrics-listen off --scope-pid {os.getpid()}",
+            # this node is not in their way) and bind nothing of anyone else's; the
+            # bundled 00-base.toml's host setting (vm.numa_balancing) into the tree
+            "TUNERD_ARGS": f"--metrics-listen off --scope-pid {os.getpid()} "
+                           f"--config {root}/test-tunerd.toml",
         }
+        (root / "proc/sys/kernel").mkdir(parents=True)
+        (root / "proc/sys/kernel/numa_balancing").write_text("1\n")
+        for d in ("sys", "etc-root"):
+            (root / d).mkdir()
+        (root / "test-tunerd.toml").write_text(
+            f'proc_root = "{root}/proc"\nsys_root = "{root}/sys"\netc_root = "{root}/etc-root"\n')
         self.bin = Path(self.env["BIN_DIR"])
         self.socket = Path(self.env["RUNTIME_DIR"]) / "tunerd.sock"
 
@@ -123,10 +133,31 @@ def test_install_upgrade_and_reinstall(tree: Tree) -> None:
     env = tree.env
     # -- first install, of an "older" release -----------------------------------------
     tree.set_version("0.1.9")
+    r = tree.script("install.sh", "--no-start")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "installed tunerd 0.1.9" in r.stdout
+    # out of the box the bundled policies are in force: copied into the empty policy dir
+    pol = Path(env["ETC_DIR"]) / "policies"
+    bundled = sorted(p.name for p in (REPO / "policies").glob("*.toml"))
+    assert sorted(p.name for p in pol.glob("*.toml")) == bundled
+    assert all((pol / n).read_bytes() == (REPO / "policies" / n).read_bytes() for n in bundled)
+    assert f"installed the bundled policies into {pol}: {' '.join(bundled)}" in r.stdout
+    assert all((pol / n).stat().st_mode & 0o777 == 0o644 for n in bundled)
+    # this machine is shared: the rule narrowed to this test's processes (a site file, as
+    # an operator would add one), host settings (00-base.toml's) into the tree
+    scope_bundled_rule(pol, "TUNERD_INSTALL_TEST", "never-set")
+    (pol / "zz-test-scope.toml").chmod(0o644)
     r = tree.script("install.sh")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "installed tunerd 0.1.9" in r.stdout and "runs without systemd" in r.stdout
+    assert "already installed" in r.stdout and "runs without systemd" in r.stdout
+    assert "installed the bundled policies" not in r.stdout  # the dir has files: kept
     first = tree.pid()
+    st = json.loads(tree.ctl("--json", "status").stdout)
+    assert st["policy"]["names"][:2] == ["base", "default"], st["policy"]
+    assert st["services"]["autobind"]["summary"].startswith(
+        "automatic binding: 1 rule(s) (torch-training), watcher ")
+    human = tree.ctl("status").stdout
+    assert f"files: {pol}/00-base.toml, {pol}/00-default.toml" in human, human
     for prog, want in (("tunerd", "tunerd 0.1.9"), ("tunerctl", "tunerctl, version 0.1.9")):
         v = subprocess.run([str(tree.bin / prog), "--version"], capture_output=True,
                            text=True, timeout=60)
@@ -301,10 +332,39 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     bash_script = Path(env["BASH_COMPLETION_DIR"]) / "tunerctl"
     assert unit.exists() and bash_script.exists()
 
-    # -- uninstall: reverted, stopped, removed; /etc and state kept --------------------
-    r = tree.script("uninstall.sh")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "nothing to restore" in r.stdout and f"stopped tunerd (pid {fourth})" in r.stdout
+    # a process bound by `tunerctl bind`, and a rank the installed bundled rule bound as it
+    # exec'd (out of the box: the rule narrowed to this test's env token, see above):
+    # uninstall puts both back as unbind does
+    all_cpus = sorted(os.sched_getaffinity(0))
+    bound = subprocess.Popen(["sleep", "300"])
+    exe = unique_sleeper(tree.root, "train_install_test.py")
+    launcher = subprocess.Popen([str(torchrun_like()), str(exe), "300"], env={
+        "PATH": "/usr/bin:/bin", "LOCAL_RANK": "0", "TUNERD_INSTALL_TEST": "never-set"})
+    try:
+        b = tree.ctl("bind", str(bound.pid), "--cpus", str(all_cpus[-1]))
+        assert b.returncode == 0, b.stdout + b.stderr
+        assert sorted(os.sched_getaffinity(bound.pid)) == [all_cpus[-1]]
+
+        def rank() -> dict[str, object] | None:
+            jobs = json.loads(tree.ctl("--json", "jobs").stdout)["jobs"]
+            return next((j for j in jobs if j.get("origin") == "rule"), None)
+        job = wait_for(rank, 15, "the bundled rule to bind the rank")
+        assert job["name"] == "torch-training" and job["pid"] in descendants(launcher.pid), job
+
+        # -- uninstall: unbound, reverted, stopped, removed; /etc and state kept ----------
+        r = tree.script("uninstall.sh")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "restored 2 bound process(es) as `tunerctl unbind` does" in r.stdout, r.stdout
+        assert sorted(os.sched_getaffinity(bound.pid)) == all_cpus
+        assert sorted(os.sched_getaffinity(int(str(job["pid"])))) == all_cpus
+    finally:
+        bound.kill()
+        bound.wait()
+        kill_tree(launcher)
+    # the bundled 00-base.toml's host setting (in the tree), put back
+    assert "restored vm:numa_balancing: 0 -> 1" in r.stdout, r.stdout
+    assert (tree.root / "proc/sys/kernel/numa_balancing").read_text().strip() == "1"
+    assert f"stopped tunerd (pid {fourth})" in r.stdout
     wait_for(lambda: not _alive(fourth), 10, "the daemon to exit")
     for gone in (env["PREFIX"], env["RUNTIME_DIR"], f"{env['BIN_DIR']}/tunerd",
                  f"{env['BIN_DIR']}/tunerctl", str(unit), str(bash_script),
@@ -313,5 +373,13 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     for kept in (Path(env["ETC_DIR"]) / "tunerd.toml", Path(env["STATE_DIR"]),
                  Path(env["LOG_FILE"])):
         assert kept.exists(), kept
+    # --purge after a plain uninstall removes what it kept, and the directories
+    # install.sh created (this tree's: all of them), now empty
     r = tree.script("uninstall.sh", "--purge")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for gone in (env["ETC_DIR"], env["STATE_DIR"], env["LOG_FILE"], env["ZSH_COMPLETION_DIR"],
+                 env["BASH_COMPLETION_DIR"], env["UNIT_DIR"], env["BIN_DIR"]):
+        assert not os.path.lexists(gone), (gone, r.stdout)
+    assert "tunerd is purged" in r.stdout
+    r = tree.script("uninstall.sh", "--purge")  # nothing left: says so
     assert r.returncode == 1 and "no tunerd install" in r.stderr

@@ -147,7 +147,12 @@ def test_a_rank_that_set_its_own_affinity_is_left_as_it_is() -> None:
                  "numactl to exec sleep")
         ctx = intake().describe(pid)
         assert ctx.role == "rank" and ctx.self_affined, ctx.why
-        assert "set its own affinity" in ctx.why
+        # the message names the parent and both masks, and guesses no tool (issue 29:
+        # "numactl/taskset" was said when mpirun had set it)
+        parent = os.getpid()
+        assert f"its CPU mask {cpu} was set narrower than its parent's (" in ctx.why, ctx.why
+        assert f" pid {parent}: " in ctx.why and "left as it is" in ctx.why
+        assert "(numactl/taskset)" not in ctx.why
     finally:
         kill_tree(agent)
 
@@ -357,7 +362,8 @@ def test_numactl_wrapped_ranks_never_die(daemon_factory, tmp_path: Path) -> None
     assert st["failed"] == 0, st["last_error"]
     assert not [b for b in st["bound"] if b["rule"] == "torch-training"], st["bound"]
     # the ranks exec'd by numactl were seen, and left as they are; no wrapper was bound
-    assert "set its own affinity" in d.log() and "rule torch-training: bound" not in d.log()
+    assert "was set narrower than its parent's" in d.log() \
+        and "rule torch-training: bound" not in d.log()
 
 
 @needs_two_cpus
@@ -382,7 +388,7 @@ def test_advise_says_a_rank_set_its_own_affinity(daemon_factory, tmp_path: Path)
         job = wait_for(listed, 20, "the self-affined rank in advise", detail=d.log)
         assert [f["id"] for f in job["findings"]] == ["self-affined"], job
         assert job["findings"][0]["evidence"]["cpus"] == str(cpu)
-        assert "set its own affinity" in job["findings"][0]["evidence"]["why"]
+        assert "was set narrower than its parent's" in job["findings"][0]["evidence"]["why"]
         r = d.ctl("--json", "advise", str(p.pid))
         assert r.rc == 0, r.err
         assert [j["pid"] for j in r.json()["jobs"]] == [p.pid]
@@ -427,3 +433,18 @@ def test_bind_from_a_pid_namespace_maps_the_callers_pids(daemon_factory,
         assert parse_cpulist(task_cpus(os.getpid())[os.getpid()]) == HOST_CPUS  # not us
     finally:
         kill_tree(p)  # type: ignore[arg-type]
+
+
+def test_a_narrowed_allocation_calls_a_cpu_mask_a_cpu_mask() -> None:
+    """Messages name the cgroup's CPUs a cpuset, and CPUs narrowed by a mask (a lease, a
+    launcher, the process's own affinity) a CPU mask, never a cpuset (issue 29)."""
+    cg = Allocation(cpus=frozenset(range(8)), scheduler="cgroup /job")
+    ctx = JobContext(pid=3000, start_time=1, ppid=2999, uid=0, comm="python",
+                     argv=("python", "train.py"), env={}, allocation=cg, gpus=(),
+                     gpus_how="", rank=None, role="process", why="")
+    assert request(ctx).allocation.describe() == "cgroup /job (cpuset 0-7)"
+    under_lease = replace(ctx, enclosing=frozenset({2, 3}), lease="L1")
+    assert request(under_lease).allocation.describe() == "cgroup /job (CPU mask 2-3)"
+    masked = replace(ctx, allocation=replace(cg, cpus=None, current=frozenset({5})),
+                     rank=RankId(0, 1, "LOCAL_RANK=0", "torchrun:x"))
+    assert request(masked).allocation.describe() == "cgroup /job (CPU mask 5)"

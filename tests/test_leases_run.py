@@ -106,6 +106,18 @@ def test_run_on_replay_sets_env_but_applies_nothing(daemon_factory) -> None:
     assert "nothing was applied" in r.err
 
 
+def test_run_without_gpus_on_a_gpu_node_says_so_in_one_line(daemon_factory) -> None:
+    d = daemon_factory(args=["--topology", str(DGX_H100)]).start()
+    r = d.ctl("run", "--", "sh", "-c", SHOW)
+    assert r.rc == 0, r.err
+    assert r.out.splitlines()[1] == "cvd="
+    said = [ln for ln in r.err.splitlines() if "gets no GPU" in ln]
+    assert said == ["tunerctl: note: the job gets no GPU (CUDA_VISIBLE_DEVICES is empty) "
+                    "though 8 GPU(s) are here; ask with --gpus N"], r.err
+    r = d.ctl("run", "--gpus", "1", "--", "true")
+    assert r.rc == 0 and "gets no GPU" not in r.err, r.err
+
+
 def test_exclusive_scope_that_does_not_exist_leaves_no_lease(module_daemon,
                                                             tmp_path: Path) -> None:
     daemon = module_daemon

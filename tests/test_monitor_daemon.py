@@ -468,3 +468,22 @@ def test_advise_names_the_ways_a_binding_is_lost(daemon_factory: Any) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_top_once_right_after_bind_lists_the_job(daemon_factory: Any, tmp_path: Path) -> None:
+    """A bind made since the last sample is in `top --once` at once (with its CPUs and
+    no readings yet), not "No bound jobs" until the next sample (issue 29)."""
+    d = daemon_factory(args=fast_config(tmp_path, interval=60.0)).start()
+    wait_for(lambda: d.ctl("--json", "top").json().get("sample"), 10, "the first sample")
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        r = d.ctl("bind", str(p.pid), "--cpus", "0")
+        assert r.rc == 0, r.err
+        top = d.ctl("top", "--once")
+        assert top.rc == 0, top.err
+        assert "No bound jobs" not in top.out, top.out
+        row = next(line for line in top.out.splitlines() if line.strip().startswith(str(p.pid)))
+        assert "sleep" in row and " 0 " in f" {row} ", row
+    finally:
+        p.kill()
+        p.wait()

@@ -173,18 +173,34 @@ def test_bundled_rule_binds_cpus_and_notes_the_missing_capability(
         rank.kill()
 
 
-def test_status_exits_1_when_a_rule_failed(
+def test_a_missing_capability_is_one_warning_per_rule_and_status_exits_0(
         tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    """Two ranks under the rule, both without their fd limit: one warning for the rule
+    and the capability (counted), no error, and `status` exits 0 saying it."""
     d, token = nocap_daemon
     assert d.ctl("status").rc == 0  # nothing failed yet
-    rank = start_rank(tmp_path, token)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ranks = [start_rank(tmp_path / "a", token), start_rank(tmp_path / "b", token)]
     try:
-        wait_for(lambda: "CAP_SYS_RESOURCE" in d.ctl("status").out, 15,
-                 "status to name CAP_SYS_RESOURCE")
+        for rank in ranks:
+            wait_for(lambda rank=rank: job_of(d, rank.pid), 15, "the rank bound by the rule")
+        st = wait_for(lambda: next((s for s in [d.ctl("--json", "status").json()]
+                                    if any(w.get("count") == 2 for w in s.get("warnings") or [])),
+                                   None), 15, "the warning counted twice",
+                      detail=lambda: str(d.ctl("--json", "status").json().get("warnings")))
+        assert st["errors"] == [] and st["healthy"] is True, st["errors"]
+        [w] = [w for w in st["warnings"] if "CAP_SYS_RESOURCE" in w["message"]]
+        assert w["message"].startswith("rule torch-training: fd limit not set for the "
+                                       "processes it binds: the daemon lacks "
+                                       "CAP_SYS_RESOURCE"), w
         r = d.ctl("status")
-        assert r.rc == 1, r.out
+        assert r.rc == 0, r.out
+        said = [ln for ln in r.out.splitlines() if "CAP_SYS_RESOURCE" in ln]
+        assert len(said) == 1 and said[0].startswith("warning [autobind]") and "(x2)" in said[0]
     finally:
-        rank.kill()
+        for rank in ranks:
+            rank.kill()
 
 
 def test_run_keeps_its_cpus_and_notes_the_missing_capability(

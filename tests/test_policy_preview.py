@@ -97,3 +97,56 @@ def test_config_key_makes_every_reload_refuse_rebinding(
         assert d.ctl("--json", "policy", "show").json()["job"] == []
     finally:
         kill(p)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(len(HOST_CPUS) < 2, reason="needs 2 CPUs to tell a binding apart")
+def test_a_staged_dir_waits_for_reload_policy_dir_and_a_refusal_installs_nothing(
+        tmp_path: Path, daemon_factory, unpriv_user: tuple[int, int]) -> None:
+    """The recipe: stage, preview, then `reload --policy-dir DIR [--no-rebind-running]`:
+    nothing of DIR is in force or in the policy dir until that command accepts it, a
+    refusal names the files that really stay in force, an acceptance installs DIR's files
+    as the policy dir's whole content and puts them in force at once."""
+    token = f"3200{os.getpid()}.5"
+    target = min(HOST_CPUS)
+    pdir = tmp_path / "pol"
+    write_policy(pdir, "00-test.toml", '[policy]\nname = "test"\n')
+    write_policy(pdir, "05-old.toml", '[policy]\nname = "old"\n')
+    cand = rule_policy(tmp_path / "cand", f'[[job]]\nname = "staged"\n'
+                                          f'match.cmdline = ["*sleep {token}*"]\n'
+                                          f'cpus = "{target}"\n')
+    bad = tmp_path / "bad"
+    write_policy(bad, "00-test.toml", '[policy]\nname = "test"\n[limits]\nnofile = "x"\n')
+    d: DaemonProc = daemon_factory(policy_dir=pdir).start()
+    in_force = [str(pdir / "00-test.toml"), str(pdir / "05-old.toml")]
+    uid, gid = unpriv_user
+    p = subprocess.Popen(["sleep", token], user=uid, group=gid, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: cpus_allowed(p.pid) is not None, 5, "the sleeper to start")
+        before = cpus_allowed(p.pid)
+        r = d.ctl("reload", "--policy-dir", str(bad))
+        assert r.rc == 1 and r.out.startswith(
+            f"rejected: nothing installed from {bad}; still in force: {', '.join(in_force)}, "
+            "loaded "), r.out
+        assert "limits.nofile" in r.out
+        assert d.ctl("--json", "status").json()["policy"]["error"] is None  # the dir is fine
+        r = d.ctl("reload", "--policy-dir", str(cand), "--no-rebind-running")
+        assert r.rc == 1, r
+        assert r.out.startswith(f"refused: nothing installed from {cand}; still in force: "
+                                f"{', '.join(in_force)}, loaded "), r.out
+        assert f"pid {p.pid} (tunerd-test, rule staged)" in r.out
+        assert sorted(x.name for x in pdir.glob("*.toml")) == ["00-test.toml", "05-old.toml"]
+        assert d.ctl("--json", "policy", "show").json()["sources"] == in_force
+        assert cpus_allowed(p.pid) == before
+        r = d.ctl("reload", "--policy-dir", str(cand))
+        assert r.rc == 0, r
+        assert r.out.splitlines()[:2] == [f"installed from {cand}: 00-test.toml",
+                                          f"reloaded; in force: {pdir / '00-test.toml'}"]
+        # the policy dir is the staged one's content: 05-old.toml gone, no temporary left
+        assert [x.name for x in pdir.iterdir()] == ["00-test.toml"]
+        assert (pdir / "00-test.toml").read_text() == (cand / "00-test.toml").read_text()
+        assert (pdir / "00-test.toml").stat().st_mode & 0o777 == 0o644
+        wait_for(lambda: cpus_allowed(p.pid) == str(target), 10, "the rule to bind it",
+                 detail=d.log)
+        assert d.ctl("--json", "policy", "show").json()["sources"] == [str(pdir / "00-test.toml")]
+    finally:
+        kill(p)  # type: ignore[arg-type]

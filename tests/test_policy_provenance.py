@@ -4,9 +4,10 @@ bundled policies sorting first so that a site file wins (issue 19, item 1)."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
-from tests.helpers import REPO, DaemonProc, run_ctl, write_policy
+from tests.helpers import REPO, DaemonProc, run_ctl, wait_for, write_policy
 from tunerd.policy.provenance import key_lines
 
 SITE = '[policy]\nname = "site"\n\n[limits]\nnofile = 65536\n'
@@ -72,3 +73,26 @@ def test_check_warns_when_a_bundled_file_sorts_after_a_site_file(tmp_path: Path)
     assert "00-base.toml" in warns[0]
     human = run_ctl("policy", "check", str(pdir)).out
     assert "WARN " in human
+
+
+def test_explain_after_a_rejected_edit_says_the_files_on_disk_differ(
+        tmp_path: Path, daemon_factory) -> None:
+    """`policy show --explain` shows the policy in force; after an edit the reload
+    rejected it also says the file on disk differs, and why (issue 29)."""
+    pdir = tmp_path / "pol"
+    site = write_policy(pdir, "10-site.toml", SITE)
+    d: DaemonProc = daemon_factory(policy_dir=pdir, args=["--dry-run"]).start()
+    assert "NOTE" not in d.ctl("policy", "show", "--explain").out
+    assert "on_disk" not in d.ctl("--json", "policy", "show").json()
+    time.sleep(0.05)  # the edit's mtime after the load, on any clock granularity
+    site.write_text(SITE.replace("65536", '"lots"'))
+    wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"], 10,
+             "the watcher's reload to reject the edit")
+    human = d.ctl("policy", "show", "--explain").out
+    assert human.startswith("# NOTE: the policy files on disk differ from the policy in "
+                            f"force shown here:\n#   changed since it was loaded: {site}\n"
+                            "#   the last reload was rejected: "), human
+    assert "limits.nofile = 65536\n" in human  # what is in force, still
+    js = d.ctl("--json", "policy", "show").json()
+    assert js["on_disk"]["changed"] == [str(site)] and "limits.nofile" in js["on_disk"]["rejected"]
+    assert "on_disk" not in d.ctl("policy", "show").out.split("\n\n", 1)[1]  # not TOML

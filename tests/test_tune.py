@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,8 @@ def test_tune_keeps_what_helps_skips_what_cannot_apply_and_prints_a_rule(
     assert job["match"]["cmdline"] == ["*small_train.py*"]
     assert job["workers"] == 2 and job["torch"] == {"num_workers": 2}
     assert job["placement"] in ("none", "gpu-local", "exclusive")
-    assert "# kept: " in r.out and "num_workers=2" in r.out
+    assert "# kept (each one's 95% interval of the ratio excluded 1): num_workers=2: " in r.out
+    assert job["match"]["user"] == ["root"]  # the measured job's user, not everyone's
 
 
 def test_tune_json_and_saved_rule_pass_policy_check(daemon, small_train: Path,
@@ -98,3 +100,53 @@ def test_tune_of_a_failing_command_says_why(tmp_path: Path) -> None:
 def test_steps_with_a_command_is_a_usage_error(tmp_path: Path) -> None:
     r = tune("--steps", "10", "--", sys.executable, "-c", "pass", socket=str(tmp_path / "x"))
     assert r.rc == 2 and "--steps" in r.err and "built-in workload" in r.err, r.err
+
+
+def _result(command: list[str], kept: list[bool]) -> Any:
+    """A TuneResult of comparisons with made-up medians: the first one measured the start
+    at 5715, later ones drifted (as a loaded machine does) to 9179 without a change."""
+    from tunerd.bench import BenchResult
+    from tunerd.bench.arms import ArmSpec
+    from tunerd.bench.stats import Comparison
+    from tunerd.bench.tune import Step, TuneResult
+
+    steps = []
+    for i, k in enumerate(kept):
+        a, b = (5715.0, 6100.0) if i == 0 else (9179.0, 9000.0)
+        c = Comparison("samples_per_second", True, a, b, b / a, (b / a - 0.05, b / a + 0.05)
+                       if k else (0.9, 1.1), "B" if k else None, "B (..)" if k else "no winner")
+        steps.append(Step("num_workers", 2 + i, ArmSpec(), ArmSpec(), BenchResult(
+            config=None, runs=[], comparison=c, elapsed_s=1.0), k, 1))  # type: ignore[arg-type]
+    return TuneResult(command=command, probe=None, start=ArmSpec(),  # type: ignore[arg-type]
+                      final=ArmSpec(), known={}, steps=steps)
+
+
+def test_the_summary_speaks_only_of_kept_changes() -> None:
+    from tunerd.bench.tune import rule_snippet
+
+    none_kept = _result(["python", "train.py"], [False, False])
+    assert none_kept.gain() == (5715.0, None)  # no "5715 -> 9179 (1.606x)" from drift
+    text = rule_snippet(none_kept, user="alice")
+    assert "# measured" not in text and "interval excluded 1" not in text
+    assert "# kept: nothing (no change helped beyond the noise)" in text
+    one = rule_snippet(_result(["python", "train.py"], [True, False]), user="alice")
+    assert "# kept (each one's 95% interval of the ratio excluded 1): num_workers=2: " \
+        "1.067x (95% 1.017-1.117)" in one
+
+
+@pytest.mark.parametrize(("command", "cmdline"), [
+    (["python", "/data/jobs/train.py", "--epochs", "3"], "*train.py*"),
+    (["/usr/bin/python3", "-m", "mypkg.train", "--lr", "1"], "*-m mypkg.train*"),
+    (["python3", "-c", "import x; x.main()"], "*python3 -c import x; x.main()*"),
+    (["./trainer", "--fast"], "*trainer*"),
+    (["env", "A=1", "python", "-c", "pass"], "*env A=1 python -c pass*"),
+    (["python", "-c", "print([1]*2)"], "*python -c print([[]1][*]2)*"),
+])
+def test_the_rule_matches_the_measured_job_never_every_python(
+        command: list[str], cmdline: str) -> None:
+    from tunerd.bench.tune import rule_snippet
+
+    rule = tomllib.loads(rule_snippet(_result(command, [True]), user="alice"))["job"][0]
+    assert rule["match"]["cmdline"] == [cmdline]
+    assert rule["match"]["user"] == ["alice"]
+    assert not any(g.strip("*") in ("python", "python3") for g in rule["match"]["cmdline"])

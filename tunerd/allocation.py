@@ -67,6 +67,9 @@ class Allocation:
     job_from_cgroup: bool = False  # the Slurm ids come from the cgroup (not the user's env)
     # the scheduler's GPU grant before CUDA_VISIBLE_DEVICES narrows it (scheduler_gpus)
     granted: tuple[int, ...] | None = field(default=None, compare=False)
+    # what ``cpus`` is, for messages: the cgroup's "cpuset", or a "CPU mask" (a lease's,
+    # a launcher's or the process's own affinity, which narrowed it: intake.request)
+    cpus_what: str = field(default="cpuset", compare=False)
 
     @property
     def confined(self) -> bool:
@@ -79,7 +82,7 @@ class Allocation:
     def describe(self) -> str:
         parts = []
         if self.cpus is not None:
-            parts.append(f"cpuset {format_cpulist(self.cpus)}")
+            parts.append(f"{self.cpus_what} {format_cpulist(self.cpus)}")
         if self.gpus is not None:
             parts.append(f"GPUs {format_cpulist(self.gpus) or 'none'}")
         if self.ncpus is not None:

@@ -641,13 +641,21 @@ def check_data_device(env: Env, d: Path, majmin: str) -> Check:
 
 
 # -- limits and kernel ---------------------------------------------------------
-def check_nofile(env: Env) -> Check:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+def check_nofile(env: Env, limits: tuple[int, int] | None = None) -> Check:
+    soft, hard = limits if limits is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
     ev = f"RLIMIT_NOFILE soft {soft}, hard {hard}"
     if soft != resource.RLIM_INFINITY and soft < NOFILE_MIN:
-        return Check("nofile", "Open-file limit", WARN, ev,
-                     f"Raise to >= {NOFILE_MIN}: `ulimit -n 1048576`, LimitNOFILE= in the unit, "
-                     "or policy [limits] nofile (tunerd sets it on bound jobs).")
+        elsewhere = ("LimitNOFILE= in the unit, nofile in /etc/security/limits.conf, or "
+                     "policy [limits] nofile (tunerd sets it on run and rule-bound jobs)")
+        if hard == resource.RLIM_INFINITY or hard >= NOFILE_MIN:
+            # the soft limit may be raised up to the hard one without privilege
+            to = 1048576 if hard == resource.RLIM_INFINITY else min(hard, 1048576)
+            fix = f"Raise to >= {NOFILE_MIN}: `ulimit -n {to}` (up to the hard limit), or " \
+                  + elsewhere + "."
+        else:
+            fix = (f"The hard limit {hard} is below {NOFILE_MIN} and only root can raise "
+                   f"it (`ulimit -n` cannot go past it): " + elsewhere + ".")
+        return Check("nofile", "Open-file limit", WARN, ev, fix)
     return Check("nofile", "Open-file limit", PASS, ev)
 
 

@@ -116,15 +116,12 @@ class TuneResult:
         return out
 
     def gain(self) -> tuple[float | None, float | None]:
-        """(median of the start configuration, median of the final one), as measured in
-        the comparisons that involved them."""
-        first = last = None
-        for s in self.steps:
-            c = s.result.comparison
-            if first is None:
-                first = c.median_a
-            last = c.median_b if s.kept else c.median_a
-        return first, last
+        """(median of the start configuration, median of the final one) as measured: the
+        first comparison's A and the last kept change's B; (start, None) when nothing was
+        kept (the final configuration is the start: there is no gain to speak of)."""
+        first = self.steps[0].result.comparison.median_a if self.steps else None
+        kept = [s for s in self.steps if s.kept]
+        return first, (kept[-1].result.comparison.median_b if kept else None)
 
     def to_dict(self) -> dict[str, Any]:
         start, end = self.gain()
@@ -133,6 +130,13 @@ class TuneResult:
                 "steps": [s.to_dict() for s in self.steps], "skipped": self.skipped,
                 "start_median": start, "final_median": end,
                 "rule": rule_snippet(self), "elapsed_s": round(self.elapsed_s, 3)}
+
+
+def _ratio(step: Step) -> str:
+    c = step.result.comparison
+    if c.ratio is None:
+        return "no ratio"
+    return f"{c.ratio:.3f}x" + (f" (95% {c.ci[0]:.3f}-{c.ci[1]:.3f})" if c.ci else "")
 
 
 def _value_of(spec: ArmSpec, key: str, known: dict[str, Any] | None = None) -> Any:
@@ -272,28 +276,60 @@ def _toml(v: Any) -> str:
     return json.dumps(str(v))  # a TOML basic string: JSON's escapes are TOML's
 
 
+# programs that run a script: never a rule's match on their own (`*python*` binds every
+# Python process of every user)
+_RUNNERS = re.compile(r"^(python[0-9.]*|pypy[0-9.]*|sh|bash|dash|zsh|env|uv|conda|"
+                      r"torchrun|accelerate|deepspeed|srun|mpirun|nohup|time|nice|numactl|"
+                      r"taskset)$")
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
 def _match_token(command: list[str]) -> str:
-    """The word of the command line a rule matches on: the script, else the program."""
+    """What of the command line a rule matches on: its script's name (``*train.py*``),
+    else the module of ``-m MOD``, else a program that is not a mere runner, else the
+    whole command line as it ran (escaped), never an interpreter's name alone."""
     words = [os.path.basename(w) for w in command]
     script = next((w for w in words if w.endswith(".py")), None)
-    token = script or (words[0] if words else "train")
-    return re.sub(r"[*?\[\]]", "", token) or "train"
+    if script:
+        return _glob_escape(script)
+    if "-m" in command[:-1]:
+        return _glob_escape("-m " + command[command.index("-m") + 1])
+    program = next((w for w in words if w and not w.startswith("-")
+                    and not _RUNNERS.match(w)), None)
+    if program and words and not _RUNNERS.match(words[0]):
+        return _glob_escape(program)
+    return _glob_escape(" ".join(command)) or "train"
 
 
-def rule_snippet(res: TuneResult) -> str:
-    """The winning settings as a ``[[job]]`` rule for a policy file."""
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def rule_snippet(res: TuneResult, user: str | None = None) -> str:
+    """The winning settings as a ``[[job]]`` rule for a policy file: it matches the job
+    that was measured (its script, run by ``user``: the caller), nothing wider."""
     token = _match_token(res.command)
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", token.rsplit(".py", 1)[0]).strip("-.") or "job"
-    start, end = res.gain()
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", re.sub(r"\[(.)\]", r"\1", token)
+                  .rsplit(".py", 1)[0]).strip("-.") or "job"
     lines = [f"# tunerctl tune: {' '.join(res.command)}"[:300]]
-    if start and end:
-        lines.append(f"# measured: {start:.4g} -> {end:.4g} "
-                     f"({end / start:.3f}x); every kept change's 95% interval excluded 1")
     kept = [s for s in res.steps if s.kept]
-    lines.append("# kept: " + (", ".join(f"{s.setting}={_show(s.value)}" for s in kept)
-                               or "nothing (no change helped beyond the noise)"))
+    if kept:
+        lines.append("# kept (each one's 95% interval of the ratio excluded 1): " + "; ".join(
+            f"{s.setting}={_show(s.value)}: {_ratio(s)}" for s in kept))
+    else:
+        lines.append("# kept: nothing (no change helped beyond the noise); the rule below "
+                     "only places the job as measured")
     lines += ["[[job]]", f"name = {_toml('tuned-' + stem)}",
               f"match.cmdline = [{_toml('*' + token + '*')}]",
+              f"match.user = [{_toml(user or _user())}]",
               f"placement = {_toml(RULE_PLACEMENT[res.final.placement])}"]
     values = res.final_values()
     if values.get("num_workers") is not None:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import Command, CountType, CpusType, cpu_args
+from tunerd.cli.types import CPULIST, Command, CountType, cpu_args
 
 QUICK_RUNS = 4
 DEFAULT_RUNS = 5
@@ -33,9 +33,8 @@ def workload_options(f: F) -> F:
                      help="Placed runs (tunerd, exclusive): GPUs to lease."),
         click.option("--ncpus", type=CountType(maximum=65536), default=None,
                      help="Placed runs: number of CPUs to lease."),
-        click.option("--cpus", type=CpusType(), default=None,
-                     help="Placed runs: exactly these CPUs (the older --cpus N still means a "
-                          "count, with a warning)."),
+        click.option("--cpus", type=CPULIST, default=None,
+                     help="Placed runs: exactly these CPUs (a cpulist, as for bind)."),
         click.option("--noisy", is_flag=True,
                      help="Noisy neighbour: a CPU hog runs during every run (exclusive "
                           "placements move it off their CPUs)."),

@@ -65,26 +65,49 @@ def status() -> int:
 
 def _human_reload(r: dict[str, Any]) -> str:
     if r.get("reloaded"):
-        lines = ["reloaded; in force: " + (", ".join(r.get("in_force") or [])
-                                           or "no file (empty policy)")]
+        lines = []
+        if r.get("staged"):
+            lines.append(f"installed from {r['staged']}: "
+                         + (", ".join(r.get("installed") or []) or "no file"))
+        lines.append("reloaded; in force: " + (", ".join(r.get("in_force") or [])
+                                               or "no file (empty policy)"))
         lines += [f"warning: {w}" for w in r.get("warnings") or []]
         return "\n".join(lines)
-    return (f"rejected, the previous policy stays in force "
-            f"({', '.join(r.get('in_force') or []) or 'none'}):\n{r.get('error')}")
+    since = r.get("in_force_since")
+    when = f", loaded {_ago(since)}" if since else ""
+    files = ", ".join(r.get("in_force") or []) or "the bundled default"
+    head = "refused" if r.get("refused") else "rejected"
+    if r.get("staged"):
+        return (f"{head}: nothing installed from {r['staged']}; still in force: {files}"
+                f"{when}\n{r.get('error')}")
+    return f"{head}; still in force: {files}{when}\n{r.get('error')}"
 
 
 @click.command(cls=Command)
+@click.option("--policy-dir", "staged", type=click.Path(file_okay=False),
+              default=None, metavar="DIR",
+              help="Check the staged policy files in DIR and, only if they are accepted, "
+                   "install them as the policy dir's whole content and put them in force, "
+                   "in one step (the watcher does not see a half-copied set).")
 @click.option("--no-rebind-running", "no_rebind", is_flag=True,
               help="Refuse the new policy if its [[job]] rules would bind running processes "
                    "of other users (default: they are bound at once; see `tunerctl plan "
                    "--policy-dir`).")
-def reload(no_rebind: bool) -> int:
+def reload(staged: str | None, no_rebind: bool) -> int:
     """Re-read the policy files (root): the files in force, or the error (old policy kept).
 
     By default the new rules also bind the matching processes that already run, of
-    every user; --no-rebind-running refuses such a policy instead (exit 1).
+    every user; --no-rebind-running refuses such a policy instead (exit 1). With
+    --policy-dir DIR the candidate is checked first and installed only when accepted.
     """
     ctx = get_ctx()
-    r = ctx.call("reload", no_rebind_running=True) if no_rebind else ctx.call("reload")
+    args: dict[str, Any] = {}
+    if no_rebind:
+        args["no_rebind_running"] = True
+    if staged is not None:
+        import os
+
+        args["policy_dir"] = os.path.abspath(staged)
+    r = ctx.call("reload", **args)
     ctx.emit(r, _human_reload)
     return 0 if r.get("reloaded") else 1

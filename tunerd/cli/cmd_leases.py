@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from tunerd.cli.context import get_ctx
-from tunerd.cli.types import Command, CountType, CpusType, cpu_args
+from tunerd.cli.types import CPULIST, Command, CountType, cpu_args
 
 # set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
 _NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
@@ -27,7 +27,7 @@ _COMMON = [
                  help="Number of GPUs."),
     click.option("--ncpus", type=CountType(), default=None,
                  help="Number of CPUs (default: this node's per-GPU share)."),
-    click.option("--cpus", type=CpusType(), default=None,
+    click.option("--cpus", type=CPULIST, default=None,
                  help="Exactly these CPUs (cpulist, e.g. 2-5,8), as for bind."),
     click.option("--workers", type=CountType(minimum=0, maximum=1024),
                  default=None,
@@ -70,7 +70,7 @@ def _notes(r: dict[str, Any]) -> None:
         click.echo(f"tunerctl: note: {n}", err=True)
 
 
-def _request(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+def _request(gpus: int, ncpus: int | None, cpus: str | None, workers: int | None,
              exclusive: bool, exclusive_scope: str | None, tag: str | None) -> dict[str, Any]:
     count, cpulist = cpu_args(ncpus, cpus)
     args: dict[str, Any] = {"gpus": gpus, "ncpus": count, "cpus": cpulist, "exclusive": exclusive,
@@ -82,7 +82,7 @@ def _request(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int 
 
 @click.command(cls=Command)
 @_common
-def alloc(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+def alloc(gpus: int, ncpus: int | None, cpus: str | None, workers: int | None,
           exclusive: bool, exclusive_scope: str | None, uuids: bool, tag: str | None) -> int:
     """Reserve GPUs and CPUs without launching; prints shell `export` lines.
 
@@ -188,7 +188,7 @@ def _parse_list(text: str) -> set[int]:
                                               "allow_interspersed_args": False})
 @_common
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(gpus: int, ncpus: int | None, cpus: str | int | None, workers: int | None,
+def run(gpus: int, ncpus: int | None, cpus: str | None, workers: int | None,
         exclusive: bool, exclusive_scope: str | None, uuids: bool, tag: str | None,
         command: tuple[str, ...]) -> int:
     """Allocate, then exec COMMAND bound, with CUDA_VISIBLE_DEVICES set.

@@ -90,16 +90,30 @@ def _drop_empty(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v not in ({}, [], None, "")}
 
 
+def _on_disk_lines(r: dict[str, Any]) -> list[str]:
+    """The note that the files on disk are not what is in force (a rejected edit)."""
+    d = r.get("on_disk")
+    if not d:
+        return []
+    lines = ["# NOTE: the policy files on disk differ from the policy in force shown here:"]
+    lines += [f"#   changed since it was loaded: {f}" for f in d.get("changed") or []]
+    lines += [f"#   not in force: {f}" for f in d.get("new") or []]
+    if d.get("rejected"):
+        lines.append(f"#   the last reload was rejected: {d['rejected']}")
+    return lines
+
+
 def _human_show(r: dict[str, Any]) -> str:
     from tunerd.policy.render import render_toml
 
-    lines = ["# policy files applied, in merge order:"]
+    lines = [*_on_disk_lines(r), "# policy files applied, in merge order:"]
     lines += [f"#   {s}" for s in r.get("sources") or []] or ["#   (none)"]
     if r.get("skipped"):
         lines.append("# not applied:")
         lines += [f"#   {s['file']}: {s['reason']}" for s in r["skipped"]]
     lines += [f"# WARNING: {w}" for w in r.get("warnings") or []]
-    data = {k: v for k, v in r.items() if k not in ("sources", "skipped", "warnings")}
+    data = {k: v for k, v in r.items()
+            if k not in ("sources", "skipped", "warnings", "on_disk")}
     body = {k: (_drop_empty(v) if isinstance(v, dict) else v) for k, v in data.items()}
     body = _drop_empty(body)
     return "\n".join(lines) + "\n\n" + render_toml(body).rstrip("\n")
@@ -111,7 +125,8 @@ def _short(value: Any) -> str:
 
 
 def _human_explain(r: dict[str, Any]) -> str:
-    lines = ["# every key a policy file sets: the file:line that set it (last wins), and the"
+    lines = [*_on_disk_lines(r),
+             "# every key a policy file sets: the file:line that set it (last wins), and the"
              " earlier files it overrode", "# (keys not listed have their defaults)"]
     lines += [f"# WARNING: {w}" for w in r.get("warnings") or []]
     for key, o in (r.get("provenance") or {}).items():

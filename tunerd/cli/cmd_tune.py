@@ -115,11 +115,15 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:
         start_m, end_m = result.gain()
+        n = f"{len(result.steps)} comparison(s) in {result.elapsed_s:.0f} s"
+        metric = result.steps[0].result.comparison.metric if result.steps else None
         if start_m and end_m:
-            click.echo(f"{result.steps[0].result.comparison.metric}: {start_m:.4g} as it was, "
-                       f"{end_m:.4g} with the kept changes ({end_m / start_m:.3f}x); "
-                       f"{len(result.steps)} comparison(s) in {result.elapsed_s:.0f} s",
+            click.echo(f"{metric}: {start_m:.4g} as it was, {end_m:.4g} with the kept "
+                       f"changes ({end_m / start_m:.3f}x); {n}",
                        err=True)  # stdout is the rule alone, ready for a policy file
+        elif result.steps:
+            click.echo(f"{metric}: nothing kept, no change helped beyond the noise; {n}",
+                       err=True)
         click.echo(snippet, nl=False)
         if save is not None:
             click.echo(f"# written to {save}; check it with: tunerctl policy check {save}",

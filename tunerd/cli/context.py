@@ -73,7 +73,11 @@ def report_error(err: TunerdError, as_json: bool) -> None:
         import json
 
         click.echo(json.dumps({"ok": False, "error": error_to_wire(err)}, indent=2, default=str))
-    if isinstance(err, DaemonUnreachable):
+    if isinstance(err, DaemonUnreachable) and err.details.get("url"):
+        # another service (fleet check's Prometheus), not tunerd: no hint to start tunerd
+        click.echo(f"tunerctl: error: {err.message}\n  is Prometheus running there? "
+                   f"check the URL and `curl {err.details['url']}/-/ready`", err=True)
+    elif isinstance(err, DaemonUnreachable):
         from tunerd.cli.service_hint import unreachable_message
 
         click.echo(f"tunerctl: error: {unreachable_message(err.message)}", err=True)

@@ -148,27 +148,9 @@ PID = CountType("PID", metavar="PID")
 CPULIST = CpuListType()
 
 
-class CpusType(click.ParamType):
-    """``--cpus LIST``; a plain integer is the old ``--cpus N`` count (one more release)."""
-
-    name = "LIST"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> str | int:
-        if isinstance(value, int) or str(value).strip().isdigit():
-            return int(value)
-        return CPULIST.convert(value, param, ctx)
-
-
-def cpu_args(ncpus: int | None, cpus: str | int | None) -> tuple[int | None, str | None]:
-    """(count, cpulist) from ``--ncpus N`` / ``--cpus LIST`` or the older ``--cpus N``."""
-    if isinstance(cpus, int):
-        click.echo(f"tunerctl: warning: --cpus {cpus} as a CPU count is deprecated and goes "
-                   f"away in the next release; use --ncpus {cpus} (--cpus takes a CPU list, "
-                   f"as in bind: CPU {cpus} alone is --cpus {cpus}-{cpus})", err=True)
-        if ncpus is not None:
-            raise click.UsageError("give --ncpus N or --cpus N, not both")
-        return cpus, None
+def cpu_args(ncpus: int | None, cpus: str | None) -> tuple[int | None, str | None]:
+    """(count, cpulist) from ``--ncpus N`` / ``--cpus LIST``: ``--cpus`` is a CPU list
+    everywhere, as in bind (``--cpus 1`` is CPU 1; the old count spelling is gone)."""
     if ncpus is not None and cpus is not None:
         raise click.UsageError("give --ncpus N (a count) or --cpus LIST (exact CPUs), not both")
     return ncpus, cpus

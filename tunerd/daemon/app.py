@@ -8,6 +8,7 @@ control server, the policy holder and the callbacks that take a new policy.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -72,43 +73,67 @@ class Daemon:
         self._reloading = asyncio.Lock()
 
     # -- policy --------------------------------------------------------------------
-    async def reload(self, guard: Callable[[Policy], str | None] | None = None
-                     ) -> dict[str, Any]:
+    async def reload(self, guard: Callable[[Policy], str | None] | None = None,
+                     staged: Path | None = None) -> dict[str, Any]:
         """Load policies again; a bad policy is rejected and the old one stays.
 
         ``guard`` may refuse a valid policy (``reload --no-rebind-running``): it returns
         why, and the old policy stays, as for a bad one, without counting as an error.
+        ``staged`` (``reload --policy-dir DIR``): that directory is read and checked
+        instead, and only when it is accepted are its files installed into the policy
+        dir and put in force, under the reload lock (the watcher's reload waits).
         """
         guard = guard if guard is not None else self.reload_guard
+        loop = asyncio.get_running_loop()
         async with self._reloading:
             self.notifier.reloading()
             try:
                 # reading the directory is quick, but must never hold the loop
-                new = await asyncio.get_running_loop().run_in_executor(None, self.policy.load)
+                new = await loop.run_in_executor(
+                    None, self.policy.load if staged is None else
+                    functools.partial(self.policy.load_staged, staged))
             except PolicyError as err:
+                self.notifier.send("READY=1")
+                if staged is not None:  # nothing installed: the policy dir is as it was
+                    return {"reloaded": False, "error": err.message, **self._in_force(),
+                            "staged": str(staged), "installed": False}
                 self.policy.error = err.message
                 self.errors.record("reload", f"policy rejected, keeping the previous one: "
                                    f"{err.message}")
                 self.notifier.status(f"policy error: {err.message}"[:200])
-                self.notifier.send("READY=1")
-                return {"reloaded": False, "error": err.message,
-                        "in_force": self.policy.policy.sources if self.policy.policy else []}
+                return {"reloaded": False, "error": err.message, **self._in_force()}
             refused = guard(new) if guard is not None else None
             if refused is not None:
                 log.warning("reload refused: %s", refused)
-                self.errors.record("reload", f"reload refused, keeping the previous policy: "
-                                   f"{refused}", level="warning")
+                if staged is None:
+                    self.errors.record("reload", f"reload refused, keeping the previous "
+                                       f"policy: {refused}", level="warning")
                 self.notifier.send("READY=1")
+                extra = {"staged": str(staged), "installed": False} if staged else {}
                 return {"reloaded": False, "error": refused, "refused": True,
-                        "in_force": self.policy.policy.sources if self.policy.policy else []}
+                        **self._in_force(), **extra}
+            installed: list[str] | None = None
+            if staged is not None:
+                installed = await loop.run_in_executor(None, self.policy.install, staged)
+                log.info("installed %s from %s into %s", ", ".join(installed) or "no file",
+                         staged, self.policy.policy_dir)
+                new = await loop.run_in_executor(None, self.policy.load)
             self.policy.put(new)
             self.errors.resolve("reload")
             log.info("policies reloaded: %s", self.policy.summary())
             self._warn_policy(new)
             await self._policy_changed(new)
             self.notifier.send("READY=1", f"STATUS={self.summary()}")
-            return {"reloaded": True, "error": None, "in_force": new.sources,
-                    "warnings": list(new.warnings)}
+            out: dict[str, Any] = {"reloaded": True, "error": None, "in_force": new.sources,
+                                   "warnings": list(new.warnings)}
+            if installed is not None:
+                out.update(staged=str(staged), installed=installed)
+            return out
+
+    def _in_force(self) -> dict[str, Any]:
+        """What stays in force after a refused reload: its files and when it was loaded."""
+        return {"in_force": self.policy.policy.sources if self.policy.policy else [],
+                "in_force_since": self.policy.loaded_at}
 
     def _warn_policy(self, policy: Policy) -> None:
         warnings = list(policy.warnings)

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import select
 import statistics
 import threading
@@ -70,7 +71,7 @@ __all__ = ["AutoBinder"]
 FOLLOWERS_MAX = 256  # processes a rank's bind looks at again (``_followers``)
 FOLLOWERS_DEPTH = 4  # ... and how far down its tree
 WRAPPED_MAX = 1024  # wrappers matched by an explicit rule, remembered at once
-
+_CAP = re.compile(r"\bCAP_[A-Z_]+\b")  # a capability a left-out step needed
 log = logging.getLogger("tunerd.autobind")
 
 STOP_DRAIN_S = 0.3  # at stop, how long binds made in the watcher's thread get to be recorded
@@ -263,7 +264,8 @@ class AutoBinder:
         n = len(self.rules.rules)
         bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
         at_start = [b for b in bound if b.at_start]
-        summary = (f"automatic binding: {n} rule(s), watcher {w['mode']}, "
+        names = ", ".join(r.name for r in self.rules.rules)
+        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {w['mode']}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
             users = sorted({user_name(b.uid) for b in at_start})
@@ -861,13 +863,27 @@ class AutoBinder:
         left_out = [n for n in notes if "not set" in n]
         if not left_out:
             return
-        # the rule asked for more than the daemon may do (a limit without
-        # CAP_SYS_RESOURCE): the CPUs are bound, the rest is an error until the
-        # process ends, so `tunerctl status` exits 1 and an operator hears of it
+        # the rule asked for more than the daemon may do. A capability the daemon lacks
+        # (CAP_SYS_RESOURCE for a limit, in a container) is a fact of this node, not of
+        # the process: one warning per rule and capability, counted, and `status` stays
+        # 0. Anything else is an error until the process ends (status exits 1).
+        other = []
+        for note in left_out:
+            cap = _CAP.search(note)
+            if cap is None:
+                other.append(note)
+                continue
+            self.errors.record(
+                "autobind", f"rule {m.rule.name}: {note.split(':', 1)[0]} for the processes "
+                f"it binds: the daemon lacks {cap.group(0)} (their CPUs are bound; last pid "
+                f"{ctx.pid}); grant tunerd {cap.group(0)} or lower the rule's value",
+                key=f"nocap:{m.rule.name}:{cap.group(0)}", level="warning")
+        if not other:
+            return
         self.partial += 1
         self.errors.record("autobind", f"rule {m.rule.name}, pid {ctx.pid}: bound to CPUs "
                            f"{format_cpulist(placed.cpus or frozenset())}, but "
-                           + "; ".join(left_out), key=f"partial:{ctx.pid}")
+                           + "; ".join(other), key=f"partial:{ctx.pid}")
         self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
 
     def _reserve(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,

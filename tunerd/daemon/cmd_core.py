@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
-from tunerd.errors import Failed
+from tunerd.errors import Failed, UsageError
 from tunerd.policy import Policy
 
 Guard = Callable[[Policy], "str | None"]
@@ -17,7 +18,7 @@ Guard = Callable[[Policy], "str | None"]
 
 class CoreCommands:
     def __init__(self, status: Callable[[], dict[str, Any]],
-                 reload: Callable[[Guard | None], Awaitable[dict[str, Any]]],
+                 reload: Callable[[Guard | None, Path | None], Awaitable[dict[str, Any]]],
                  policy: PolicyHolder,
                  refuse_rebind: Callable[[Policy, int], str | None] | None = None) -> None:
         self._status = status
@@ -46,7 +47,16 @@ class CoreCommands:
 
             def guard(p: Policy) -> str | None:
                 return refuse(p, uid)
-        return await self._reload(guard)
+        staged: Path | None = None
+        if req.arg("policy_dir", str, None) is not None:
+            staged = Path(req.arg("policy_dir", str))
+            if not staged.is_absolute() or not staged.is_dir():
+                raise UsageError(f"--policy-dir {staged}: not an absolute path of a directory")
+            if self.policy.policy_dir is not None and \
+                    staged.resolve() == self.policy.policy_dir.resolve():
+                raise UsageError(f"--policy-dir {staged} is the policy dir itself: stage the "
+                                 f"new files in another directory")
+        return await self._reload(guard, staged)
 
     async def policy_show(self, req: Request) -> dict[str, Any]:
         if self.policy.policy is None:
@@ -54,7 +64,36 @@ class CoreCommands:
         out = self.policy.policy.to_dict()
         if req.arg("explain", bool, False):
             out["provenance"] = self.policy.policy.provenance
+        differs = self._on_disk()
+        if differs:
+            out["on_disk"] = differs
         return out
+
+    def _on_disk(self) -> dict[str, Any] | None:
+        """How the policy dir differs from the policy in force (an edit the last reload
+        rejected, or one not reloaded yet): files changed or gone since it was loaded,
+        files added; None when it matches."""
+        pol, d, since = self.policy.policy, self.policy.policy_dir, self.policy.loaded_at
+        if pol is None or d is None or since is None:
+            return None
+        changed: list[str] = []
+        for f in pol.sources:
+            if not f.startswith(str(d)):
+                continue  # a bundled policy pulled in by extends
+            try:
+                if os.stat(f).st_mtime > since:
+                    changed.append(f)
+            except OSError:
+                changed.append(f"{f} (gone)")
+        known = set(pol.sources) | {s["file"] for s in pol.skipped}
+        try:
+            new = sorted(str(f) for f in d.glob("*.toml")
+                         if not f.name.startswith(".") and str(f) not in known)
+        except OSError:
+            new = []
+        if not (changed or new or self.policy.error):
+            return None
+        return {"changed": changed, "new": new, "rejected": self.policy.error}
 
 
 def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[str, Any]:

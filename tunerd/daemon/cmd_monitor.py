@@ -99,14 +99,23 @@ class MonitorCommands:
         m.watched()  # memory, disks, NICs sampled every cycle while top refreshes
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         sample = m.latest
+        records = m.job_records()
+        sampled = {j.get("pid") for j in (sample or {}).get("jobs") or []}
+        # bound since the last sample (up to one interval ago): listed at once, with what
+        # the binding says (name, CPUs, GPUs) and no readings yet, never "No bound jobs"
+        fresh = [{"pid": r["pid"], "name": r.get("name"), "cpus": r.get("cpus"),
+                  "gpus": list(r.get("gpus") or []), "not_sampled_yet": True}
+                 for r in records if r.get("pid") not in sampled]
+        if fresh:
+            sample = {**(sample or {}), "jobs": [*((sample or {}).get("jobs") or []), *fresh]}
         if sample and sample.get("jobs") and not seen.sees_all(req.peer)[0]:
             # a sample's job has no origin: its name is a cli/run job's comm or command
-            origin = {r.get("pid"): r.get("origin") for r in m.job_records()}
+            origin = {r.get("pid"): r.get("origin") for r in records}
             jobs = seen.redact(req.peer, [{**j, "origin": origin.get(j.get("pid"), "cli")}
                                           for j in sample["jobs"]])
             sample = {**sample, "jobs": [{k: v for k, v in j.items() if k != "origin"}
                                          for j in jobs]}
-        return {"sample": sample, "jobs": seen.redact(req.peer, m.job_records()),
+        return {"sample": sample, "jobs": seen.redact(req.peer, records),
                 "interval": m.interval}
 
     async def advise(self, req: Request) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from tunerd import procfs
 from tunerd.allocation import Allocation, read_allocation, scheduler_gpus
+from tunerd.cpulist import format_cpulist
 from tunerd.daemon.placer import PlaceRequest
 from tunerd.errors import NoSuchProcess, TunerdError
 from tunerd.topology.model import Topology
@@ -453,7 +454,8 @@ def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
     rank = ctx.rank
     group = ctx.group or (f"slurm:{a.slurm_job}.{a.slurm_step}"
                           if a.job_from_cgroup and a.slurm_step else None)
-    alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler)
+    alloc = replace(a, cpus=cpus, ncpus=ncpus, scheduler=scheduler,
+                    cpus_what=a.cpus_what if cpus == a.cpus else "CPU mask")
     sharers = None
     if rank is not None and rank.local_world and ctx.visible:
         sharers = -(-rank.local_world // len(ctx.visible))  # ranks per GPU, rounded up
@@ -477,8 +479,14 @@ def _self_affinity(ctx: JobContext, ppid: int, parent_comm: str) -> dict[str, ob
     except OSError:
         return {}
     if ctx.allocation.mask < pmask:
+        # who narrowed it is not known: the process itself, a wrapper it was exec'd
+        # through (numactl, taskset) or its launcher (mpirun --bind-to, torchrun
+        # --numa-binding): the message names the parent and both masks, not a guess
         return {"self_affined": True,
-                "why": ctx.why + "; set its own affinity (numactl/taskset): left as it is"}
+                "why": ctx.why + f"; its CPU mask {format_cpulist(ctx.allocation.mask)} was "
+                f"set narrower than its parent's ({parent_comm} pid {ppid}: "
+                f"{format_cpulist(pmask)}) by the launcher, a wrapper (numactl, taskset) or "
+                f"itself: left as it is"}
     return {}
 
 

@@ -239,6 +239,15 @@ class LeaseService:
             explanation=placed.explanation, applied=placed.applicable,
             notes=list(placed.notes), job=ctx.job_key, job_cgroup=job_dir(ctx.allocation))
 
+    def _no_gpus_note(self, ctx: JobContext) -> str:
+        """`run` without --gpus on a node with GPUs: the job sees none; say so, once."""
+        may = ctx.allocation.gpus
+        n = len(may) if may is not None else len(self.placer.topo.gpus)
+        if n == 0:
+            return ""
+        return (f"the job gets no GPU (CUDA_VISIBLE_DEVICES is empty) though {n} GPU(s) "
+                f"are here; ask with --gpus N")
+
     def _name_gpus(self, rec: Lease, env: Mapping[str, str]) -> None:
         """CUDA_VISIBLE_DEVICES for the lease in the caller's own numbering."""
         names = cvd_names(self.placer.topo, env)
@@ -300,6 +309,8 @@ class LeaseService:
                                                  exclusive=exclusive, workers=workers))
         rec = self._new_record(peer, placed, ctx, exclusive=exclusive, scope=scope,
                                origin="run", pid=pid, cmd=cmd[:8], tag=tag)
+        if gpus == 0 and (note := self._no_gpus_note(ctx)):
+            rec.notes.insert(0, note)
         self._name_gpus(rec, ctx.env)
         lid = rec.id
         self._commit(rec)
