@@ -149,7 +149,7 @@ def test_a_rank_that_set_its_own_affinity_is_left_as_it_is() -> None:
         assert ctx.role == "rank" and ctx.self_affined, ctx.why
         # the message names the parent and both masks, and guesses no tool (issue 29:
         # "numactl/taskset" was said when mpirun had set it)
-        parent = os.getpid()
+        parent = agent.pid
         assert f"its CPU mask {cpu} was set narrower than its parent's (" in ctx.why, ctx.why
         assert f" pid {parent}: " in ctx.why and "left as it is" in ctx.why
         assert "(numactl/taskset)" not in ctx.why

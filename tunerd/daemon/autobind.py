@@ -469,8 +469,7 @@ class AutoBinder:
             # the mask tunerd set itself (a daemon restarted mid-job): known from its
             # record, never taken for the rank's own choice; ``_adopt`` holds it again
             ctx = replace(ctx, self_affined=False,
-                          why=ctx.why.replace("; set its own affinity (numactl/taskset): "
-                                              "left as it is", "") + "; bound by tunerd")
+                          why=ctx.why.split("; its CPU mask ")[0] + "; bound by tunerd")
         if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
             self._wrap(m, ctx)
             self._left_alone(ctx)
