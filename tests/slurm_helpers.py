@@ -263,7 +263,12 @@ ConstrainRAMSpace=no
         wait_for(lambda: self.cmd("scontrol", "ping", timeout=10).returncode == 0
                  and "UP" in self.cmd("scontrol", "ping", timeout=10).stdout,
                  60, "slurmctld answering `scontrol ping`", interval=0.3, detail=self.logs)
-        self.spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.nodename])
+        # slurmd as a child subreaper (PR_SET_CHILD_SUBREAPER, kept across exec): the
+        # slurmstepd it forks detaches, and would be reparented to init, outside the
+        # test daemons' scope (--scope-pid: this test run's subtree); it stays below
+        # slurmd instead, so the tasks of the test's jobs are in scope
+        self.spawn("slurmd", [sys.executable, "-c", _SUBREAPER_EXEC, "slurmd", "-D", "-f",
+                              str(self.conf), "-N", self.nodename])
         wait_for(lambda: self.node_state() == "IDLE", 90, f"node {self.nodename} idle",
                  interval=0.3, detail=lambda: f"state {self.node_state()}\n{self.logs()}")
 
@@ -567,3 +572,8 @@ def hung_socket(path: Path) -> Iterator[Path]:
         s.close()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+# runs argv[1:] as a child subreaper: prctl(PR_SET_CHILD_SUBREAPER = 36, 1), then exec
+_SUBREAPER_EXEC = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")

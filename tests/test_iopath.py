@@ -85,7 +85,8 @@ def test_tunerctl_topology_shows_each_gpus_nic(daemon_factory) -> None:
     d = daemon_factory(args=["--topology", str(TOPOLOGIES / "dgx-h100.json")]).start()
     r = d.ctl("topology")
     assert r.rc == 0, r.err
-    row = next(line.split() for line in r.out.splitlines() if line.startswith("  GPU5 "))
+    nic_table = r.out[r.out.index("Each GPU's NIC"):]  # after the node map's table
+    row = next(line.split() for line in nic_table.splitlines() if line.startswith("  GPU5 "))
     assert row[1:3] == ["mlx5_5:1", "ibp192s0"] and "switch" in row
     r = d.ctl("--json", "topology")
     data = json.loads(r.out)

@@ -415,8 +415,9 @@ def _identity(ctx: JobContext, launcher: tuple[int, int, str] | None,
         return out
     if changes.get("role", ctx.role) == "rank":
         out.update(role="process",
-                   why=f"{rank.source}, but no launcher or scheduler step above it "
-                       "(torchrun, mpirun, srun, deepspeed, accelerate ...): not a rank")
+                   why=f"{changes.get('why', ctx.why)}; but no launcher or scheduler step "
+                       "above it (torchrun, mpirun, srun, deepspeed, accelerate ...): not a "
+                       "rank")
     return out
 
 
