@@ -66,7 +66,9 @@ class UserRateFilter(logging.Filter):
     bound) is one distinct line each, which the repeat filter cannot stop: a loop of
     6,000 allocs would be 12,000 lines. Past the burst, one line says the uid's lines
     are being suppressed, and the first line let through in a later window says how
-    many were. At most ``max_users`` uids are tracked (least recent out).
+    many were. A traceback counts every line it writes (the line that says the rest
+    is suppressed goes without its traceback). At most ``max_users`` uids are
+    tracked (least recent out).
     """
 
     def __init__(self, burst: int = 20, window: float = 60.0, max_users: int = 4096,
@@ -83,25 +85,25 @@ class UserRateFilter(logging.Filter):
         uid = _acting_uid.get()
         if uid is None or uid == 0:
             return True
+        cost = _lines(record)  # a traceback counts every line it writes
         now = self.clock()
         ent = self._users.get(uid)
         if ent is None or now - ent[0] >= self.window:
             dropped = int(ent[2]) if ent is not None else 0
-            self._users[uid] = [now, 1, 0]
-            self._users.move_to_end(uid)
+            ent = self._users[uid] = [now, 0, 0]
             if len(self._users) > self.max_users:
                 self._users.popitem(last=False)
             if dropped:
                 self._amend(record, f" [uid {uid}: {dropped} line(s) suppressed in the "
                                     f"previous {self.window:g} s]")
-            return True
         self._users.move_to_end(uid)
-        if ent[1] < self.burst:
-            ent[1] += 1
+        if ent[1] + cost <= self.burst:
+            ent[1] += cost
             return True
-        ent[2] += 1
-        self.dropped_total += 1
-        if ent[2] == 1:  # say once that the rest of this window is not logged
+        ent[2] += cost
+        self.dropped_total += cost
+        if ent[2] == cost:  # say once that the rest of this window is not logged
+            _one_line(record)
             self._amend(record, f" [uid {uid}: {self.burst} lines in {self.window:g} s: "
                                 "further lines its requests cause are suppressed for now]")
             return True
@@ -114,6 +116,23 @@ class UserRateFilter(logging.Filter):
         except Exception:
             return
         record.msg, record.args = text + note, None
+
+
+def _lines(record: logging.LogRecord) -> int:
+    """Lines ``record`` writes: its message, its traceback, its stack."""
+    n = 1
+    if record.exc_info and not record.exc_text:
+        record.exc_text = safe_traceback(record.exc_info)  # what the Formatter writes
+    if record.exc_text:
+        n += record.exc_text.count("\n") + 1
+    if record.stack_info:
+        n += record.stack_info.count("\n") + 1
+    return n
+
+
+def _one_line(record: logging.LogRecord) -> None:
+    """``record`` without its traceback and stack: the one line of its message."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
 
 
 class EscapeFilter(logging.Filter):

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
@@ -29,11 +29,12 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
     v = req.args.get(name)
     if v is None:
         return None
-    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                   for x in v):
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                   and 0 <= x < MAX_ID for x in v):
         return frozenset(v)
     if not isinstance(v, str):
-        raise UsageError(f"{req.cmd}: argument {name!r} must be a cpulist string, got {v!r}")
+        raise UsageError(f"{req.cmd}: argument {name!r} must be a cpulist string or a list "
+                         f"of ids 0 to {MAX_ID - 1}, got {str(v)[:100]}")
     try:
         return parse_cpulist(v)
     except CpuListError as err:
