@@ -15,7 +15,7 @@ from tunerd.daemon.placer import Placer, Reservation, held_exclusively
 from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, UsageError
+from tunerd.errors import Failed, PlacementError, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
 
@@ -102,9 +102,11 @@ class BindCommands:
 
             def hold(p: Placement, ctx: JobContext) -> None:  # under the placer's lock
                 if p.cpus and not self.jobs.dry_run:
+                    final = cpus if cpus is not None else p.cpus
+                    self._gate(req, pid, final, tuple(p.gpus or ()), exclusive, notes)
                     held_before.extend(self._hold_cpus(
-                        pid, cpus if cpus is not None else p.cpus, tuple(p.gpus or ()),
-                        ctx, exclusive, req.peer.uid, holding))
+                        pid, final, tuple(p.gpus or ()), ctx, exclusive, req.peer.uid,
+                        holding))
 
             placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
                                           else None, exclusive, ncpus, hold)
@@ -132,7 +134,7 @@ class BindCommands:
                 admit()
                 if cpus and not self.jobs.dry_run:
                     with self.placer.lock:
-                        self._others_exclusive(req, pid, cpus, notes)
+                        self._gate(req, pid, cpus, (), exclusive, notes)
                         held_before.extend(self._hold_cpus(pid, cpus, (), None, exclusive,
                                                            req.peer.uid, holding))
                 return Placement.given(cpus, mems,
@@ -155,19 +157,32 @@ class BindCommands:
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
-    def _others_exclusive(self, req: Request, pid: int, cpus: frozenset[int],
-                          notes: list[str]) -> None:
-        """``bind --cpus LIST`` passes the gate ``run --cpus`` and placements do: CPUs
-        another user's lease or exclusive bind holds are refused (PlacementError, exit
-        1); root may bind there (a lease's own processes, an operator's choice), with
-        a note naming the holder."""
-        held = self.placer.held_by_others(cpus, req.peer.uid, f"bind:{pid}")
-        if not held:
+    def _gate(self, req: Request, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
+              exclusive: bool, notes: list[str]) -> None:
+        """The one gate of every bind, whatever its flags (``--cpus``, ``--gpus``,
+        ``--mems``, ``--exclusive`` in any combination), on the CPUs it is about to get
+        and, for an exclusive bind, the GPUs it is about to hold; called under the
+        placer's lock, before anything is held or moved. It passes the gate ``run
+        --cpus`` and placements do: CPUs another user's lease or exclusive bind holds
+        are refused (PlacementError, exit 1), and so are GPUs another user's lease or
+        exclusive bind holds for an exclusive bind; root may bind there (a lease's own
+        processes, an operator's choice), with a note naming the holder."""
+        key = f"bind:{pid}"
+        refusals: list[PlacementError] = []
+        held = self.placer.held_by_others(cpus, req.peer.uid, key)
+        if held:
+            refusals.append(held_exclusively(held))
+        taken = self.placer.gpus_held_by_others(gpus, req.peer.uid, key) if exclusive else {}
+        if taken:
+            refusals.append(PlacementError(
+                f"GPU {','.join(map(str, sorted(taken)))} held by "
+                f"{'; '.join(sorted(set(taken.values())))}",
+                held_gpus={str(g): h for g, h in sorted(taken.items())}))
+        if not refusals:
             return
-        refusal = held_exclusively(held)
         if not req.peer.is_root:
-            raise refusal
-        notes.append(f"{refusal.message}: bound there as root asked")
+            raise refusals[0]
+        notes.extend(f"{r.message}: bound there as root asked" for r in refusals)
 
     def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
                    ctx: JobContext | None, exclusive: bool, uid: int,
