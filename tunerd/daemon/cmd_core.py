@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,6 +63,8 @@ def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[s
     the rules' bound and left-alone processes of other users without the text their
     command lines and environments put there (notes, why), and the errors about such a
     process ("rule R, pid N: ...") without their message."""
+    if not peer.is_root:
+        st = _policy_text_hidden(st)
     if seen.sees_all(peer)[0]:
         return st
     st = dict(st)
@@ -77,6 +80,38 @@ def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[s
         st[k] = [p if p.get("source") != "autobind" else
                  {**p, "message": _problem_hidden(seen, peer, str(p.get("message", "")))}
                  for p in st.get(k) or []]
+    return st
+
+
+# "/etc/tunerd/policies/x.toml: line 3, column 5: ..." -> the path and the line
+_POLICY_AT = re.compile(r"(/[^\s:]*\.toml)(?:: (line \d+))?")
+POLICY_TEXT_HIDDEN = "(details for root: tunerctl status as root, or the daemon's log)"
+
+
+def policy_error_public(message: str) -> str:
+    """A policy error as a non-root user may read it: the files and lines it names,
+    none of their text (a key, a value, a line quoted: a symlink to a root-only file
+    would show its first line)."""
+    head = message.split("/", 1)[0].rstrip()
+    where = []
+    for m in _POLICY_AT.finditer(message):
+        w = m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
+        if w not in where:
+            where.append(w)
+    if not where:
+        return message if " writable by " in message or " owned by " in message \
+            else f"{head} {POLICY_TEXT_HIDDEN}".strip()
+    return f"{head} {'; '.join(where)} {POLICY_TEXT_HIDDEN}".strip()
+
+
+def _policy_text_hidden(st: dict[str, Any]) -> dict[str, Any]:
+    st = dict(st)
+    pol = st.get("policy")
+    if isinstance(pol, dict) and pol.get("error"):
+        st["policy"] = {**pol, "error": policy_error_public(str(pol["error"]))}
+    for k in ("errors", "warnings", "resolved_errors"):
+        st[k] = [{**p, "message": policy_error_public(str(p.get("message", "")))}
+                 if p.get("source") == "reload" else p for p in st.get(k) or []]
     return st
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.errors import UsageError
+from tunerd.safefs import read_trusted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG = Path("/etc/tunerd/tunerd.toml")
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines: larger is refused unread
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -204,7 +206,10 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
     raw: dict[str, Any] = {}
     if path is not None or cfg_path.exists():
         try:
-            raw = tomllib.loads(cfg_path.read_text())
+            # trusted as the policy dir is: owned by root (or the daemon's own uid),
+            # writable by no one else, in dirs that are the same (Failed: exit 1)
+            raw = tomllib.loads(read_trusted(cfg_path, "config file", MAX_CONFIG_BYTES)
+                                .decode("utf-8"))
         except OSError as err:
             raise UsageError(f"{cfg_path}: cannot read config: {err.strerror}") from err
         except UnicodeDecodeError as err:

@@ -13,6 +13,7 @@ from pathlib import Path
 from tunerd.daemon.leases import LeaseLimits
 from tunerd.policy import NodeFacts, Policy, load_policy_dir
 from tunerd.policy.typed import PolicyModel
+from tunerd.safefs import trusted_uids
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyHolder"]
@@ -27,8 +28,10 @@ class PolicyHolder:
         self.error: str | None = None  # the last rejected reload, until one succeeds
 
     def load(self) -> Policy:
-        """Read the policy directory for this node (PolicyError when a file is bad)."""
-        return load_policy_dir(self.policy_dir, self.facts)
+        """Read the policy directory for this node (PolicyError when a file is bad, or
+        the directory or a file is not trusted: owned by root and writable by no one
+        else, tunerd.safefs.read_trusted)."""
+        return load_policy_dir(self.policy_dir, self.facts, trusted_uids())
 
     def put(self, policy: Policy) -> None:
         self.policy, self.error, self.loaded_at = policy, None, time.time()
