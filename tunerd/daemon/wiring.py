@@ -51,6 +51,7 @@ from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.runtime import PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
 from tunerd.placement import Placement
@@ -155,7 +156,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
-                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet)
+                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet,
+                      uid_sees_all=ProcVisibility(str(cfg.proc_root)).uid_sees_all)
 
     async def fleet_changed(new: Policy) -> None:
         fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
