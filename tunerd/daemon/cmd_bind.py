@@ -10,7 +10,7 @@ from tunerd.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
-from tunerd.daemon.peer import host_pid
+from tunerd.daemon.peer import PidNamespaces
 from tunerd.daemon.placer import Placer, Reservation, held_exclusively
 from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
@@ -51,6 +51,7 @@ class BindCommands:
         self.leases = leases
         self.gate = leases.gate
         self.intake = intake
+        self.namespaces = PidNamespaces()  # a caller in its own PID namespace
         jobs.on_exit(self._exited)
         jobs.on_adopt(self._adopted)
 
@@ -76,7 +77,7 @@ class BindCommands:
         router.add("jobs", self.list_jobs)
 
     async def bind(self, req: Request) -> dict[str, Any]:
-        pid = host_pid(req.peer, req.arg("pid", int))
+        pid = await self.namespaces.host_pid(req.peer, req.arg("pid", int))
         cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
         nofile = req.arg("nofile", int, None)
         exclusive = req.arg("exclusive", bool, False)
@@ -255,7 +256,7 @@ class BindCommands:
                          notes=placed.notes), ctx
 
     async def unbind(self, req: Request) -> dict[str, Any]:
-        pid = host_pid(req.peer, req.arg("pid", int))
+        pid = await self.namespaces.host_pid(req.peer, req.arg("pid", int))
         out = await self.jobs.unbind(pid, peer=req.peer)
         self.placer.release(f"bind:{pid}")
         self.gate.drop(f"bind:{pid}")
