@@ -15,6 +15,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from tunerd.text import safe
@@ -43,10 +44,49 @@ class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
                          delay=False)
 
     def _open(self):  # type: ignore[no-untyped-def]  # logging's own untyped hook
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.fdopen(open_log_file(self.baseFilename), "a", encoding=self.encoding,
+                         errors=self.errors)
+
+
+def open_log_file(path: str) -> int:
+    """``path`` opened for appending, as only a file no one else could have put there:
+    its directory (and those above it) owned by root (or the daemon's uid) and
+    writable by no one else (tunerd.safefs.check_dir), the file itself a regular file
+    (O_NOFOLLOW: no symlink; O_NONBLOCK: a FIFO cannot hang the start) owned by the
+    same, mode 0600. Anything else is a ``Failed`` naming the path and why."""
+    import errno
+    import stat
+
+    from tunerd.errors import Failed
+    from tunerd.safefs import check_dir, file_kind, trusted_uids
+
+    try:
+        check_dir(Path(path).parent, "log directory")
+    except Failed as err:
+        raise Failed(f"log file {path}: {err.message}", path=path) from None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Failed(f"log file {path}: a symbolic link; refusing to follow it",
+                         path=path) from None
+        if err.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a dir
+            raise Failed(f"log file {path}: not a regular file", path=path) from None
+        raise Failed(f"log file {path}: {err.strerror or err}", path=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Failed(f"log file {path}: not a regular file ({file_kind(st.st_mode)})",
+                         path=path)
+        if st.st_uid not in trusted_uids():
+            raise Failed(f"log file {path}: owned by uid {st.st_uid}, not by root; "
+                         "refusing it (its owner could read what tunerd logs)", path=path)
         os.fchmod(fd, 0o600)  # an existing file from an older install: 0644 before
-        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 # the uid whose request (or exec, for a rule) the code running now serves; set in a
 # context of its own per request by the control server, per match by the autobinder

@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_code(err))
     try:
         setup_logging(cfg.log_level, args.log_file)
+    except TunerdError as err:  # a log file others could have put there: refused
+        print(f"tunerd: error: --log-file: {err.message}", file=sys.stderr)
+        return int(exit_code(err))
     except OSError as err:
         print(f"tunerd: error: --log-file {args.log_file}: {err.strerror or err}",
               file=sys.stderr)
