@@ -60,6 +60,8 @@ class DaemonConfig:
     debug_nvml_replay: Path | None = None
     # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.podresources)
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    # subordinate uids: each counts as its user for per-user limits (tests: a temp file)
+    subuid_file: Path = Path("/etc/subuid")
 
     @property
     def socket_path(self) -> Path:
@@ -174,6 +176,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                           _abs_path),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
+    "subuid_file": ("subordinate uids: each counts as its user for per-user limits",
+                    _abs_path),
 }
 
 

@@ -51,6 +51,7 @@ from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.runtime import PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.daemon.subids import SubIds
 from tunerd.daemon.visibility import ProcVisibility
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
@@ -114,7 +115,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                        bind_delay=cfg.debug_bind_delay)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
-    gate = ReservationGate(policy.lease_limits, policy.default_nofile)
+    subids = SubIds(cfg.subuid_file)  # a user's subordinate uids count as her
+    gate = ReservationGate(policy.lease_limits, policy.default_nofile, subids=subids)
     intake = Intake(topology, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
                           intake, limits=policy.lease_limits,
@@ -205,7 +207,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
-                           max_connections_per_user=cfg.max_connections_per_user)
+                           max_connections_per_user=cfg.max_connections_per_user,
+                           owner=subids.owner)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
                     on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
