@@ -235,8 +235,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
             return preview.refuse_rebind(p, 0)
 
         daemon.reload_guard = refuse_for_root
-    BindCommands(jobs, placer, leases, intake,
-                 left_alone=autobind.left_alone_now).register(router)
+    BindCommands(jobs, placer, leases, intake, left_alone=autobind.left_alone_now,
+                 max_per_user=cfg.max_binds_per_user).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)
