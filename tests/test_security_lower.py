@@ -77,3 +77,38 @@ def test_ordinary_binds_have_a_per_user_cap(daemon_factory, tmp_path: Path,
     finally:
         for p in procs:
             kill(p)
+
+
+def test_status_gives_rank_pids_and_exec_times_to_their_owner_only(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    """`status` gave every user other users' rank PIDs with their exec times to the
+    nanosecond (services.autobind.bound, timeline_ns)."""
+    import json
+
+    from tests.helpers import wait_for, write_policy
+    from tests.leases_helpers import open_path_for_others, unique_sleeper
+    from tests.security_helpers import ctl_as, spawn_as
+
+    exe = unique_sleeper(tmp_path, f"rank_pid_{os.getpid()}")
+    open_path_for_others(tmp_path)
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", f'[policy]\nname = "t"\n[[job]]\nname = "r"\n'
+                                 f'match.cmdline = ["*{exe.name}*"]\ncpus = "0"\n')
+    d = daemon_factory(policy_dir=pol).start()
+    roots = subprocess.Popen([str(exe), "300"])
+    hers = spawn_as(unpriv_user, [str(exe), "301"])
+    try:
+        def bound() -> list[Any]:
+            return d.ctl("--json", "status").json()["services"]["autobind"]["bound"]
+
+        wait_for(lambda: len(bound()) == 2, 15, "both bound", detail=d.log)
+        assert {b["pid"] for b in bound()} == {roots.pid, hers.pid}  # root sees all
+        r = ctl_as(unpriv_user, d.socket, "--json", "status")
+        assert r.returncode in (0, 1), r.stderr
+        auto = json.loads(r.stdout)["services"]["autobind"]
+        assert {b["pid"] for b in auto["bound"]} == {hers.pid, None}, auto["bound"]
+        assert all(t[0] == hers.pid for t in auto["timeline_ns"]), auto["timeline_ns"]
+        assert str(roots.pid) not in json.dumps(auto)
+    finally:
+        kill(roots)
+        kill(hers)

@@ -7,6 +7,8 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tunerd import procfs
+from tunerd.daemon.leases import user_name
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
@@ -64,7 +66,7 @@ def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[s
     command lines and environments put there (notes, why), and the errors about such a
     process ("rule R, pid N: ...") without their message."""
     if not peer.is_root:
-        st = _policy_text_hidden(st)
+        st = _others_pids_hidden(_policy_text_hidden(st), peer)
     if seen.sees_all(peer)[0]:
         return st
     st = dict(st)
@@ -102,6 +104,37 @@ def policy_error_public(message: str) -> str:
         return message if " writable by " in message or " owned by " in message \
             else f"{head} {POLICY_TEXT_HIDDEN}".strip()
     return f"{head} {'; '.join(where)} {POLICY_TEXT_HIDDEN}".strip()
+
+
+def _others_pids_hidden(st: dict[str, Any], peer: Any) -> dict[str, Any]:
+    """The rules' work as a non-root ``peer`` may see it: the PIDs of processes a rule
+    bound or left alone, their steps' times and the exec timeline (each exec's
+    CLOCK_MONOTONIC stamps, to the nanosecond) only for her own processes; others'
+    entries keep the rule, the user and the CPUs, without a PID."""
+    auto = (st.get("services") or {}).get("autobind")
+    if not isinstance(auto, dict):
+        return st
+    me = user_name(peer.uid)
+    owner: dict[int, bool] = {}
+
+    def mine(pid: Any, user: Any = None) -> bool:
+        if not isinstance(pid, int):
+            return False
+        if user is not None:
+            return bool(user == me)
+        if pid not in owner:
+            owner[pid] = procfs.read_uid(pid) == peer.uid
+        return owner[pid]
+
+    auto = dict(auto)
+    auto["bound"] = [b if mine(b.get("pid"), b.get("user"))
+                     else {**b, "pid": None, "timing": None}
+                     for b in auto.get("bound") or []]
+    auto["left_alone"] = [a if mine(a.get("pid")) else {**a, "pid": None}
+                          for a in auto.get("left_alone") or []]
+    auto["timeline_ns"] = [t for t in auto.get("timeline_ns") or []
+                           if t and mine(t[0])]
+    return {**st, "services": {**st["services"], "autobind": auto}}
 
 
 def _policy_text_hidden(st: dict[str, Any]) -> dict[str, Any]:
