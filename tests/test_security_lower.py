@@ -112,3 +112,45 @@ def test_status_gives_rank_pids_and_exec_times_to_their_owner_only(
     finally:
         kill(roots)
         kill(hers)
+
+
+def _pb(num: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    def varint(n: int) -> bytes:
+        out = b""
+        while True:
+            b, n = n & 0x7F, n >> 7
+            out += bytes([b | (0x80 if n else 0)])
+            if not n:
+                return out
+    return varint(num << 3 | 2) + varint(len(payload)) + payload
+
+
+def test_a_hostile_kubelet_answer_is_capped_before_it_costs() -> None:
+    """A kubelet answer under gRPC's 4 MiB cost 6.6-9.7 s of decoding and ~120 MB in the
+    exec watcher's real-time thread."""
+    import time
+
+    from tunerd.podresources import MAX_ANSWER, DecodeError, decode_list
+
+    packed = bytes(range(1, 128)) * 33_000  # ~4 MiB of one-byte CPU ids
+    container = _pb(1, b"c") + _pb(3, packed)
+    huge = _pb(1, _pb(1, b"pod") + _pb(2, b"ns") + _pb(3, container))
+    t0 = time.monotonic()
+    with pytest.raises(DecodeError, match="more than"):
+        decode_list(huge)
+    assert time.monotonic() - t0 < 0.05
+    # within the size cap, many tiny pods or too many ids are refused as they are read
+    many = _pb(1, _pb(1, b"p")) * (MAX_ANSWER // 5)
+    t0 = time.monotonic()
+    with pytest.raises(DecodeError, match="more than"):
+        decode_list(many)
+    ids = _pb(1, _pb(1, b"p") + _pb(3, _pb(1, b"c") + _pb(3, bytes([5]) * (MAX_ANSWER - 64))))
+    with pytest.raises(DecodeError, match="more than"):
+        decode_list(ids)
+    assert time.monotonic() - t0 < 2.0
+    # a real answer still decodes
+    ok = _pb(1, _pb(1, b"train-0") + _pb(2, b"default")
+             + _pb(3, _pb(1, b"main") + _pb(3, bytes(range(0, 64)))))
+    [pod] = decode_list(ok)
+    assert pod.name == "train-0" and pod.containers[0].cpu_ids == frozenset(range(64))
