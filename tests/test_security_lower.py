@@ -154,3 +154,35 @@ def test_a_hostile_kubelet_answer_is_capped_before_it_costs() -> None:
              + _pb(3, _pb(1, b"main") + _pb(3, bytes(range(0, 64)))))
     [pod] = decode_list(ok)
     assert pod.name == "train-0" and pod.containers[0].cpu_ids == frozenset(range(64))
+
+
+def test_the_kubelet_is_asked_below_real_time_priority(tmp_path: Path) -> None:
+    """The watcher's thread (SCHED_FIFO) decoded the kubelet's answer at real-time
+    priority: a List is waited for and decoded at SCHED_OTHER, then FIFO again."""
+    import threading
+
+    from tunerd.podresources import PodResourcesSource
+
+    seen: list[int] = []
+    after: list[int] = []
+    src = PodResourcesSource(tmp_path / "none.sock")
+
+    def call(method: str) -> bytes:
+        seen.append(os.sched_getscheduler(0))
+        return b""
+
+    src._call = call  # type: ignore[method-assign]
+
+    def rt() -> None:  # this test's own thread, for a moment
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        try:
+            src._list()
+            after.append(os.sched_getscheduler(0))
+        finally:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+    t = threading.Thread(target=rt)
+    t.start()
+    t.join(10)
+    assert seen == [os.SCHED_OTHER], seen
+    assert after == [os.SCHED_FIFO]

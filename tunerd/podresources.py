@@ -36,6 +36,7 @@ off 1, 2, 4 ... 60 s, keeping the last good answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -289,6 +290,31 @@ class _Cache:
     missed: set[tuple[str, str]] = field(default_factory=set)  # asked, not in this answer
 
 
+@contextlib.contextmanager
+def below_realtime() -> Iterator[None]:
+    """The calling thread at SCHED_OTHER for the block when it runs SCHED_FIFO/RR (the
+    exec watcher's thread): a kubelet's answer is waited for and decoded at ordinary
+    priority, never ahead of everything else on its CPU; the policy comes back after."""
+    try:
+        policy = os.sched_getscheduler(0)
+        param = os.sched_getparam(0)
+    except OSError:
+        policy = -1
+    lowered = False
+    if policy in (os.SCHED_FIFO, os.SCHED_RR):
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            lowered = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if lowered:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, policy, param)
+
+
 class PodResourcesSource:
     """The PodResources client with its cache, backoff and the pod join (a daemon
     service only for its status: it starts nothing)."""
@@ -328,7 +354,8 @@ class PodResourcesSource:
         if now < self._retry_at:
             return
         try:
-            pods = decode_list(self._call(LIST))
+            with below_realtime():  # the exec watcher's thread asks at SCHED_FIFO
+                pods = decode_list(self._call(LIST))
         except Exception as err:  # grpc.RpcError, DecodeError, a missing grpcio
             self._failures += 1
             self.errors_total += 1
