@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,3 +54,53 @@ def test_subordinate_uids_share_their_users_lease_limit(
     assert r.returncode == 0, r.stderr
     leases = json.loads(d.ctl("--json", "leases").out)
     assert len(leases["leases"] if isinstance(leases, dict) else leases) == 3
+
+
+def _connect(sock: str, n: int) -> tuple[list[Any], list[str]]:
+    """Open ``n`` connections and ping on each: (the sockets, what each answered)."""
+    import socket
+
+    held, out = [], []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(sock)
+        try:
+            s.sendall(b'{"id":1,"cmd":"ping","args":{}}\n')
+        except OSError:
+            pass  # refused and closed already: its one line is still there to read
+        line = s.makefile().readline()
+        out.append("ok" if '"ok":true' in line.replace(" ", "") else line)
+        held.append(s)
+    return held, out
+
+
+def _holder(conn: Any, sock: str, n: int) -> None:
+    held, out = _connect(sock, n)
+    conn.send(out)
+    conn.recv()  # until the test is done
+    for s in held:
+        s.close()
+
+
+def test_subordinate_uids_share_their_users_connection_limit(
+        daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
+    import pwd
+
+    from tests.security_helpers import forked_as, recv
+
+    name = pwd.getpwuid(unpriv_user[0]).pw_name
+    subuid = tmp_path / "subuid"
+    subuid.write_text(f"{name}:{FIRST}:65536\n")
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text(f'subuid_file = "{subuid}"\nmax_connections_per_user = 3\n')
+    d = daemon_factory(args=["--config", str(cfg)]).start()
+    with forked_as(FIRST + 5, FIRST + 5, _holder, str(d.socket), 2) as a:
+        assert recv(a) == ["ok", "ok"]
+        with forked_as(FIRST + 6, FIRST + 6, _holder, str(d.socket), 2) as b:
+            got = recv(b)
+        assert got[0] == "ok" and "max_connections_per_user = 3" in got[1], got
+        assert f"uid {FIRST + 6} (a subordinate uid of uid {unpriv_user[0]})" in got[1], got
+    # another range's uid is its own user
+    with forked_as(FIRST + 70_000, FIRST + 70_000, _holder, str(d.socket), 3) as c:
+        assert recv(c) == ["ok", "ok", "ok"]
