@@ -31,7 +31,11 @@ Every key is optional; a command-line flag wins over its key. Each key is checke
 own rule (0 is valid where it means something: `debug_apply_delay`, port 0); an unknown
 key, a wrong type or a bad value stops the daemon at start with a message naming the file,
 the key and the value (`/etc/tunerd/tunerd.toml: key 'verify_interval': must be a number
-of seconds greater than 0, got 0`), exit 2. With `metrics_listen = "127.0.0.1:0"` the
+of seconds greater than 0, got 0`), exit 2. The file is trusted as sshd trusts its own:
+owned by root and writable by no one else, in directories that are the same, a symlink
+only to such a file, at most 1 MiB; otherwise the daemon stops at start with one line
+naming the path and why (`config file /etc/tunerd/tunerd.toml: writable by group and
+others (mode 0666); refusing it`), exit 1. With `metrics_listen = "127.0.0.1:0"` the
 daemon logs the port it got and `tunerctl status` shows it (`--json`:
 `services.monitor.metrics_port`).
 `scripts/install.sh` writes the file with every key commented out, and never overwrites it.

@@ -53,6 +53,7 @@ from tunerd.cpulist import format_cpulist, parse_cpulist
 from tunerd.cpuset import CpusetCgroup, child_name, find_cpuset, read_ids, tunerd_children
 from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 from tunerd.procfs import PF_KTHREAD, Process, Stat, read_text
+from tunerd.protocol import PID_MAX_LIMIT
 
 __all__ = ["BindResult", "Binder", "Originals", "Plan", "Target"]
 
@@ -247,8 +248,9 @@ class Binder:
 
         The pidfd first, then one read of the stat: the start time read after it is
         that of the process the pidfd holds (a later check needs no read of /proc)."""
-        if pid <= 0:
-            raise UsageError(f"invalid pid {pid}")
+        if not 0 < pid <= PID_MAX_LIMIT:
+            raise UsageError(f"pid {pid} is out of range: 1 to {PID_MAX_LIMIT} (the "
+                             "kernel's PID_MAX_LIMIT)", pid=pid)
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError as err:

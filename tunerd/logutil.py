@@ -15,6 +15,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from tunerd.text import safe
@@ -43,10 +44,49 @@ class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
                          delay=False)
 
     def _open(self):  # type: ignore[no-untyped-def]  # logging's own untyped hook
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                     | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.fdopen(open_log_file(self.baseFilename), "a", encoding=self.encoding,
+                         errors=self.errors)
+
+
+def open_log_file(path: str) -> int:
+    """``path`` opened for appending, as only a file no one else could have put there:
+    its directory (and those above it) owned by root (or the daemon's uid) and
+    writable by no one else (tunerd.safefs.check_dir), the file itself a regular file
+    (O_NOFOLLOW: no symlink; O_NONBLOCK: a FIFO cannot hang the start) owned by the
+    same, mode 0600. Anything else is a ``Failed`` naming the path and why."""
+    import errno
+    import stat
+
+    from tunerd.errors import Failed
+    from tunerd.safefs import check_dir, file_kind, trusted_uids
+
+    try:
+        check_dir(Path(path).parent, "log directory")
+    except Failed as err:
+        raise Failed(f"log file {path}: {err.message}", path=path) from None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Failed(f"log file {path}: a symbolic link; refusing to follow it",
+                         path=path) from None
+        if err.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader, a dir
+            raise Failed(f"log file {path}: not a regular file", path=path) from None
+        raise Failed(f"log file {path}: {err.strerror or err}", path=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Failed(f"log file {path}: not a regular file ({file_kind(st.st_mode)})",
+                         path=path)
+        if st.st_uid not in trusted_uids():
+            raise Failed(f"log file {path}: owned by uid {st.st_uid}, not by root; "
+                         "refusing it (its owner could read what tunerd logs)", path=path)
         os.fchmod(fd, 0o600)  # an existing file from an older install: 0644 before
-        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 # the uid whose request (or exec, for a rule) the code running now serves; set in a
 # context of its own per request by the control server, per match by the autobinder
@@ -66,7 +106,9 @@ class UserRateFilter(logging.Filter):
     bound) is one distinct line each, which the repeat filter cannot stop: a loop of
     6,000 allocs would be 12,000 lines. Past the burst, one line says the uid's lines
     are being suppressed, and the first line let through in a later window says how
-    many were. At most ``max_users`` uids are tracked (least recent out).
+    many were. A traceback counts every line it writes (the line that says the rest
+    is suppressed goes without its traceback). At most ``max_users`` uids are
+    tracked (least recent out).
     """
 
     def __init__(self, burst: int = 20, window: float = 60.0, max_users: int = 4096,
@@ -83,25 +125,25 @@ class UserRateFilter(logging.Filter):
         uid = _acting_uid.get()
         if uid is None or uid == 0:
             return True
+        cost = _lines(record)  # a traceback counts every line it writes
         now = self.clock()
         ent = self._users.get(uid)
         if ent is None or now - ent[0] >= self.window:
             dropped = int(ent[2]) if ent is not None else 0
-            self._users[uid] = [now, 1, 0]
-            self._users.move_to_end(uid)
+            ent = self._users[uid] = [now, 0, 0]
             if len(self._users) > self.max_users:
                 self._users.popitem(last=False)
             if dropped:
                 self._amend(record, f" [uid {uid}: {dropped} line(s) suppressed in the "
                                     f"previous {self.window:g} s]")
-            return True
         self._users.move_to_end(uid)
-        if ent[1] < self.burst:
-            ent[1] += 1
+        if ent[1] + cost <= self.burst:
+            ent[1] += cost
             return True
-        ent[2] += 1
-        self.dropped_total += 1
-        if ent[2] == 1:  # say once that the rest of this window is not logged
+        ent[2] += cost
+        self.dropped_total += cost
+        if ent[2] == cost:  # say once that the rest of this window is not logged
+            _one_line(record)
             self._amend(record, f" [uid {uid}: {self.burst} lines in {self.window:g} s: "
                                 "further lines its requests cause are suppressed for now]")
             return True
@@ -114,6 +156,23 @@ class UserRateFilter(logging.Filter):
         except Exception:
             return
         record.msg, record.args = text + note, None
+
+
+def _lines(record: logging.LogRecord) -> int:
+    """Lines ``record`` writes: its message, its traceback, its stack."""
+    n = 1
+    if record.exc_info and not record.exc_text:
+        record.exc_text = safe_traceback(record.exc_info)  # what the Formatter writes
+    if record.exc_text:
+        n += record.exc_text.count("\n") + 1
+    if record.stack_info:
+        n += record.stack_info.count("\n") + 1
+    return n
+
+
+def _one_line(record: logging.LogRecord) -> None:
+    """``record`` without its traceback and stack: the one line of its message."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
 
 
 class EscapeFilter(logging.Filter):

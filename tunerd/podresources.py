@@ -36,6 +36,7 @@ off 1, 2, 4 ... 60 s, keeping the last good answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -61,6 +62,13 @@ ALLOCATABLE = "/v1.PodResourcesLister/GetAllocatableResources"
 CALL_TIMEOUT = 1.0  # seconds; the kubelet answers from memory
 MAX_BACKOFF = 60.0
 GPU_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-")
+# An answer is decoded where a rank is bound (the exec watcher's real-time thread): a
+# hostile kubelet's 4 MiB (gRPC's default limit) cost 6.6-9.7 s and ~120 MB there. A
+# real node's List is tens of KiB (250 pods x 2 containers x 128 CPUs ~ 70 KiB).
+MAX_ANSWER = 512 << 10  # bytes of one answer, gRPC's max_receive_message_length too
+MAX_PODS = 4096  # pods of one answer
+MAX_ITEMS = 1024  # containers of a pod, devices of a container, ids of a device
+MAX_CPU_ID = 1 << 16  # as tunerd.cpulist.MAX_ID: a CPU id beyond is no CPU
 
 
 # -- protobuf wire format -----------------------------------------------------------
@@ -108,15 +116,26 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
             raise DecodeError(f"wire type {wt} of field {num}")
 
 
-def _ints(wt: int, v: Any) -> list[int]:
-    """A repeated int64: packed (one length-delimited run) or one varint per entry."""
+def _ints(wt: int, v: Any, limit: int = MAX_CPU_ID) -> list[int]:
+    """A repeated int64: packed (one length-delimited run) or one varint per entry; at
+    most ``limit`` of them, each below ``limit`` (DecodeError otherwise)."""
     if wt == 0:
-        return [v]
-    out, i = [], 0
-    while i < len(v):
-        x, i = _varint(v, i)
-        out.append(x)
+        out = [v]
+    else:
+        out, i = [], 0
+        while i < len(v):
+            x, i = _varint(v, i)
+            out.append(x)
+            if len(out) > limit:
+                raise DecodeError(f"more than {limit} ids in one list")
+    if any(x >= limit for x in out):
+        raise DecodeError(f"an id of {max(out)}, past {limit - 1}")
     return out
+
+
+def _bounded(items: list[Any], what: str, limit: int = MAX_ITEMS) -> None:
+    if len(items) > limit:
+        raise DecodeError(f"more than {limit} {what}")
 
 
 @dataclass(frozen=True)
@@ -147,10 +166,12 @@ def _devices(buf: bytes) -> ContainerDevices:
             name = v.decode()
         elif num == 2 and wt == 2:
             ids.append(v.decode())
+            _bounded(ids, "device ids in one container")
         elif num == 3 and wt == 2:  # TopologyInfo { repeated NUMANode nodes = 1 }
             for n2, w2, node in _fields(v):
                 if n2 == 1 and w2 == 2:
                     numa += [x for n3, w3, x in _fields(node) if n3 == 1 and w3 == 0]
+                    _bounded(numa, "NUMA nodes of one device list")
     return ContainerDevices(name, tuple(ids), tuple(numa))
 
 
@@ -161,13 +182,19 @@ def _container(buf: bytes) -> ContainerResources:
             name = v.decode()
         elif num == 2 and wt == 2:
             devs.append(_devices(v))
+            _bounded(devs, "device lists in one container")
         elif num == 3:
             cpus += _ints(wt, v)
+            _bounded(cpus, "CPU ids in one container", MAX_CPU_ID)
     return ContainerResources(name, tuple(devs), frozenset(cpus))
 
 
 def decode_list(buf: bytes) -> list[PodResources]:
-    """ListPodResourcesResponse { repeated PodResources pod_resources = 1 }."""
+    """ListPodResourcesResponse { repeated PodResources pod_resources = 1 }; an answer
+    past MAX_ANSWER bytes, MAX_PODS pods or MAX_ITEMS of anything in one of them is a
+    DecodeError, refused before it is decoded where it can be."""
+    if len(buf) > MAX_ANSWER:
+        raise DecodeError(f"an answer of {len(buf)} bytes, more than {MAX_ANSWER}")
     pods = []
     for num, wt, v in _fields(buf):
         if num != 1 or wt != 2:
@@ -181,7 +208,9 @@ def decode_list(buf: bytes) -> list[PodResources]:
                 ns = x.decode()
             elif n2 == 3 and w2 == 2:
                 ctrs.append(_container(x))
+                _bounded(ctrs, "containers in one pod")
         pods.append(PodResources(name, ns, tuple(ctrs)))
+        _bounded(pods, "pods", MAX_PODS)
     return pods
 
 
@@ -261,6 +290,31 @@ class _Cache:
     missed: set[tuple[str, str]] = field(default_factory=set)  # asked, not in this answer
 
 
+@contextlib.contextmanager
+def below_realtime() -> Iterator[None]:
+    """The calling thread at SCHED_OTHER for the block when it runs SCHED_FIFO/RR (the
+    exec watcher's thread): a kubelet's answer is waited for and decoded at ordinary
+    priority, never ahead of everything else on its CPU; the policy comes back after."""
+    try:
+        policy = os.sched_getscheduler(0)
+        param = os.sched_getparam(0)
+    except OSError:
+        policy = -1
+    lowered = False
+    if policy in (os.SCHED_FIFO, os.SCHED_RR):
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            lowered = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if lowered:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, policy, param)
+
+
 class PodResourcesSource:
     """The PodResources client with its cache, backoff and the pod join (a daemon
     service only for its status: it starts nothing)."""
@@ -288,7 +342,9 @@ class PodResourcesSource:
         import grpc
 
         if self._channel is None:
-            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._channel = grpc.insecure_channel(
+                f"unix://{self.socket_path}",
+                options=[("grpc.max_receive_message_length", MAX_ANSWER)])
         fn = self._channel.unary_unary(method)  # no (de)serializer: raw bytes both ways
         return bytes(fn(b"", timeout=CALL_TIMEOUT))
 
@@ -298,7 +354,8 @@ class PodResourcesSource:
         if now < self._retry_at:
             return
         try:
-            pods = decode_list(self._call(LIST))
+            with below_realtime():  # the exec watcher's thread asks at SCHED_FIFO
+                pods = decode_list(self._call(LIST))
         except Exception as err:  # grpc.RpcError, DecodeError, a missing grpcio
             self._failures += 1
             self.errors_total += 1

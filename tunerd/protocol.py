@@ -38,9 +38,11 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_NAME",
     "MAX_TAG",
+    "PID_MAX_LIMIT",
     "ExitCode",
     "bounded_command",
     "bounded_str",
+    "check_int",
     "command_record",
     "decode",
     "encode",
@@ -152,6 +154,31 @@ MAX_NAME = 128  # names: rules, policies, process names shown
 MAX_CMD_ARGS = 8  # words of the command as recorded
 MAX_CMD_ARG = 512  # bytes of one word of it
 MAX_CMD = 1024  # bytes of the whole record
+
+
+# Ranges of the integer arguments a request may carry, checked where the daemon takes
+# them (Request.arg), before any of them reaches a system call: a value outside is a
+# UsageError (exit 2) naming the argument, the value and the range.
+PID_MAX_LIMIT = 1 << 22  # the kernel's PID_MAX_LIMIT (4,194,304): no PID is larger
+MAX_COUNT = 1 << 16  # a count of CPUs, GPUs or workers (cpulist.MAX_ID, CUDA indices)
+MAX_NOFILE = (1 << 31) - 1  # RLIMIT_NOFILE past this is above the kernel's nr_open
+INT_RANGES: dict[str, tuple[int, int, str]] = {
+    "pid": (1, PID_MAX_LIMIT, "the kernel's PID_MAX_LIMIT"),
+    "ncpus": (1, MAX_COUNT, "a CPU count"),
+    "gpus": (0, MAX_COUNT, "a GPU count"),
+    "workers": (0, MAX_COUNT, "a worker count"),
+    "nofile": (1, MAX_NOFILE, "RLIMIT_NOFILE"),
+}
+
+
+def check_int(cmd: str, name: str, value: int) -> int:
+    """``value`` if argument ``name`` of ``cmd`` is within its range (INT_RANGES);
+    a UsageError naming the argument, the value and the range otherwise."""
+    rng = INT_RANGES.get(name)
+    if rng is not None and not rng[0] <= value <= rng[1]:
+        raise UsageError(f"{cmd}: {name} {value} is out of range: {rng[0]} to {rng[1]} "
+                         f"({rng[2]})")
+    return value
 
 
 def _bounded_int(text: str) -> int:

@@ -35,6 +35,7 @@ __all__ = [
     "open_regular",
     "prepare_dir",
     "read_regular",
+    "read_trusted",
     "trusted_uids",
     "write_atomic",
 ]
@@ -97,8 +98,8 @@ def _check(st: os.stat_result, shown: str, what: str, final: bool,
     mode = st.st_mode
     if st.st_uid not in trusted:
         raise Failed(f"{what} {shown}: owned by {_owner(st.st_uid)}, not by "
-                     f"{_who_trusted(trusted)}; refusing it (its owner could redirect what "
-                     "tunerd creates there)", path=shown)
+                     f"{_who_trusted(trusted)}; refusing it (its owner could change what "
+                     "tunerd reads or creates there)", path=shown)
     if not mode & (stat.S_IWGRP | stat.S_IWOTH):
         return
     if not final and st.st_uid == 0 and mode & stat.S_ISVTX:
@@ -250,6 +251,76 @@ def open_regular(path: Path | str, flags: int = os.O_RDONLY) -> int:
         os.close(fd)
         raise Failed(f"{path}: {file_kind(st.st_mode)}, not a regular file", path=str(path))
     return fd
+
+
+def read_trusted(path: Path | str, what: str, limit: int,
+                 trusted: Collection[int] | None = None) -> bytes:
+    """The content of ``path`` if it is trusted as sshd and sudo trust their files;
+    ``Failed`` (one line naming the path and why) otherwise.
+
+    Trusted: a regular file owned by root (or the daemon's own uid when it runs
+    unprivileged, ``trusted_uids``) and writable by no one else, in directories that
+    pass ``check_dir`` all the way from ``/``; a symlink is followed by hand, and its
+    target must pass the same test (a kubelet ConfigMap's ``..data`` links do). Its
+    size is checked on the opened file before anything is read: one larger than
+    ``limit`` bytes is refused unread. A missing file raises ``FileNotFoundError``.
+    """
+    who = trusted_uids() if trusted is None else trusted
+    shown = str(path)
+    cur = Path(os.path.join(os.getcwd(), path))
+    for _ in range(_MAX_SYMLINKS):
+        dfd, _ = _walk(cur.parent, f"{what} {shown}: directory", None, who)
+        try:
+            try:
+                st = os.stat(cur.name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise
+            except OSError as err:
+                raise Failed(f"{what} {shown}: {err.strerror or err}", path=shown,
+                             errno=err.errno) from err
+            if stat.S_ISLNK(st.st_mode):
+                cur = cur.parent / os.readlink(cur.name, dir_fd=dfd)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise Failed(f"{what} {shown}: not a regular file "
+                             f"({file_kind(st.st_mode)})", path=shown)
+            try:
+                fd = os.open(cur.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC | os.O_NOCTTY, dir_fd=dfd)
+            except OSError as err:
+                raise Failed(f"{what} {shown}: cannot open: {err.strerror or err}",
+                             path=shown, errno=err.errno) from err
+        finally:
+            os.close(dfd)
+        try:
+            fst = os.fstat(fd)
+            real = str(cur) if str(cur) != os.path.join(os.getcwd(), path) else shown
+            target = shown if real == shown else f"{shown} (-> {real})"
+            if not stat.S_ISREG(fst.st_mode):
+                raise Failed(f"{what} {target}: not a regular file "
+                             f"({file_kind(fst.st_mode)})", path=shown)
+            _check(fst, target, what, True, who)
+            if fst.st_size > limit:
+                raise Failed(f"{what} {target}: {fst.st_size} bytes, larger than the limit "
+                             f"of {limit}; not read", path=shown)
+            chunks: list[bytes] = []
+            total = 0
+            while total <= limit:  # a file growing meanwhile: still at most limit + 1
+                chunk = os.read(fd, min(1 << 16, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+            if total > limit:
+                raise Failed(f"{what} {target}: larger than the limit of {limit} bytes",
+                             path=shown)
+            return b"".join(chunks)
+        except OSError as err:
+            raise Failed(f"cannot read {what} {shown}: {err.strerror or err}", path=shown,
+                         errno=err.errno) from err
+        finally:
+            os.close(fd)
+    raise Failed(f"{what} {shown}: more than {_MAX_SYMLINKS} symbolic links", path=shown)
 
 
 def read_regular(path: Path | str, limit: int = 64 << 20) -> bytes:

@@ -28,19 +28,22 @@ def fleet() -> None:
               type=click.FloatRange(min=0, min_open=True),
               help="A node's step time above the job median by more than this share.")
 @click.option("--timeout", default=10.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Seconds per query.")
+              type=click.FloatRange(min=0, min_open=True), help="Seconds per read.")
+@click.option("--deadline", default=30.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds for the whole check, every query together.")
 def check(url: str, class_label: str, match: str, window: str, threshold: float,
-          timeout: float) -> int:
+          timeout: float, deadline: float) -> int:
     """Every node against its class majority: NCCL-interface MTU and subnet, NCCL
     settings, driver/CUDA/NCCL versions, policy hash; and stragglers of multi-node jobs.
 
-    Exit 0 when consistent, 1 with findings (one line each), 3 when Prometheus cannot
-    be reached.
+    Exit 0 when consistent, 1 with findings (one line each) or a bad answer (one
+    line), 3 when Prometheus cannot be reached.
     """
     from tunerd.cli.fleet import Prometheus, check_fleet, format_findings
 
     ctx = get_ctx()
-    result = check_fleet(Prometheus(url, timeout), class_label, window, threshold,
+    result = check_fleet(Prometheus(url, timeout, deadline), class_label, window, threshold,
                          match)
     ctx.emit(result, format_findings)
     return 1 if result["findings"] else 0

@@ -14,11 +14,12 @@ cause where tunerd exports one. HTTP with the standard library only (fast start)
 from __future__ import annotations
 
 import json
+import math
 import re
+import socket
 import statistics
-import urllib.error
+import time
 import urllib.parse
-import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,44 +56,179 @@ class Finding:
         return d
 
 
-class Prometheus:
-    """The HTTP API's instant queries (``/api/v1/query``)."""
+MAX_RESPONSE = 32 << 20  # bytes of one answer: a fleet's few series are far less
+DEADLINE = 30.0  # seconds for the whole check, every query and redirect together
+MAX_REDIRECTS = 3
+_REDIRECTS = (301, 302, 303, 307, 308)
 
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
+
+class Prometheus:
+    """The HTTP API's instant queries (``/api/v1/query``), as a careful client: one
+    overall deadline for every query of a check (``deadline`` seconds; ``timeout`` for
+    each read), answers of at most ``max_bytes``, redirects followed only to the same
+    scheme, host and port, and every answer checked for shape and finite numbers
+    before it is used. Whatever goes wrong is one ``Failed`` (exit 1) or, for a server
+    that cannot be reached, ``DaemonUnreachable`` (exit 3); never a traceback."""
+
+    def __init__(self, url: str, timeout: float = 10.0, deadline: float = DEADLINE,
+                 max_bytes: int = MAX_RESPONSE) -> None:
         u = urllib.parse.urlsplit(url)
-        if u.scheme not in ("http", "https") or not u.netloc:
+        if u.scheme not in ("http", "https") or not u.netloc or not u.hostname:
             raise UsageError(f"--prometheus: not an http(s) URL: {url!r}")
+        try:
+            self._origin = (u.scheme, u.hostname, u.port)
+        except ValueError as err:
+            raise UsageError(f"--prometheus: {url!r}: {err}") from None
         self.base = url.rstrip("/")
         self.timeout = timeout
+        self.deadline = deadline
+        self.max_bytes = max_bytes
+        self._end = time.monotonic() + deadline
         self.queries = 0
 
     def query(self, promql: str) -> list[dict[str, Any]]:
-        """The result vector: [{"metric": {labels}, "value": [ts, "v"]}, ...]."""
+        """The result vector: [{"metric": {labels}, "value": [ts, float]}, ...], series
+        whose value is not a finite number left out."""
         self.queries += 1
         data = urllib.parse.urlencode({"query": promql}).encode()
-        req = urllib.request.Request(f"{self.base}/api/v1/query", data=data, method="POST",
-                                     headers={"Content-Type":
-                                              "application/x-www-form-urlencoded"})
+        url = f"{self.base}/api/v1/query"
+        for _ in range(MAX_REDIRECTS + 1):
+            status, location, raw = self._post(url, data)
+            if status in _REDIRECTS:
+                url = self._redirect(url, location)
+                continue
+            break
+        else:
+            raise Failed(f"Prometheus at {self.base}: more than {MAX_REDIRECTS} redirects")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                body = json.load(r)
-        except urllib.error.HTTPError as err:
+            body = json.loads(raw, parse_constant=_not_json)
+        except (ValueError, RecursionError) as err:
+            if status >= 400:
+                raise Failed(f"Prometheus at {self.base} refused {promql!r}: HTTP "
+                             f"{status}") from None
+            raise Failed(f"Prometheus at {self.base}: not a JSON answer: {err}") from None
+        if not isinstance(body, dict):
+            raise Failed(f"Prometheus at {self.base}: the answer is not a JSON object")
+        if status >= 400 or body.get("status") != "success":
+            why = body.get("error")
+            raise Failed(f"Prometheus at {self.base} refused {promql!r}: HTTP {status}: "
+                         f"{why if isinstance(why, str) else body.get('status')!r}")
+        return self._vector(body, promql)
+
+    def _vector(self, body: dict[str, Any], promql: str) -> list[dict[str, Any]]:
+        data = body.get("data")
+        result = data.get("result", []) if isinstance(data, dict) else None
+        if not isinstance(result, list):
+            raise Failed(f"Prometheus at {self.base}: the answer to {promql!r} holds no "
+                         "result list")
+        out: list[dict[str, Any]] = []
+        for i, s in enumerate(result):
+            metric = s.get("metric") if isinstance(s, dict) else None
+            value = s.get("value") if isinstance(s, dict) else None
+            if not isinstance(metric, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in metric.items()) \
+                    or not isinstance(value, list) or len(value) != 2 \
+                    or not isinstance(value[1], str):
+                raise Failed(f"Prometheus at {self.base}: series {i} of the answer to "
+                             f"{promql!r} is not an instant vector sample "
+                             '({"metric": {labels}, "value": [time, "number"]})')
             try:
-                why = json.load(err).get("error") or err.reason
+                v = float(value[1])
             except ValueError:
-                why = err.reason
-            raise Failed(f"Prometheus at {self.base} refused {promql!r}: HTTP {err.code}: "
-                         f"{why}") from err
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
+                raise Failed(f"Prometheus at {self.base}: series {i} of the answer to "
+                             f"{promql!r}: {value[1][:40]!r} is not a number") from None
+            if math.isfinite(v):
+                out.append({"metric": metric, "value": [value[0], v]})
+        return out
+
+    def _redirect(self, url: str, location: str | None) -> str:
+        if not location:
+            raise Failed(f"Prometheus at {self.base}: a redirect without a Location")
+        new = urllib.parse.urljoin(url, location)
+        u = urllib.parse.urlsplit(new)
+        try:
+            where = (u.scheme, u.hostname, u.port)
+        except ValueError:
+            where = (u.scheme, None, None)
+        if where != self._origin:
+            raise Failed(f"Prometheus at {self.base}: refused a redirect to {new[:200]!r} "
+                         "(only redirects to the same scheme, host and port are followed)")
+        return new
+
+    def _left(self) -> float:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise self._late()
+        return left
+
+    def _late(self) -> Failed:
+        return Failed(f"Prometheus at {self.base}: no complete answer within the overall "
+                      f"deadline of {self.deadline:g} s (--deadline)")
+
+    def _post(self, url: str, data: bytes) -> tuple[int, str | None, bytes]:
+        """(status, Location, body) of a POST to ``url``, within the deadline."""
+        import http.client
+        import threading
+
+        u = urllib.parse.urlsplit(url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else \
+            http.client.HTTPConnection
+        conn = cls(u.hostname or "", u.port, timeout=min(self.timeout, self._left()))
+        # a server that sends one byte a second never lets a read time out: at the
+        # deadline the connection is shut, whatever is being read
+        watchdog = threading.Timer(self._left(), _shut, (conn,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                         body=data, headers={"Content-Type":
+                                             "application/x-www-form-urlencoded"})
+            resp = conn.getresponse()
+            length = resp.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() \
+                    and int(length) > self.max_bytes:
+                raise self._big(int(length))
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                chunk = resp.read1(1 << 16)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > self.max_bytes:
+                    raise self._big(total)
+                chunks.append(chunk)
+                self._left()
+            return resp.status, resp.getheader("Location"), b"".join(chunks)
+        except (http.client.HTTPException, OSError, ValueError) as err:
+            if time.monotonic() >= self._end:
+                raise self._late() from None
+            if isinstance(err, (http.client.HTTPException, ValueError)):
+                raise Failed(f"Prometheus at {self.base}: not an HTTP answer "
+                             f"({type(err).__name__}: {str(err)[:200]})") from None
+            reason = getattr(err, "reason", None) or err.strerror or err
             raise DaemonUnreachable(f"cannot reach Prometheus at {self.base}: {reason}",
-                                    url=self.base) from err
-        except ValueError as err:
-            raise Failed(f"Prometheus at {self.base}: not a JSON answer: {err}") from err
-        if body.get("status") != "success":
-            raise Failed(f"Prometheus at {self.base}: {body.get('error') or body}")
-        result = body.get("data", {}).get("result", [])
-        return result if isinstance(result, list) else []
+                                    url=self.base) from None
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+    def _big(self, size: int) -> Failed:
+        return Failed(f"Prometheus at {self.base}: an answer of {size} bytes or more, "
+                      f"larger than the limit of {self.max_bytes}")
+
+
+def _shut(conn: Any) -> None:
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _majority(values: dict[str, str]) -> tuple[str | None, int]:
@@ -162,7 +298,7 @@ def check_fleet(prom: Prometheus, class_label: str = "class", window: str = "5m"
     subnets: dict[str, set[str]] = defaultdict(set)
     for s in nics:
         inst = s["metric"].get("instance", "")
-        mtus[inst].add(str(int(float(s["value"][1]))))
+        mtus[inst].add(str(int(s["value"][1])))
         subnets[inst].add(s["metric"].get("subnet") or NONE)
     settings: dict[str, dict[str, str]] = defaultdict(dict)  # key -> instance -> value
     for s in prom.query(f"max by (instance, key, value) "

@@ -6,22 +6,23 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
 from tunerd.daemon.intake import Intake, JobContext, request
 from tunerd.daemon.jobs import JobRegistry, Placing
 from tunerd.daemon.leases import LeaseService
-from tunerd.daemon.peer import host_pid
+from tunerd.daemon.peer import PidNamespaces
 from tunerd.daemon.placer import Placer, Reservation, held_exclusively
 from tunerd.daemon.records import Binding, Hold
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, UsageError
+from tunerd.errors import Failed, PermissionDenied, PlacementError, UsageError
 from tunerd.placement import Placement
 from tunerd.topology.visible import gpus_from_nvml
 
 log = logging.getLogger("tunerd.bind")
 
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
+MAX_BINDS_PER_USER = 1024  # config max_binds_per_user
 
 
 def ids_arg(req: Request, name: str) -> frozenset[int] | None:
@@ -29,11 +30,12 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
     v = req.args.get(name)
     if v is None:
         return None
-    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                   for x in v):
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                   and 0 <= x < MAX_ID for x in v):
         return frozenset(v)
     if not isinstance(v, str):
-        raise UsageError(f"{req.cmd}: argument {name!r} must be a cpulist string, got {v!r}")
+        raise UsageError(f"{req.cmd}: argument {name!r} must be a cpulist string or a list "
+                         f"of ids 0 to {MAX_ID - 1}, got {str(v)[:100]}")
     try:
         return parse_cpulist(v)
     except CpuListError as err:
@@ -43,13 +45,16 @@ def ids_arg(req: Request, name: str) -> frozenset[int] | None:
 class BindCommands:
     def __init__(self, jobs: JobRegistry, placer: Placer, leases: LeaseService,
                  intake: Intake,
-                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 left_alone: Callable[[], list[dict[str, Any]]] = list,
+                 max_per_user: int = MAX_BINDS_PER_USER) -> None:
         self.jobs = jobs
+        self.max_per_user = max_per_user
         self._left_alone = left_alone
         self.placer = placer
         self.leases = leases
         self.gate = leases.gate
         self.intake = intake
+        self.namespaces = PidNamespaces()  # a caller in its own PID namespace
         jobs.on_exit(self._exited)
         jobs.on_adopt(self._adopted)
 
@@ -75,13 +80,14 @@ class BindCommands:
         router.add("jobs", self.list_jobs)
 
     async def bind(self, req: Request) -> dict[str, Any]:
-        pid = host_pid(req.peer, req.arg("pid", int))
+        pid = await self.namespaces.host_pid(req.peer, req.arg("pid", int))
         cpus, mems, gpus = ids_arg(req, "cpus"), ids_arg(req, "mems"), ids_arg(req, "gpus")
         nofile = req.arg("nofile", int, None)
         exclusive = req.arg("exclusive", bool, False)
         ncpus = req.arg("ncpus", int, None)
         notes: list[str] = []
         if not req.peer.is_root:
+            self._count(req.peer.uid, pid)
             nofile = self.gate.cap_nofile(req.peer.uid, pid, nofile, notes) or nofile
         seen: list[JobContext] = []
         held_before: list[Reservation | None] = []  # what this bind's hold replaced
@@ -101,9 +107,11 @@ class BindCommands:
 
             def hold(p: Placement, ctx: JobContext) -> None:  # under the placer's lock
                 if p.cpus and not self.jobs.dry_run:
+                    final = cpus if cpus is not None else p.cpus
+                    self._gate(req, pid, final, tuple(p.gpus or ()), exclusive, notes)
                     held_before.extend(self._hold_cpus(
-                        pid, cpus if cpus is not None else p.cpus, tuple(p.gpus or ()),
-                        ctx, exclusive, req.peer.uid, holding))
+                        pid, final, tuple(p.gpus or ()), ctx, exclusive, req.peer.uid,
+                        holding))
 
             placed, ctx = self._near_gpus(pid, tuple(sorted(gpus)) if gpus is not None
                                           else None, exclusive, ncpus, hold)
@@ -131,7 +139,7 @@ class BindCommands:
                 admit()
                 if cpus and not self.jobs.dry_run:
                     with self.placer.lock:
-                        self._others_exclusive(req, pid, cpus, notes)
+                        self._gate(req, pid, cpus, (), exclusive, notes)
                         held_before.extend(self._hold_cpus(pid, cpus, (), None, exclusive,
                                                            req.peer.uid, holding))
                 return Placement.given(cpus, mems,
@@ -154,19 +162,50 @@ class BindCommands:
         result["notes"] = [*notes, *result.get("notes", [])]
         return result
 
-    def _others_exclusive(self, req: Request, pid: int, cpus: frozenset[int],
-                          notes: list[str]) -> None:
-        """``bind --cpus LIST`` passes the gate ``run --cpus`` and placements do: CPUs
-        another user's lease or exclusive bind holds are refused (PlacementError, exit
-        1); root may bind there (a lease's own processes, an operator's choice), with
-        a note naming the holder."""
-        held = self.placer.held_by_others(cpus, req.peer.uid, f"bind:{pid}")
-        if not held:
+    def _count(self, uid: int, pid: int) -> None:
+        """A non-root user holds at most ``max_binds_per_user`` processes bound with
+        ``tunerctl bind`` (her subordinate uids' too): each one is a record in the
+        runtime state, written on every bind (6,000 binds were a 2.5 MB state file)."""
+        if self.jobs.is_bound(pid):
+            return  # a re-bind replaces its record
+        subids = self.gate.subids
+        subids.refresh()
+        owner = subids.owner_cached(uid)
+        mine = self.jobs.count_where(
+            lambda r: r.origin == "cli" and r.uid is not None
+            and (r.uid == uid or subids.owner_cached(r.uid) == owner))
+        if mine >= self.max_per_user:
+            raise PermissionDenied(
+                f"uid {uid} holds {mine} processes bound with tunerctl bind, the most a "
+                f"user may on this node (max_binds_per_user = {self.max_per_user}); "
+                "unbind some first (tunerctl jobs, tunerctl unbind PID)")
+
+    def _gate(self, req: Request, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
+              exclusive: bool, notes: list[str]) -> None:
+        """The one gate of every bind, whatever its flags (``--cpus``, ``--gpus``,
+        ``--mems``, ``--exclusive`` in any combination), on the CPUs it is about to get
+        and, for an exclusive bind, the GPUs it is about to hold; called under the
+        placer's lock, before anything is held or moved. It passes the gate ``run
+        --cpus`` and placements do: CPUs another user's lease or exclusive bind holds
+        are refused (PlacementError, exit 1), and so are GPUs another user's lease or
+        exclusive bind holds for an exclusive bind; root may bind there (a lease's own
+        processes, an operator's choice), with a note naming the holder."""
+        key = f"bind:{pid}"
+        refusals: list[PlacementError] = []
+        held = self.placer.held_by_others(cpus, req.peer.uid, key)
+        if held:
+            refusals.append(held_exclusively(held))
+        taken = self.placer.gpus_held_by_others(gpus, req.peer.uid, key) if exclusive else {}
+        if taken:
+            refusals.append(PlacementError(
+                f"GPU {','.join(map(str, sorted(taken)))} held by "
+                f"{'; '.join(sorted(set(taken.values())))}",
+                held_gpus={str(g): h for g, h in sorted(taken.items())}))
+        if not refusals:
             return
-        refusal = held_exclusively(held)
         if not req.peer.is_root:
-            raise refusal
-        notes.append(f"{refusal.message}: bound there as root asked")
+            raise refusals[0]
+        notes.extend(f"{r.message}: bound there as root asked" for r in refusals)
 
     def _hold_cpus(self, pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
                    ctx: JobContext | None, exclusive: bool, uid: int,
@@ -239,7 +278,7 @@ class BindCommands:
                          notes=placed.notes), ctx
 
     async def unbind(self, req: Request) -> dict[str, Any]:
-        pid = host_pid(req.peer, req.arg("pid", int))
+        pid = await self.namespaces.host_pid(req.peer, req.arg("pid", int))
         out = await self.jobs.unbind(pid, peer=req.peer)
         self.placer.release(f"bind:{pid}")
         self.gate.drop(f"bind:{pid}")

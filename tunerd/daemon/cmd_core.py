@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from tunerd import procfs
+from tunerd.daemon.leases import user_name
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
@@ -101,6 +104,8 @@ def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[s
     the rules' bound and left-alone processes of other users without the text their
     command lines and environments put there (notes, why), and the errors about such a
     process ("rule R, pid N: ...") without their message."""
+    if not peer.is_root:
+        st = _others_pids_hidden(_policy_text_hidden(st), peer)
     if seen.sees_all(peer)[0]:
         return st
     st = dict(st)
@@ -116,6 +121,69 @@ def redact_status(seen: ProcVisibility, peer: Any, st: dict[str, Any]) -> dict[s
         st[k] = [p if p.get("source") != "autobind" else
                  {**p, "message": _problem_hidden(seen, peer, str(p.get("message", "")))}
                  for p in st.get(k) or []]
+    return st
+
+
+# "/etc/tunerd/policies/x.toml: line 3, column 5: ..." -> the path and the line
+_POLICY_AT = re.compile(r"(/[^\s:]*\.toml)(?:: (line \d+))?")
+POLICY_TEXT_HIDDEN = "(details for root: tunerctl status as root, or the daemon's log)"
+
+
+def policy_error_public(message: str) -> str:
+    """A policy error as a non-root user may read it: the files and lines it names,
+    none of their text (a key, a value, a line quoted: a symlink to a root-only file
+    would show its first line)."""
+    head = message.split("/", 1)[0].rstrip()
+    where = []
+    for m in _POLICY_AT.finditer(message):
+        w = m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
+        if w not in where:
+            where.append(w)
+    if not where:
+        return message if " writable by " in message or " owned by " in message \
+            else f"{head} {POLICY_TEXT_HIDDEN}".strip()
+    return f"{head} {'; '.join(where)} {POLICY_TEXT_HIDDEN}".strip()
+
+
+def _others_pids_hidden(st: dict[str, Any], peer: Any) -> dict[str, Any]:
+    """The rules' work as a non-root ``peer`` may see it: the PIDs of processes a rule
+    bound or left alone, their steps' times and the exec timeline (each exec's
+    CLOCK_MONOTONIC stamps, to the nanosecond) only for her own processes; others'
+    entries keep the rule, the user and the CPUs, without a PID."""
+    auto = (st.get("services") or {}).get("autobind")
+    if not isinstance(auto, dict):
+        return st
+    me = user_name(peer.uid)
+    owner: dict[int, bool] = {}
+
+    def mine(pid: Any, user: Any = None) -> bool:
+        if not isinstance(pid, int):
+            return False
+        if user is not None:
+            return bool(user == me)
+        if pid not in owner:
+            owner[pid] = procfs.read_uid(pid) == peer.uid
+        return owner[pid]
+
+    auto = dict(auto)
+    auto["bound"] = [b if mine(b.get("pid"), b.get("user"))
+                     else {**b, "pid": None, "timing": None}
+                     for b in auto.get("bound") or []]
+    auto["left_alone"] = [a if mine(a.get("pid")) else {**a, "pid": None}
+                          for a in auto.get("left_alone") or []]
+    auto["timeline_ns"] = [t for t in auto.get("timeline_ns") or []
+                           if t and mine(t[0])]
+    return {**st, "services": {**st["services"], "autobind": auto}}
+
+
+def _policy_text_hidden(st: dict[str, Any]) -> dict[str, Any]:
+    st = dict(st)
+    pol = st.get("policy")
+    if isinstance(pol, dict) and pol.get("error"):
+        st["policy"] = {**pol, "error": policy_error_public(str(pol["error"]))}
+    for k in ("errors", "warnings", "resolved_errors"):
+        st[k] = [{**p, "message": policy_error_public(str(p.get("message", "")))}
+                 if p.get("source") == "reload" else p for p in st.get(k) or []]
     return st
 
 

@@ -9,7 +9,7 @@ from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import UsageError
-from tunerd.protocol import MAX_TAG, bounded_command, bounded_str
+from tunerd.protocol import MAX_TAG, bounded_command, bounded_str, check_int
 
 
 def _tag(req: Request) -> str | None:
@@ -35,7 +35,7 @@ class LeaseCommands:
         if isinstance(cpus_arg, int) and not isinstance(cpus_arg, bool):
             if ncpus is not None:  # legacy: a count from an older tunerctl (one release)
                 raise UsageError(f"{req.cmd}: give 'ncpus' or a count in 'cpus', not both")
-            ncpus = cpus_arg
+            ncpus = check_int(req.cmd, "ncpus", cpus_arg)
         elif cpus_arg is not None:
             cpus = ids_arg(req, "cpus")
             if not cpus:

@@ -90,8 +90,12 @@ class MonitorCommands:
         router.add("report", self.report)
 
     async def metrics(self, req: Request) -> dict[str, Any]:
-        """The Prometheus exposition text, as /metrics would serve it."""
-        return {"text": self.monitor.exposition()}
+        """The Prometheus exposition text, as /metrics would serve it to the caller
+        (past hidepid, another user's process names hidden)."""
+        seen = ProcVisibility()
+        if seen.sees_all(req.peer)[0]:
+            return {"text": self.monitor.exposition()}
+        return {"text": self.monitor.exposition_for(req.peer.uid, lambda uid: False)}
 
     async def top(self, req: Request) -> dict[str, Any]:
         """The latest sample and the bound jobs, for `tunerctl top`."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.errors import UsageError
+from tunerd.safefs import read_trusted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG = Path("/etc/tunerd/tunerd.toml")
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines: larger is refused unread
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -38,6 +40,7 @@ class DaemonConfig:
     history_seconds: float = 3600.0  # monitor history kept in memory
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     max_connections_per_user: int = 128  # open control connections per non-root uid
+    max_binds_per_user: int = 1024  # processes one non-root user may hold bound (bind)
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
     # the exec watcher thread runs SCHED_FIFO 1 while execs are sparse (false: nice -10)
     exec_watch_realtime: bool = True
@@ -64,6 +67,8 @@ class DaemonConfig:
     # a test daemon: [[job]] rules bind only this process and its descendants, and no
     # node-wide claim is taken (tunerd.daemon.scope); None: the whole node
     scope_pid: int | None = None
+    # subordinate uids: each counts as its user for per-user limits (tests: a temp file)
+    subuid_file: Path = Path("/etc/subuid")
 
     @property
     def socket_path(self) -> Path:
@@ -158,6 +163,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                        _seconds(0, inclusive=False)),
     "max_connections_per_user": ("open control connections one non-root uid may hold",
                                  _count(1)),
+    "max_binds_per_user": ("processes one non-root user may hold bound with tunerctl "
+                           "bind", _count(1)),
     "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",
                     _bool),
     "exec_watch_realtime": ("the exec watcher at SCHED_FIFO 1 while execs are sparse "
@@ -182,6 +189,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                   _abs_path),
     "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons)",
                   _count(1)),
+    "subuid_file": ("subordinate uids: each counts as its user for per-user limits",
+                    _abs_path),
 }
 
 
@@ -214,7 +223,10 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> DaemonConfig:
     raw: dict[str, Any] = {}
     if path is not None or cfg_path.exists():
         try:
-            raw = tomllib.loads(cfg_path.read_text())
+            # trusted as the policy dir is: owned by root (or the daemon's own uid),
+            # writable by no one else, in dirs that are the same (Failed: exit 1)
+            raw = tomllib.loads(read_trusted(cfg_path, "config file", MAX_CONFIG_BYTES)
+                                .decode("utf-8"))
         except OSError as err:
             raise UsageError(f"{cfg_path}: cannot read config: {err.strerror}") from err
         except UnicodeDecodeError as err:

@@ -29,8 +29,10 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from tunerd.daemon.subids import SubIds
 from tunerd.errors import PermissionDenied
 
 __all__ = [
@@ -71,20 +73,30 @@ class ReservationGate:
 
     def __init__(self, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None] = lambda: None,
-                 proc_root: str = "/proc") -> None:
+                 proc_root: str = "/proc", subids: SubIds | None = None) -> None:
         self.limits = limits
         self.default_nofile = default_nofile
         self.proc = proc_root
-        self._counters: list[Callable[[int], int]] = []
+        # a user's subordinate uids (/etc/subuid) count as her
+        self.subids = subids if subids is not None else SubIds(Path("/nonexistent"))
+        self._counters: list[Callable[[Callable[[int], bool]], int]] = []
         self._holds: dict[str, int] = {}  # reservation key -> uid (bind --exclusive)
 
-    def count_with(self, counter: Callable[[int], int]) -> None:
-        """Another holder of a user's reservations (the lease service: its leases)."""
+    def count_with(self, counter: Callable[[Callable[[int], bool]], int]) -> None:
+        """Another holder of a user's reservations (the lease service: its leases);
+        ``counter(same)`` counts those whose uid ``same`` accepts."""
         self._counters.append(counter)
 
     def held_by(self, uid: int, *, besides: str | None = None) -> int:
-        return (sum(c(uid) for c in self._counters)
-                + sum(1 for k, u in self._holds.items() if u == uid and k != besides))
+        """Reservations of ``uid``'s user: hers and her subordinate uids'."""
+        self.subids.refresh()
+        owner = self.subids.owner_cached(uid)
+
+        def same(u: int) -> bool:
+            return u == uid or self.subids.owner_cached(u) == owner
+
+        return (sum(c(same) for c in self._counters)
+                + sum(1 for k, u in self._holds.items() if same(u) and k != besides))
 
     def admit(self, peer: Any, *, exclusive: bool, key: str | None = None) -> None:
         """PermissionDenied unless ``peer`` may hold one more reservation (``key``: one
@@ -96,7 +108,10 @@ class ReservationGate:
             raise PermissionDenied(EXCLUSIVE_DENIED)
         mine = self.held_by(peer.uid, besides=key)
         if mine >= limits.max_per_user:
-            raise PermissionDenied(COUNT_DENIED.format(uid=peer.uid, mine=mine,
+            owner = self.subids.owner_cached(peer.uid)
+            who = peer.uid if owner == peer.uid else \
+                f"{peer.uid} (a subordinate uid of uid {owner}, /etc/subuid)"
+            raise PermissionDenied(COUNT_DENIED.format(uid=who, mine=mine,
                                                        limit=limits.max_per_user))
 
     def cap_nofile(self, uid: int | None, pid: int, nofile: int | None,

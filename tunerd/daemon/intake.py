@@ -46,6 +46,9 @@ ANCESTOR_DEPTH = 8  # how far up the tree to look for a rank, a lease, a launche
 # time, and dropped when that pid execs (``exec_seen``).
 PARENT_TTL_S = 2.0
 MAX_RANK = 1 << 16  # a local rank or world size above this is no rank number
+# a parent's environment is read as a rank's own is by the rules (ENVIRON_MATCH_BYTES):
+# at most 64 KiB, also in the exec watcher's real-time thread (1 MiB before)
+PARENT_ENV_BYTES = 64 << 10
 
 # rank identity: (variable, local world size variable, what sets it)
 _RANK_VARS = (
@@ -270,7 +273,7 @@ class Intake:
         if hit is not None and hit[0] == start and time.monotonic() - hit[1] < PARENT_TTL_S:
             return hit[2], hit[3]
         argv = procfs.Process(ppid, self.proc).cmdline(4096)
-        env = procfs.read_environ_view(ppid, self.proc) or {}
+        env = procfs.read_environ_view(ppid, self.proc, PARENT_ENV_BYTES) or {}
         if quick and start is not None:
             with self._cache_lock:
                 if len(self._parents) > 256:
@@ -343,7 +346,7 @@ class Intake:
             argv = []
         encloses = is_launcher(argv, comm) or wrapper_name(argv, comm) is not None
         if not encloses and ctx.rank is not None:
-            penv = procfs.read_environ_view(ppid, self.proc) or {}
+            penv = procfs.read_environ_view(ppid, self.proc, PARENT_ENV_BYTES) or {}
             prank = _rank_of(penv, ctx.allocation, -1, [])
             encloses = prank is None or prank.var != ctx.rank.var
         if encloses:

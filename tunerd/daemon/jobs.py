@@ -184,6 +184,10 @@ class JobRegistry:
         """The bound pids (not the replay-only placements)."""
         return list(self._bindings)
 
+    def count_where(self, pred: Callable[[Binding], bool]) -> int:
+        """Bindings ``pred`` accepts (the per-user bind count)."""
+        return sum(1 for rec in list(self._bindings.values()) if pred(rec))
+
     def is_bound(self, pid: int) -> bool:
         return pid in self._bindings
 

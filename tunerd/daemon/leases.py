@@ -85,7 +85,7 @@ class LeaseService:
         self.errors = errors
         self._limits = limits
         self.gate = gate or ReservationGate(limits)
-        self.gate.count_with(self.held_by)
+        self.gate.count_with(self.held_where)
         self._default_nofile = default_nofile
         self.proc = proc_root
         section.setdefault("next_id", 1)
@@ -203,8 +203,13 @@ class LeaseService:
         self.gate.admit(peer, exclusive=exclusive)  # one gate: tunerd.daemon.gate
 
     def held_by(self, uid: int) -> int:
-        """Leases ``uid`` holds (the gate counts them with its other reservations)."""
+        """Leases ``uid`` holds."""
         return sum(1 for r in self.leases.values() if r.uid == uid)
+
+    def held_where(self, same: Callable[[int], bool]) -> int:
+        """Leases whose uid ``same`` accepts (the gate counts a user's, her
+        subordinate uids' too, with its other reservations)."""
+        return sum(1 for r in self.leases.values() if r.uid is not None and same(r.uid))
 
     def _describe(self, peer: Peer) -> JobContext:
         """The caller, read once by the intake: its allocation, its job, its

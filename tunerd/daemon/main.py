@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from tunerd.errors import TunerdError
+from tunerd.errors import TunerdError, UsageError
 from tunerd.logutil import (
     LOG_FILE_BACKUPS,
     LOG_FILE_BYTES,
@@ -157,11 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             from tunerd.topology import read_snapshot
 
             read_snapshot(cfg.topology)
-    except TunerdError as err:
+    except UsageError as err:
         print(f"tunerd: error: {err.message}", file=sys.stderr)
         return int(ExitCode.USAGE)
+    except TunerdError as err:  # an untrusted config file: exit 1
+        print(f"tunerd: error: {err.message}", file=sys.stderr)
+        return int(exit_code(err))
     try:
         setup_logging(cfg.log_level, args.log_file)
+    except TunerdError as err:  # a log file others could have put there: refused
+        print(f"tunerd: error: --log-file: {err.message}", file=sys.stderr)
+        return int(exit_code(err))
     except OSError as err:
         print(f"tunerd: error: --log-file {args.log_file}: {err.strerror or err}",
               file=sys.stderr)

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -240,6 +240,13 @@ class Placer:
         that is not ``uid``'s: CPU -> its holder (``bind --cpus``'s gate)."""
         return {c: r.holder for r in self._held() if r.exclusive and r.key != key
                 and r.uid != uid for c in r.cpus & cpus}
+
+    def gpus_held_by_others(self, gpus: Iterable[int], uid: int, key: str) -> dict[int, str]:
+        """GPUs of ``gpus`` that a reservation other than ``key`` holds and that is not
+        ``uid``'s: GPU -> its holder (``bind --exclusive``'s gate)."""
+        want = set(gpus)
+        return {g: r.holder for r in self._held() if r.key != key and r.uid != uid
+                for g in self._held_gpus(r) if g in want}
 
     def enclosing_cpus(self, pid: int) -> frozenset[int] | None:
         """CPUs of the `tunerctl run` lease ``pid`` descends from, if any."""

@@ -15,6 +15,7 @@ from tunerd.daemon.leases import LeaseLimits
 from tunerd.errors import Failed
 from tunerd.policy import NodeFacts, Policy, load_policy_dir
 from tunerd.policy.typed import PolicyModel
+from tunerd.safefs import trusted_uids
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyHolder"]
@@ -29,8 +30,10 @@ class PolicyHolder:
         self.error: str | None = None  # the last rejected reload, until one succeeds
 
     def load(self) -> Policy:
-        """Read the policy directory for this node (PolicyError when a file is bad)."""
-        return load_policy_dir(self.policy_dir, self.facts)
+        """Read the policy directory for this node (PolicyError when a file is bad, or
+        the directory or a file is not trusted: owned by root and writable by no one
+        else, tunerd.safefs.read_trusted)."""
+        return load_policy_dir(self.policy_dir, self.facts, trusted_uids())
 
     def load_staged(self, staged: Path) -> Policy:
         """Read a staged policy directory (the same checks as the policy dir's)."""

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from tunerd.policy.loader import MAX_FILE_BYTES
+
 __all__ = ["PolicyWatch", "policy_dir_hash"]
 
 log = logging.getLogger("tunerd.policywatch")
@@ -52,7 +54,9 @@ def policy_dir_hash(policy_dir: Path) -> str:
 
 
 def _read_regular(path: Path) -> bytes:
-    """The file's bytes; a FIFO, device or directory is never read (O_NONBLOCK, and
+    """The file's bytes, at most MAX_FILE_BYTES + 1 of them (one larger than a policy
+    may be is stood for by its size and times, unread); a FIFO, device or directory is
+    never read (O_NONBLOCK, and
     fstat before any read: a FIFO would block the thread). Symlinks are followed, as
     the loader follows them: a ConfigMap's entries are symlinks through ``..data``
     (so not safefs.read_regular, which refuses symlinks)."""
@@ -64,12 +68,18 @@ def _read_regular(path: Path) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"not a regular file: {stat.S_IFMT(st.st_mode)}".encode()
+        if st.st_size > MAX_FILE_BYTES:  # the loader refuses it unread: so does the hash
+            return (f"too large: {st.st_size} {st.st_mtime_ns} {st.st_ino} "
+                    f"{st.st_ctime_ns}").encode()
         chunks: list[bytes] = []
-        while True:
-            b = os.read(fd, 1 << 16)
+        total = 0
+        while total <= MAX_FILE_BYTES:  # one that grows meanwhile: at most this much
+            b = os.read(fd, min(1 << 16, MAX_FILE_BYTES + 1 - total))
             if not b:
-                return b"".join(chunks)
+                break
             chunks.append(b)
+            total += len(b)
+        return b"".join(chunks)
     except OSError as err:
         return f"unreadable: {err.errno}".encode()
     finally:

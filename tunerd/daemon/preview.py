@@ -29,6 +29,7 @@ from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.errors import TunerdError, UsageError
 from tunerd.policy import Policy, load_policy_dir
+from tunerd.safefs import trusted_uids
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyPreview", "would_bind"]
@@ -89,7 +90,8 @@ class PolicyPreview:
             raise UsageError(f"--policy-dir {directory}: not a directory")
         loop = asyncio.get_running_loop()
         candidate = await loop.run_in_executor(
-            None, load_policy_dir, directory, self.policy.facts)  # PolicyError: exit 1
+            None, load_policy_dir, directory, self.policy.facts,
+            trusted_uids())  # PolicyError: exit 1
         return {"policy_dir": str(directory), "sources": candidate.sources,
                 "skipped": candidate.skipped, "warnings": candidate.warnings,
                 "host": self.host.plan(candidate),

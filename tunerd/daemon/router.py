@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from tunerd.daemon.peer import Peer
 from tunerd.errors import PermissionDenied, UsageError
+from tunerd.protocol import check_int
 
 __all__ = ["Handler", "Peer", "Request", "Router"]
 
@@ -32,7 +33,8 @@ class Request:
             raise PermissionDenied(f"{what} needs root (you are uid {self.peer.uid})")
 
     def arg(self, name: str, kind: type[T], default: Any = _MISSING) -> T:
-        """Argument ``name`` of type ``kind``; a missing or mistyped one is a UsageError."""
+        """Argument ``name`` of type ``kind``; a missing or mistyped one is a UsageError,
+        and so is an integer outside its range (``tunerd.protocol.INT_RANGES``)."""
         if name not in self.args or self.args[name] is None:
             if default is _MISSING:
                 raise UsageError(f"{self.cmd}: missing argument {name!r}")
@@ -46,6 +48,8 @@ class Request:
             raise UsageError(
                 f"{self.cmd}: argument {name!r} must be {kind.__name__}, got {type(v).__name__}"
             )
+        if isinstance(v, int) and not isinstance(v, bool):
+            check_int(self.cmd, name, v)
         return v
 
 

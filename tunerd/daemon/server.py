@@ -38,7 +38,7 @@ import stat
 import struct
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +124,11 @@ def _bind_listener(path: Path, backlog: int) -> tuple[socket.socket, tuple[int, 
 class ControlServer:
     def __init__(self, router: Router, path: Path, idle_timeout: float = IDLE_TIMEOUT,
                  *, max_connections_per_user: int = MAX_CONNECTIONS_PER_USER,
-                 backlog: int = LISTEN_BACKLOG) -> None:
+                 backlog: int = LISTEN_BACKLOG,
+                 owner: Callable[[int], int] = lambda uid: uid) -> None:
         self.router = router
+        # the user a uid counts as for per-user limits (a subordinate uid: its owner)
+        self.owner = owner
         self.path = Path(path)
         self.idle_timeout = idle_timeout
         self.max_connections_per_user = max_connections_per_user
@@ -204,28 +207,32 @@ class ControlServer:
         except OSError:
             sock.close()
             return
-        if peer.uid != 0 and self._per_uid[peer.uid] >= self.max_connections_per_user:
-            log.warning("uid %d holds %d connections (max_connections_per_user): refusing "
-                        "more", peer.uid, self._per_uid[peer.uid])
-            err = Failed(f"too many connections: uid {peer.uid} already has "
-                         f"{self._per_uid[peer.uid]} open connections to tunerd "
+        user = self.owner(peer.uid)
+        if peer.uid != 0 and self._per_uid[user] >= self.max_connections_per_user:
+            who = f"uid {peer.uid}" + (f" (a subordinate uid of uid {user})"
+                                       if user != peer.uid else "")
+            log.warning("%s holds %d connections (max_connections_per_user): refusing "
+                        "more", who, self._per_uid[user])
+            err = Failed(f"too many connections: {who} already has "
+                         f"{self._per_uid[user]} open connections to tunerd "
                          f"(max_connections_per_user = {self.max_connections_per_user})")
             with contextlib.suppress(OSError):  # a fresh socket's buffer takes one line
                 sock.send(encode({"id": None, "ok": False, "error": error_to_wire(err)}))
             sock.close()
             return
-        self._per_uid[peer.uid] += 1
+        self._per_uid[user] += 1
         conn = _Connection(self, self._loop, sock, peer)
+        conn.user = user
         self._conns.add(conn)
 
     def _closed(self, conn: _Connection) -> None:
         if conn in self._conns:
             self._conns.discard(conn)
-            n = self._per_uid[conn.peer.uid] - 1
+            n = self._per_uid[conn.user] - 1
             if n > 0:
-                self._per_uid[conn.peer.uid] = n
+                self._per_uid[conn.user] = n
             else:
-                del self._per_uid[conn.peer.uid]
+                del self._per_uid[conn.user]
 
     # -- idle connections ------------------------------------------------------
     def _schedule_sweep(self) -> None:
@@ -313,7 +320,7 @@ class _Connection:
 
     __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_halted", "_incomplete",
                  "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
-                 "closing_since", "last", "peer", "wrote")
+                 "closing_since", "last", "peer", "user", "wrote")
 
     def __init__(self, server: ControlServer, loop: asyncio.AbstractEventLoop,
                  sock: socket.socket, peer: Peer) -> None:
@@ -322,6 +329,7 @@ class _Connection:
         self._sock = sock
         self._fd = sock.fileno()
         self.peer = peer
+        self.user = peer.uid  # whom it counts as (ControlServer.owner)
         self._buf = bytearray()
         self._out = bytearray()
         self._lines: deque[bytes] = deque()
@@ -429,7 +437,7 @@ class _Connection:
             # in a context of its own that names the peer: the log lines it causes
             # count against that uid's rate limit (tunerd.logutil.UserRateFilter)
             ctx = contextvars.copy_context()
-            ctx.run(acting_for, self.peer.uid)
+            ctx.run(acting_for, self.user)
             coro = self._server.handle(self.peer, line)
             try:
                 first = ctx.run(coro.send, None)

@@ -10,6 +10,7 @@ command line, and replies show them as they are.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tunerd import procfs
@@ -77,6 +78,25 @@ class ProcVisibility:
         if gid is not None and (peer.gid == gid or gid in _groups(peer.pid, self.proc)):
             return True, level
         return False, level
+
+    def uid_sees_all(self, uid: int) -> bool:
+        """Whether a connection owned by ``uid`` (no process known: an HTTP client on
+        this host) may read every process's text: root, no hidepid, or a member of
+        the mount's ``gid=`` group (from the group database)."""
+        if uid == 0:
+            return True
+        level, gid = hidepid(self.proc)
+        if level == 0:
+            return True
+        if gid is None:
+            return False
+        import pwd
+
+        try:
+            pw = pwd.getpwuid(uid)
+            return gid in os.getgrouplist(pw.pw_name, pw.pw_gid)
+        except (KeyError, OSError):
+            return False
 
     def redact(self, peer: Any, records: list[dict[str, Any]],
                uid_key: str = "uid") -> list[dict[str, Any]]:

@@ -52,6 +52,8 @@ from tunerd.daemon.runtime import NodeClaim, PidLock
 from tunerd.daemon.scope import ProcessScope
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
+from tunerd.daemon.subids import SubIds
+from tunerd.daemon.visibility import ProcVisibility
 from tunerd.errors import Failed
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
@@ -127,7 +129,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                        bind_delay=cfg.debug_bind_delay)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
-    gate = ReservationGate(policy.lease_limits, policy.default_nofile)
+    subids = SubIds(cfg.subuid_file)  # a user's subordinate uids count as her
+    gate = ReservationGate(policy.lease_limits, policy.default_nofile, subids=subids)
     intake = Intake(topology, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
     leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
                           intake, limits=policy.lease_limits,
@@ -221,7 +224,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     monitor = Monitor(MonitorSettings(interval=cfg.sample_interval,
                                       history_seconds=cfg.history_seconds,
                                       metrics_listen=cfg.metrics_listen),
-                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet)
+                      jobs, errors, daemon_facts=daemon_facts, fleet=fleet,
+                      uid_sees_all=ProcVisibility(str(cfg.proc_root)).uid_sees_all)
 
     async def fleet_changed(new: Policy) -> None:
         fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
@@ -272,7 +276,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
-                           max_connections_per_user=cfg.max_connections_per_user)
+                           max_connections_per_user=cfg.max_connections_per_user,
+                           owner=subids.owner)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
                     on_policy=[("host", host.policy_changed), ("autobind", rules_changed),
@@ -299,8 +304,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
             return preview.refuse_rebind(p, 0)
 
         daemon.reload_guard = refuse_for_root
-    BindCommands(jobs, placer, leases, intake,
-                 left_alone=autobind.left_alone_now).register(router)
+    BindCommands(jobs, placer, leases, intake, left_alone=autobind.left_alone_now,
+                 max_per_user=cfg.max_binds_per_user).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)

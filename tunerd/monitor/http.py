@@ -108,6 +108,13 @@ def socket_owner(client: tuple[Any, ...], server: tuple[Any, ...]) -> int | None
 class _Handler(WSGIRequestHandler):
     timeout = REQUEST_TIMEOUT  # StreamRequestHandler puts it on the socket
 
+    def get_environ(self) -> dict[str, Any]:
+        env = super().get_environ()
+        key = getattr(self.server, "_keys", {}).get(id(self.request))
+        # the local uid that owns the connecting socket (None: another host)
+        env["tunerd.uid"] = key[1] if isinstance(key, tuple) and key[0] == "uid" else None
+        return env
+
     def log_message(self, format: str, *args: Any) -> None:
         """Log nothing per request (prometheus_client's handler does the same)."""
 
@@ -269,13 +276,32 @@ def with_health(app: Any, health: Callable[[], tuple[bool, str]]) -> Any:
     return wrapped
 
 
+def with_view(app: Any, view: Callable[[int], str]) -> Any:
+    """``app``, except that a local non-root client's ``/metrics`` is ``view(uid)``
+    (what that uid may read: hidepid, tunerd.monitor.service.Monitor.exposition_for)."""
+
+    def wrapped(environ: dict[str, Any], start_response: Any) -> Any:
+        uid = environ.get("tunerd.uid")
+        if uid is None or uid == 0 or environ.get("PATH_INFO") not in ("/metrics", "/"):
+            return app(environ, start_response)
+        body = view(uid).encode()
+        start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4; "
+                                   "charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return wrapped
+
+
 def serve_metrics(host: str, port: int, registry: Any,
                   health: Callable[[], tuple[bool, str]] | None = None,
+                  view: Callable[[int], str] | None = None,
                   ) -> tuple[MetricsServer, threading.Thread]:
     """Start the server in a daemon thread (what ``start_http_server`` returns, bounded)."""
     from prometheus_client import make_wsgi_app
 
     app = make_wsgi_app(registry)
+    if view is not None:
+        app = with_view(app, view)
     server = MetricsServer((host, port), app if health is None else with_health(app, health))
     thread = threading.Thread(target=server.serve_forever, name="tunerd-metrics",
                               daemon=True)

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +43,9 @@ from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.reports import Report, ReportStore
 
 log = logging.getLogger("tunerd.monitor")
+
+HIDDEN_LABEL = "(hidden)"  # another user's process name, where /proc hides it
+_JOB_PID = re.compile(r'job="((?:[^"\\]|\\.)*)",pid="(\d+)"')
 
 # Memory, PSI, disks and NICs (the costly part of a host sample: psutil's parsers,
 # ~1.5-2 ms of CPU with cold caches) are read every HOST_FULL_SECONDS, and every cycle
@@ -124,8 +128,11 @@ class Monitor:
     def __init__(self, settings: MonitorSettings, jobs: BoundJobs, errors: ErrorSink, *,
                  reports: ReportStore | None = None,
                  daemon_facts: Callable[[], Mapping[str, float | None]] | None = None,
-                 fleet: FleetFacts | None = None) -> None:
+                 fleet: FleetFacts | None = None,
+                 uid_sees_all: Callable[[int], bool] = lambda uid: True) -> None:
         self.settings = settings
+        # hidepid: whether a local HTTP client's uid may read every process's text
+        self.uid_sees_all = uid_sees_all
         self.bound = jobs
         self.errors = errors
         self.reports = reports if reports is not None else ReportStore()
@@ -201,8 +208,9 @@ class Monitor:
         from tunerd.monitor.http import serve_metrics
 
         try:
-            self._http, _thread = serve_metrics(host, port, self.registry,
-                                               health=self.health)
+            self._http, _thread = serve_metrics(
+                host, port, self.registry, health=self.health,
+                view=lambda uid: self.exposition_for(uid, self.uid_sees_all))
         except OSError as err:
             # monitoring is not worth refusing to tune the node for: report and go on
             self.metrics_error = f"cannot listen on {host}:{port}: {err.strerror or err}"
@@ -435,6 +443,24 @@ class Monitor:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry).decode()
+
+    def exposition_for(self, uid: int | None, sees_all: Callable[[int], bool]) -> str:
+        """The exposition as ``uid`` may read it (None: a scrape from another host, the
+        operator's Prometheus, sees all). Where /proc hides other users' processes from
+        ``uid`` (``sees_all`` says no), the ``job`` label of another user's process
+        bound by tunerctl bind/run (its comm or command: its own text) reads
+        ``(hidden)``, as jobs and top hide it; a rule's name and the pid stay."""
+        text = self.exposition()
+        if uid is None or sees_all(uid):
+            return text
+        origin = {r.get("pid"): r.get("origin") for r in self.job_records()}
+        hidden = {str(j["pid"]) for j in (self.latest or {}).get("jobs") or []
+                  if "pid" in j and j.get("uid") != uid
+                  and origin.get(j["pid"]) not in ("rule", "worker")}
+        if not hidden:
+            return text
+        return _JOB_PID.sub(lambda m: f'job="{HIDDEN_LABEL}",pid="{m.group(2)}"'
+                            if m.group(2) in hidden else m.group(0), text)
 
     def status(self) -> dict[str, Any]:
         s = self.latest or {}

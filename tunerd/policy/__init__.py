@@ -14,12 +14,15 @@ Public interface (used by the daemon and ``tunerctl policy``):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from tunerd.errors import Failed
 from tunerd.policy.loader import BUNDLED_DIR, load_set, policy_files_in, raise_for, resolve
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
 from tunerd.policy.sections import json_schema
+from tunerd.safefs import check_dir
 
 __all__ = [
     "NodeFacts",
@@ -37,16 +40,28 @@ def bundled_default() -> Path:
     return BUNDLED_DIR / "00-default.toml"
 
 
-def load_policy_dir(directory: Path | None, facts: NodeFacts) -> Policy:
+def load_policy_dir(directory: Path | None, facts: NodeFacts,
+                    trusted: Collection[int] | None = None) -> Policy:
     """The merged policy for ``facts`` from every ``*.toml`` in ``directory``.
 
     A missing or empty directory means the bundled default. Any bad file makes the
     whole load fail (PolicyError), so that nothing of a half-valid set is applied.
+    ``trusted`` (the daemon's: root, or its own uid): the directory, the dirs above it,
+    each file and a symlink's target must be owned by one of those uids and writable
+    by no one else, as sshd and sudo check theirs (tunerd.safefs); one that is not is
+    a PolicyError naming the path and why.
     """
-    paths = policy_files_in(directory) if directory is not None and directory.is_dir() else []
+    paths: list[Path] = []
+    if directory is not None and directory.is_dir():
+        if trusted is not None:
+            try:
+                check_dir(directory, "policy directory", trusted)
+            except Failed as err:
+                raise PolicyError(err.message, file=str(directory)) from None
+        paths = policy_files_in(directory)
     if not paths:
         paths = [bundled_default()]
-    reports = load_set(paths)
+    reports = load_set(paths, trusted if paths[0] != bundled_default() else None)
     raise_for(reports)
     return resolve([r.parsed for r in reports if r.parsed is not None], facts)
 

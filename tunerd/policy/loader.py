@@ -14,11 +14,13 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tunerd.errors import Failed
 from tunerd.policy.match import mismatch
 from tunerd.policy.merge import merge_content
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
@@ -26,7 +28,7 @@ from tunerd.policy.provenance import Provenance, key_lines, render_key
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
-from tunerd.safefs import file_kind
+from tunerd.safefs import file_kind, read_trusted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -162,9 +164,26 @@ def _syntax_problem(text: str, err: tomllib.TOMLDecodeError) -> Problem:
     return Problem("", f"TOML syntax error: {msg}")
 
 
-def read_policy_file(path: Path, text: str | None = None) -> FileReport:
-    """Parse and validate one file on its own (set-level checks come later)."""
+def read_policy_file(path: Path, text: str | None = None,
+                     trusted: Collection[int] | None = None) -> FileReport:
+    """Parse and validate one file on its own (set-level checks come later).
+
+    ``trusted`` (the daemon's): the file, the dirs above it and a symlink's target
+    must be owned by those uids and writable by no one else (safefs.read_trusted);
+    ``tunerctl policy check`` of a user's own draft passes None."""
     report = FileReport(path=path, name=None)
+    if text is None and trusted is not None:
+        try:
+            raw = read_trusted(path, "policy file", MAX_FILE_BYTES, trusted)
+        except Failed as err:
+            report.errors.append(err.message)
+            return report
+        except FileNotFoundError:
+            report.add(Problem("", "cannot read: No such file or directory"))
+            return report
+        text = _utf8(report, raw)
+        if text is None:
+            return report
     if text is None:
         try:
             raw = read_policy_bytes(path, MAX_FILE_BYTES + 1)
@@ -452,8 +471,17 @@ def normalize(merged: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return data
 
 
-def load_set(paths: list[Path]) -> list[FileReport]:
-    reports = [read_policy_file(p) for p in paths]
+def _utf8(report: FileReport, raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        report.add(Problem(f"line {line}", f"not UTF-8 text (byte {err.start})"))
+        return None
+
+
+def load_set(paths: list[Path], trusted: Collection[int] | None = None) -> list[FileReport]:
+    reports = [read_policy_file(p, trusted=trusted) for p in paths]
     check_set(reports)
     return reports
 
