@@ -287,3 +287,36 @@ def test_pidfile_is_written_over_a_crash_leftover_and_leaves_no_temp_on_failure(
     with pytest.raises(OSError):
         write_pidfile(blocked / "tunerd.pid")
     assert sorted(p.name for p in blocked.iterdir()) == ["tunerd.pid"]
+
+
+def test_a_rejected_policy_s_text_never_reaches_the_systemd_status_line(
+        daemon_factory, tmp_path: Path) -> None:
+    """STATUS= is what every user reads in `systemctl status`: a rejected policy file's
+    text (its first line, a secret in a bad value) is never in it; its path is."""
+    addr = str(tmp_path / "notify.sock")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(addr)
+    ns.settimeout(15)
+    d = daemon_factory(env={"NOTIFY_SOCKET": addr})
+    d.start(wait=False)
+    deadline = time.monotonic() + 15
+    while "READY=1" not in ns.recv(4096).decode().split("\n"):
+        assert time.monotonic() < deadline, "no READY"
+    bad = d.policy_dir / "50-bad.toml"
+    bad.write_text('[sysctl]\n"net.core.somaxconn" = "SECRETvalue-not-a-number"\n'
+                   'SECRETline = = =\n')
+    bad.chmod(0o644)
+    d.signal(signal.SIGHUP)
+    statuses: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            msg = ns.recv(4096).decode().split("\n")
+        except TimeoutError:
+            break
+        statuses += [f for f in msg if f.startswith("STATUS=policy error")]
+        if statuses:
+            break
+    assert statuses, "no STATUS= line for the rejected policy"
+    assert "50-bad.toml" in statuses[0] and "SECRET" not in statuses[0], statuses
+    d.signal(signal.SIGTERM)
+    d.proc.wait(15)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tunerd import __version__
+from tunerd.daemon.cmd_core import policy_error_public
 from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.policyholder import PolicyHolder
@@ -100,7 +101,10 @@ class Daemon:
                 self.policy.error = err.message
                 self.errors.record("reload", f"policy rejected, keeping the previous one: "
                                    f"{err.message}")
-                self.notifier.status(f"policy error: {err.message}"[:200])
+                # STATUS= is shown to every user (systemctl status): the paths, never a
+                # policy file's text (root reads it whole in `tunerctl status`)
+                self.notifier.status(f"policy error (previous policy in force): "
+                                     f"{policy_error_public(err.message)}"[:200])
                 return {"reloaded": False, "error": err.message, **self._in_force()}
             refused = guard(new) if guard is not None else None
             if refused is not None:
