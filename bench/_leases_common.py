@@ -103,7 +103,10 @@ class Daemon:
         self.socket = self.tmp / "run" / "tunerd.sock"
         argv = [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir",
                 str(self.tmp / "pol"), "--runtime-dir", str(self.tmp / "run"), "--state-dir",
-                str(self.state_dir), "--metrics-listen", metrics, "--log-level", "warning"]
+                str(self.state_dir), "--metrics-listen", metrics, "--log-level", "warning",
+                # scoped: binds only what this bench started, takes no node lock (two
+                # daemons of one bench run side by side)
+                "--scope-pid", str(os.getpid())]
         if topology is not None:
             argv += ["--topology", str(topology)]
         if config is not None:  # tunerd.toml text

@@ -159,7 +159,8 @@ def main() -> int:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "policies"),
              "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
-             "--metrics-listen", "off", "--log-level", "warning"],
+             "--metrics-listen", "off", "--log-level", "warning",
+             "--scope-pid", str(os.getpid())],
             cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
     try:

@@ -333,7 +333,8 @@ def start_daemon(ctx: Ctx) -> None:
     ctx.daemon = subprocess.Popen(
         [ctx.python, "-m", "tunerd.daemon.main", "--config", str(cfg), "--policy-dir", str(pol),
          "--runtime-dir", str(run), "--state-dir", str(state), "--metrics-listen", "off",
-         "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+         "--log-level", "info", "--scope-pid", str(os.getpid())],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     log.close()
     ctx.socket = run / "tunerd.sock"
     # every child (the training job's StepReporter, bench's placed arm) talks to this one

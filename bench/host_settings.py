@@ -181,7 +181,8 @@ def outer(n: int, rounds: int) -> dict[str, Any]:
                 ["ip", "netns", "exec", ns, sys.executable, "-m", "tunerd.daemon.main",
                  "--config", str(tmp / "tunerd.toml"), "--policy-dir", str(tmp / "pol"),
                  "--runtime-dir", str(tmp / "run"), "--state-dir", str(tmp / "state"),
-                 "--metrics-listen", "off", "--log-level", "warning"],
+                 "--metrics-listen", "off", "--log-level", "warning",
+                 "--scope-pid", str(os.getpid())],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not sock.exists():

@@ -83,7 +83,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             [PY, "-m", "tunerd.daemon.main", "--config", str(cfg), "--policy-dir",
              str(tmp / "p"), "--runtime-dir", str(tmp / "run"), "--state-dir",
-             str(tmp / "state"), "--metrics-listen", metrics, "--log-level", "warning"],
+             str(tmp / "state"), "--metrics-listen", metrics, "--log-level", "warning",
+             "--scope-pid", str(os.getpid())],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
