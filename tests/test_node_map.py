@@ -378,3 +378,12 @@ def test_a_rule_for_a_wrapper_script_binds_the_python_it_runs(daemon_factory,
         assert any(b["pid"] == py for b in autobind_status(d)["bound"])
     finally:
         kill_tree(p)  # type: ignore[arg-type]
+
+
+def test_each_slice_names_the_nic_behind_its_gpus_switch() -> None:
+    """Issue 27: the node map names each GPU's nearest fabric NIC (DGX H100: GPU i and
+    mlx5_i share a PCIe switch)."""
+    m = node_map(load_topology(DGX_H100))
+    assert [(m.slices[g].nics, m.slices[g].nic_tier) for g in (0, 5)] == [
+        (("mlx5_0:1",), "switch"), (("mlx5_5:1",), "switch")]
+    assert m.to_json()["slices"][5]["nics"] == ["mlx5_5:1"]

@@ -2,7 +2,8 @@
 
 Every GPU owns a slice: its NUMA node's cores divided among the GPUs there, whole
 cores with their SMT siblings, contiguous in core order, L3 (core complex) groups kept
-whole where the counts allow, and the slice's memory node. Housekeeping CPUs belong to
+whole where the counts allow, the slice's memory node, and its nearest fabric NIC(s)
+(tunerd.topology.iopath: behind the same PCIe switch first). Housekeeping CPUs belong to
 no slice; CPUs of nodes with no GPU form the shared pool. A rank near GPU g is placed
 in g's slice (tunerd.placement), so ranks of different jobs on different GPUs never
 share a core, whoever bound them.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tunerd.cpulist import format_cpulist
@@ -33,12 +34,15 @@ class GpuSlice:
     mems: frozenset[int]  # the memory node(s) of the slice
     l3_groups: tuple[int, ...]  # L3 groups the slice holds whole
     shares_cores: bool = False  # fewer cores than GPUs on its node: cores shared
+    nics: tuple[str, ...] = ()  # its nearest fabric NIC(s) (tunerd.topology.iopath)
+    nic_tier: str | None = None  # how near: switch, host-bridge, numa, remote
 
     def to_json(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "numa_node": self.numa_node,
                 "cpus": format_cpulist(self.cpus), "ncpus": len(self.cpus),
                 "mems": format_cpulist(self.mems), "l3_groups": list(self.l3_groups),
-                "shares_cores": self.shares_cores}
+                "shares_cores": self.shares_cores, "nics": list(self.nics),
+                "nic_tier": self.nic_tier}
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,12 @@ def _compute(topo: Topology, hk: frozenset[int]) -> NodeMap:
         local = frozenset(g.local_cpus) - hk
         slices[g.index] = GpuSlice(gpu=g.index, numa_node=None, cpus=local, mems=frozenset(),
                                    l3_groups=(), shares_cores=True)
+    from tunerd.topology.iopath import gpu_nics  # the I/O path: each slice's NIC
+
+    for index, pairs in gpu_nics(topo).items():
+        if index in slices and pairs:
+            slices[index] = replace(slices[index], nics=tuple(p.nic.device for p in pairs),
+                                    nic_tier=pairs[0].tier)
     return NodeMap(slices=slices, shared=frozenset(shared), housekeeping=hk)
 
 

@@ -121,15 +121,15 @@ def _node_map(topo: Topology) -> list[str]:
     if not topo.gpus:
         return []
     m = node_map(topo)
-    rows = [["GPU", "slice CPUs", "CPUs", "memory node", "L3 groups"]]
+    rows = [["GPU", "slice CPUs", "CPUs", "memory node", "L3 groups", "NIC"]]
     for g in topo.gpus:
         sl = m.slices.get(g.index)
         if sl is None:
-            rows.append([f"GPU{g.index}", "-", "0", "-", "-"])
+            rows.append([f"GPU{g.index}", "-", "0", "-", "-", "-"])
             continue
         rows.append([f"GPU{g.index}", format_cpulist(sl.cpus), str(len(sl.cpus)),
                      format_cpulist(sl.mems) or "N/A",
-                     ",".join(map(str, sl.l3_groups)) or "-"])
+                     ",".join(map(str, sl.l3_groups)) or "-", ",".join(sl.nics) or "-"])
     out = ["", "Node map (each GPU's slice: ranks near a GPU are placed in it):",
            *("  " + r for r in _table(rows))]
     if m.shared:
