@@ -27,6 +27,8 @@ command -v lspci >/dev/null 2>&1 || need_pkgs="$need_pkgs pciutils"
 command -v slurmd >/dev/null 2>&1 || need_pkgs="$need_pkgs slurm-wlm"
 command -v munged >/dev/null 2>&1 || need_pkgs="$need_pkgs munge"
 command -v logger >/dev/null 2>&1 || need_pkgs="$need_pkgs bsdutils"
+# a real mpirun for tests/test_node_map.py (MPI local rank i placed near GPU i)
+command -v mpirun >/dev/null 2>&1 || need_pkgs="$need_pkgs openmpi-bin"
 # capsh: tests/test_nocap.py runs the daemon without CAP_SYS_RESOURCE
 command -v capsh >/dev/null 2>&1 || need_pkgs="$need_pkgs libcap2-bin"
 # kubectl: `kubectl kustomize deploy/kubernetes` in tests/test_kubernetes_deploy.py (where

@@ -387,3 +387,60 @@ def test_each_slice_names_the_nic_behind_its_gpus_switch() -> None:
     assert [(m.slices[g].nics, m.slices[g].nic_tier) for g in (0, 5)] == [
         (("mlx5_0:1",), "switch"), (("mlx5_5:1",), "switch")]
     assert m.to_json()["slices"][5]["nics"] == ["mlx5_5:1"]
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("cvd", [None, "1,0"])
+def test_real_mpirun_local_rank_i_is_bound_near_gpu_i(daemon_factory, tmp_path: Path,
+                                                       cvd: str | None) -> None:
+    """`mpirun --bind-to none -np 2` (Open MPI): each rank's OMPI_COMM_WORLD_LOCAL_RANK
+    picks its GPU, and the bundled rule binds it in that GPU's slice (GPU 0 local to the
+    first CPU, GPU 1 to the last), with and without CUDA_VISIBLE_DEVICES (listed
+    backwards: local rank 0 then uses GPU 1, which splitting by rank alone would miss)."""
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun (apt-get install openmpi-bin; scripts/test.sh does)")
+    if len(HOST_CPUS) < 2:
+        pytest.skip("needs 2 CPUs")
+    snap, cpu0, cpu1 = snapshot_with_gpus_here(tmp_path / "snap.json")
+    pdir = tmp_path / "policies"
+    token = f"mpi{os.getpid()}"
+    bundled_rule_policy(pdir, token)
+    d = daemon_factory(policy_dir=pdir, args=["--topology", str(snap)]).start()
+    exe = tmp_path / f"mpi_rank_{token}"
+    exe.write_bytes(Path("/bin/sleep").read_bytes())
+    exe.chmod(0o755)
+    env = {**os.environ, "TUNERD_TEST_TOKEN": token, "TUNERD_NUM_WORKERS": "0"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if cvd is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cvd
+    mpirun = subprocess.Popen(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                               "--bind-to", "none", "-x", "TUNERD_TEST_TOKEN",
+                               "-x", "TUNERD_NUM_WORKERS", str(exe), "30"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def ranks() -> dict[int, int] | None:
+            out: dict[int, int] = {}
+            for kid in Path(f"/proc/{mpirun.pid}/task/{mpirun.pid}/children").read_text().split():
+                try:
+                    environ = Path(f"/proc/{kid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                for kv in environ:
+                    if kv.startswith(b"OMPI_COMM_WORLD_LOCAL_RANK="):
+                        out[int(kv.split(b"=")[1])] = int(kid)
+            return out if len(out) == 2 else None
+
+        by_rank = wait_for(ranks, 15, "mpirun's two ranks")
+        bound = wait_for(lambda: {b["pid"]: b for b in autobind_status(d)["bound"]
+                                  if b["pid"] in by_rank.values()}
+                         if len([b for b in autobind_status(d)["bound"]
+                                 if b["pid"] in by_rank.values()]) == 2 else None,
+                         15, "both MPI ranks bound by the rule", detail=d.log)
+        assert bound
+        first, second = (cpu1, cpu0) if cvd == "1,0" else (cpu0, cpu1)
+        assert cpus_allowed(by_rank[0]) == str(first), d.log()
+        assert cpus_allowed(by_rank[1]) == str(second), d.log()
+    finally:
+        kill_tree(mpirun)  # type: ignore[arg-type]
