@@ -121,14 +121,14 @@ class Daemon:
             raise
 
     def _wait_ready(self) -> None:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         deadline = time.monotonic() + 30
         while not self.socket.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("tunerd did not start:\n" + (self.tmp / "log").read_text())
             time.sleep(0.05)
-        from tunerd.errors import DaemonUnreachable
+        from tunerd.base.errors import DaemonUnreachable
 
         while True:  # the socket file is there a moment before the daemon listens
             try:
@@ -151,7 +151,7 @@ class Daemon:
         return self.proc.pid
 
     def status(self) -> dict[str, Any]:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         with Client(str(self.socket)) as c:
             out: dict[str, Any] = c.call("status")
@@ -159,7 +159,7 @@ class Daemon:
 
     def bind(self, pid: int, cpus: str) -> None:
         """``tunerctl bind PID --cpus CPUS``, through the client library."""
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         with Client(str(self.socket)) as c:
             c.call("bind", pid=pid, cpus=cpus)

@@ -33,8 +33,8 @@ from typing import Any
 
 from _leases_common import snapshot_with_gpus_here, write_json
 
-from tunerd.daemon.intake import Intake, request
-from tunerd.daemon.placer import HostCapacity, Placer
+from tunerd.jobs.intake import Intake, request
+from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.policy import load_policy_dir
 from tunerd.policy.model import NodeFacts
 from tunerd.topology import load_topology

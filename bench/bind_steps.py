@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-from tunerd.binding import Binder, Plan, Target
-from tunerd.daemon.intake import Intake, request
-from tunerd.daemon.placer import HostCapacity, Placer
+from tunerd.jobs.binding import Binder, Plan, Target
+from tunerd.jobs.intake import Intake, request
+from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.topology import load_topology
 
 

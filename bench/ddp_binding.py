@@ -46,7 +46,7 @@ class JobWatch(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         with Client(str(self.socket)) as c:
             while not self.stop_event.wait(0.2):

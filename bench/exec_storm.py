@@ -102,7 +102,7 @@ def matched(d: Daemon) -> int:
 
 
 def ping_ms(d: Daemon) -> float:
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     t = time.perf_counter()
     with Client(str(d.socket)) as c:

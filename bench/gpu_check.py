@@ -214,7 +214,7 @@ def step_env(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
         ctx.torch = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         ctx.torch = {"error": f"probe rc {r.returncode}: {tail(r.stderr)}"}
-    from tunerd import nvml
+    from tunerd.adapters import nvml
 
     smi = shutil.which("nvidia-smi")
     data: dict[str, Any] = {"python": ctx.python, "python_version": sys.version.split()[0],
@@ -248,7 +248,7 @@ def sysfs_gpu(bus: str) -> dict[str, Any]:
             return (base / name).read_text().strip()
         except OSError:
             return None
-    from tunerd.cpulist import parse_cpulist
+    from tunerd.base.cpulist import parse_cpulist
 
     node = rd("numa_node")
     cpus = rd("local_cpulist")
@@ -260,7 +260,7 @@ def sysfs_gpu(bus: str) -> dict[str, Any]:
 
 def _cpus(v: Any) -> list[int]:
     """A snapshot's cpulist ("0-15,32") or list as a sorted list of CPU ids."""
-    from tunerd.cpulist import parse_cpulist
+    from tunerd.base.cpulist import parse_cpulist
 
     if isinstance(v, str):
         return sorted(parse_cpulist(v)) if v.strip() else []
@@ -437,7 +437,7 @@ def step_readings(ctx: Ctx) -> tuple[str, str, dict[str, Any]]:
         # the same comparison, on the replayed h100x2 telemetry through the real adapter
         sys.path.insert(0, str(REPO))
         from tests.monitor_helpers import TELEMETRY, TelemetryReplay
-        from tunerd import nvml
+        from tunerd.adapters import nvml
         from tunerd.monitor.gpu import GpuSampler
 
         with nvml.use_backend(TelemetryReplay()):

@@ -93,7 +93,7 @@ def shell_baseline(which: int) -> None:
 
 
 def inner(sock: str, n: int, rounds: int) -> dict[str, Any]:
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     client = Client(sock)
     res: dict[str, Any] = {}

@@ -19,8 +19,8 @@ import time
 
 from _leases_common import Daemon, write_json
 
-from tunerd.client import Client
-from tunerd.errors import TunerdError
+from tunerd.base.errors import TunerdError
+from tunerd.wire.client import Client
 
 PID_BASE = 5_000_000  # above PID_MAX_LIMIT (4,194,304): none of them exists
 

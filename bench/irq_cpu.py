@@ -55,7 +55,7 @@ def main() -> None:
     out: dict[str, list[tuple[float, float]]] = {"irq": [], "baseline": []}
     d_irq, d_base = Daemon(IRQ, config=cfg), Daemon(BASE, config=cfg)
     try:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         c = Client(str(d_irq.socket))
         host = c.call("status")["services"]["host"]

@@ -40,7 +40,7 @@ CONFIGS = ("alone", "unbound + hog", "tunerd + hog")
 
 def the_lease_cpu(d: Daemon) -> str:
     """The CPU a one-CPU exclusive lease gets here (alloc, then release)."""
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     with Client(str(d.socket)) as c:
         lease = c.call("alloc", gpus=0, ncpus=1, exclusive=True)

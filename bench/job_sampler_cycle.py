@@ -54,7 +54,7 @@ def main() -> int:
         for p in procs:
             assert p.stdout is not None
             p.stdout.readline()
-        from tunerd.procfs import Process
+        from tunerd.adapters.procfs import Process
         records = [{"pid": p.pid, "start_time": Process(p.pid).stat().start_time,
                     "name": "job", "cpus": "0-1", "mems": "", "gpus": [], "applied": True}
                    for p in procs]

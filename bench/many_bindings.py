@@ -86,7 +86,7 @@ def one_size(n: int, binds: int, window: float, root: Path | None,
     procs: list[subprocess.Popen[bytes]] = []
     d = Daemon(POLICY, root=root)
     try:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         for _ in range(n + binds * (2 if gap else 1)):
             procs.append(subprocess.Popen(["sleep", "3600"]))

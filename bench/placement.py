@@ -3,7 +3,7 @@
     python bench/placement.py [--rounds N] [--json FILE]
 
 Measured side by side in one run:
-  place (warm)        tunerd.placement.place() with the per-topology index cached
+  place (warm)        tunerd.jobs.placement.place() with the per-topology index cached
                       (the daemon's steady state), over a mix of requests
   place (cold)        the same on a freshly loaded topology (builds the index)
   brute force         a naive exhaustive GPU search: every k-subset of the free GPUs
@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tunerd.placement import MODES, PlacementError, PlacementRequest, pair_cost, place  # noqa: E402
+from tunerd.jobs.placement import MODES, PlacementError, PlacementRequest, pair_cost, place  # noqa: E402
 from tunerd.topology import Topology, load_topology, read_system  # noqa: E402
 
 FIXTURES = REPO / "tests/fixtures/topologies"

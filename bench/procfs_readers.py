@@ -5,7 +5,7 @@ Per job (10 live processes: python, 4 threads, 32 MiB touched, 20 open fds):
 
 * ``every cycle``: what the job sampler reads each second -- psutil
   ``Process.oneshot()`` with cpu_times, num_threads, status, create_time,
-  memory_info, io_counters, num_fds, rlimit(NOFILE) against tunerd.procfs
+  memory_info, io_counters, num_fds, rlimit(NOFILE) against tunerd.adapters.procfs
   ``Process``: stat (which has all of the first five), io_counters, num_fds, nofile;
 * ``+ status``: the same plus what only /proc/PID/status has (uids, context
   switches), which the sampler reads every 10 s;
@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from tunerd.adapters.procfs import Process, read_cmdline_prefix  # noqa: E402
 from tunerd.monitor.host import HostSampler  # noqa: E402
 from tunerd.monitor.jobs import JobSampler  # noqa: E402
-from tunerd.procfs import Process, read_cmdline_prefix  # noqa: E402
 from tunerd.watch.rules import CMDLINE_MATCH_BYTES  # noqa: E402
 
 JOB = ("import os, threading, time\nbuf = bytearray(32 << 20)\n"
@@ -170,7 +170,7 @@ def main() -> int:
                          lambda: read_cmdline_prefix(big, limit=CMDLINE_MATCH_BYTES),
                          max(20, a.n // 10)))
 
-    print(f"psutil {psutil.__version__} vs tunerd.procfs; thread CPU per call, median of "
+    print(f"psutil {psutil.__version__} vs tunerd.adapters.procfs; thread CPU per call, median of "
           f"{a.n} (per job: {a.jobs} live processes)")
     print(f"  {'':58s} {'psutil us':>10s} {'tunerd us':>10s} {'ratio':>6s}")
     print("  (ratio = psutil / tunerd: above 1, tunerd's reader is cheaper)")
@@ -180,7 +180,7 @@ def main() -> int:
     print(f"  JobSampler per job: {js_fast:.1f} us every cycle, {js_slow:.1f} us in a slow cycle")
     per_s = {"psutil": rows[0]["psutil_us"], "tunerd": rows[0]["tunerd_us"]}
     print(f"  at 1 Hz with 10 jobs the per-cycle reads cost {per_s['psutil'] * 10 / 1000:.2f} "
-          f"ms/s with psutil, {per_s['tunerd'] * 10 / 1000:.2f} ms/s with tunerd.procfs "
+          f"ms/s with psutil, {per_s['tunerd'] * 10 / 1000:.2f} ms/s with tunerd.adapters.procfs "
           "(budget: 3 ms/s for the whole daemon)")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "jobsampler_fast_us": js_fast,

@@ -57,8 +57,8 @@ def unpriv_user() -> tuple[int, int]:
 
 @pytest.fixture
 def nvml_backend() -> Iterator[object]:
-    """Yields tunerd.nvml.set_backend; the NVML backend a test sets is undone after it."""
-    from tunerd import nvml
+    """Yields tunerd.adapters.nvml.set_backend; the NVML backend a test sets is undone after it."""
+    from tunerd.adapters import nvml
 
     with nvml.restoring_backend():
         yield nvml.set_backend

@@ -138,7 +138,7 @@ class DaemonProc:
         raise RuntimeError(f"tunerd did not become ready in {timeout} s:\n{self.log()}")
 
     def _status_answers(self) -> bool:
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         try:
             with Client(str(self.socket), timeout=10) as c:

@@ -13,7 +13,7 @@ import os
 import struct
 from pathlib import Path
 
-from tunerd.cpulist import format_cpulist
+from tunerd.base.cpulist import format_cpulist
 from tunerd.topology.model import Topology
 from tunerd.tuners.irq import format_mask
 

@@ -2,7 +2,7 @@
 
 TelemetryReplay is a recorded libnvidia-ml: it has pynvml's function names and raises
 pynvml's own NVMLError with the recorded NVML return code, so the real adapter
-(tunerd.nvml.NvmlBackend: versioned fallbacks, error codes) runs on it unchanged.
+(tunerd.adapters.nvml.NvmlBackend: versioned fallbacks, error codes) runs on it unchanged.
 """
 
 from __future__ import annotations

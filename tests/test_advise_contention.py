@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import REPO, DaemonProc, wait_for
-from tunerd.advise import MIN_SAMPLES
+from tunerd.diagnose.advise import MIN_SAMPLES
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.root

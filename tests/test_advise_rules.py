@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tunerd.advise import (
+from tunerd.diagnose.advise import (
     advise,
     cpu_oversubscription,
     data_loading,

@@ -20,7 +20,7 @@ from tests.leases_helpers import (
     spawn,
     unique_sleeper,
 )
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 from tunerd.policy.typed import JobSpec
 from tunerd.watch.rules import RuleSet
 
@@ -248,7 +248,7 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
             assert parse_cpulist(b["cpus"]) <= inside
         assert not parse_cpulist(bound[0]["cpus"]) & parse_cpulist(bound[1]["cpus"])
     finally:
-        from tunerd.procfs import descendants
+        from tunerd.adapters.procfs import descendants
 
         for pid in reversed(descendants(launcher.pid)):
             try:
@@ -283,7 +283,7 @@ def test_a_slurm_task_under_a_run_lease_keeps_its_granted_cpu_count(
         assert len(parse_cpulist(bound[0]["cpus"])) == granted
         assert parse_cpulist(bound[0]["cpus"]) <= parse_cpulist("0-7")
     finally:
-        from tunerd.procfs import descendants
+        from tunerd.adapters.procfs import descendants
 
         for pid in reversed(descendants(launcher.pid)):
             try:
@@ -327,7 +327,7 @@ def test_leases_avoid_what_exclusive_rule_jobs_use(tmp_path: Path, daemon_factor
         assert got[0]["gpus"] == [0]
         rank_cpus = parse_cpulist(got[0]["cpus"])
         # its CPUs are held; its GPU only by its environment's word, which holds nothing
-        # (a GPU is in use when seen from outside: tunerd.daemon.gate)
+        # (a GPU is in use when seen from outside: tunerd.jobs.gate)
         lease = d.ctl("alloc", "--gpus", "3", "--json").json()
         assert not parse_cpulist(lease["cpus"]) & rank_cpus
     finally:

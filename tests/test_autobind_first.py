@@ -21,7 +21,7 @@ from tests.leases_helpers import (
     spawn,
     unique_sleeper,
 )
-from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
 
 pytestmark = pytest.mark.root
 

@@ -119,7 +119,7 @@ def test_run_bench_alternates_sets_settings_and_discards_warmup(tmp_path: Path) 
 def test_arm_specs_are_validated() -> None:
     import pytest
 
-    from tunerd.errors import UsageError
+    from tunerd.base.errors import UsageError
 
     assert parse_arm("placement=tunerd, num_workers=2, pin_memory=yes", "--b") == ArmSpec(
         "tunerd", {"num_workers": 2, "pin_memory": True})

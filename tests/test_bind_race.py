@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import own_daemon
 from tests.helpers import FIXTURES, REPO, DaemonProc, wait_for
 from tests.leases_helpers import cpus_allowed, kill, spawn
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 

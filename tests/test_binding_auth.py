@@ -17,10 +17,10 @@ import pytest
 
 from tests.binding_helpers import reap, snapshot, task_cpus, thread_child, user_thread_child
 from tests.helpers import DaemonProc, run_as, write_policy
-from tunerd.client import Client
-from tunerd.cpulist import parse_cpulist
-from tunerd.errors import PermissionDenied, TunerdError
-from tunerd.protocol import ExitCode, exit_code
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.base.errors import PermissionDenied, TunerdError
+from tunerd.wire.client import Client
+from tunerd.wire.protocol import ExitCode, exit_code
 
 pytestmark = pytest.mark.root
 

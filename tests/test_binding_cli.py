@@ -28,14 +28,14 @@ print(repr({"rc": rc, "new": sorted(set(sys.modules) - before),
 
 HEAVY = ("psutil", "rich", "pynvml", "pyudev", "prometheus_client", "torch",
          "dataclasses", "asyncio", "tunerd.daemon", "tunerd.topology",
-         "tunerd.binding", "tunerd.policy",
-         # what the bind path no longer needs (tunerd.client, tunerd.cli.types.Command)
+         "tunerd.jobs.binding", "tunerd.policy",
+         # what the bind path no longer needs (tunerd.wire.client, tunerd.cli.types.Command)
          "socket", "selectors", "locale", "gettext")
 
 # everything a successful `tunerctl bind PID --cpus LIST` adds to `import click`
 BIND_LOADS = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
-              "tunerd.cli.context", "tunerd.cli.types", "tunerd.client", "tunerd.cpulist",
-              "tunerd.errors", "tunerd.protocol", "tunerd.text",
+              "tunerd.cli.context", "tunerd.cli.types", "tunerd.wire.client", "tunerd.base.cpulist",
+              "tunerd.base.errors", "tunerd.wire.protocol", "tunerd.base.text",
               "json", "json.decoder", "json.encoder", "json.scanner", "_json",
               "struct", "_struct", "_socket"}
 
@@ -72,7 +72,7 @@ def test_a_bind_that_works_loads_only_the_bind_path(daemon: DaemonProc) -> None:
         assert rc == 0, daemon.log()
         assert heavy(new) == []
         assert new <= BIND_LOADS, sorted(new - BIND_LOADS)
-        assert {"tunerd.client", "_socket", "tunerd.cpulist"} <= new  # it did run
+        assert {"tunerd.wire.client", "_socket", "tunerd.base.cpulist"} <= new  # it did run
     finally:
         kid.kill()
         kid.wait()

@@ -20,7 +20,7 @@ from tests.binding_helpers import (
     thread_child,
 )
 from tests.helpers import DaemonProc, run_ctl, wait_for
-from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
 
 pytestmark = pytest.mark.root
 

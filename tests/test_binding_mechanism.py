@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, snapshot, task_cpus, thread_child
-from tunerd.binding import Binder, Originals
-from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.errors import Failed, NoSuchProcess
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.errors import Failed, NoSuchProcess
+from tunerd.jobs.binding import Binder, Originals
 
 pytestmark = pytest.mark.root
 

@@ -16,21 +16,21 @@ import pytest
 
 from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, snapshot, task_cpus, thread_child
 from tests.leases_helpers import snapshot_with_gpus_here
-from tunerd.binding import Binder, Plan, Target
-from tunerd.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.errorlog import ErrorLog
+from tunerd.base.errors import UsageError
 from tunerd.daemon.cmd_bind import BindCommands
-from tunerd.daemon.errorlog import ErrorLog
-from tunerd.daemon.exclusive import ExclusiveMover
-from tunerd.daemon.intake import Intake
-from tunerd.daemon.jobs import JobRegistry
-from tunerd.daemon.leases import LeaseLimits, LeaseService
-from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.placer import HostCapacity, Placer
-from tunerd.daemon.records import Binding
 from tunerd.daemon.router import Peer, Request
 from tunerd.daemon.state import RuntimeStore
-from tunerd.errors import UsageError
-from tunerd.placement import Placement
+from tunerd.jobs.binding import Binder, Plan, Target
+from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.intake import Intake
+from tunerd.jobs.leases import LeaseLimits, LeaseService
+from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.placement import Placement
+from tunerd.jobs.placer import HostCapacity, Placer
+from tunerd.jobs.records import Binding
+from tunerd.jobs.registry import JobRegistry
 from tunerd.topology import load_topology
 
 pytestmark = pytest.mark.root
@@ -104,7 +104,7 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
 
 def test_pidwatch_calls_every_key_once_and_refuses_another_start_time() -> None:
     async def scenario() -> None:
-        from tunerd.procfs import read_start_time
+        from tunerd.adapters.procfs import read_start_time
 
         watch = PidWatch()
         called: list[str] = []

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.binding import Binder, Originals
-from tunerd.cpulist import parse_cpulist
-from tunerd.cpuset import CpusetCgroup, find_cpuset
-from tunerd.errors import NoSuchProcess, UsageError
-from tunerd.procfs import Process
+from tunerd.adapters.cpuset import CpusetCgroup, find_cpuset
+from tunerd.adapters.procfs import Process
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.base.errors import NoSuchProcess, UsageError
+from tunerd.jobs.binding import Binder, Originals
 
 
 def write(root: Path, rel: str, text: str) -> Path:

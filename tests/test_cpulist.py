@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 
 
 @pytest.mark.parametrize("text, ids", [

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import REPO, DaemonProc
+from tunerd.base.errors import UsageError
 from tunerd.daemon.config import KEYS, DaemonConfig, describe_keys, load_config
-from tunerd.errors import UsageError
 
 
 def _cfg(tmp_path: Path, text: str) -> Path:

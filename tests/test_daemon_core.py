@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DaemonProc, run_as, run_ctl
-from tunerd.client import Client
-from tunerd.errors import DaemonUnreachable, PermissionDenied
-from tunerd.protocol import MAX_MESSAGE
+from tunerd.base.errors import DaemonUnreachable, PermissionDenied
+from tunerd.wire.client import Client
+from tunerd.wire.protocol import MAX_MESSAGE
 
 
 def _connect(path: Path) -> socket.socket:

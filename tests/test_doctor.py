@@ -13,8 +13,9 @@ import pytest
 
 from tests.helpers import REPO, run_ctl
 from tests.monitor_helpers import TelemetryReplay
-from tunerd import doctor, nvml
-from tunerd.doctor import Env
+from tunerd.adapters import nvml
+from tunerd.diagnose import doctor
+from tunerd.diagnose.doctor import Env
 
 GPU_CHECKS = {"nvidia-driver", "torch", "torch-cuda", "cuda-version", "cudnn", "nccl"}
 

@@ -142,7 +142,7 @@ def test_unreachable_prometheus_exits_3(fleet: Fleet) -> None:
 
 def _report(fleet: Fleet, node: int, pid: int, rank: int, step: float,
             job: str = "llm-7b") -> None:
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     c = Client(str(fleet.nodes[node].daemon.socket), timeout=10)
     c.call("report", pid=pid, steps=100, step_time_s=step, samples_per_s=64 / step,

@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.helpers import FIXTURES
 from tests.leases_helpers import kill, spawn
 from tests.test_monitor_service import make_monitor
-from tunerd import nvml, procfs
+from tunerd.adapters import nvml, procfs
 from tunerd.monitor.facts import MAX_NCCL_KEYS, MAX_RANKS, FleetFacts, policy_hash
 from tunerd.monitor.reports import parse_report
 from tunerd.topology import load_topology

@@ -95,7 +95,7 @@ def test_tunerctl_topology_shows_each_gpus_nic(daemon_factory) -> None:
 
 
 def test_advise_names_a_gpu_whose_nic_is_on_another_numa_node() -> None:
-    from tunerd.advise import advise
+    from tunerd.diagnose.advise import advise
 
     topo = read_snapshot(TOPOLOGIES / "workstation.json")  # its NIC has no NUMA node
     nics = pairing_json(gpu_nics(topo))

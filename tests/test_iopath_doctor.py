@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tests.iotree import build, config_space
-from tunerd.doctor import PASS, WARN, Env, check_io_paths
+from tunerd.diagnose.doctor import PASS, WARN, Env, check_io_paths
 from tunerd.topology import read_snapshot
 
 DGX = Path(__file__).parent / "fixtures" / "topologies" / "dgx-h100.json"

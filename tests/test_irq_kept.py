@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from tests.iotree import build
-from tunerd.daemon.errorlog import ErrorLog
+from tunerd.base.errorlog import ErrorLog
 from tunerd.daemon.host import HostSettings
 from tunerd.policy.typed import IrqSection, PolicyModel
 from tunerd.topology import read_snapshot

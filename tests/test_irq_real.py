@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_for, write_policy
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 from tunerd.tuners.irq import parse_mask
 
 PCI = Path("/sys/class/net/eth0/device")

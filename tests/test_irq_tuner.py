@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.iotree import build
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 from tunerd.policy.typed import IrqSection
 from tunerd.topology import read_snapshot
 from tunerd.tuners.irq import BALANCE_KEY, IrqContext, IrqTuner, format_mask, parse_mask

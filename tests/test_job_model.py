@@ -26,10 +26,10 @@ from tests.helpers import REPO, DaemonProc, wait_for
 from tests.launcher_helpers import spawn_rank
 from tests.leases_helpers import DGX_H100, autobind_status, descendants, kill, kill_tree, spawn
 from tests.test_torch_ddp import bundled_rule_policy
-from tunerd.allocation import Allocation
-from tunerd.cpulist import parse_cpulist
-from tunerd.daemon.intake import Intake, JobContext, RankId, request
-from tunerd.daemon.placer import HostCapacity, Placer, Reservation
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.jobs.allocation import Allocation
+from tunerd.jobs.intake import Intake, JobContext, RankId, request
+from tunerd.jobs.placer import HostCapacity, Placer, Reservation
 from tunerd.topology import load_topology
 from tunerd.watch.launchers import is_launcher, wrapper_name
 

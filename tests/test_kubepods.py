@@ -17,7 +17,7 @@ import pytest
 from tests.binding_helpers import task_cpus, thread_child
 from tests.helpers import wait_for
 from tests.kubepods_helpers import TreeWatch, kubepods_tree
-from tunerd.cpuset import CpusetCgroup, KubeletOwned, kubelet_owned
+from tunerd.adapters.cpuset import CpusetCgroup, KubeletOwned, kubelet_owned
 
 pytestmark = pytest.mark.root
 
@@ -176,8 +176,8 @@ def test_poll_alone_rebinds_within_1s() -> None:
     plain sched_setaffinity of every thread)."""
     import asyncio
 
-    from tunerd.cpulist import format_cpulist
-    from tunerd.daemon.cpusetwatch import CpusetWatch
+    from tunerd.base.cpulist import format_cpulist
+    from tunerd.jobs.cpusetwatch import CpusetWatch
 
     with kubepods_tree(cpus="0-1") as tree, thread_child(threads=2, cgroup=tree.ctr) as p:
         st = int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])

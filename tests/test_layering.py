@@ -1,14 +1,14 @@
-"""The layers of tunerd, enforced: who may import whom, and no import cycles.
+"""The layers of tunerd, as docs/layers.md writes them down: every rule of it, checked.
 
-    cli ──(socket)──▶ daemon ──▶ placement, binding, tuners, monitor, policy, topology,
-                                 watch, allocation, procfs ──▶ errors, cpulist
+The table in docs/layers.md is this test's input: each folder of tunerd/ is a layer
+that may import its own modules and the layers its row names. Checked here:
 
-- Nothing outside tunerd/daemon/ imports tunerd.daemon (the daemon composes the
-  layers below it; they never reach up).
-- tunerd/cli/ talks to the daemon through tunerd.client only: it imports neither
-  the daemon, the tuners nor binding.
-- No import cycles between modules, counting every import (module level, inside
-  functions, and under TYPE_CHECKING).
+1. no loose module at tunerd/'s top, and every module in a layer of the table;
+2. every import goes to the module's own layer or a layer its row allows;
+3. the table itself is acyclic (it lists layers lowest first, each allowing only
+   layers listed before it);
+4. no import cycles between modules;
+5. `tunerctl bind`'s start-up path imports only a short list at module level.
 
 The graph is read from the source with ast, so a new import that breaks a rule
 fails this test whether or not the code path runs.
@@ -17,11 +17,29 @@ fails this test whether or not the code path runs.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "tunerd"
+LAYERS_DOC = PKG.parent / "docs" / "layers.md"
+
+
+def read_layers(text: str) -> dict[str, tuple[str, ...]]:
+    """docs/layers.md's table: layer -> the layers it may import, in the table's order."""
+    body = text.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    out: dict[str, tuple[str, ...]] = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue
+        allowed = () if cells[2] == "-" else tuple(a.strip() for a in cells[2].split(","))
+        out[cells[0]] = allowed
+    return out
+
+
+LAYERS = read_layers(LAYERS_DOC.read_text())
 
 
 def module_name(path: Path) -> str:
@@ -72,23 +90,65 @@ def graph() -> dict[str, set[str]]:
 GRAPH = graph()
 
 
-def test_the_graph_is_read() -> None:
+def test_the_graph_and_the_table_are_read() -> None:
     assert "tunerd.daemon.wiring" in GRAPH
-    assert "tunerd.daemon.jobs" in GRAPH["tunerd.daemon.wiring"]
-    assert "tunerd.errors" in GRAPH["tunerd.placement"]
+    assert "tunerd.jobs.registry" in GRAPH["tunerd.daemon.wiring"]
+    assert "tunerd.base.errors" in GRAPH["tunerd.jobs.placement"]
+    assert next(iter(LAYERS)) == "base" and LAYERS["base"] == ()
+    assert "jobs" in LAYERS["daemon"] and "daemon" not in LAYERS["cli"]
+    assert len(LAYERS) >= 10
 
 
-def violations(graph: dict[str, set[str]]) -> list[str]:
+def layer_of(mod: str) -> str | None:
+    """The layer (top folder) of a module; None for tunerd itself."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def loose_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Modules at tunerd/'s top (a file, not a folder), and modules of no listed layer."""
+    bad = []
+    for mod in sorted(graph):
+        layer = layer_of(mod)
+        if layer is None:
+            continue
+        if (PKG / f"{layer}.py").exists():
+            bad.append(f"{mod}: a loose module at tunerd/'s top (docs/layers.md, rule 1)")
+        elif layer not in LAYERS:
+            bad.append(f"{mod}: tunerd/{layer}/ is not a layer of docs/layers.md (rule 1)")
+    return bad
+
+
+def violations(graph: dict[str, set[str]],
+               layers: dict[str, tuple[str, ...]] = LAYERS) -> list[str]:
+    """Every import that goes to a layer the importer's row does not allow (rule 2)."""
     bad = []
     for mod, deps in sorted(graph.items()):
-        in_daemon = mod == "tunerd.daemon" or mod.startswith("tunerd.daemon.")
+        own = layer_of(mod)
+        if own is None or own not in layers:
+            continue
         for dep in sorted(deps):
-            if not in_daemon and (dep == "tunerd.daemon" or dep.startswith("tunerd.daemon.")):
-                bad.append(f"{mod} imports {dep}: only the daemon may import tunerd.daemon")
-            if mod.startswith("tunerd.cli") and dep.startswith(
-                    ("tunerd.daemon", "tunerd.tuners", "tunerd.binding")):
-                bad.append(f"{mod} imports {dep}: the CLI talks to the daemon through "
-                           "tunerd.client only")
+            to = layer_of(dep)
+            if to is None or to == own:
+                continue
+            if to not in layers[own]:
+                bad.append(f"{mod} imports {dep}: layer {own} may import only "
+                           f"{', '.join(layers[own]) or 'nothing of tunerd'} "
+                           "(docs/layers.md)")
+    return bad
+
+
+def table_problems(layers: dict[str, tuple[str, ...]]) -> list[str]:
+    """Rule 3: each layer allows only known layers listed before it (so no cycle)."""
+    bad = []
+    order = list(layers)
+    for i, (layer, allowed) in enumerate(layers.items()):
+        for a in allowed:
+            if a not in layers:
+                bad.append(f"{layer} allows {a}, which is not a layer of the table")
+            elif order.index(a) >= i:
+                bad.append(f"{layer} allows {a}, listed at or after it: the table would "
+                           "have a cycle")
     return bad
 
 
@@ -129,30 +189,59 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_layers() -> None:
+def test_no_loose_modules() -> None:
+    assert loose_modules(GRAPH) == []
+    tops = sorted(p.name for p in PKG.iterdir() if p.suffix == ".py")
+    assert tops == ["__init__.py"]
+
+
+def test_every_import_goes_down_the_table() -> None:
     assert violations(GRAPH) == []
+
+
+def test_the_table_has_no_cycle() -> None:
+    assert table_problems(LAYERS) == []
 
 
 def test_no_import_cycles() -> None:
     assert cycles(GRAPH) == []
 
 
-@pytest.mark.parametrize(("mod", "dep", "why"), [
-    ("tunerd.tuners.nccl", "tunerd.daemon.state", "only the daemon may import"),
-    ("tunerd.monitor.service", "tunerd.daemon.app", "only the daemon may import"),
-    ("tunerd.cli.cmd_bind", "tunerd.binding", "through tunerd.client only"),
-    ("tunerd.cli.main", "tunerd.daemon.config", "only the daemon may import"),
+@pytest.mark.parametrize(("mod", "dep"), [
+    ("tunerd.tuners.nccl", "tunerd.daemon.state"),
+    ("tunerd.monitor.service", "tunerd.daemon.app"),
+    ("tunerd.cli.cmd_bind", "tunerd.jobs.binding"),
+    ("tunerd.cli.main", "tunerd.daemon.config"),
+    ("tunerd.jobs.placer", "tunerd.daemon.state"),
+    ("tunerd.base.errors", "tunerd.adapters.procfs"),
+    ("tunerd.adapters.procfs", "tunerd.topology.model"),
+    ("tunerd.topology.nodemap", "tunerd.jobs.placement"),
 ])
-def test_a_forbidden_import_is_caught(mod: str, dep: str, why: str) -> None:
+def test_a_forbidden_import_is_caught(mod: str, dep: str) -> None:
     g = {k: set(v) for k, v in GRAPH.items()}
     g[mod].add(dep)
-    assert any(why in v and mod in v for v in violations(g))
+    assert any(v.startswith(f"{mod} imports {dep}: layer ") for v in violations(g))
+
+
+def test_a_loose_module_is_caught() -> None:
+    g = {k: set(v) for k, v in GRAPH.items()}
+    g["tunerd.stray"] = set()
+    assert loose_modules(g) == ["tunerd.stray: tunerd/stray/ is not a layer of "
+                                "docs/layers.md (rule 1)"]
+
+
+def test_a_table_with_a_cycle_is_caught() -> None:
+    doc = LAYERS_DOC.read_text()
+    bad = re.sub(r"(\| base \|[^|]*\|) - \|", r"\1 jobs |", doc, count=1)
+    assert bad != doc
+    problems = table_problems(read_layers(bad))
+    assert any(p.startswith("base allows jobs, listed at or after it") for p in problems)
 
 
 def test_a_new_cycle_is_caught() -> None:
     g = {k: set(v) for k, v in GRAPH.items()}
-    g["tunerd.errors"].add("tunerd.placement")
-    assert any("tunerd.errors" in c and "tunerd.placement" in c for c in cycles(g))
+    g["tunerd.base.errors"].add("tunerd.jobs.placement")
+    assert any("tunerd.base.errors" in c and "tunerd.jobs.placement" in c for c in cycles(g))
 
 
 # -- what `tunerctl bind` loads at start-up ------------------------------------------
@@ -160,12 +249,13 @@ def test_a_new_cycle_is_caught() -> None:
 # modules on its path may import, at module level (what runs when they are imported;
 # function bodies and TYPE_CHECKING blocks do not count), only these: anything else
 # is imported inside the function that needs it. Not allowed, with what they cost:
-# `socket` (its enum set-up; tunerd.client uses `_socket`), `locale`/`gettext`
+# `socket` (its enum set-up; tunerd.wire.client uses `_socket`), `locale`/`gettext`
 # (tunerd.cli.types.Command), dataclasses, pathlib, re, shlex, logging, tomllib.
-BIND_PATH = ("tunerd.cli.main", "tunerd.cli.cmd_bind", "tunerd.cpulist", "tunerd.text")
+BIND_PATH = ("tunerd.cli.main", "tunerd.cli.cmd_bind", "tunerd.base.cpulist", "tunerd.base.text")
 BIND_PATH_TUNERD = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
-                    "tunerd.cli.context", "tunerd.cli.types", "tunerd.client",
-                    "tunerd.cpulist", "tunerd.errors", "tunerd.protocol", "tunerd.text"}
+                    "tunerd.cli.context", "tunerd.cli.types", "tunerd.wire", "tunerd.wire.client",
+                    "tunerd.base", "tunerd.base.cpulist", "tunerd.base.errors",
+                    "tunerd.wire.protocol", "tunerd.base.text"}
 BIND_PATH_OTHERS = {"__future__", "_socket", "click", "collections.abc", "enum", "functools",
                     "importlib", "json", "os", "struct", "sys", "time", "typing"}
 
@@ -236,14 +326,14 @@ def test_tunerctl_bind_imports_only_what_it_needs_at_start_up() -> None:
     mods, others = startup_imports(BIND_PATH, IMPORTS)
     assert mods <= BIND_PATH_TUNERD, sorted(mods - BIND_PATH_TUNERD)
     assert others <= BIND_PATH_OTHERS, sorted(others - BIND_PATH_OTHERS)
-    assert "tunerd.client" in mods and "_socket" in others  # the rule sees the path
+    assert "tunerd.wire.client" in mods and "_socket" in others  # the rule sees the path
 
 
 @pytest.mark.parametrize(("mod", "dep"), [
-    ("tunerd.client", "socket"),
+    ("tunerd.wire.client", "socket"),
     ("tunerd.cli.main", "tunerd.cli.service_hint"),
-    ("tunerd.text", "re"),
-    ("tunerd.protocol", "dataclasses"),
+    ("tunerd.base.text", "re"),
+    ("tunerd.wire.protocol", "dataclasses"),
 ])
 def test_a_start_up_import_creeping_back_is_caught(mod: str, dep: str) -> None:
     imports = {k: set(v) for k, v in IMPORTS.items()}

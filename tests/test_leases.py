@@ -12,9 +12,9 @@ import pytest
 
 from tests.helpers import REPO, run_as, wait_for
 from tests.leases_helpers import DGX_H100, leases_of, open_path_for_others
-from tunerd.client import Client
-from tunerd.cpulist import parse_cpulist
-from tunerd.errors import PermissionDenied
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.base.errors import PermissionDenied
+from tunerd.wire.client import Client
 
 TOPO = json.loads(DGX_H100.read_text())
 NODE_CPUS = {n["id"]: parse_cpulist(n["cpus"]) if isinstance(n["cpus"], str)

@@ -68,7 +68,7 @@ def test_bind_on_replay_of_another_machine_applies_nothing(daemon_factory) -> No
 
 def test_gpus_from_env_and_nvml_on_a_recorded_dgx() -> None:
     """In-process: which GPUs a process uses, from its environment or NVML (replayed)."""
-    from tunerd import nvml
+    from tunerd.adapters import nvml
     from tunerd.topology import load_topology
     from tunerd.topology.nvml_replay import ReplayDevice, ReplayNvml
     from tunerd.topology.visible import gpus_from_env, gpus_from_nvml

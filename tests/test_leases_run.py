@@ -19,7 +19,7 @@ from tests.leases_helpers import (
     leases_of,
     spawn,
 )
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 

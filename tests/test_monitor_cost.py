@@ -106,8 +106,8 @@ def test_the_cpuset_backstop_poll_runs_on_the_ticker_thread_not_the_loop() -> No
 
     from tests.binding_helpers import task_cpus, thread_child
     from tests.kubepods_helpers import kubepods_tree
-    from tunerd.cpulist import format_cpulist
-    from tunerd.daemon.cpusetwatch import CpusetWatch
+    from tunerd.base.cpulist import format_cpulist
+    from tunerd.jobs.cpusetwatch import CpusetWatch
 
     with kubepods_tree(cpus="0-1") as tree, thread_child(threads=2, cgroup=tree.ctr) as p:
         st = int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -200,9 +200,9 @@ def test_an_unchanged_job_reuses_its_sample_and_a_change_is_read_in_full(
     import subprocess
     import sys
 
+    from tunerd.adapters.procfs import Process
     from tunerd.monitor import jobs as jobs_mod
     from tunerd.monitor.jobs import JobSampler
-    from tunerd.procfs import Process
 
     p = subprocess.Popen([sys.executable, "-c", IDLER], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
@@ -304,9 +304,9 @@ def test_a_slow_read_of_an_unchanged_job_lists_no_threads(
     import subprocess
     import sys
 
+    from tunerd.adapters.procfs import Process
     from tunerd.monitor import jobs as jobs_mod
     from tunerd.monitor.jobs import JobSampler
-    from tunerd.procfs import Process
 
     listed: list[int] = []
     real = jobs_mod._threads

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import DaemonProc, ready_child, wait_for
 from tests.monitor_helpers import free_port
-from tunerd.procfs import Process
+from tunerd.adapters.procfs import Process
 
 PROMTOOL = "/usr/bin/promtool"
 PROMETHEUS = "/usr/bin/prometheus"
@@ -147,7 +147,7 @@ def assert_fits_80(reply: dict[str, Any]) -> str:
 def test_top_layout_with_gpus_and_many_jobs_fits_80_columns(tmp_path: Path) -> None:
     """A replayed 2-GPU sample plus jobs with long names and cpu lists, at 80 columns."""
     from tests.monitor_helpers import TelemetryReplay
-    from tunerd import nvml
+    from tunerd.adapters import nvml
     from tunerd.monitor.gpu import GpuSampler
 
     with nvml.use_backend(TelemetryReplay()):
@@ -229,7 +229,7 @@ def test_advise_on_a_real_bound_job(daemon_factory: Any, tmp_path: Path,
 REPORTER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from tunerd.client import Client
+from tunerd.wire.client import Client
 # what tunerd.torch.StepReporter sends on a GPU node, with the numbers given directly
 with Client({sock!r}) as c:
     r = c.call("report", pid=os.getpid(), steps=10, step_time_s=0.1, samples_per_s=320.0,
@@ -300,7 +300,7 @@ def test_no_file_a_user_can_plant_freezes_the_sampler(daemon_factory: Any,
 def test_report_for_another_users_process_is_refused(daemon_factory: Any,
                                                      unpriv_user: tuple[int, int]) -> None:
     from tests.helpers import run_as
-    from tunerd.errors import PermissionDenied
+    from tunerd.base.errors import PermissionDenied
 
     d: DaemonProc = daemon_factory().start()
     d.tmp.parent.chmod(0o755)
@@ -326,7 +326,7 @@ def _call_raw(sock: str, cmd: str, args: dict[str, Any]) -> Any:
 
 
 def _call(sock: str, cmd: str, args: dict[str, Any] | None = None) -> Any:
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     with Client(sock) as c:
         return c.call(cmd, **(args or {}))

@@ -16,15 +16,15 @@ import pytest
 
 from tests.helpers import FIXTURES, ask_child, ready_child, wait_for
 from tests.monitor_helpers import TelemetryReplay
-from tunerd import nvml
-from tunerd.errors import UsageError
+from tunerd.adapters import nvml
+from tunerd.adapters.procfs import Process, parse_numa_maps, parse_stat
+from tunerd.base.errors import UsageError
 from tunerd.monitor.gpu import GpuSampler
 from tunerd.monitor.history import JOB_FIELDS, MAX_JOB_RINGS, History
 from tunerd.monitor.host import HostSampler, parse_psi
 from tunerd.monitor.jobs import JobSampler, torch_from_report
 from tunerd.monitor.reports import MAX_WORKERS, parse_report
 from tunerd.monitor.ring import Ring
-from tunerd.procfs import Process, parse_numa_maps, parse_stat
 
 STAT_1 = """cpu  200 0 100 1000 50 0 0 0 0 0
 cpu0 100 0 50 500 25 0 0 0 0 0
@@ -320,7 +320,7 @@ def test_job_sampler_kept_parts_follow_the_record_and_match_procfs(
     """The parts of a sample kept between cycles (CPU set, nodes, GPUs, the numa part)
     follow a rebind at the next cycle; the slow reads parsed in the sampler itself
     (uid and context switches from status, one task listing for children and thread
-    states) give what tunerd.procfs's readers give."""
+    states) give what tunerd.adapters.procfs's readers give."""
     pid = child.pid
     rec = {"pid": pid, "start_time": Process(pid).start_time(), "name": "c",
            "cpus": "0", "mems": "", "gpus": [0]}
@@ -417,7 +417,7 @@ def test_a_reports_unknown_keys_are_left_out() -> None:
 def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -> None:
     """CUDA memory sent with `report` ends in the job's history columns, where the
     gpu-memory-fragmentation rule of advise finds it (no file involved)."""
-    from tunerd.advise import advise
+    from tunerd.diagnose.advise import advise
 
     pid = child.pid
     start = Process(pid).start_time()

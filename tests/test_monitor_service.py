@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from tests.monitor_helpers import TelemetryReplay
-from tunerd import nvml
-from tunerd.binding import Binder
-from tunerd.daemon.errorlog import ErrorLog
-from tunerd.daemon.jobs import JobRegistry
-from tunerd.daemon.pidwatch import PidWatch
+from tunerd.adapters import nvml
+from tunerd.base.errorlog import ErrorLog
+from tunerd.base.errors import UsageError
 from tunerd.daemon.state import RuntimeStore
-from tunerd.errors import UsageError
+from tunerd.jobs.binding import Binder
+from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.registry import JobRegistry
 from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.service import Monitor, MonitorSettings
 

@@ -24,10 +24,10 @@ from tests.leases_helpers import (
     spawn,
 )
 from tests.test_torch_ddp import bundled_rule_policy
-from tunerd.allocation import Allocation
-from tunerd.cpulist import parse_cpulist
-from tunerd.daemon.intake import Intake, JobContext, RankId, request
-from tunerd.daemon.placer import HostCapacity, Placer, Reservation
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.jobs.allocation import Allocation
+from tunerd.jobs.intake import Intake, JobContext, RankId, request
+from tunerd.jobs.placer import HostCapacity, Placer, Reservation
 from tunerd.topology import load_topology
 from tunerd.topology.model import Topology
 from tunerd.topology.nodemap import node_map

@@ -1,4 +1,4 @@
-"""The typed GPU layer (tunerd.nvml): the only place NVML names appear, one interface
+"""The typed GPU layer (tunerd.adapters.nvml): the only place NVML names appear, one interface
 that the replay backends and the real library answer alike (conformance), versioned
 fallbacks and error codes."""
 
@@ -16,9 +16,9 @@ import pytest
 from tests.helpers import REPO
 from tests.monitor_helpers import TELEMETRY, TelemetryReplay, nvml_error
 from tests.topology_helpers import fixture
-from tunerd import nvml
-from tunerd.errors import UsageError
-from tunerd.nvml import NA
+from tunerd.adapters import nvml
+from tunerd.adapters.nvml import NA
+from tunerd.base.errors import UsageError
 from tunerd.topology.gpu import PCIE_LEVELS
 from tunerd.topology.nvml_recording import RecordedNvml
 from tunerd.topology.nvml_replay import ReplayNvml
@@ -40,7 +40,8 @@ def test_nvml_function_names_appear_only_in_the_gpu_layer() -> None:
             offenders.append(f"{path.relative_to(REPO)}:{line}: {m.group()}")
         if PYNVML_IMPORT.search(text):
             offenders.append(f"{path.relative_to(REPO)}: imports pynvml")
-    assert offenders == [], "NVML is called outside tunerd/nvml.py:\n" + "\n".join(offenders)
+    assert offenders == [], ("NVML is called outside tunerd/adapters/nvml.py:\n"
+                             + "\n".join(offenders))
     # the scan finds what it looks for: the layer itself is full of such names
     layer = LAYER.read_text()
     assert len(set(NVML_NAME.findall(layer))) > 40 and PYNVML_IMPORT.search(layer)

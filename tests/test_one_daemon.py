@@ -28,7 +28,7 @@ from tests.leases_helpers import (
     spawn,
     unique_sleeper,
 )
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 HOST_CPUS = frozenset(os.sched_getaffinity(0))
 
@@ -113,8 +113,8 @@ def test_a_scoped_daemon_binds_only_inside_its_scope(tmp_path: Path, daemon_fact
 
 
 def test_the_node_lock_is_never_a_symlink_nor_in_a_dir_others_may_write(tmp_path: Path) -> None:
+    from tunerd.base.errors import Failed
     from tunerd.daemon.runtime import NodeClaim
-    from tunerd.errors import Failed
 
     d = tmp_path / "lockdir"
     d.mkdir(mode=0o755)
@@ -137,7 +137,7 @@ def test_the_node_lock_is_never_a_symlink_nor_in_a_dir_others_may_write(tmp_path
 
 
 def test_the_scope_is_the_subtree_of_its_pid() -> None:
-    from tunerd.daemon.scope import ProcessScope
+    from tunerd.jobs.scope import ProcessScope
 
     child = subprocess.Popen(["sleep", "30"])
     try:

@@ -33,7 +33,7 @@ def test_uninstall_as_non_root_says_it_removes(unpriv_user: tuple[int, int]) -> 
 
 
 def test_a_cut_command_line_ends_in_an_ellipsis() -> None:
-    from tunerd.daemon.autobind import _cut
+    from tunerd.jobs.autobind import _cut
 
     assert _cut("python train.py") == "python train.py"
     long = "torchrun --nproc-per-node 8 " + "x" * 100

@@ -9,18 +9,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.topology_helpers import FIXTURE_NAMES, fixture
-from tunerd.cpulist import parse_cpulist
-from tunerd.errors import Failed, UsageError
-from tunerd.placement import (
+from tunerd.base.cpulist import parse_cpulist
+from tunerd.base.errors import Failed, UsageError
+from tunerd.jobs.placement import (
     MODES,
     PlacementError,
     PlacementRequest,
     gpu_set_score,
     place,
 )
-from tunerd.protocol import ExitCode, exit_code
 from tunerd.topology import Topology
 from tunerd.topology.nodemap import node_map
+from tunerd.wire.protocol import ExitCode, exit_code
 
 R = PlacementRequest
 GPU_FIXTURES = [n for n in FIXTURE_NAMES if fixture(n).gpus]
@@ -277,7 +277,7 @@ def _islands(n_islands: int, per: int) -> Topology:
 def test_large_nodes_use_the_greedy_search_and_still_find_an_island() -> None:
     import math
 
-    from tunerd.placement import EXACT_LIMIT
+    from tunerd.jobs.placement import EXACT_LIMIT
 
     t = _islands(3, 8)
     assert math.comb(24, 8) > EXACT_LIMIT  # the greedy path

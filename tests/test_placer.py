@@ -1,7 +1,7 @@
 """The placing service on recorded topologies: allocations, ranks, workers, housekeeping.
 
-In-process: the real Placer (tunerd.daemon.placer) on snapshots of real node types,
-with allocations built as tunerd.allocation builds them from a process.
+In-process: the real Placer (tunerd.jobs.placer) on snapshots of real node types,
+with allocations built as tunerd.jobs.allocation builds them from a process.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import FIXTURES
-from tunerd.allocation import Allocation
-from tunerd.cpulist import format_cpulist
-from tunerd.daemon.placer import HostCapacity, Placer, PlaceRequest, Reservation
-from tunerd.errors import PlacementError, UsageError
+from tunerd.base.cpulist import format_cpulist
+from tunerd.base.errors import PlacementError, UsageError
+from tunerd.jobs.allocation import Allocation
+from tunerd.jobs.placer import HostCapacity, Placer, PlaceRequest, Reservation
 from tunerd.topology import load_topology
 
 TOPO = FIXTURES / "topologies"

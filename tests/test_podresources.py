@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import DaemonProc
 from tests.kubepods_helpers import KubepodsTree, kubepods_tree
 from tests.podresources_helpers import FakeKubelet, container, container_root, recorded
-from tunerd.podresources import (
+from tunerd.jobs.podresources import (
     ALLOCATABLE,
     LIST,
     PodResourcesSource,
@@ -167,9 +167,9 @@ def test_a_lease_in_a_pod_gets_only_the_pods_gpus(
     """The allocation intake with the pod source registered as the daemon registers it:
     a 1-GPU and a 2-GPU request from the pod's process are placed on GPUs 5 and 6 only,
     and a 3-GPU one is refused (no GPU outside the pod's set)."""
-    from tunerd import allocation
-    from tunerd.daemon.placer import HostCapacity, Placer, PlaceRequest
-    from tunerd.errors import TunerdError
+    from tunerd.base.errors import TunerdError
+    from tunerd.jobs import allocation
+    from tunerd.jobs.placer import HostCapacity, Placer, PlaceRequest
 
     topo = read_snapshot(TOPOLOGIES / "dgx-h100.json")
     src = PodResourcesSource(kubelet.socket_path)

@@ -1,4 +1,4 @@
-"""tunerd.procfs: the one /proc reader, on recorded trees and on real processes.
+"""tunerd.adapters.procfs: the one /proc reader, on recorded trees and on real processes.
 
 Real-process getters are checked against psutil, an independent reader of the
 same files, so a wrong field index cannot agree with itself.
@@ -18,9 +18,9 @@ import pytest
 
 from tests.helpers import ready_child as child
 from tests.helpers import run_as
-from tunerd import procfs
-from tunerd.errors import Failed, NoSuchProcess, PermissionDenied
-from tunerd.procfs import Process, Stat
+from tunerd.adapters import procfs
+from tunerd.adapters.procfs import Process, Stat
+from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied
 
 # pid 4242 "(py) x (y)": comm with a space and parentheses; env_start/env_end given
 STAT = ("4242 (py) x (y) S 1 4242 4242 0 -1 4194560 100 0 0 0 11 7 0 0 20 0 3 0 "

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import ready_child
-from tunerd import procfs
+from tunerd.adapters import procfs
 from tunerd.policy.typed import JobSpec
 from tunerd.watch.globs import Glob, GlobSet
 from tunerd.watch.rules import CMDLINE_MATCH_BYTES, ENVIRON_MATCH_BYTES, RuleSet

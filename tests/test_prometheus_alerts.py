@@ -60,7 +60,7 @@ def _replay_gpu_exposition(tmp_path: Path) -> str:
     """The Monitor in-process on recorded NVML data: the GPU series a GPU node exports."""
     from tests.monitor_helpers import TelemetryReplay
     from tests.test_monitor_service import make_monitor
-    from tunerd import nvml
+    from tunerd.adapters import nvml
 
     with nvml.use_backend(TelemetryReplay()):
         mon = make_monitor(tmp_path)

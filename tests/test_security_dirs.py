@@ -30,9 +30,9 @@ from tests.security_helpers import (
     start_daemon,
     wait_exit,
 )
-from tunerd.client import Client
-from tunerd.errors import DaemonUnreachable, Failed
-from tunerd.safefs import check_dir, prepare_dir
+from tunerd.base.errors import DaemonUnreachable, Failed
+from tunerd.base.safefs import check_dir, prepare_dir
+from tunerd.wire.client import Client
 
 pytestmark = pytest.mark.root
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from tests.helpers import DaemonProc, run_as, wait_for, write_policy
-from tunerd.client import Client
-from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.errors import TunerdError
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.errors import TunerdError
+from tunerd.wire.client import Client
 
 pytestmark = pytest.mark.root
 

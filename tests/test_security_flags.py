@@ -23,7 +23,7 @@ import pytest
 from tests.helpers import write_policy
 from tests.leases_helpers import cpus_allowed, kill, snapshot_with_gpus_here
 from tests.security_helpers import ctl_as, spawn_as
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 

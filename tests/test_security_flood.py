@@ -18,8 +18,8 @@ import pytest
 
 from tests.helpers import REPO, DaemonProc, wait_for
 from tests.security_helpers import forked_as, recv, start_daemon
-from tunerd.client import Client
-from tunerd.logutil import RepeatFilter
+from tunerd.base.logutil import RepeatFilter
+from tunerd.wire.client import Client
 
 pytestmark = pytest.mark.root
 
@@ -316,7 +316,7 @@ def _vmrss_kib(pid: int) -> int:
 def hostile_binds(sock: str, n: int, first: int) -> int:
     """``n`` bind/unbind requests for PIDs that do not exist (each one new), over one
     connection; returns how many were refused as they should be."""
-    from tunerd.errors import TunerdError
+    from tunerd.base.errors import TunerdError
 
     refused = 0
     with Client(sock, timeout=60) as c:
@@ -389,7 +389,7 @@ def test_a_users_lease_loop_writes_few_log_lines(daemon: DaemonProc,
 
 def test_log_file_without_journald_is_private_and_bounded(daemon_factory,
                                                           tmp_path: Path) -> None:
-    from tunerd.logutil import PrivateRotatingFileHandler
+    from tunerd.base.logutil import PrivateRotatingFileHandler
 
     log_file = tmp_path / "tunerd.log"
     log_file.write_text("an older install's log\n")

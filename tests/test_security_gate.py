@@ -24,8 +24,8 @@ from tests.leases_helpers import (
     unique_sleeper,
 )
 from tests.security_helpers import ctl_as, spawn_as
-from tunerd.cpulist import format_cpulist, parse_cpulist
-from tunerd.daemon.gate import LeaseLimits, ReservationGate
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.jobs.gate import LeaseLimits, ReservationGate
 
 pytestmark = pytest.mark.root
 

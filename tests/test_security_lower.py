@@ -18,8 +18,8 @@ def test_a_parents_environment_is_read_as_capped_as_the_ranks_own(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The watcher read a rank's parent's environment up to 1 MiB at real-time priority
     (64 KiB for the rank's own)."""
-    from tunerd import procfs
-    from tunerd.daemon import intake as intake_mod
+    from tunerd.adapters import procfs
+    from tunerd.jobs import intake as intake_mod
     from tunerd.topology import load_topology
     from tunerd.watch.rules import ENVIRON_MATCH_BYTES
 
@@ -131,7 +131,7 @@ def test_a_hostile_kubelet_answer_is_capped_before_it_costs() -> None:
     exec watcher's real-time thread."""
     import time
 
-    from tunerd.podresources import MAX_ANSWER, DecodeError, decode_list
+    from tunerd.jobs.podresources import MAX_ANSWER, DecodeError, decode_list
 
     packed = bytes(range(1, 128)) * 33_000  # ~4 MiB of one-byte CPU ids
     container = _pb(1, b"c") + _pb(3, packed)
@@ -161,7 +161,7 @@ def test_the_kubelet_is_asked_below_real_time_priority(tmp_path: Path) -> None:
     priority: a List is waited for and decoded at SCHED_OTHER, then FIFO again."""
     import threading
 
-    from tunerd.podresources import PodResourcesSource
+    from tunerd.jobs.podresources import PodResourcesSource
 
     seen: list[int] = []
     after: list[int] = []

@@ -24,8 +24,8 @@ import pytest
 from tests.conftest import own_daemon
 from tests.helpers import DaemonProc, wait_for
 from tests.security_helpers import forked_as, recv
-from tunerd.client import Client
 from tunerd.monitor.http import PER_CLIENT, socket_owner
+from tunerd.wire.client import Client
 
 pytestmark = pytest.mark.root
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tunerd.client import Client
+from tunerd.wire.client import Client
 
 pytestmark = pytest.mark.root
 

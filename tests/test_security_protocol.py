@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 import tunerd.daemon.cmd_core  # noqa: F401 - registers ping
 from tests.helpers import DaemonProc, run_as
-from tunerd.client import Client
+from tunerd.base.errors import UsageError
 from tunerd.daemon.router import Peer, Request, Router
 from tunerd.daemon.server import ControlServer
-from tunerd.errors import UsageError
-from tunerd.protocol import decode, encode
+from tunerd.wire.client import Client
+from tunerd.wire.protocol import decode, encode
 
 
 def strict_json(line: bytes) -> Any:

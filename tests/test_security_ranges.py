@@ -94,7 +94,7 @@ def test_a_users_tracebacks_count_every_line_against_her_log_limit() -> None:
     import io
     import logging
 
-    from tunerd.logutil import EscapeFilter, UserRateFilter, acting_for
+    from tunerd.base.logutil import EscapeFilter, UserRateFilter, acting_for
 
     out = io.StringIO()
     h = logging.StreamHandler(out)

@@ -27,9 +27,9 @@ from tests.leases_helpers import (
     unique_sleeper,
 )
 from tests.security_helpers import ctl_as, spawn_as
-from tunerd.client import Client
-from tunerd.errors import TunerdError
-from tunerd.protocol import MAX_CMD, MAX_ERROR_MESSAGE, MAX_TAG
+from tunerd.base.errors import TunerdError
+from tunerd.wire.client import Client
+from tunerd.wire.protocol import MAX_CMD, MAX_ERROR_MESSAGE, MAX_TAG
 
 pytestmark = pytest.mark.root
 

@@ -34,7 +34,7 @@ from tests.slurm_helpers import (
     slurm,  # noqa: F401 - the module-scoped fixture
     tunerctl_command,
 )
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 

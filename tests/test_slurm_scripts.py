@@ -35,8 +35,8 @@ from tests.slurm_helpers import (
     install_scripts,
     write_script_conf,
 )
-from tunerd.binding import Originals
-from tunerd.daemon.records import Binding, Hold
+from tunerd.jobs.binding import Originals
+from tunerd.jobs.records import Binding, Hold
 
 pytestmark = pytest.mark.root
 

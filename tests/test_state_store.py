@@ -26,12 +26,12 @@ import pytest
 
 from tests.helpers import DaemonProc, run_as, wait_for, write_policy
 from tests.security_helpers import chown_tree, error_lines, wait_exit
+from tunerd.base.safefs import FileWriteError, write_atomic
 from tunerd.daemon.state import (
     DurableStore,
     RuntimeStore,
     StateDamaged,
 )
-from tunerd.safefs import FileWriteError, write_atomic
 
 ORIGINALS = {"host": {"originals": {"sysctl:vm.swappiness": {"value": "60"}},
                       "applied_once": []}}
@@ -458,7 +458,7 @@ def test_full_disk_write_names_file_and_errno_and_leaves_no_temp_file(tiny_fs: P
 WRITER = r"""
 import sys
 from pathlib import Path
-from tunerd.safefs import write_atomic
+from tunerd.base.safefs import write_atomic
 path = Path(sys.argv[1])
 i = 0
 while True:

@@ -90,7 +90,7 @@ def test_cli_path_stays_light() -> None:
 
     from tests.helpers import REPO
 
-    code = ("import sys, tunerd.cli.cmd_topology, tunerd.topology.render, tunerd.placement; "
+    code = ("import sys, tunerd.cli.cmd_topology, tunerd.topology.render, tunerd.jobs.placement; "
             "print(sorted(m for m in ('pynvml', 'psutil', 'rich', 'pyudev') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout

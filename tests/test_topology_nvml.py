@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.topology_helpers import FIXTURE_NAMES, fixture, make_sysfs
-from tunerd import nvml
+from tunerd.adapters import nvml
 from tunerd.topology import Topology
 from tunerd.topology.gpu import read_gpus
 from tunerd.topology.nvml_replay import ReplayDevice, ReplayNvml

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.topology_helpers import FIXTURE_NAMES, TOPOLOGIES, fixture
-from tunerd.errors import UsageError
+from tunerd.base.errors import UsageError
 from tunerd.topology import SCHEMA, Topology, load_topology
 
 

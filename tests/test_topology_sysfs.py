@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.topology_helpers import make_sysfs
-from tunerd import nvml
+from tunerd.adapters import nvml
 from tunerd.topology import read_system
 from tunerd.topology.sysfs import (
     normalize_bus_id,

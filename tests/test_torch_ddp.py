@@ -17,7 +17,7 @@ import pytest
 from tests.binding_helpers import task_cpus
 from tests.helpers import REPO, write_policy
 from tests.leases_helpers import cpus_allowed, scope_bundled_rule
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 pytestmark = pytest.mark.root
 EXAMPLE = REPO / "contrib" / "examples" / "ddp_train.py"

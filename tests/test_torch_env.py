@@ -1,4 +1,4 @@
-"""tunerd.training_env: the known ways a binding is silently lost (pure checks), and the
+"""tunerd.diagnose.training_env: the known ways a binding is silently lost (pure checks), and the
 one of them this machine's torch build really shows (pytorch#91989)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
-from tunerd.training_env import (
+from tunerd.diagnose.training_env import (
     check_environment,
     check_workers,
     intended_threads,

@@ -86,7 +86,7 @@ def render_sysfs(topo: Topology, root: Path) -> tuple[Path, Path]:
     Used to run the real readers end to end on recorded node types: snapshot ->
     files -> read_system() must give the snapshot back.
     """
-    from tunerd.cpulist import format_cpulist
+    from tunerd.base.cpulist import format_cpulist
 
     sysd, procd = root / "sys", root / "proc"
     write(procd, "sys/kernel/hostname", topo.hostname)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import isolated
+from tunerd.adapters import isolated
 from tunerd.bench.arms import ArmSpec, Interpreter, PlacementRequest, tunerctl_prefix
 from tunerd.bench.runner import CpuHog, Progress, RunResult, interleave, run_once
 from tunerd.bench.stats import Comparison, compare
@@ -83,7 +83,7 @@ class BenchResult:
 
 
 def builtin_command(python: str, path_env: Mapping[str, str] | None = None) -> list[str]:
-    """The built-in workload in ``python``, isolated (``-I``, tunerd.isolated): nothing is
+    """The built-in workload in ``python``, isolated (``-I``, tunerd.adapters.isolated): nothing is
     imported from the directory it runs in; ``path_env`` (tunerd_on_path's) says where
     this tunerd is for an interpreter that lacks it."""
     dirs = [d for d in (path_env or {}).get("PYTHONPATH", "").split(os.pathsep) if d]

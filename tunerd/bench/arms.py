@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunerd import isolated
-from tunerd.errors import UsageError
+from tunerd.adapters import isolated
+from tunerd.base.errors import UsageError
 from tunerd.torch.settings import ENV, parse_setting
 
 __all__ = ["PLACEMENTS", "ArmSpec", "Interpreter", "PlacementRequest", "parse_arm", "probe"]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import isolated
+from tunerd.adapters import isolated
 
 __all__ = ["CpuHog", "RunResult", "interleave", "run_once"]
 

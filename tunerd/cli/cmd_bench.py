@@ -66,9 +66,9 @@ def _torch_hint(exclude: str) -> str:
     """The training Python doctor would check, if it is not ``exclude`` and has torch, for
     the error message ("" if none): python3 on PATH outside tunerd's own venv, else the
     daemon config's job_python."""
+    from tunerd.base.errors import TunerdError
     from tunerd.bench.arms import probe
-    from tunerd.doctor import find_training_python
-    from tunerd.errors import TunerdError
+    from tunerd.diagnose.doctor import find_training_python
 
     found = find_training_python(None, os.environ)
     cand = found.path
@@ -91,9 +91,9 @@ def workload_python(python: str | None) -> Any:
     has: the workload trains with torch, and nothing else is ever run in its place."""
     import dataclasses
 
+    from tunerd.base.errors import Failed, TunerdError
     from tunerd.bench.arms import probe
-    from tunerd.doctor import find_training_python
-    from tunerd.errors import Failed, TunerdError
+    from tunerd.diagnose.doctor import find_training_python
 
     if python:
         interp = probe(python)
@@ -257,7 +257,7 @@ def bench(runs: int | None, warmup: int | None, quick: bool, arm_a: str | None,
         raise click.UsageError(f"arms A and B are the same ({a.describe()}): nothing to compare")
     ncpus, cpulist = cpu_args(ncpus, cpus)
     if png is not None and (why := plot_missing()):
-        from tunerd.errors import Failed
+        from tunerd.base.errors import Failed
 
         raise Failed(why)
     runs, warmup, timeout = run_plan(quick, runs, warmup, timeout)

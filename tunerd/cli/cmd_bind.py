@@ -1,7 +1,7 @@
 """tunerctl bind | unbind | jobs.
 
 On the start-up path of job prologs: imports click, the stdlib,
-tunerd.cli.context and tunerd.cli.types only (tunerd.cpulist, stdlib-only, is
+tunerd.cli.context and tunerd.cli.types only (tunerd.base.cpulist, stdlib-only, is
 imported when a list is parsed).
 """
 

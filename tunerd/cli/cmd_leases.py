@@ -179,7 +179,7 @@ def set_mempolicy_bind(nodes: set[int]) -> None:
 
 
 def _parse_list(text: str) -> set[int]:
-    from tunerd.cpulist import parse_cpulist
+    from tunerd.base.cpulist import parse_cpulist
 
     return set(parse_cpulist(text))
 
@@ -201,7 +201,7 @@ def run(gpus: int, ncpus: int | None, cpus: str | None, workers: int | None,
         argv = argv[1:]
     if not argv:
         raise click.UsageError("run: missing COMMAND")
-    from tunerd.protocol import command_record
+    from tunerd.wire.protocol import command_record
 
     # the daemon keeps a bounded record of the command; the exec below runs all of it
     r = ctx.call("run", command=command_record(argv),

@@ -103,7 +103,7 @@ def metrics() -> int:
     if ctx.as_json:
         ctx.emit({"text": text})
     else:
-        from tunerd.text import safe
+        from tunerd.base.text import safe
 
         # label values are user text (job names): no control character reaches the terminal
         click.echo("".join(safe(line) + "\n" for line in text.splitlines()), nl=False)
@@ -127,7 +127,7 @@ def doctor(data_dir: Path | None, python: str | None, config: Path | None) -> in
     """
     import os
 
-    from tunerd.doctor import Env, find_training_python, format_report, run_checks
+    from tunerd.diagnose.doctor import Env, find_training_python, format_report, run_checks
 
     ctx = get_ctx()
     found = find_training_python(python, os.environ, config)

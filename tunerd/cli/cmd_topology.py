@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
+from tunerd.base.errors import DaemonUnreachable, Failed
 from tunerd.cli.context import get_ctx
 from tunerd.cli.types import Command
-from tunerd.errors import DaemonUnreachable, Failed
 
 
 def _save(data: dict[str, Any], path: Path) -> None:

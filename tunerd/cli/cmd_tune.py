@@ -21,7 +21,7 @@ from tunerd.cli.types import Command, cpu_args
 
 
 def _daemon_answers() -> bool:
-    from tunerd.errors import DaemonUnreachable, PermissionDenied
+    from tunerd.base.errors import DaemonUnreachable, PermissionDenied
 
     try:
         get_ctx().call("ping")
@@ -103,7 +103,7 @@ def tune(quick: bool, runs: int | None, warmup: int | None, only: str | None,
                         bench=bench, report=say)
     probe = result.probe.run
     if probe.error is not None:
-        from tunerd.errors import Failed
+        from tunerd.base.errors import Failed
 
         tail = f"; stderr (last lines):\n{probe.stderr_tail}" if probe.stderr_tail else ""
         raise Failed(f"the command failed as it is ({probe.error}), so there is nothing to "

@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 
 import click
 
-from tunerd.client import Client
-from tunerd.errors import DaemonUnreachable, TunerdError
-from tunerd.protocol import error_to_wire
+from tunerd.base.errors import DaemonUnreachable, TunerdError
+from tunerd.wire.client import Client
+from tunerd.wire.protocol import error_to_wire
 
 
 class CliContext:
@@ -53,7 +53,7 @@ class CliContext:
 
             click.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
             return
-        from tunerd.text import safe_tree
+        from tunerd.base.text import safe_tree
 
         # every string a user may have chosen (tags, names, command lines) is shown with
         # its control characters escaped: nothing reaches the terminal raw
@@ -82,8 +82,7 @@ def report_error(err: TunerdError, as_json: bool) -> None:
 
         click.echo(f"tunerctl: error: {unreachable_message(err.message)}", err=True)
     else:
-        from tunerd.protocol import bounded_message
-        from tunerd.text import safe
+        from tunerd.base.text import bounded_message, safe
 
         click.echo(f"tunerctl: error: {safe(bounded_message(err.message))}", err=True)
     sys.stderr.flush()

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tunerd.errors import DaemonUnreachable, Failed, UsageError
+from tunerd.base.errors import DaemonUnreachable, Failed, UsageError
 
 __all__ = ["Finding", "Prometheus", "check_fleet", "format_findings"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import click
 
 from tunerd import __version__
+from tunerd.base.errors import TunerdError
 from tunerd.cli.types import Group
-from tunerd.errors import TunerdError
-from tunerd.protocol import ExitCode, exit_code
+from tunerd.wire.protocol import ExitCode, exit_code
 
 # command name -> "module:attribute" of its click command
 LAZY_COMMANDS: dict[str, str] = {

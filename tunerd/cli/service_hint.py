@@ -17,7 +17,7 @@ from pathlib import Path
 DEFAULT_LOG = "/var/log/tunerd.log"
 UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
              "/usr/lib/systemd/system", "/lib/systemd/system")
-# what tunerd.client appends to its connect error; the hint below replaces it
+# what tunerd.wire.client appends to its connect error; the hint below replaces it
 _CLIENT_SUFFIX = " (is the daemon running? see `systemctl status tunerd`)"
 
 

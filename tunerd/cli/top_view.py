@@ -197,7 +197,7 @@ def _jobs(sample: dict[str, Any], state: TopState | None = None) -> RenderableTy
 def render(reply: dict[str, Any], state: TopState | None = None) -> RenderableType:
     """One frame. With ``state`` (the live view): jobs sorted as chosen, a CPU history
     sparkline per job, and the key line (or the help) at the bottom."""
-    from tunerd.text import safe_tree
+    from tunerd.base.text import safe_tree
 
     sample = safe_tree(reply.get("sample") or {})  # control characters escaped
     host = sample.get("host") or {}

@@ -2,7 +2,7 @@
 
 click's own ``IntRange`` answers a typo with "'notapid' is not a valid integer range";
 these say "PID must be a positive integer, got 'notapid'". On the start-up path of
-job prologs: imports click only (tunerd.cpulist, stdlib-only, when a list is parsed).
+job prologs: imports click only (tunerd.base.cpulist, stdlib-only, when a list is parsed).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from tunerd.text import plural as plural  # re-exported: the commands import it from here
+from tunerd.base.text import plural as plural  # re-exported: the commands import it from here
 
 HELP_TEXT = "Show this message and exit."
 
@@ -133,7 +133,7 @@ class CpuListType(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> str:
-        from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+        from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 
         try:
             ids = parse_cpulist(str(value))

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tunerd import __version__
+from tunerd.base.errorlog import ErrorLog
+from tunerd.base.errors import PolicyError, TunerdError
 from tunerd.daemon.cmd_core import policy_error_public
-from tunerd.daemon.errorlog import ErrorLog
 from tunerd.daemon.notify import Notifier
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.runtime import PidLock, remove_pidfile, write_pidfile
 from tunerd.daemon.server import ControlServer
-from tunerd.errors import PolicyError, TunerdError
 from tunerd.policy import Policy
-from tunerd.protocol import exit_code
+from tunerd.wire.protocol import exit_code
 
 __all__ = ["Daemon", "Service"]
 

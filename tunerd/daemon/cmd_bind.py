@@ -6,17 +6,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tunerd.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
-from tunerd.daemon.intake import Intake, JobContext, request
-from tunerd.daemon.jobs import JobRegistry, Placing
-from tunerd.daemon.leases import LeaseService
-from tunerd.daemon.peer import PidNamespaces
-from tunerd.daemon.placer import Placer, Reservation, held_exclusively
-from tunerd.daemon.records import Binding, Hold
+from tunerd.base.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
+from tunerd.base.errors import Failed, PermissionDenied, PlacementError, UsageError
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed, PermissionDenied, PlacementError, UsageError
-from tunerd.placement import Placement
+from tunerd.jobs.intake import Intake, JobContext, request
+from tunerd.jobs.leases import LeaseService
+from tunerd.jobs.peer import PidNamespaces
+from tunerd.jobs.placement import Placement
+from tunerd.jobs.placer import Placer, Reservation, held_exclusively
+from tunerd.jobs.records import Binding, Hold
+from tunerd.jobs.registry import JobRegistry, Placing
 from tunerd.topology.visible import gpus_from_nvml
 
 log = logging.getLogger("tunerd.bind")
@@ -94,7 +94,7 @@ class BindCommands:
         holding: list[Hold] = []  # ... and that hold, saved with the binding's record
 
         def admit() -> None:
-            """A reservation: the one gate of alloc and run (tunerd.daemon.gate); runs
+            """A reservation: the one gate of alloc and run (tunerd.jobs.gate); runs
             once the process is pinned and its owner checked, before anything moves."""
             if exclusive:
                 self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")

@@ -8,12 +8,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from tunerd import procfs
-from tunerd.daemon.leases import user_name
+from tunerd.adapters import procfs
+from tunerd.base.errors import Failed, UsageError
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
-from tunerd.errors import Failed, UsageError
+from tunerd.jobs.leases import user_name
 from tunerd.policy import Policy
 
 Guard = Callable[[Policy], "str | None"]

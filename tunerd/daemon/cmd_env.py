@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tunerd.base.errors import UsageError
+from tunerd.base.safefs import prepare_dir, write_atomic
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
-from tunerd.errors import UsageError
 from tunerd.policy import Policy
 from tunerd.policy.typed import NcclValue
-from tunerd.safefs import prepare_dir, write_atomic
 from tunerd.topology.model import Topology
 
 __all__ = ["EnvCommands", "NcclConfFile", "nccl_text"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunerd.base.errors import UsageError
 from tunerd.daemon.cmd_bind import ids_arg
-from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import UsageError
-from tunerd.protocol import MAX_TAG, bounded_command, bounded_str, check_int
+from tunerd.jobs.leases import LeaseService
+from tunerd.wire.protocol import MAX_TAG, bounded_command, bounded_str, check_int
 
 
 def _tag(req: Request) -> str | None:

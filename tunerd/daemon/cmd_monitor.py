@@ -6,11 +6,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tunerd import procfs
-from tunerd.cpulist import format_cpulist
+from tunerd.adapters import procfs
+from tunerd.base.cpulist import format_cpulist
+from tunerd.base.errors import NoSuchProcess, PermissionDenied
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import HIDDEN, ProcVisibility
-from tunerd.errors import NoSuchProcess, PermissionDenied
 from tunerd.monitor.reports import parse_report
 from tunerd.monitor.service import Monitor
 
@@ -21,12 +21,12 @@ MAPS_READ = 4 << 20  # /proc/PID/maps read for the libraries loaded (bounded)
 
 
 def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ways a bound training process loses its binding (tunerd.training_env), read
+    """The ways a bound training process loses its binding (tunerd.diagnose.training_env), read
     from its /proc files: environment, loaded OpenMP runtime, its workers' masks."""
     import os
 
-    from tunerd.training_env import check_environment, check_workers, uses_intel_openmp
-    from tunerd.training_env import uses_torch as maps_torch
+    from tunerd.diagnose.training_env import check_environment, check_workers, uses_intel_openmp
+    from tunerd.diagnose.training_env import uses_torch as maps_torch
 
     env = procfs.read_environ(pid)
     try:
@@ -123,7 +123,7 @@ class MonitorCommands:
                 "interval": m.interval}
 
     async def advise(self, req: Request) -> dict[str, Any]:
-        from tunerd.advise import advise as run_rules
+        from tunerd.diagnose.advise import advise as run_rules
 
         m = self.monitor
         pid = req.arg("pid", int, None)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tunerd.errors import UsageError
-from tunerd.safefs import read_trusted
+from tunerd.base.errors import UsageError
+from tunerd.base.safefs import read_trusted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,13 +59,13 @@ class DaemonConfig:
     job_python: Path | None = None
     # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
     debug_nvml_replay: Path | None = None
-    # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.podresources)
+    # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.jobs.podresources)
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     # one daemon binds processes on a node: the node-wide claim every unscoped,
     # non-dry-run daemon locks (tunerd.daemon.runtime.NodeClaim), whatever its runtime dir
     node_lock: Path = Path("/run/lock/tunerd.lock")
     # a test daemon: [[job]] rules bind only this process and its descendants, and no
-    # node-wide claim is taken (tunerd.daemon.scope); None: the whole node
+    # node-wide claim is taken (tunerd.jobs.scope); None: the whole node
     scope_pid: int | None = None
     # subordinate uids: each counts as its user for per-user limits (tests: a temp file)
     subuid_file: Path = Path("/etc/subuid")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tunerd.daemon.errorlog import ErrorLog
-from tunerd.errors import Failed, TunerdError
+from tunerd.base.errorlog import ErrorLog
+from tunerd.base.errors import Failed, TunerdError
 from tunerd.policy import Policy
 from tunerd.policy.typed import PolicyModel
 from tunerd.tuners import SECTIONS, Change, SettingError, Tuner
@@ -380,7 +380,7 @@ class HostSettings:
 
     def _irq_writer(self) -> str:
         """Who most likely moved a managed interrupt (read only when one was moved)."""
-        from tunerd import procfs
+        from tunerd.adapters import procfs
 
         proc = Path(getattr(self.tuners.get("irq"), "proc", "/proc"))
         pids = []

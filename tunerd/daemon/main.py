@@ -13,8 +13,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from tunerd.errors import TunerdError, UsageError
-from tunerd.logutil import (
+from tunerd.base.errors import TunerdError, UsageError
+from tunerd.base.logutil import (
     LOG_FILE_BACKUPS,
     LOG_FILE_BYTES,
     EscapeFilter,
@@ -22,7 +22,7 @@ from tunerd.logutil import (
     RepeatFilter,
     UserRateFilter,
 )
-from tunerd.protocol import ExitCode, exit_code
+from tunerd.wire.protocol import ExitCode, exit_code
 
 if TYPE_CHECKING:
     from tunerd.daemon.config import DaemonConfig

@@ -11,11 +11,11 @@ import os
 import time
 from pathlib import Path
 
-from tunerd.daemon.leases import LeaseLimits
-from tunerd.errors import Failed
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import trusted_uids
+from tunerd.jobs.leases import LeaseLimits
 from tunerd.policy import NodeFacts, Policy, load_policy_dir
 from tunerd.policy.typed import PolicyModel
-from tunerd.safefs import trusted_uids
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyHolder"]
@@ -32,7 +32,7 @@ class PolicyHolder:
     def load(self) -> Policy:
         """Read the policy directory for this node (PolicyError when a file is bad, or
         the directory or a file is not trusted: owned by root and writable by no one
-        else, tunerd.safefs.read_trusted)."""
+        else, tunerd.base.safefs.read_trusted)."""
         return load_policy_dir(self.policy_dir, self.facts, trusted_uids())
 
     def load_staged(self, staged: Path) -> Policy:

@@ -20,16 +20,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunerd import procfs
-from tunerd.cpulist import format_cpulist
-from tunerd.daemon.autobind import AutoBinder
+from tunerd.adapters import procfs
+from tunerd.base.cpulist import format_cpulist
+from tunerd.base.errors import TunerdError, UsageError
+from tunerd.base.safefs import trusted_uids
 from tunerd.daemon.host import HostSettings
-from tunerd.daemon.leases import user_name
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.router import Request, Router
-from tunerd.errors import TunerdError, UsageError
+from tunerd.jobs.autobind import AutoBinder
+from tunerd.jobs.leases import user_name
 from tunerd.policy import Policy, load_policy_dir
-from tunerd.safefs import trusted_uids
 from tunerd.watch.rules import RuleSet
 
 __all__ = ["PolicyPreview", "would_bind"]

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tunerd.daemon.peer import Peer
-from tunerd.errors import PermissionDenied, UsageError
-from tunerd.protocol import check_int
+from tunerd.base.errors import PermissionDenied, UsageError
+from tunerd.jobs.peer import Peer
+from tunerd.wire.protocol import check_int
 
 __all__ = ["Handler", "Peer", "Request", "Router"]
 
@@ -34,7 +34,7 @@ class Request:
 
     def arg(self, name: str, kind: type[T], default: Any = _MISSING) -> T:
         """Argument ``name`` of type ``kind``; a missing or mistyped one is a UsageError,
-        and so is an integer outside its range (``tunerd.protocol.INT_RANGES``)."""
+        and so is an integer outside its range (``tunerd.wire.protocol.INT_RANGES``)."""
         if name not in self.args or self.args[name] is None:
             if default is _MISSING:
                 raise UsageError(f"{self.cmd}: missing argument {name!r}")

@@ -15,8 +15,8 @@ import stat
 import time
 from pathlib import Path
 
-from tunerd.errors import Failed
-from tunerd.safefs import write_atomic
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import write_atomic
 
 __all__ = ["NodeClaim", "PidLock", "read_pidfile", "remove_pidfile", "write_pidfile"]
 

@@ -42,11 +42,11 @@ from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
-from tunerd.daemon.peer import Peer
+from tunerd.base.errors import Failed, TunerdError, UsageError
+from tunerd.base.logutil import acting_for
 from tunerd.daemon.router import Request, Router
-from tunerd.errors import Failed, TunerdError, UsageError
-from tunerd.logutil import acting_for
-from tunerd.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id
+from tunerd.jobs.peer import Peer
+from tunerd.wire.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id
 
 log = logging.getLogger("tunerd.server")
 
@@ -435,7 +435,7 @@ class _Connection:
             # run the handler right here up to its first real wait: most requests
             # (status, ping, jobs, bind) never wait, and then no task is needed
             # in a context of its own that names the peer: the log lines it causes
-            # count against that uid's rate limit (tunerd.logutil.UserRateFilter)
+            # count against that uid's rate limit (tunerd.base.logutil.UserRateFilter)
             ctx = contextvars.copy_context()
             ctx.run(acting_for, self.user)
             coro = self._server.handle(self.peer, line)

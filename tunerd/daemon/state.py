@@ -17,7 +17,7 @@
 
 Each section is validated on load (shape and the fields the daemon indexes),
 so a hand-edited or damaged file is an error message, never a traceback. Files
-are opened with ``tunerd.safefs`` rules: no symlinks, no FIFOs, regular files only.
+are opened with ``tunerd.base.safefs`` rules: no symlinks, no FIFOs, regular files only.
 
 An older daemon kept everything in STATE_DIR/state.json; ``RuntimeStore.load``
 takes ``bindings`` and ``leases`` over from it (``legacy=``) and the durable
@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tunerd.cpulist import CpuListError, parse_cpulist
-from tunerd.errors import Failed
-from tunerd.safefs import FileWriteError, read_regular, write_atomic
+from tunerd.base.cpulist import CpuListError, parse_cpulist
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import FileWriteError, read_regular, write_atomic
 
 __all__ = ["DurableStore", "RuntimeStore", "StateDamaged"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tunerd import procfs
+from tunerd.adapters import procfs
 
 __all__ = ["HIDDEN", "ProcVisibility"]
 

@@ -20,10 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunerd.allocation import add_gpu_source
-from tunerd.binding import Binder
+from tunerd.adapters.subids import SubIds
+from tunerd.base.errorlog import ErrorLog
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import prepare_dir
 from tunerd.daemon.app import Daemon, Service
-from tunerd.daemon.autobind import AutoBinder
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.cmd_core import CoreCommands
 from tunerd.daemon.cmd_env import EnvCommands, NcclConfFile
@@ -32,35 +33,34 @@ from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
 from tunerd.daemon.cmd_topology import TopologyCommands
 from tunerd.daemon.config import DaemonConfig
-from tunerd.daemon.cpusetwatch import CpusetWatch
-from tunerd.daemon.errorlog import ErrorLog
-from tunerd.daemon.exclusive import ExclusiveMover
-from tunerd.daemon.gate import ReservationGate
 from tunerd.daemon.host import HostSettings
 from tunerd.daemon.hotplug import TopologyWatch
-from tunerd.daemon.intake import Intake
-from tunerd.daemon.jobs import JobRegistry
-from tunerd.daemon.leases import LeaseService
 from tunerd.daemon.notify import Notifier
-from tunerd.daemon.pidwatch import PidWatch
-from tunerd.daemon.placer import HostCapacity, Placer
 from tunerd.daemon.policyholder import PolicyHolder
 from tunerd.daemon.policywatch import PolicyWatch
 from tunerd.daemon.preview import PolicyPreview
 from tunerd.daemon.router import Peer, Router
 from tunerd.daemon.runtime import NodeClaim, PidLock
-from tunerd.daemon.scope import ProcessScope
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
-from tunerd.daemon.subids import SubIds
 from tunerd.daemon.visibility import ProcVisibility
-from tunerd.errors import Failed
+from tunerd.jobs.allocation import add_gpu_source
+from tunerd.jobs.autobind import AutoBinder
+from tunerd.jobs.binding import Binder
+from tunerd.jobs.cpusetwatch import CpusetWatch
+from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.gate import ReservationGate
+from tunerd.jobs.intake import Intake
+from tunerd.jobs.leases import LeaseService
+from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.placement import Placement
+from tunerd.jobs.placer import HostCapacity, Placer
+from tunerd.jobs.podresources import PodResourcesSource
+from tunerd.jobs.registry import JobRegistry
+from tunerd.jobs.scope import ProcessScope
 from tunerd.monitor.facts import FleetFacts
 from tunerd.monitor.service import Monitor, MonitorSettings
-from tunerd.placement import Placement
-from tunerd.podresources import PodResourcesSource
 from tunerd.policy import NodeFacts, Policy
-from tunerd.safefs import prepare_dir
 from tunerd.topology import Topology, load_topology
 from tunerd.tuners import IrqContext, build_tuners
 from tunerd.tuners.nccl import NcclTuner
@@ -323,7 +323,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
 def _replay_nvml(recording: Path, topology: Any) -> None:
     """NVML answered from the snapshot plus a recording's driver and telemetry
     (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
-    from tunerd import nvml
+    from tunerd.adapters import nvml
     from tunerd.topology.nvml_recording import RecordedNvml
 
     nvml.set_backend(RecordedNvml(topology, recording))

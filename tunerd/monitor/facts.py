@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd import __version__, isolated, nvml
+from tunerd import __version__
+from tunerd.adapters import isolated, nvml
 from tunerd.tuners.nccl import match_ifnames
 
 __all__ = ["MAX_NCCL_KEYS", "MAX_NICS", "MAX_RANKS", "FleetFacts", "NicFact", "PcieLink",
@@ -52,7 +53,7 @@ MAX_LABEL = 128  # characters of a label value (longer values are cut)
 PROBE_TIMEOUT = 60.0
 LIVE_EVERY = 5.0  # seconds between two reads of NICs and nccl.conf
 
-# the same probe doctor runs (tunerd.doctor.TORCH_PROBE), reduced to the versions
+# the same probe doctor runs (tunerd.diagnose.doctor.TORCH_PROBE), reduced to the versions
 TORCH_PROBE = r"""
 import json
 out = {}
@@ -137,7 +138,7 @@ def read_nics(nccl_ifname: str | None) -> list[NicFact]:
 
 
 def probe_torch_isolated(python: str, timeout: float = PROBE_TIMEOUT) -> dict[str, str]:
-    """torch and NCCL versions of ``python``, started as doctor starts it (tunerd.isolated:
+    """torch and NCCL versions of ``python``, started as doctor starts it (tunerd.adapters.isolated:
     ``python -I`` from ``/``, the daemon's environment without the PYTHON* variables)."""
     try:
         p = subprocess.run(isolated.python_argv(python, "-c", TORCH_PROBE), capture_output=True,

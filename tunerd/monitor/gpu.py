@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunerd import nvml
-from tunerd.nvml import NA
+from tunerd.adapters import nvml
+from tunerd.adapters.nvml import NA
 
 # Throttle ("clocks event") reason bits that mean the GPU is slowed by heat or power
 THROTTLE_REASONS: dict[int, str] = {

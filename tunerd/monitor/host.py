@@ -30,8 +30,8 @@ from typing import Any
 
 import psutil
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
-from tunerd.procfs import CLK_TCK, read_text
+from tunerd.adapters.procfs import CLK_TCK, read_text
+from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 
 # Devices that are not real disks: loop, RAM disks, floppies (as node_exporter skips them)
 _SKIP_DISK_PREFIXES = ("loop", "ram", "zram", "fd")

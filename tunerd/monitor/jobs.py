@@ -29,7 +29,7 @@ a change is seen one cycle late at most. A slow read of such a job carries what 
 its threads change (their children and states, uid, context switches) and reads the
 rest.
 
-The other reads go through :class:`tunerd.procfs.Process`. psutil's ``oneshot()``
+The other reads go through :class:`tunerd.adapters.procfs.Process`. psutil's ``oneshot()``
 reads the same files (and statm for the RSS) but costs two to four times as
 much per job (bench/procfs_readers.py), so it is not used here.
 
@@ -50,10 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunerd.cpulist import CpuListError, parse_cpulist
-from tunerd.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
-from tunerd.monitor.reports import Report
-from tunerd.procfs import (
+from tunerd.adapters.procfs import (
     CLK_TCK,
     PAGE_SIZE,
     PROC,
@@ -63,6 +60,9 @@ from tunerd.procfs import (
     parse_io,
     parse_stat,
 )
+from tunerd.base.cpulist import CpuListError, parse_cpulist
+from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.monitor.reports import Report
 
 __all__ = ["JobSampler", "torch_from_report"]
 

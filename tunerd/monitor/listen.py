@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from tunerd.errors import UsageError
+from tunerd.base.errors import UsageError
 
 
 def parse_listen(value: str) -> tuple[str, int] | None:

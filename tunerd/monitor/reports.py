@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tunerd.errors import UsageError
+from tunerd.base.errors import UsageError
 
 __all__ = ["Report", "ReportStore", "parse_report"]
 

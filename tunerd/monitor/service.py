@@ -89,8 +89,8 @@ def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
                 ) -> tuple[list[dict[str, Any]], dict[int, Report]]:
     """Step time and throughput per rank from the StepReporter's reports (at most
     MAX_RANKS, the newest), and the reports of processes that ended (to forget)."""
-    from tunerd import procfs
-    from tunerd.errors import TunerdError
+    from tunerd.adapters import procfs
+    from tunerd.base.errors import TunerdError
 
     if not reports:  # the common case: no job reports (no loop over 620 records)
         return [], {}

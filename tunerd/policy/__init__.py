@@ -18,11 +18,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from tunerd.errors import Failed
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import check_dir
 from tunerd.policy.loader import BUNDLED_DIR, load_set, policy_files_in, raise_for, resolve
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
 from tunerd.policy.sections import json_schema
-from tunerd.safefs import check_dir
 
 __all__ = [
     "NodeFacts",
@@ -48,7 +48,7 @@ def load_policy_dir(directory: Path | None, facts: NodeFacts,
     whole load fail (PolicyError), so that nothing of a half-valid set is applied.
     ``trusted`` (the daemon's: root, or its own uid): the directory, the dirs above it,
     each file and a symlink's target must be owned by one of those uids and writable
-    by no one else, as sshd and sudo check theirs (tunerd.safefs); one that is not is
+    by no one else, as sshd and sudo check theirs (tunerd.base.safefs); one that is not is
     a PolicyError naming the path and why.
     """
     paths: list[Path] = []

@@ -20,7 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tunerd.errors import Failed
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import file_kind, read_trusted
 from tunerd.policy.match import mismatch
 from tunerd.policy.merge import merge_content
 from tunerd.policy.model import NodeFacts, Policy, PolicyError
@@ -28,7 +29,6 @@ from tunerd.policy.provenance import Provenance, key_lines, render_key
 from tunerd.policy.schema import INVALID, Problem, describe, key_path
 from tunerd.policy.sections import FILE_SCHEMA, SECTION_DEFAULTS
 from tunerd.policy.typed import DEFAULT_ALLOC_TTL, DEFAULT_MAX_PER_USER, build_model
-from tunerd.safefs import file_kind, read_trusted
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -435,7 +435,7 @@ def _inline(match: dict[str, Any]) -> str:
 
 def reach_warnings(jobs: list[dict[str, Any]]) -> list[str]:
     """Rules that move or reserve beyond the matched process act only for the users they
-    name (tunerd.daemon.gate): one naming none acts for root's processes only."""
+    name (tunerd.jobs.gate): one naming none acts for root's processes only."""
     return [f"job {j['name']!r} is exclusive (exclusive, placement = \"exclusive\" or "
             "exclusive_scope) and names no match.user: it acts only for root's processes; "
             "name the users it is for (match.user = [...])"

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunerd.errors import PolicyError
+from tunerd.base.errors import PolicyError
 from tunerd.policy.typed import PolicyModel
 
 __all__ = ["NodeFacts", "Policy", "PolicyError"]

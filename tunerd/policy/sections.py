@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunerd import torchkeys
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.base import torchkeys
+from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.policy.schema import (
     AnyOf,
     Bool,

@@ -4,7 +4,7 @@ The loader builds a ``PolicyModel`` from the merged, validated and normalized
 policy (``Policy.data``), so every value here already passed the schema of
 ``tunerd.policy.sections``: types are exact, enums are one of their choices,
 cpulists are parsed. Nothing in this module validates again, and it imports
-nothing but the standard library and ``tunerd.cpulist`` (services import it on
+nothing but the standard library and ``tunerd.base.cpulist`` (services import it on
 start-up; the CLI's ``bind`` path never does).
 
 An unset optional key is ``None`` (or the documented default), never absent, so
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
-from tunerd.cpulist import parse_cpulist
+from tunerd.base.cpulist import parse_cpulist
 
 __all__ = [
     "DEFAULT_ALLOC_TTL",

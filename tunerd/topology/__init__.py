@@ -11,7 +11,7 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 
-from tunerd.errors import UsageError
+from tunerd.base.errors import UsageError
 from tunerd.topology.model import (
     LINK_KINDS,
     SCHEMA,

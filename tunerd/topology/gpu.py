@@ -1,4 +1,4 @@
-"""GPUs and the links between them, read through the typed GPU layer (tunerd.nvml).
+"""GPUs and the links between them, read through the typed GPU layer (tunerd.adapters.nvml).
 
 One unsupported query (NVLink on a PCIe card, MIG on a consumer GPU) is ``NA`` there
 and degrades that field only, instead of failing the whole topology. Locality comes
@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tunerd import nvml
-from tunerd.nvml import NA
+from tunerd.adapters import nvml
+from tunerd.adapters.nvml import NA
 from tunerd.topology.model import Gpu, Link
 from tunerd.topology.sysfs import normalize_bus_id, pci_locality
 

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 
 __all__ = [
     "LINK_KINDS",
@@ -128,7 +128,7 @@ class Topology:
     nics: list[Nic] = field(default_factory=list)
     rdma: list[RdmaDevice] = field(default_factory=list)  # InfiniBand / RoCE ports
     source: Any = None  # where a recorded snapshot's facts come from (URLs, "recorded")
-    # derived indexes for tunerd.placement; not part of equality or the snapshot. A
+    # derived indexes for tunerd.jobs.placement; not part of equality or the snapshot. A
     # Topology is read-only once built: build a new one (or clear this) to change it
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

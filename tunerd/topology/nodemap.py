@@ -5,7 +5,7 @@ cores with their SMT siblings, contiguous in core order, L3 (core complex) group
 whole where the counts allow, the slice's memory node, and its nearest fabric NIC(s)
 (tunerd.topology.iopath: behind the same PCIe switch first). Housekeeping CPUs belong to
 no slice; CPUs of nodes with no GPU form the shared pool. A rank near GPU g is placed
-in g's slice (tunerd.placement), so ranks of different jobs on different GPUs never
+in g's slice (tunerd.jobs.placement), so ranks of different jobs on different GPUs never
 share a core, whoever bound them.
 
 Computed once per topology and housekeeping set (kept in ``Topology._cache``), as
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tunerd.cpulist import format_cpulist
+from tunerd.base.cpulist import format_cpulist
 from tunerd.topology.model import Gpu, Topology
 
 __all__ = ["GpuSlice", "NodeMap", "home_node", "node_map"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tunerd.errors import UsageError
+from tunerd.base.errors import UsageError
 from tunerd.topology.model import Topology
 from tunerd.topology.nvml_replay import ReplayNvml
 

@@ -1,8 +1,8 @@
 """A GPU backend replaying a topology snapshot — the one allowed fake.
 
-``tunerd.nvml.set_backend(ReplayNvml(topo))`` runs the real GPU reading code
+``tunerd.adapters.nvml.set_backend(ReplayNvml(topo))`` runs the real GPU reading code
 (tunerd.topology.gpu, the placement code) on a recorded node. It implements the same
-interface as the real library (``tunerd.nvml.Backend`` / ``Device``) and answers only
+interface as the real library (``tunerd.adapters.nvml.Backend`` / ``Device``) and answers only
 what a snapshot records (identity, memory size, locality, NVLink, MIG, PCIe levels);
 every other reading is ``NA``, exactly as on a driver that does not support it.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunerd import nvml
-from tunerd.nvml import NA, MemoryInfo, NaOr
+from tunerd.adapters import nvml
+from tunerd.adapters.nvml import NA, MemoryInfo, NaOr
 from tunerd.topology.model import Gpu, Topology
 
 __all__ = ["ReplayDevice", "ReplayNvml"]

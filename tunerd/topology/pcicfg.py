@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunerd.procfs import read_value
+from tunerd.adapters.procfs import read_value
 
 __all__ = ["ACS_CAP", "ACS_SV", "PciFunction", "acs_offset", "read_function"]
 

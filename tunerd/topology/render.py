@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunerd.cpulist import format_cpulist
+from tunerd.base.cpulist import format_cpulist
 from tunerd.topology.model import Topology
 
 __all__ = ["render"]

@@ -11,8 +11,8 @@ import os
 import re
 from pathlib import Path
 
-from tunerd.cpulist import CpuListError, parse_cpulist
-from tunerd.procfs import read_value
+from tunerd.adapters.procfs import read_value
+from tunerd.base.cpulist import CpuListError, parse_cpulist
 from tunerd.topology.model import Cpu, Nic, NumaNode, RdmaDevice
 
 __all__ = [

@@ -9,14 +9,14 @@ In order of trust:
    UUIDs; indices are taken in PCI bus order, i.e. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``,
    which is also NVML's and nvidia-smi's order);
 3. NVML: the GPUs whose compute-process list has the PID
-   (``Device.compute_processes()`` of tunerd.nvml; ``nvidia-smi --query-compute-apps``).
+   (``Device.compute_processes()`` of tunerd.adapters.nvml; ``nvidia-smi --query-compute-apps``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from tunerd.text import bounded_int
+from tunerd.base.text import bounded_int
 from tunerd.topology.model import Topology
 
 __all__ = ["gpus_from_env", "gpus_from_nvml", "parse_gpu_list", "resolve_cvd", "visible_gpus",
@@ -57,7 +57,7 @@ def visible_gpus(topo: Topology, cvd: str) -> list[int]:
 
 def parse_gpu_list(text: str) -> list[int] | None:
     """Slurm's SLURM_JOB_GPUS / SLURM_STEP_GPUS ("0,1", "0-1"); None if unparsable."""
-    from tunerd.cpulist import CpuListError, parse_cpulist
+    from tunerd.base.cpulist import CpuListError, parse_cpulist
 
     text = text.strip()
     if not text or text == "NoDevFiles":
@@ -134,7 +134,7 @@ def gpus_from_env(topo: Topology, env: Mapping[str, str],
 
 def gpus_from_nvml(pid: int) -> tuple[int, ...]:
     """GPU indices whose NVML compute-process list holds ``pid`` (empty without NVML)."""
-    from tunerd import nvml
+    from tunerd.adapters import nvml
 
     if not nvml.available():
         return ()

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tunerd.errors import TunerdError
-from tunerd.procfs import Process
+from tunerd.adapters.procfs import Process
+from tunerd.base.errors import TunerdError
+from tunerd.diagnose.training_env import Finding, check_environment, uses_intel_openmp
 from tunerd.torch.settings import log, record, warn_once
-from tunerd.training_env import Finding, check_environment, uses_intel_openmp
 
 __all__ = [
     "Allocation",
@@ -62,7 +62,7 @@ def _status(pid: int) -> dict[str, str] | None:
 
 def _cpus_in(status: dict[str, str] | None) -> frozenset[int] | None:
     """The Cpus_allowed_list of a status, or None if missing or unreadable."""
-    from tunerd.cpulist import CpuListError, parse_cpulist
+    from tunerd.base.cpulist import CpuListError, parse_cpulist
 
     text = status.get("Cpus_allowed_list") if status else None
     try:
@@ -131,7 +131,7 @@ def keep_affinity() -> Iterator[None]:
 
 
 def _fmt(cpus: Iterable[int]) -> str:
-    from tunerd.cpulist import format_cpulist
+    from tunerd.base.cpulist import format_cpulist
 
     return format_cpulist(cpus)
 
@@ -184,7 +184,7 @@ def check_process(force: bool = False) -> list[Finding]:
 
 
 def _restore_lease_cpus(mask: set[int]) -> None:
-    from tunerd.cpulist import CpuListError, parse_cpulist
+    from tunerd.base.cpulist import CpuListError, parse_cpulist
 
     try:
         lease = parse_cpulist(os.environ.get("TUNERD_CPUS", ""))

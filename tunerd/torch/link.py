@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from tunerd.errors import DaemonUnreachable, PermissionDenied, TunerdError, UsageError
-from tunerd.procfs import Process, read_cmdline, read_comm
+from tunerd.adapters.procfs import Process, read_cmdline, read_comm
+from tunerd.base.errors import DaemonUnreachable, PermissionDenied, TunerdError, UsageError
 from tunerd.torch.settings import log, valid_settings, warn_once
 
 __all__ = ["DaemonLink", "current_report", "daemon_settings", "dataloader_workers"]
@@ -139,7 +139,7 @@ class DaemonLink:
     def send(self, args: dict[str, Any]) -> dict[str, Any] | None:
         if self.supported is False or time.monotonic() < self._quiet_until:
             return None
-        from tunerd.client import Client
+        from tunerd.wire.client import Client
 
         try:
             if self._client is None:

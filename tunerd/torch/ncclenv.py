@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from tunerd.errors import TunerdError
+from tunerd.base.errors import TunerdError
 from tunerd.torch.settings import log
 
 __all__ = ["export_nccl_env"]
@@ -27,7 +27,7 @@ def export_nccl_env(socket_path: str | None = None, timeout: float = 0.5,
 
     ``local_rank`` (default: $LOCAL_RANK when set): with ``[nccl] per_rank_nic = true``
     also the rank's GPU's NIC (NCCL_IB_HCA or NCCL_SOCKET_IFNAME, UCX_NET_DEVICES)."""
-    from tunerd.client import Client
+    from tunerd.wire.client import Client
 
     if local_rank is None and os.environ.get("LOCAL_RANK", "").isdigit():
         local_rank = int(os.environ["LOCAL_RANK"])

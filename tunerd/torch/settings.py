@@ -23,7 +23,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from tunerd.torchkeys import AMP_MODES, BOOLS, ENV, INT_RANGES
+from tunerd.base.torchkeys import AMP_MODES, BOOLS, ENV, INT_RANGES
 
 __all__ = [
     "AMP_MODES",

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from tunerd.errors import Failed
-from tunerd.procfs import read_value
+from tunerd.adapters.procfs import read_value
+from tunerd.base.errors import Failed
 
 __all__ = [
     "Change",

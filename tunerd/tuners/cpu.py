@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tunerd.adapters.procfs import read_value
 from tunerd.policy.typed import CpuSection
-from tunerd.procfs import read_value
 from tunerd.tuners.base import Change, SettingError, normalize, write_text
 
 KEY = "cpu:governor"

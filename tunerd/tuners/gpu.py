@@ -1,6 +1,6 @@
 """GPU settings through NVML: ``gpu:<index>:persistence_mode|compute_mode|power_limit_w``.
 
-Everything goes through the typed GPU layer ``tunerd.nvml`` (lazy init, ``NA``
+Everything goes through the typed GPU layer ``tunerd.adapters.nvml`` (lazy init, ``NA``
 instead of exceptions for reads, ``NvmlError`` with its NVML code for writes).
 Without a driver or GPU every setting is "not available" in the plan and nothing
 fails. Equivalent shell commands: ``nvidia-smi -i N -pm 1``,
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from tunerd import nvml
+from tunerd.adapters import nvml
 from tunerd.policy.typed import GpuSection
 from tunerd.tuners.base import Change, SettingError, to_setting_value
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunerd.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.adapters.procfs import read_value
+from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.policy.typed import IrqSection
-from tunerd.procfs import read_value
 from tunerd.tuners.base import Change, SettingError, write_text
 from tunerd.tuners.nccl import NcclTuner
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunerd.base.safefs import write_atomic
 from tunerd.policy.typed import NcclValue
-from tunerd.safefs import write_atomic
 from tunerd.tuners.base import Change, SettingError, to_setting_value
 
 BEGIN = "# BEGIN tunerd managed block: edit the policy, not these lines"

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tunerd.adapters.procfs import read_value
 from tunerd.policy.typed import PcieSection
-from tunerd.procfs import read_value
 from tunerd.topology.model import Topology
 from tunerd.topology.pcicfg import ACS_SV, acs_offset
 from tunerd.tuners.base import Change, SettingError

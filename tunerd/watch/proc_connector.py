@@ -42,8 +42,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from tunerd.errors import TunerdError
-from tunerd.procfs import PROC, Process, read_text
+from tunerd.adapters.procfs import PROC, Process, read_text
+from tunerd.base.errors import TunerdError
 
 __all__ = [
     "PROC_EVENT_EXEC",

@@ -12,7 +12,7 @@ A rule matches when every key it gives matches (README, "Policies"):
   deepspeed or accelerate; OMPI_COMM_WORLD_LOCAL_RANK; MPI_LOCALRANKID;
   SLURM_LOCALID of an srun task), whatever its script is called, and it is no
   launcher (torchrun agent, mpirun, srun, slurmstepd) or wrapper (numactl, taskset,
-  env, nsys, a shell). The daemon's intake (tunerd.daemon.intake) then tells ranks
+  env, nsys, a shell). The daemon's intake (tunerd.jobs.intake) then tells ranks
   from their descendants (workers inherit the variables). ``cmdline``/``env``/
   ``user`` only narrow it.
 
@@ -31,7 +31,7 @@ matched: a glob must match within them, and on a longer command line it must
 end with ``*`` (standing for the unseen rest). A glob that would only match past
 the first 4 KiB does not match. The environment is read up to
 ``ENVIRON_MATCH_BYTES`` (64 KiB): a larger one as its first and last 32 KiB,
-where launchers such as torchrun put LOCAL_RANK and RANK (tunerd.procfs,
+where launchers such as torchrun put LOCAL_RANK and RANK (tunerd.adapters.procfs,
 ``Process.environ``); a variable only in between is not seen. Without the bounds
 a user exec'ing 1 MiB command lines in a loop made the daemon read and scan
 every byte of each (milliseconds of CPU per exec); with them the cost per exec
@@ -46,7 +46,7 @@ import pwd
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tunerd import procfs
+from tunerd.adapters import procfs
 from tunerd.policy.typed import JobSpec, TorchSettings
 from tunerd.watch.globs import Glob, GlobSet
 from tunerd.watch.launchers import RANK_VARS, is_launcher, wrapper_name

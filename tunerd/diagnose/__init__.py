@@ -1,0 +1,1 @@
+"""Checks that explain a node or a job: ``tunerctl doctor``, ``advise``, training-env traps."""

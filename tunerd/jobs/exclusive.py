@@ -1,0 +1,206 @@
+"""Exclusive jobs: move the other processes of a scope off the job's CPUs, and back.
+
+A scope names the processes that must make room:
+
+* ``pid:N``         -- process N and all its descendants;
+* ``cgroup:/path``  -- the processes of that cgroup (v2 unified tree, else the
+  v1 cpuset hierarchy).
+
+Each thread's affinity becomes ``original - job CPUs``; a thread that would be
+left with no CPU at all is left alone (and reported). The original masks are
+saved in the runtime state (section ``leases``, key ``moved``) *before* any change,
+so a crash or ``kill -9`` of the daemon still lets the next start put them
+back. A thread is restored only if it is the same thread (start time) and its
+mask is still the one we set: a mask someone changed since is theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tunerd.adapters import procfs
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.errors import PermissionDenied, UsageError
+
+__all__ = ["ExclusiveMover", "parse_scope"]
+
+log = logging.getLogger("tunerd.exclusive")
+
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpuset")
+_SCOPE_RE = re.compile(r"^(pid:(?P<pid>\d+)|cgroup:(?P<cg>/[^\0]*))$")
+_NAME_MAX = 255  # bytes in one path component (NAME_MAX)
+_PATH_MAX = 4096 - len("/sys/fs/cgroup/unified/cgroup.procs")  # PATH_MAX, roots included
+
+
+def parse_scope(scope: str) -> tuple[str, str]:
+    """``("pid", "123")`` or ``("cgroup", "/path")``; UsageError for anything else."""
+    m = _SCOPE_RE.match(scope.strip())
+    if not m:
+        raise UsageError(f"exclusive scope {scope!r}: expected 'pid:N' or 'cgroup:/path'")
+    if m.group("pid"):
+        return "pid", m.group("pid")
+    path = m.group("cg")
+    if ".." in Path(path).parts:
+        raise UsageError(f"exclusive scope {scope!r}: '..' is not allowed in a cgroup path")
+    # a name the kernel cannot hold would only fail later as ENAMETOOLONG
+    long = next((p for p in Path(path).parts if len(os.fsencode(p)) > _NAME_MAX), None)
+    if long is not None:
+        raise UsageError(f"exclusive scope {scope[:60]!r}...: cgroup name {long[:40]!r}... "
+                         f"is longer than {_NAME_MAX} bytes")
+    if len(os.fsencode(path)) > _PATH_MAX:
+        raise UsageError(f"exclusive scope {scope[:60]!r}...: the cgroup path is longer "
+                         f"than {_PATH_MAX} bytes")
+    return "cgroup", path
+
+
+def scope_pids(scope: str, proc: str = procfs.PROC,
+               cgroup_roots: tuple[str, ...] = CGROUP_ROOTS, *,
+               kids: dict[int, list[int]] | None = None) -> list[int]:
+    """The processes of ``scope``; ``kids``: a procfs.children_map to use for a pid tree."""
+    kind, arg = parse_scope(scope)
+    if kind == "pid":
+        root = int(arg)
+        if procfs.read_start_time(root, proc) is None:
+            raise UsageError(f"exclusive scope {scope!r}: no process {root}")
+        return procfs.descendants(root, proc, kids=kids)
+    for base in cgroup_roots:
+        procs = Path(base + arg.rstrip("/")) / "cgroup.procs"
+        if procs.is_file():
+            try:
+                return [int(x) for x in procfs.read_text(procs, None).split()]
+            except OSError as err:
+                raise UsageError(f"exclusive scope {scope!r}: cannot read {procs}: "
+                                 f"{err.strerror}") from err
+    raise UsageError(f"exclusive scope {scope!r}: no such cgroup under "
+                     f"{', '.join(cgroup_roots)}")
+
+
+class ExclusiveMover:
+    """Keeps the record of every moved thread in ``section``; ``save`` persists it."""
+
+    def __init__(self, section: dict[str, Any], save: Callable[[], None], *,
+                 dry_run: bool = False, proc: str = procfs.PROC) -> None:
+        self.moved: dict[str, dict[str, Any]] = section
+        self._save = save
+        self.dry_run = dry_run
+        self.proc = proc
+
+    def move_off(self, key: str, scope: str, cpus: frozenset[int], keep_root: int | None,
+                 requester_uid: int) -> dict[str, Any]:
+        """Move every thread in ``scope`` (except ``keep_root`` and its tree) off ``cpus``.
+
+        Non-root requesters only move processes they own; others are skipped.
+        """
+        # one sweep of /proc (a stat read per process) serves both trees
+        kids = (procfs.children_map(self.proc)
+                if keep_root or parse_scope(scope)[0] == "pid" else None)
+        pids = scope_pids(scope, self.proc, kids=kids)
+        keep = (set(procfs.descendants(keep_root, self.proc, kids=kids)) if keep_root
+                else set())
+        keep.add(os.getpid())
+        if not cpus:
+            return {"scope": scope, "moved": 0, "notes": []}
+        plan: dict[str, dict[str, Any]] = {}
+        notes: list[str] = []
+        foreign = 0
+        for pid in pids:
+            if pid in keep:
+                continue
+            if requester_uid != 0 and procfs.read_uid(pid, self.proc) != requester_uid:
+                foreign += 1
+                continue
+            for tid in procfs.list_tids(pid, self.proc):
+                try:
+                    cur = frozenset(os.sched_getaffinity(tid))
+                except OSError:
+                    continue
+                new = cur - cpus
+                if new == cur:
+                    continue
+                if not new:
+                    notes.append(f"pid {pid} (thread {tid}) may only run on the job's CPUs "
+                                 f"{format_cpulist(cur)}; left there")
+                    continue
+                st = procfs.read_start_time(tid, self.proc)
+                if st is None:
+                    continue
+                plan[str(tid)] = {"pid": pid, "start_time": st, "orig": format_cpulist(cur),
+                                  "set": format_cpulist(new)}
+        if foreign:
+            notes.append(f"{foreign} process(es) in {scope} belong to other users and were "
+                         "not moved")
+        if self.dry_run:
+            notes.append(f"dry run: would move {len(plan)} thread(s) off "
+                         f"{format_cpulist(cpus)}")
+            return {"scope": scope, "moved": 0, "notes": notes}
+        entry = self.moved.setdefault(key, {"scope": scope, "cpus": format_cpulist(cpus),
+                                            "threads": {}})
+        entry["threads"].update(plan)
+        self._save()  # originals on disk before the first change
+        moved = 0
+        for tkey, rec in plan.items():
+            try:
+                os.sched_setaffinity(int(tkey), parse_cpulist(rec["set"]))
+                moved += 1
+            except OSError as err:
+                entry["threads"].pop(tkey, None)
+                if isinstance(err, PermissionError):
+                    raise PermissionDenied(
+                        f"cannot move thread {tkey}: {err.strerror} (EPERM: setting the CPUs "
+                        "of another user's thread needs CAP_SYS_NICE, which tunerd does not "
+                        "have)") from err
+        self._save()
+        log.info("exclusive %s: moved %d thread(s) in %s off CPUs %s", key, moved, scope,
+                 format_cpulist(cpus))
+        return {"scope": scope, "moved": moved, "notes": notes}
+
+    def restore(self, key: str) -> int:
+        """Put back every thread moved for ``key``; returns how many were restored."""
+        entry = self.moved.get(key)
+        if entry is None:
+            return 0
+        restored = 0
+        for tid_s, rec in entry["threads"].items():
+            t = int(tid_s)
+            if procfs.read_start_time(t, self.proc) != rec["start_time"]:
+                continue  # exited, or the tid was reused
+            try:
+                if frozenset(os.sched_getaffinity(t)) != parse_cpulist(rec["set"]):
+                    continue  # changed by someone else since: theirs now
+                os.sched_setaffinity(t, parse_cpulist(rec["orig"]))
+                restored += 1
+            except OSError as err:
+                log.warning("exclusive %s: cannot restore thread %s: %s", key, tid_s, err)
+        del self.moved[key]
+        self._save()
+        log.info("exclusive %s: restored %d thread(s)", key, restored)
+        return restored
+
+    def originals_of(self, pid: int) -> dict[int, frozenset[int]]:
+        """Masks threads of ``pid`` had before an exclusive job moved them (tid -> mask).
+
+        A bind of such a process takes these as its originals, so that unbinding
+        it later does not keep it off the exclusive job's CPUs for good.
+        """
+        out: dict[int, frozenset[int]] = {}
+        for entry in self.moved.values():
+            for tid_s, rec in entry["threads"].items():
+                if rec.get("pid") == pid:
+                    out[int(tid_s)] = parse_cpulist(rec["orig"])
+        return out
+
+    def disown(self, pid: int) -> int:
+        """Stop tracking the moved threads of ``pid`` (a binding owns them now)."""
+        n = 0
+        for entry in self.moved.values():
+            for tid_s in [t for t, r in entry["threads"].items() if r.get("pid") == pid]:
+                del entry["threads"][tid_s]
+                n += 1
+        if n:
+            self._save()
+        return n
