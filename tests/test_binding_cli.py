@@ -34,8 +34,9 @@ HEAVY = ("psutil", "rich", "pynvml", "pyudev", "prometheus_client", "torch",
 
 # everything a successful `tunerctl bind PID --cpus LIST` adds to `import click`
 BIND_LOADS = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
-              "tunerd.cli.context", "tunerd.cli.types", "tunerd.wire.client", "tunerd.base.cpulist",
-              "tunerd.base.errors", "tunerd.wire.protocol", "tunerd.base.text",
+              "tunerd.cli.context", "tunerd.cli.types", "tunerd.wire", "tunerd.wire.client",
+              "tunerd.base", "tunerd.base.cpulist", "tunerd.base.errors",
+              "tunerd.wire.protocol", "tunerd.base.text",
               "json", "json.decoder", "json.encoder", "json.scanner", "_json",
               "struct", "_struct", "_socket"}
 
