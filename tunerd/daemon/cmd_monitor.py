@@ -142,7 +142,8 @@ class MonitorCommands:
             raise NoSuchProcess(f"process {pid} is not a bound job (bound jobs: {bound}); "
                                 "advise reads the history of jobs bound with tunerctl "
                                 "bind/run or by a [[job]] rule", pid=pid)
-        origin = {r.get("pid"): r.get("origin") for r in m.job_records()}
+        records = {r.get("pid"): r for r in m.job_records()}
+        origin = {pid_: r.get("origin") for pid_, r in records.items()}
         out = []
         for p, job in sorted(latest.items()):
             if pid is not None and p != pid:
@@ -151,7 +152,10 @@ class MonitorCommands:
                 ring = m.history.job(p)
                 cols = ring.columns(ADVISE_WINDOW) if ring is not None else {}
             nics = self.gpu_nics() if job.get("gpus") else {}
-            findings = [f.to_dict() for f in run_rules({**job, "gpu_nics": nics}, cols)]
+            # the placer's notes (a slice too small for the rank's workers) are the record's
+            expl = (records.get(p) or {}).get("explanation")
+            findings = [f.to_dict() for f in run_rules(
+                {**job, "gpu_nics": nics, "explanation": expl}, cols)]
             name = job.get("name")
             if hidden(p, job.get("uid")):
                 name = name if origin.get(p) in ("rule", "worker") else HIDDEN

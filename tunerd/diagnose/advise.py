@@ -9,6 +9,7 @@ sequences; the daemon runs them on its live rings (``tunerctl advise``).
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -270,9 +271,48 @@ def nic_far(job: dict[str, Any], cols: Columns) -> Finding | None:
         "GPUs; [nccl] per_rank_nic = true gives every rank the nearest NIC there is.")
 
 
+# the placer's notes when a GPU's share of the node cannot hold a rank and its DataLoader
+# workers (tunerd.jobs.placer: the rank then stays in its GPU's slice, never spreads)
+_SLICE_NOTES = (
+    re.compile(r"GPU (?P<gpus>[\d,-]+)'s slice has (?P<ncpus>\d+) CPU\(s\), too few for the "
+               r"rank and its (?P<workers>\d+) DataLoader worker"),
+    re.compile(r"GPU (?P<gpus>[\d,-]+)'s slice \(CPU [\d,-]+\) cannot give each of the "
+               r"(?P<sharers>\d+) ranks on it room for (?P<workers>\d+) DataLoader worker"),
+    re.compile(r"(?:^|; )(?P<ncpus>\d+) CPU\(s\) for a process with (?P<workers>\d+) "
+               r"DataLoader worker\(s\): they will share them"),
+)
+
+
+def slice_too_small(job: dict[str, Any], cols: Columns) -> Finding | None:
+    """The rank's GPU share of the node has too few CPUs for it and its DataLoader
+    workers: what the placer noted when it bound the rank (``explanation``, from the
+    job's record)."""
+    text = str(job.get("explanation") or "")
+    m = next((m for rx in _SLICE_NOTES if (m := rx.search(text)) is not None), None)
+    if m is None:
+        return None
+    got = m.groupdict()
+    gpus = got.get("gpus") or ",".join(str(g) for g in job.get("gpus") or []) or "?"
+    return Finding(
+        "slice-too-small", "warning",
+        f"GPU {gpus}'s slice of the node is too small for the rank and its "
+        f"{got['workers']} DataLoader worker(s)",
+        {"gpus": gpus, "workers": int(got["workers"]),
+         "slice_cpus": int(got["ncpus"]) if got.get("ncpus") else None,
+         "ranks_on_gpu": int(got["sharers"]) if got.get("sharers") else None,
+         "bound_cpus": job.get("cpus"), "note": m.group(0).lstrip("; ")[:300]},
+        "Each GPU owns a slice of its NUMA node's cores (tunerctl topology); a rank stays "
+        "in its GPU's slice so that jobs on other GPUs keep theirs. Here the slice has "
+        "fewer CPUs than the rank and its DataLoader workers: they take turns on them.",
+        "Lower num_workers to the CPUs given (tunerd.torch.dataloader_kwargs() sizes it), "
+        "put fewer ranks on the GPU, or set workers in the [[job]] rule to what the slice "
+        "holds; on a node with idle GPUs, the job may use their CPUs explicitly "
+        "(tunerctl run --cpus LIST).")
+
+
 RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
     data_loading, workers_crowded, io_bound, remote_numa, gpu_fragmentation, throttling,
-    fd_limit, cpu_oversubscription, nic_far,
+    fd_limit, cpu_oversubscription, nic_far, slice_too_small,
 ]
 
 
