@@ -22,7 +22,8 @@ from tunerd.base.errors import UsageError
 from tunerd.daemon.cmd_bind import BindCommands
 from tunerd.daemon.router import Peer, Request
 from tunerd.daemon.state import RuntimeStore
-from tunerd.jobs.binding import Binder, Plan, Target
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Plan, Target
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.leases import LeaseLimits, LeaseService

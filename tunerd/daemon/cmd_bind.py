@@ -14,7 +14,7 @@ from tunerd.jobs.intake import Intake, JobContext, request
 from tunerd.jobs.leases import LeaseService
 from tunerd.jobs.peer import PidNamespaces
 from tunerd.jobs.placement import Placement
-from tunerd.jobs.placer import Placer, Reservation, held_exclusively
+from tunerd.jobs.placer import Placer, Reservation, ReservationKey, held_exclusively
 from tunerd.jobs.records import Binding, Hold
 from tunerd.jobs.registry import JobRegistry, Placing
 from tunerd.topology.visible import gpus_from_nvml
@@ -66,13 +66,13 @@ class BindCommands:
             return
         self.placer.reserve(_reservation(rec.pid, rec.cpu_set(), rec.gpus, hold))
         if hold.exclusive and hold.uid is not None:
-            self.gate.hold(f"bind:{rec.pid}", hold.uid)
+            self.gate.hold(ReservationKey.bind(rec.pid), hold.uid)
         log.info("pid %d: reservation restored (CPUs %s%s)", rec.pid, rec.cpus,
                  f", group {hold.group}" if hold.group else ", exclusive")
 
     def _exited(self, pid: int, rec: Binding) -> None:
-        self.placer.release(f"bind:{pid}")
-        self.gate.drop(f"bind:{pid}")
+        self.placer.release(ReservationKey.bind(pid))
+        self.gate.drop(ReservationKey.bind(pid))
 
     def register(self, router: Router) -> None:
         router.add("bind", self.bind)
@@ -97,7 +97,7 @@ class BindCommands:
             """A reservation: the one gate of alloc and run (tunerd.jobs.gate); runs
             once the process is pinned and its owner checked, before anything moves."""
             if exclusive:
-                self.gate.admit(req.peer, exclusive=True, key=f"bind:{pid}")
+                self.gate.admit(req.peer, exclusive=True, key=ReservationKey.bind(pid))
 
         def place() -> tuple[Placement | None, str | None]:
             """Near its GPUs; runs once the process is pinned and its owner checked.
@@ -155,7 +155,7 @@ class BindCommands:
                 if held_before[0] is not None:
                     self.placer.reserve(held_before[0])
                 else:
-                    self.placer.release(f"bind:{pid}")
+                    self.placer.release(ReservationKey.bind(pid))
             raise
         if result.get("cpus") and not result.get("dry_run"):
             self._reserve(pid, result, seen[0] if seen else None, exclusive, req.peer.uid)
@@ -190,7 +190,7 @@ class BindCommands:
         are refused (PlacementError, exit 1), and so are GPUs another user's lease or
         exclusive bind holds for an exclusive bind; root may bind there (a lease's own
         processes, an operator's choice), with a note naming the holder."""
-        key = f"bind:{pid}"
+        key = ReservationKey.bind(pid)
         refusals: list[PlacementError] = []
         held = self.placer.held_by_others(cpus, req.peer.uid, key)
         if held:
@@ -227,7 +227,7 @@ class BindCommands:
         the other ranks/tasks of its job (they split the allocation). What it holds is
         kept with its binding: a restarted daemon holds it again (``_adopted``)."""
         if exclusive:
-            self.gate.hold(f"bind:{pid}", uid)
+            self.gate.hold(ReservationKey.bind(pid), uid)
         hold = _hold_of(ctx, exclusive, uid)
         if hold is None:
             return
@@ -280,8 +280,8 @@ class BindCommands:
     async def unbind(self, req: Request) -> dict[str, Any]:
         pid = await self.namespaces.host_pid(req.peer, req.arg("pid", int))
         out = await self.jobs.unbind(pid, peer=req.peer)
-        self.placer.release(f"bind:{pid}")
-        self.gate.drop(f"bind:{pid}")
+        self.placer.release(ReservationKey.bind(pid))
+        self.gate.drop(ReservationKey.bind(pid))
         return out
 
     async def list_jobs(self, req: Request) -> dict[str, Any]:
@@ -306,7 +306,7 @@ def _reservation(pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
     """An exclusive bind holds its CPUs (and GPUs); a rank or Slurm task holds its CPUs
     against the other ranks/tasks of its job (they split the allocation)."""
     return Reservation(
-        key=f"bind:{pid}", holder=f"pid {pid} (tunerctl bind"
+        key=ReservationKey.bind(pid), holder=f"pid {pid} (tunerctl bind"
                                   f"{' --exclusive' if hold.exclusive else ''})",
         # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
         # inside the job may take that GPU: the job's own processes use it)

@@ -44,9 +44,9 @@ from tunerd.daemon.runtime import NodeClaim, PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.daemon.visibility import ProcVisibility
+from tunerd.jobs.actuate import Binder
 from tunerd.jobs.allocation import add_gpu_source
 from tunerd.jobs.autobind import AutoBinder
-from tunerd.jobs.binding import Binder
 from tunerd.jobs.cpusetwatch import CpusetWatch
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import ReservationGate

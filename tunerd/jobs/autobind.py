@@ -60,7 +60,7 @@ from tunerd.jobs.leases import user_name
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.placement import Placement, mems_of
-from tunerd.jobs.placer import Placer, Reservation
+from tunerd.jobs.placer import Placer, Reservation, ReservationKey, ReservationKind
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
@@ -707,7 +707,7 @@ class AutoBinder:
         gone = {fd for fd, _ in poll.poll(0)}
         for rb in peers:
             if rb.pidfd in gone:
-                self.placer.release(f"rule:{rb.pid}")
+                self.placer.release(ReservationKey.rule(rb.pid))
 
     def _close(self, rb: RuleBound | None) -> None:
         if rb is not None and rb.pidfd >= 0:
@@ -810,7 +810,7 @@ class AutoBinder:
         self._partial(m, ctx, placed, notes)
         await self._followers(m, pid, placed.cpus or frozenset(), rb.group)
         if m.rule.exclusive and m.rule.exclusive_scope:
-            self.mover.move_off(f"rule:{pid}:{ctx.start_time}", m.rule.exclusive_scope,
+            self.mover.move_off(_move_key(pid, ctx.start_time), m.rule.exclusive_scope,
                                 placed.cpus or frozenset(), pid, 0)
 
     async def _followers(self, m: RuleMatch, pid: int, cpus: frozenset[int],
@@ -836,7 +836,7 @@ class AutoBinder:
                     todo.append((kid, depth + 1))
                 held, rec = self.bound.get(kid), self.jobs.record(kid)
                 if held is not None and held.group == group:  # taken for a rank: it is not
-                    self.placer.release(f"rule:{kid}")
+                    self.placer.release(ReservationKey.rule(kid))
                     self._close(self.bound.pop(kid, None))
                 elif held is not None or (rec is not None and rec.origin != "worker"):
                     continue  # another job's rank, or bound by someone else
@@ -892,7 +892,7 @@ class AutoBinder:
                        uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
         self.bound[m.pid] = rb
         self.placer.reserve(Reservation(
-            key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
+            key=ReservationKey.rule(m.pid), holder=f"pid {m.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
             pid=m.pid, group=group, job=ctx.job_key, uid=m.uid))
         return rb
@@ -931,31 +931,39 @@ class AutoBinder:
     def _forget(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
         self._close(rb)
-        self.placer.release(f"rule:{pid}")
+        self.placer.release(ReservationKey.rule(pid))
         if rb is not None:
             self.pidwatch.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
         self._close(rb)
-        self.placer.release(f"rule:{pid}")
+        self.placer.release(ReservationKey.rule(pid))
         if rb is None:
             return
-        key = f"rule:{pid}:{rb.start_time}"
+        key = _move_key(pid, rb.start_time)
         if key in self.mover.moved:
             self.mover.restore(key)
 
     def restore_moves(self) -> None:
         """At start: put back what exclusive rule jobs moved if the job ended meanwhile."""
         for key in list(self.mover.moved):
-            if not key.startswith("rule:"):
+            k = ReservationKey.parse(key)
+            if k is None or k.kind is not ReservationKind.RULE:
                 continue
-            _, pid_s, start_s = key.split(":")
+            pid_s, _, start_s = k.ident.partition(":")
             pid, start = int(pid_s), int(start_s)
             if not self.pidwatch.watch(pid, start, "rule-exclusive", self._restore_rule_moves):
                 self.mover.restore(key)
 
     def _restore_rule_moves(self, pid: int) -> None:
         for key in list(self.mover.moved):
-            if key.startswith(f"rule:{pid}:"):
+            k = ReservationKey.parse(key)
+            if k is not None and k.kind is ReservationKind.RULE \
+                    and k.ident.partition(":")[0] == str(pid):
                 self.mover.restore(key)
+
+
+def _move_key(pid: int, start_time: int) -> str:
+    """A rule's exclusive move, in the mover's state: "rule:PID:START" (text form)."""
+    return str(ReservationKey(ReservationKind.RULE, f"{pid}:{start_time}"))

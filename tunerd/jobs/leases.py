@@ -42,7 +42,7 @@ from tunerd.jobs.intake import Intake, JobContext, request
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.placement import Placement
-from tunerd.jobs.placer import Placer, PlaceRequest, Reservation
+from tunerd.jobs.placer import Placer, PlaceRequest, Reservation, ReservationKey, ReservationKind
 from tunerd.jobs.records import Lease
 from tunerd.jobs.registry import JobRegistry
 
@@ -122,7 +122,8 @@ class LeaseService:
             self.placer.reserve(self._reservation(rec))
         # exclusive moves whose job is gone (daemon was down when it ended): put back
         for key in list(self.mover.moved):
-            if key.startswith("lease:") and key[6:] not in self.leases:
+            k = ReservationKey.parse(key)
+            if k is not None and k.kind is ReservationKind.LEASE and k.ident not in self.leases:
                 self.mover.restore(key)
         if dropped:
             self._save_quietly()
@@ -184,7 +185,7 @@ class LeaseService:
         return who + (f", {rec.job}" if rec.job else "") + ")"
 
     def _reservation(self, rec: Lease) -> Reservation:
-        return Reservation(key=f"lease:{rec.id}", holder=self._holder(rec),
+        return Reservation(key=ReservationKey.lease(rec.id), holder=self._holder(rec),
                            gpus=tuple(rec.gpus), cpus=parse_cpulist(rec.cpus),
                            exclusive=bool(rec.exclusive), soft=True,
                            pid=rec.pid, job=rec.job, uid=rec.uid)
@@ -271,7 +272,7 @@ class LeaseService:
             self._save()
         except TunerdError as err:
             self.leases.pop(rec.id, None)
-            self.placer.release(f"lease:{rec.id}")
+            self.placer.release(ReservationKey.lease(rec.id))
             raise Failed(f"lease not made: {err.message}") from err
 
     async def alloc(self, peer: Peer, *, gpus: int, ncpus: int | None,
@@ -356,7 +357,7 @@ class LeaseService:
         if not rec.applied:
             rec.notes.append(f"exclusive scope {rec.scope}: nothing moved (not applied)")
             return
-        res = self.mover.move_off(f"lease:{rec.id}", rec.scope,
+        res = self.mover.move_off(str(ReservationKey.lease(rec.id)), rec.scope,
                                   parse_cpulist(rec.cpus), pid, peer.uid)
         rec.moved = res["moved"]
         rec.notes.extend(res["notes"])
@@ -420,11 +421,12 @@ class LeaseService:
         rec = self.leases.pop(lid, None)
         if rec is None:
             return
-        self.placer.release(f"lease:{lid}")
+        self.placer.release(ReservationKey.lease(lid))
         if rec.pid:
             self.pidwatch.unwatch(rec.pid, f"lease:{lid}")
-        if f"lease:{lid}" in self.mover.moved:
-            self.mover.restore(f"lease:{lid}")
+        moved = str(ReservationKey.lease(lid))  # the mover's key: the text form
+        if moved in self.mover.moved:
+            self.mover.restore(moved)
         if save:
             self._save_quietly()
 

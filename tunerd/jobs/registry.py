@@ -27,7 +27,8 @@ from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.base.keyedlocks import KeyedLocks
-from tunerd.jobs.binding import Binder, Originals, Target
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Originals, Target
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.peer import Peer, require_owner
 from tunerd.jobs.pidwatch import PidWatch
