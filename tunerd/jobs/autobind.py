@@ -567,13 +567,13 @@ class AutoBinder:
             out = self.pipeline.bind_in_thread(BindRequest(
                 pid, self.peer, BindSource.RULE, match=m,
                 stamps=(self._match_ns, *ev) if ev is not None else (self._match_ns,)))
-            tb = out.thread
+            tb, ns = out.thread, out.ns
+            if "set" in ns and "stamped" in ns:  # also for a process that exits meanwhile
+                self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
             if tb is None or out.context is None or out.placement is None:
                 if out.context is not None and out.context.role == "wrapper":
                     self._wrap(m, out.context)  # before what it starts execs
                 return self._to_loop(out.reason, out.context)
-            if "set" in tb.ns and "stamped" in tb.ns:
-                self.timeline.append((pid, tb.ns["stamped"], tb.ns["read"], tb.ns["set"]))
             self._track(m, out.context, tb.group, out.placement, 0.0, False, watch=False)
             self._inflight.add(pid)  # until the loop has it (``_matched``)
             return out

@@ -140,6 +140,7 @@ class BindOutcome:
     elapsed_ms: float = 0.0
     dry_run: Plan | None = None  # --dry-run: what would have been done
     thread: ThreadBind | None = None
+    ns: dict[str, int] = field(default_factory=dict)  # the watcher thread's step clocks
 
 
 class Lowering(Protocol):
@@ -256,6 +257,7 @@ class BindPipeline:
         except _Stop as stop:
             self._unhold(run)
             self._close(run)
+            stop.outcome.ns = run.ns
             return stop.outcome
         except Exception as err:  # gone, or not ours to set: the loop's bind says why
             self._unhold(run)
@@ -263,7 +265,9 @@ class BindPipeline:
             self.recorded(req.pid)
             why = "exited while being bound" if isinstance(err, NoSuchProcess) \
                 else type(err).__name__
-            return self._left(run, why, keep_ctx=not isinstance(err, NoSuchProcess))
+            left = self._left(run, why, keep_ctx=not isinstance(err, NoSuchProcess))
+            left.ns = run.ns  # the main thread may have had its CPUs before it exited
+            return left
         return self._bound_in_thread(run)
 
     # -- pin ---------------------------------------------------------------------------
@@ -648,7 +652,7 @@ class BindPipeline:
         run.key = None
         return BindOutcome(Verdict.BOUND, t.pid, placement=run.placed, context=run.ctx,
                            thread=ThreadBind(t, plan.originals, run.group, time.monotonic(),
-                                             run.ns))
+                                             run.ns), ns=run.ns)
 
     # -- holds kept beyond a pass ----------------------------------------------------------
     def hold(self, res: Reservation) -> Reservation | None:
