@@ -61,8 +61,8 @@ class WatchedActuator(Actuator):
         return super().apply(plan)
 
 
-def pipeline(tmp: Path, limits: LeaseLimits = LeaseLimits()) -> tuple[BindPipeline, RuntimeStore,
-                                                                     WatchedActuator]:
+def pipeline(tmp: Path, limits: LeaseLimits | None = None
+             ) -> tuple[BindPipeline, RuntimeStore, WatchedActuator]:
     state = RuntimeStore(tmp / "state.json")
     state.load()
     section: dict[str, Any] = state.section("leases")
@@ -73,7 +73,8 @@ def pipeline(tmp: Path, limits: LeaseLimits = LeaseLimits()) -> tuple[BindPipeli
     topo = load_topology(None)
     placer = Placer(topo, HostCapacity.read(), frozenset)
     intake = Intake(topo, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
-    return BindPipeline(jobs, placer, ReservationGate(lambda: limits), intake, act), state, act
+    gate = ReservationGate(lambda: limits or LeaseLimits())
+    return BindPipeline(jobs, placer, gate, intake, act), state, act
 
 
 def spawn(uid: int | None = None) -> subprocess.Popen[bytes]:
@@ -83,7 +84,7 @@ def spawn(uid: int | None = None) -> subprocess.Popen[bytes]:
 
 def test_the_record_is_on_disk_before_the_process_is_changed(tmp_path: Path) -> None:
     async def scenario() -> None:
-        pipe, state, act = pipeline(tmp_path)
+        pipe, _state, act = pipeline(tmp_path)
         p = spawn()
         try:
             out = await pipe.bind(BindRequest(p.pid, ROOT, BindSource.CLI, cpus=ONE))
@@ -151,7 +152,7 @@ def test_a_failed_change_gives_its_hold_back(tmp_path: Path) -> None:
     """The hold is made before the change; the change fails (the process exits
     while being bound): the ledger is as it was."""
     async def scenario() -> None:
-        pipe, state, act = pipeline(tmp_path)
+        pipe, _state, act = pipeline(tmp_path)
         p = spawn()
 
         def gone(plan: Plan) -> BindResult:
