@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-from tunerd.jobs.binding import Binder, Plan, Target
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Plan, Target
 from tunerd.jobs.intake import Intake, request
 from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.topology import load_topology

@@ -11,7 +11,8 @@ import pytest
 from tests.binding_helpers import CPUSET_ROOT, scratch_cpuset, snapshot, task_cpus, thread_child
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errors import Failed, NoSuchProcess
-from tunerd.jobs.binding import Binder, Originals
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Originals
 
 pytestmark = pytest.mark.root
 

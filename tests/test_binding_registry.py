@@ -19,14 +19,17 @@ from tests.leases_helpers import snapshot_with_gpus_here
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import UsageError
-from tunerd.daemon.cmd_bind import BindCommands
+from tunerd.daemon.cmd_bind import BindCommands, bind_reply
 from tunerd.daemon.router import Peer, Request
 from tunerd.daemon.state import RuntimeStore
-from tunerd.jobs.binding import Binder, Plan, Target
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Plan, Target
 from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.gate import ReservationGate
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.leases import LeaseLimits, LeaseService
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.jobs.records import Binding
@@ -58,10 +61,19 @@ class Parts:
         self.placer = Placer(topo, HostCapacity.read(), frozenset, dry_run=dry_run)
         self.intake = Intake(topo, self.placer.host.cpus, bound=self.jobs.rank_cpus,
                              lease=self.placer.lease_of)
-        self.leases = LeaseService(self.placer, self.jobs, self.pidwatch, self.mover, section,
-                                   self.state.save, self.errors, self.intake,
+        self.pipeline = BindPipeline(self.jobs, self.placer, ReservationGate(LeaseLimits),
+                                     self.intake, self.jobs.binder)
+        self.leases = LeaseService(self.pipeline, self.pidwatch, self.mover, section,
+                                   self.state.save, self.errors,
                                    limits=LeaseLimits, default_nofile=lambda: None)
-        self.bind_cmds = BindCommands(self.jobs, self.placer, self.leases, self.intake)
+        self.bind_cmds = BindCommands(self.pipeline, self.leases)
+
+    async def bind(self, pid: int, placement: Placement, *,
+                   source: BindSource = BindSource.CLI, **kw: Any) -> dict[str, Any]:
+        """A bind as its handler replies it, through the pipeline."""
+        out = await self.pipeline.bind(BindRequest(pid, ROOT, source, placement=placement,
+                                                   **kw))
+        return bind_reply(out)
 
     def saved(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.state.path.read_text())
@@ -82,11 +94,10 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
 
         reg.on_exit(on_exit)
         with thread_child(threads=4) as p:
-            rec = await reg.bind(p.pid, peer=ROOT,
-                                 placement=Placement(cpus=ONE, mems=None, gpus=(0,)),
-                                 origin="lease", name="rank0", lease="L1")
+            rec = await parts.bind(p.pid, Placement(cpus=ONE, mems=None, gpus=(0,)),
+                                   source=BindSource.LEASE, name="rank0", lease="L1")
             assert (rec["origin"], rec["lease"], rec["gpus"], rec["name"]) == (
-                "lease", "L1", [0], "rank0")
+                "run", "L1", [0], "rank0")
             # saved (with the originals) before the process was touched
             assert str(p.pid) in parts.saved()["bindings"]
             live = reg.jobs()
@@ -166,8 +177,7 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
         await reg.start()
         with thread_child(threads=4) as p:
             before = snapshot(p.pid)
-            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
-                               nofile=2000)
+            r = await parts.bind(p.pid, Placement(cpus=ONE, mems=None), nofile=2000)
             assert r["dry_run"] is True and "dry run: nothing was changed" in r["notes"]
             assert snapshot(p.pid) == before and reg.jobs() == []
         await reg.stop()
@@ -190,12 +200,11 @@ def test_partial_bind_keeps_the_cpus_when_the_fd_limit_cannot_be_set(tmp_path: P
             hard = resource.prlimit(p.pid, resource.RLIMIT_NOFILE)[1]
             # all or nothing for an explicit request...
             with pytest.raises(Exception, match="CAP_SYS_RESOURCE"):
-                await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
-                               nofile=hard + 1)
+                await parts.bind(p.pid, Placement(cpus=ONE, mems=None), nofile=hard + 1)
             assert reg.jobs() == []
             # ...partial for rule and lease binds: CPUs bound, the limit left out, a note
-            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None),
-                               nofile=hard + 1, origin="rule", partial=True)
+            r = await parts.bind(p.pid, Placement(cpus=ONE, mems=None), nofile=hard + 1,
+                                 source=BindSource.WORKER)
             assert r["cpus"] == format_cpulist(ONE)
             assert set(task_cpus(p.pid).values()) == {format_cpulist(ONE)}
             assert any("fd limit not set" in n and "CAP_SYS_RESOURCE" in n for n in r["notes"])
@@ -226,15 +235,14 @@ def test_a_memory_node_step_left_out_is_not_kept_in_the_saved_originals(
         await reg.start()
         with scratch_cpuset(format_cpulist(ONLINE)) as parent, \
                 thread_child(threads=4, cgroup=parent) as p:
-            r = await reg.bind(p.pid, peer=ROOT,
-                               placement=Placement(cpus=ONE, mems=frozenset({0})),
-                               origin="rule", partial=True)
+            r = await parts.bind(p.pid, Placement(cpus=ONE, mems=frozenset({0})),
+                                 source=BindSource.WORKER)
             assert r["mems"] is None
             assert any(n.startswith("memory nodes 0 not set") for n in r["notes"])
             saved = parts.state.data["bindings"][str(p.pid)]["originals"]  # saved soon
             assert saved["cpuset_child"] is None and saved["cpuset_base"] is None
             assert [d for d in parent.iterdir() if d.is_dir()] == []
-            r = await reg.bind(p.pid, peer=ROOT, placement=Placement(cpus=ONE, mems=None))
+            r = await parts.bind(p.pid, Placement(cpus=ONE, mems=None))
             assert r["rebind"] is True and r["cpus"] == format_cpulist(ONE)
             out = await reg.unbind(p.pid, peer=ROOT)
             assert not any("pages moved by --mems" in n for n in out["notes"]), out

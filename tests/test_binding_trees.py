@@ -10,7 +10,8 @@ from tunerd.adapters.cpuset import CpusetCgroup, find_cpuset
 from tunerd.adapters.procfs import Process
 from tunerd.base.cpulist import parse_cpulist
 from tunerd.base.errors import NoSuchProcess, UsageError
-from tunerd.jobs.binding import Binder, Originals
+from tunerd.jobs.actuate import Binder
+from tunerd.jobs.binding import Originals
 
 
 def write(root: Path, rel: str, text: str) -> Path:

@@ -340,3 +340,127 @@ def test_a_start_up_import_creeping_back_is_caught(mod: str, dep: str) -> None:
     imports[mod].add(dep)
     mods, others = startup_imports(BIND_PATH, imports)
     assert not (mods <= BIND_PATH_TUNERD and others <= BIND_PATH_OTHERS)
+
+
+# -- rule 6: one writer of other processes ------------------------------------------
+WRITER = "tunerd/jobs/actuate.py"
+# (file, function) -> why it acts on its own process only
+SELF_ONLY = {
+    ("tunerd/torch/affinity.py", "_pin"): "a DataLoader worker pins its own threads "
+                                          "(/proc/self/task)",
+    ("tunerd/cli/cmd_leases.py", "set_mempolicy_bind"): "tunerctl run: set_mempolicy acts "
+                                                        "on the caller, before its exec",
+}
+MEMORY_CALLS = re.compile(r"(?i)(migrate_pages|set_mempolicy|mbind|move_pages)")
+
+
+class _Writers(ast.NodeVisitor):
+    """Every write to another process found in one module (rule 6)."""
+
+    def __init__(self, rel: str) -> None:
+        self.rel = rel
+        self.func = "<module>"
+        self.found: list[str] = []
+        self._called: set[int] = set()  # os.sched_setaffinity nodes that are called
+
+    def _bad(self, node: ast.AST, what: str) -> None:
+        if (self.rel, self.func) not in SELF_ONLY:
+            self.found.append(f"{self.rel}:{getattr(node, 'lineno', '?')} ({self.func}): "
+                              f"{what} (docs/layers.md, rule 6: only {WRITER})")
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        outer, self.func = self.func, node.name
+        self.generic_visit(node)
+        self.func = outer
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for a in node.names:
+            if a.name in ("sched_setaffinity", "prlimit"):
+                self._bad(node, f"from {node.module} import {a.name} (an alias)")
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if node.value in ("sched_setaffinity", "prlimit"):
+            self._bad(node, f"{node.value!r} as a string (getattr)")
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load) and MEMORY_CALLS.search(node.id) \
+                and node.id not in {f for _, f in SELF_ONLY}:  # calling a self-only spot
+            self._bad(node, f"{node.id}: a memory-policy system call")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr == "sched_setaffinity" and not (
+                isinstance(node.value, ast.Name) and node.value.id == "os"):
+            self._bad(node, "sched_setaffinity through another name than os")
+        elif node.attr == "sched_setaffinity" and id(node) not in self._called:
+            self._bad(node, "os.sched_setaffinity taken as a value (an alias)")
+        elif node.attr == "syscall" or MEMORY_CALLS.search(node.attr):
+            self._bad(node, f".{node.attr}: a raw system call")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if name == "sched_setaffinity":
+            self._called.add(id(f))
+            first = node.args[0] if node.args else None
+            if not (isinstance(first, ast.Constant) and first.value == 0):
+                self._bad(node, f"sched_setaffinity({ast.unparse(first) if first else ''}, "
+                                "...) on another process")
+            for child in [node.func, *node.args, *(k.value for k in node.keywords)]:
+                self.visit(child)
+            return
+        if name == "prlimit" and len(node.args) + len(node.keywords) > 2:
+            self._bad(node, "prlimit with a new limit")
+        self.generic_visit(node)
+
+
+def writers(sources: dict[str, str]) -> list[str]:
+    """Rule 6 over ``sources`` (path relative to the checkout -> text)."""
+    out: list[str] = []
+    for rel, text in sorted(sources.items()):
+        if rel == WRITER:
+            continue
+        v = _Writers(rel)
+        v.visit(ast.parse(text, filename=rel))
+        out += v.found
+    return out
+
+
+SOURCES = {str(p.relative_to(PKG.parent)): p.read_text() for p in PKG.rglob("*.py")}
+
+
+def test_only_actuate_writes_to_other_processes() -> None:
+    assert writers(SOURCES) == []
+    # the writer itself does (the check reads what it should)
+    assert _writes(SOURCES[WRITER], "tunerd/jobs/elsewhere.py")
+
+
+def _writes(text: str, rel: str) -> list[str]:
+    return writers({rel: text})
+
+
+@pytest.mark.parametrize("planted", [
+    "import os\ndef f(pid):\n    os.sched_setaffinity(pid, {0})\n",
+    "import os\nos.sched_setaffinity(1234, {0})\n",
+    "from os import sched_setaffinity\nsched_setaffinity(0, {1})\n",
+    "import os as o\no.sched_setaffinity(0, {1})\n",
+    "import os\nset_cpus = os.sched_setaffinity\n",
+    "import os\ngetattr(os, 'sched_setaffinity')(5, {1})\n",
+    "import resource\nresource.prlimit(5, resource.RLIMIT_NOFILE, (1, 1))\n",
+    "import ctypes\nSYS_MIGRATE_PAGES = 256\nctypes.CDLL(None).syscall(256, 5)\n",
+    "def f(libc):\n    libc.set_mempolicy(2, 0, 0)\n",
+])
+def test_a_planted_writer_is_caught(planted: str) -> None:
+    assert _writes(planted, "tunerd/jobs/registry.py"), planted
+
+
+@pytest.mark.parametrize("allowed", [
+    "import os\nos.sched_setaffinity(0, {1})\n",  # its own process
+    "import resource\nresource.prlimit(5, resource.RLIMIT_NOFILE)\n",  # a read
+    "import os\nos.sched_getaffinity(5)\n",
+])
+def test_what_is_not_a_write_to_another_process_passes(allowed: str) -> None:
+    assert _writes(allowed, "tunerd/jobs/registry.py") == []

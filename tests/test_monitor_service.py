@@ -17,7 +17,7 @@ from tunerd.adapters import nvml
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import UsageError
 from tunerd.daemon.state import RuntimeStore
-from tunerd.jobs.binding import Binder
+from tunerd.jobs.actuate import Binder
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.registry import JobRegistry
 from tunerd.monitor.listen import parse_listen

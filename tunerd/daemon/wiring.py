@@ -8,9 +8,9 @@ daemon constructs services or looks them up by name.
     tunerctl ──socket──▶ ControlServer ─▶ Router ─▶ *Commands ─▶ services
                                                          │
       exec events ─▶ AutoBinder ─┐                       ▼
-                                 ├──▶ Placer (placement, reservations)
-      alloc/run  ─▶ LeaseService ┤
-      bind       ─▶ BindCommands ┘──▶ JobRegistry ─▶ Binder ─▶ kernel
+      alloc/run  ─▶ LeaseService ┼──▶ BindPipeline ─▶ Placer (decide, hold), JobRegistry
+      bind       ─▶ BindCommands ┤      (records), Actuator ─▶ kernel
+      cpuset change ─▶ CpusetWatch┘
 """
 
 from __future__ import annotations
@@ -44,15 +44,17 @@ from tunerd.daemon.runtime import NodeClaim, PidLock
 from tunerd.daemon.server import ControlServer
 from tunerd.daemon.state import DurableStore, RuntimeStore
 from tunerd.daemon.visibility import ProcVisibility
+from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.allocation import add_gpu_source
 from tunerd.jobs.autobind import AutoBinder
-from tunerd.jobs.binding import Binder
 from tunerd.jobs.cpusetwatch import CpusetWatch
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import ReservationGate
 from tunerd.jobs.intake import Intake
+from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.leases import LeaseService
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.jobs.podresources import PodResourcesSource
@@ -119,29 +121,31 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
     pidwatch = PidWatch()
-    binder = Binder()  # processes live in the real /proc (proc_root is for host settings)
+    binder = Actuator()  # processes live in the real /proc (proc_root is for host settings)
     leases_section: dict[str, Any] = runtime.section("leases")
     leases_section.setdefault("moved", {})
     mover = ExclusiveMover(leases_section["moved"], save_runtime, dry_run=cfg.dry_run)
     # exact: the registry stores and deletes whole records (a save compares only those)
     jobs = JobRegistry(binder, runtime.section("bindings", exact=True), save_runtime,
-                       pidwatch, errors, dry_run=cfg.dry_run, mover=mover,
-                       bind_delay=cfg.debug_bind_delay)
+                       pidwatch, errors, dry_run=cfg.dry_run, mover=mover)
     placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                     dry_run=cfg.dry_run)
     subids = SubIds(cfg.subuid_file)  # a user's subordinate uids count as her
     gate = ReservationGate(policy.lease_limits, policy.default_nofile, subids=subids)
     intake = Intake(topology, placer.host.cpus, bound=jobs.rank_cpus, lease=placer.lease_of)
-    leases = LeaseService(placer, jobs, pidwatch, mover, leases_section, save_runtime, errors,
-                          intake, limits=policy.lease_limits,
-                          default_nofile=policy.default_nofile, gate=gate)
+    # every bind of a process: tunerctl bind, rules, run, workers, cpuset re-binds
+    pipeline = BindPipeline(
+        jobs, placer, gate, intake, binder, max_per_user=cfg.max_binds_per_user,
+        journal=BindJournal(None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight"),
+        bind_delay=cfg.debug_bind_delay)
+    leases = LeaseService(pipeline, pidwatch, mover, leases_section, save_runtime, errors,
+                          limits=policy.lease_limits, default_nofile=policy.default_nofile)
     # a test daemon: rules (and cpuset re-binds) touch only its test's process subtree
     scope = ProcessScope(cfg.scope_pid) if cfg.scope_pid is not None else None
-    autobind = AutoBinder(placer, jobs, pidwatch, mover, errors, intake, scope=scope,
+    autobind = AutoBinder(pipeline, pidwatch, mover, errors, scope=scope,
                           default_nofile=policy.default_nofile, gate=gate,
                           use_connector=cfg.watch_execs,
                           realtime=cfg.exec_watch_realtime,
-                          journal=None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight",
                           record_delay=cfg.debug_apply_delay)
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
@@ -233,13 +237,15 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     async def rules_changed(new: Policy) -> None:
         await autobind.apply_rules(policy.rules())
 
-    async def rebind_inside(pid: int, cpus: frozenset[int]) -> dict[str, Any]:
-        """The kubelet changed pid's cpuset: its binding again, inside the new set."""
+    async def rebind_inside(pid: int, cpus: frozenset[int]) -> str | None:
+        """The kubelet changed pid's cpuset: its binding again, inside the new set (the
+        CPUs bound)."""
         if scope is not None and not scope.admits(pid):
             raise Failed(f"pid {pid} is out of this daemon's scope (--scope-pid "
                          f"{scope.root}): left alone", pid=pid)
-        return await jobs.bind(pid, peer=Peer(os.getpid(), 0, 0),
-                               placement=Placement.given(cpus, None), origin="cli")
+        out = await pipeline.bind(BindRequest(pid, Peer(os.getpid(), 0, 0), BindSource.CPUSET,
+                                              placement=Placement.given(cpus, None)))
+        return out.record.cpus if out.record is not None else None
 
     # Kubernetes: the GPUs each pod got, as one more allocation source (like Slurm's)
     pods = PodResourcesSource(cfg.pod_resources_socket)
@@ -304,8 +310,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
             return preview.refuse_rebind(p, 0)
 
         daemon.reload_guard = refuse_for_root
-    BindCommands(jobs, placer, leases, intake, left_alone=autobind.left_alone_now,
-                 max_per_user=cfg.max_binds_per_user).register(router)
+    BindCommands(pipeline, leases, left_alone=autobind.left_alone_now).register(router)
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)

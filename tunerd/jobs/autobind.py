@@ -31,14 +31,12 @@ import dataclasses
 import logging
 import os
 import re
-import select
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from tunerd.adapters import procfs
@@ -46,7 +44,7 @@ from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import NoSuchProcess, TunerdError
 from tunerd.base.logutil import acting_for
-from tunerd.jobs.binding import Originals, Plan, Target
+from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import (
     LeaseLimits,
@@ -54,14 +52,23 @@ from tunerd.jobs.gate import (
     rule_reach_refused,
     rule_reaches_beyond,
 )
-from tunerd.jobs.intake import Intake, JobContext, bounded_int, request
-from tunerd.jobs.journal import BindJournal, put_back
+from tunerd.jobs.intake import JobContext
+from tunerd.jobs.journal import put_back
 from tunerd.jobs.leases import user_name
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.pipeline import (
+    BindOutcome,
+    BindPipeline,
+    BindRequest,
+    BindSource,
+    ThreadBind,
+    Verdict,
+    rule_group,
+    rule_request,
+)
 from tunerd.jobs.placement import Placement, mems_of
-from tunerd.jobs.placer import Placer, Reservation
-from tunerd.jobs.registry import JobRegistry
+from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
@@ -91,31 +98,10 @@ class RuleBound:
     exec_seen: float  # time.monotonic() of the exec event
     at_start: bool = False  # already running when the rule came into force
     bound_at: float | None = None
-    timing: dict[str, Any] | None = None
-    # a pidfd of it, where bound in the exec watcher's thread: there, before placing,
-    # a rank of the same job that exited and whose exit the loop has not handled yet
-    # no longer holds its CPUs (closed under the placer's lock when forgotten)
-    pidfd: int = -1
+    timing: dict[str, float | None] | None = None
 
 
-@dataclass
-class _Fast:
-    """What the exec watcher's thread did for a match, for the loop to finish.
-
-    ``target`` set: the CPUs are bound already (reservation made, ``originals`` read
-    just before); the loop records, watches and saves it. Otherwise ``ctx`` is only
-    the intake's look, which the loop's bind reuses."""
-
-    ctx: JobContext
-    group: str | None = None
-    placed: Placement | None = None
-    target: Target | None = None
-    originals: Originals | None = None
-    bound_at: float = 0.0
-    ns: dict[str, int] | None = None  # perf_counter_ns per step, for the timing
-
-
-Found = tuple[RuleMatch, float, "_Fast | None"]
+Found = tuple[RuleMatch, float, "BindOutcome | None"]
 
 
 def _cut(cmdline: str, width: int = 80) -> str:
@@ -126,17 +112,18 @@ def _cut(cmdline: str, width: int = 80) -> str:
 class AutoBinder:
     name = "autobind"
 
-    def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
-                 mover: ExclusiveMover, errors: ErrorLog, intake: Intake, *,
+    def __init__(self, pipeline: BindPipeline, pidwatch: PidWatch,
+                 mover: ExclusiveMover, errors: ErrorLog, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
-                 journal: Path | None = None, record_delay: float = 0.0,
+                 record_delay: float = 0.0,
                  proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
-        self.placer = placer
+        self.pipeline = pipeline  # every bind: tunerd.jobs.pipeline
+        self.placer = pipeline.placer
         self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
-        self.jobs = jobs
-        self.intake = intake
+        self.jobs = pipeline.jobs
+        self.intake = pipeline.intake
         self.pidwatch = pidwatch
         self.mover = mover
         self.errors = errors
@@ -188,10 +175,6 @@ class AutoBinder:
         self._fast_lock = threading.Lock()
         self._stopping = False
         self._inflight: set[int] = set()
-        # bound in the watcher's thread, not recorded yet by the loop: in the journal
-        # (tunerd.jobs.journal), emptied whenever this is
-        self.journal = BindJournal(journal)
-        self._unrecorded: set[int] = set()
         # wrappers an explicit rule matched: pid -> (start time, the match); what they
         # run matches that rule (``_wrapped_match``)
         self._wrapped: dict[int, tuple[int, RuleMatch]] = {}
@@ -205,7 +188,7 @@ class AutoBinder:
     def _recover(self) -> None:
         """At start, before any rescan: binds a killed daemon made but never recorded
         get their CPUs back, so that the rescan binds them afresh (with a record)."""
-        for entry in self.journal.open():
+        for entry in self.pipeline.journal.open():
             job = self.jobs.record(entry.pid)
             if job is not None and job.start_time == entry.start_time:
                 continue  # recorded after all
@@ -227,6 +210,7 @@ class AutoBinder:
         elif not self.rules and self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
+        self.pipeline.watcher = self.watcher  # lowers its priority once a main thread is set
         if self.rules:
             log.info("automatic binding: %d rule(s): %s", len(self.rules.rules),
                      ", ".join(r.name for r in self.rules.rules))
@@ -243,6 +227,7 @@ class AutoBinder:
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
+            self.pipeline.watcher = None
         # a process the watcher's thread bound is recorded (with its originals) before
         # the daemon goes: else it would stay bound with nothing to put it back by
         deadline = time.monotonic() + STOP_DRAIN_S
@@ -257,7 +242,7 @@ class AutoBinder:
                         len(self._inflight), sorted(self._inflight))
         for t in self._pending.values():
             t.cancel()
-        self.journal.close()
+        self.pipeline.journal.close()
 
     def status(self) -> dict[str, Any]:
         w = self.watcher.status() if self.watcher else {"mode": "off"}
@@ -314,7 +299,7 @@ class AutoBinder:
         """For every exec on the host, in the watcher's thread: keep the no-match path
         short (a bounded read of the command line, compiled globs). A match carries the
         time it was seen, from which exec-to-bound latency is counted, and is bound
-        right here (``_bind_now``: bind first, persist after, on the loop)."""
+        right here (``_bind_now``: the pipeline's thread shell, recorded on the loop)."""
         self._match_ns = time.perf_counter_ns()  # this thread's: the match step's start
         self.intake.exec_seen(pid)  # what a quick look kept of it as a parent is stale
         fast_path = self.bind_in_watcher
@@ -334,23 +319,24 @@ class AutoBinder:
                 self._uid_known(fast, uid)
         return m, seen, fast
 
-    def _uid_known(self, fast: _Fast, uid: int | None) -> None:
+    def _uid_known(self, fast: BindOutcome, uid: int | None) -> None:
         """The uid read after a bind in the watcher's thread, where the look and the
         record made before it left it out."""
-        fast.ctx = dataclasses.replace(fast.ctx, uid=uid)
-        if fast.target is not None:
-            fast.target.uid = uid if uid is not None else -1
-            rb = self.bound.get(fast.ctx.pid)
+        if fast.context is not None:
+            fast.context = dataclasses.replace(fast.context, uid=uid)
+        if fast.thread is not None:
+            fast.thread.target.uid = uid if uid is not None else -1
+            rb = self.bound.get(fast.pid)
             if rb is not None and rb.uid is None:
                 rb.uid = uid
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found
         self._inflight.discard(m.pid)
-        if fast is not None and fast.target is not None:
+        if fast is not None and fast.thread is not None:
             self._pending[m.pid] = asyncio.ensure_future(self._finish(m, seen, fast))
             return
-        self.on_match(m, seen, fast.ctx if fast is not None else None)
+        self.on_match(m, seen, fast.context if fast is not None else None)
 
     def _wrapped_match(self, pid: int) -> RuleMatch | None:
         """An explicit rule matched a wrapper (``bash myjob.sh``): what the wrapper runs
@@ -413,40 +399,9 @@ class AutoBinder:
         """Where ``m`` would be bound, computed as a bind would, changing nothing
         (``tunerctl plan --policy-dir``). Raises what placing raises."""
         ctx = self.intake.describe(m.pid, env=m.env, argv=m.cmdline.split(" "))
-        return self._place(m, ctx, self._group(m, ctx))
+        return self.placer.place(rule_request(m, ctx, rule_group(m, ctx)))
 
     # -- binding ---------------------------------------------------------------
-    def _group(self, m: RuleMatch, ctx: JobContext) -> str:
-        if ctx.group:
-            return f"{m.rule.name}/{ctx.group}"
-        run_id = m.env.get("TORCHELASTIC_RUN_ID") or m.env.get("SLURM_JOB_ID")
-        if run_id:
-            return f"{m.rule.name}/{run_id[:64]}"
-        return f"{m.rule.name}/ppid {ctx.ppid}"
-
-    def _workers(self, m: RuleMatch) -> int:
-        """DataLoader workers per rank: the job's own setting first, then the rule's."""
-        env_n = bounded_int(m.env, "TUNERD_NUM_WORKERS", [], hi=4096)
-        if env_n is not None:
-            return env_n
-        if m.rule.workers is not None:
-            return m.rule.workers
-        n = m.rule.torch.num_workers
-        return n if n is not None else 0
-
-    def _place(self, m: RuleMatch, ctx: JobContext, group: str) -> Placement:
-        rule = m.rule
-        gpu_ids = ctx.gpus
-        what = f"rule {rule.name}"
-        if rule.cpus is not None:
-            return self.placer.place(request(ctx, cpus=rule.cpus, gpu_ids=gpu_ids or None,
-                                             rank=None, ranks=None, group=None, what=what))
-        return self.placer.place(request(
-            ctx, gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
-            gpu_ids=gpu_ids or None, mode=rule.placement,
-            exclusive=rule.exclusive or rule.placement == "exclusive",
-            workers=self._workers(m), group=group, ignore_busy_gpus=bool(gpu_ids), what=what))
-
     def _look(self, m: RuleMatch, ctx: JobContext | None = None) -> JobContext | None:
         """The intake's view of a match (``ctx``: taken already); None where there is
         nothing to do."""
@@ -517,11 +472,11 @@ class AutoBinder:
         if cpus is None or (mask is not None and mask <= cpus):
             return
         self.matched += 1
-        await self.jobs.bind(ctx.pid, peer=self.peer, placement=Placement(
-            cpus=cpus, mems=None, explanation=f"worker of rank {ctx.parent_rank}: "
-                                              "kept inside the rank's CPUs"),
-            origin="worker", name=m.rule.name, cmdline=m.cmdline, partial=True,
-            why=ctx.why)
+        await self.pipeline.bind(BindRequest(
+            ctx.pid, self.peer, BindSource.WORKER, placement=Placement(
+                cpus=cpus, mems=None, explanation=f"worker of rank {ctx.parent_rank}: "
+                                                  "kept inside the rank's CPUs"),
+            match=m, context=ctx, why=ctx.why))
         log.info("rule %s: pid %d (%s) narrowed to rank %s's CPUs %s", m.rule.name, ctx.pid,
                  ctx.comm, ctx.parent_rank, format_cpulist(cpus))
 
@@ -539,12 +494,14 @@ class AutoBinder:
             cpus = job.cpu_set()
             placed = Placement(cpus=cpus, mems=mems_of(self.placer.topo, cpus),
                                gpus=job.gpus, explanation=job.explanation or "")
-            self._hold(m, ctx, group, placed, seen, at_start)
+            self.pipeline.hold_again(m, ctx, group, placed)
+            self._track(m, ctx, group, placed, seen, at_start)
             return True
         return False
 
     async def _bind(self, m: RuleMatch, seen: float, at_start: bool,
                     known: JobContext | None = None) -> None:
+        """A match on the loop: look, then the pipeline (gate, place, hold, bind)."""
         pid = m.pid
         acting_for(m.uid)  # its own task: what it logs counts against the process's owner
         try:
@@ -554,27 +511,14 @@ class AutoBinder:
             if ctx.role == "descendant":
                 await self._narrow(m, await self._after_parent(m, ctx))
                 return
-            group = self._group(m, ctx)
-            if self._adopt(m, ctx, group, seen, at_start):
+            if self._adopt(m, ctx, rule_group(m, ctx), seen, at_start):
                 return
             self.matched += 1
-            refused = rule_reach_refused(m.rule, m.uid)  # the one gate (tunerd.jobs.gate)
-            if refused is not None:
-                log.debug("pid %d: %s; not bound", pid, refused)
-                return
-            placed = self._place(m, ctx, group)
-            # reserve before the first await so concurrent ranks see these CPUs taken
-            rb = self._hold(m, ctx, group, placed, seen, at_start)
-            if rb is None:
-                return
-            if not placed.applicable:
-                log.info("rule %s: pid %d placed on the replayed topology (GPUs %s, CPUs %s); "
-                         "%s", m.rule.name, pid, placed.gpus,
-                         format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
-                self.jobs.note_unapplied(pid, ctx.start_time, placed, origin="rule",
-                                         name=m.rule.name, cmdline=m.cmdline)
-                return
-            await self._apply(m, ctx, rb, placed, seen, at_start)
+            t_bind = time.monotonic()
+            out = await self.pipeline.bind(BindRequest(
+                pid, self.peer, BindSource.RULE, nofile=self._nofile(m), match=m,
+                context=ctx))
+            await self._bound(m, ctx, out, seen, at_start, t_bind)
         except NoSuchProcess:
             self._forget(pid)  # exited before we got to it: the normal case for short jobs
         except TunerdError as err:
@@ -585,154 +529,73 @@ class AutoBinder:
         finally:
             self._pending.pop(pid, None)
 
+    async def _bound(self, m: RuleMatch, ctx: JobContext, out: BindOutcome, seen: float,
+                     at_start: bool, t_bind: float) -> None:
+        """What the loop's bind came to: refused, placed only (a replayed node), bound."""
+        placed = out.placement
+        if out.verdict is Verdict.REFUSED or placed is None:
+            log.debug("pid %d: %s; not bound", m.pid, out.reason)
+            return
+        rb = self._track(m, ctx, rule_group(m, ctx), placed, seen, at_start)
+        if rb is None:
+            return
+        if out.verdict is Verdict.LEFT_ALONE:
+            log.info("rule %s: pid %d placed on the replayed topology (GPUs %s, CPUs %s); "
+                     "%s", m.rule.name, m.pid, placed.gpus,
+                     format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
+            return
+        rb.bound_at = time.monotonic()
+        self.latencies_ms.append((rb.bound_at - seen) * 1000)
+        rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3)}
+        await self._after_cpus(m, ctx, rb, placed, out, at_start)
+
     # -- bind first: in the exec watcher's thread ------------------------------
-    def _bind_now(self, m: RuleMatch) -> _Fast | None:
-        """Look, place, reserve and set the CPUs of a just-exec'd match, in the watcher's
-        thread, before the loop hears of it (the loop records and saves it after:
-        ``_finish``). Everything that is not the plain case (wrappers, descendants, a
-        process bound or failed before, a gate refusal, a replayed topology, an error)
-        is left to the loop's bind, with the intake's look where it was taken."""
+    # -- bind first: in the exec watcher's thread ------------------------------
+    def _bind_now(self, m: RuleMatch) -> BindOutcome | None:
+        """The pipeline's thread shell for a just-exec'd match, before the loop hears of
+        it (the loop records and saves it after: ``_finish``). Anything but the plain
+        case is left to the loop's bind, with the intake's look where it was taken."""
         with self._fast_lock:
             if self._stopping:
                 return self._to_loop("stopping", None)
-            fast = self._bind_now_locked(m)
-            if fast is not None and fast.target is not None:
-                self._inflight.add(m.pid)  # until the loop has it (``_matched``)
-            return fast
+            pid = m.pid
+            if (pid in self._pending or pid in self.bound or pid in self._failed
+                    or self.jobs.record(pid) is not None or self.jobs.dry_run
+                    or rule_reach_refused(m.rule, m.uid) is not None):
+                return self._to_loop("seen before, or refused", None)
+            ev = self.watcher.event_ns if self.watcher is not None else None
+            out = self.pipeline.bind_in_thread(BindRequest(
+                pid, self.peer, BindSource.RULE, match=m,
+                stamps=(self._match_ns, *ev) if ev is not None else (self._match_ns,)))
+            tb, ns = out.thread, out.ns
+            if "set" in ns and "stamped" in ns:  # also for a process that exits meanwhile
+                self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
+            if tb is None or out.context is None or out.placement is None:
+                if out.context is not None and out.context.role == "wrapper":
+                    self._wrap(m, out.context)  # before what it starts execs
+                return self._to_loop(out.reason, out.context)
+            self._track(m, out.context, tb.group, out.placement, 0.0, False, watch=False)
+            self._inflight.add(pid)  # until the loop has it (``_matched``)
+            return out
 
-    def _bind_now_locked(self, m: RuleMatch) -> _Fast | None:
-        pid = m.pid
-        if (pid in self._pending or pid in self.bound or pid in self._failed
-                or self.jobs.record(pid) is not None or self.jobs.dry_run
-                or rule_reach_refused(m.rule, m.uid) is not None):
-            return self._to_loop("seen before, or refused", None)
-        ns = {"m0": self._match_ns, "t0": time.perf_counter_ns()}
-        ev = self.watcher.event_ns if self.watcher is not None else None
-        if ev is not None:
-            ns["stamped"], ns["read"] = ev
-        try:
-            # the pidfd first: what the intake reads next is of the process it holds
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            return self._to_loop("gone", None)
-        try:
-            ctx = self.intake.describe(pid, env=m.env, argv=m.cmdline.split(" "), uid=m.uid,
-                                       quick=True, uid_later=m.uid is None)
-        except TunerdError:
-            os.close(pidfd)
-            return self._to_loop("gone", None)
-        ns["intake"] = time.perf_counter_ns()
-        target = Target(pid=pid, start_time=ctx.start_time, pidfd=pidfd,
-                        uid=ctx.uid if ctx.uid is not None else -1, euid=-1)
-        fast = self._place_now(m, ctx, target, ns)
-        if fast is None or fast.target is None:
-            target.close()
-        return fast
-
-    def _place_now(self, m: RuleMatch, ctx: JobContext, target: Target,
-                   ns: dict[str, int]) -> _Fast | None:
-        """``_bind_now`` once the intake looked: place, reserve, set the CPUs."""
-        pid = m.pid
-        if ctx.role == "wrapper":
-            self._wrap(m, ctx)  # before what it starts execs (the loop's look may be later)
-        if ctx.role not in ("rank", "process") or ctx.self_affined \
-                or (m.rule.rank and ctx.role != "rank"):
-            return self._to_loop(ctx.role, ctx)
-        group = self._group(m, ctx)
-        # place, set, reserve as one against the loop's placements (the reservation
-        # after the CPUs: nothing to give back when setting them fails)
-        with self.placer.lock:
-            if pid in self.bound:
-                return self._to_loop("seen before, or refused", ctx)
-            self._release_exited(group)
-            try:
-                placed = self._place(m, ctx, group)
-            except TunerdError:
-                return self._to_loop("placing failed", ctx)  # the loop says why
-            if not placed.applicable or not placed.cpus:
-                return self._to_loop("not applicable here", ctx)
-            ns["place"] = time.perf_counter_ns()
-            try:
-                # one thread when the intake read it: its mask as read there is every mask
-                mask = ctx.allocation.mask if ctx.threads == 1 else None
-                orig = self.jobs.binder.read_originals(target, mask)
-                cpus, before, start = placed.cpus, orig.process_cpus, ctx.start_time
-                self.jobs.binder.apply(Plan(
-                    target=target, originals=orig, cpus=cpus, mems=None, nofile=None,
-                    after_main=lambda: self._main_set(ns, pid, start, before, cpus)))
-            except Exception as err:  # gone, or not ours to set: the loop's bind says why
-                if isinstance(err, NoSuchProcess):
-                    return self._to_loop("exited while being bound", None)
-                return self._to_loop(type(err).__name__, ctx)
-            self._reserve(m, ctx, group, placed, 0.0, False)
-        orig.affinity_set = True
-        ns["bound"] = time.perf_counter_ns()
-        self._unrecorded.add(pid)
-        at = time.monotonic()
-        rb = self.bound.get(pid)
-        if rb is not None:
-            rb.pidfd = os.dup(target.pidfd)
-        return _Fast(ctx, group, placed, target, orig, at, ns)
-
-    def _main_set(self, ns: dict[str, int], pid: int, start_time: int,
-                  before: frozenset[int], cpus: frozenset[int]) -> None:
-        """The main thread of a bind in the watcher's thread has its CPUs: the time, the
-        binds-in-flight line (still at real-time priority: the window in which a killed
-        daemon would leave the process bound without either is a few microseconds), then
-        the rest of the bind at a normal priority (``ExecWatcher.lower_for_rest``). A
-        line whose bind then fails is harmless: recovery skips a recorded process and
-        puts back only threads that still have ``cpus``."""
-        ns["set"] = time.monotonic_ns()  # the clock of the kernel's stamp and the read
-        self.journal.add(pid, start_time, before, cpus)
-        if "stamped" in ns:  # also for a process that exits before the bind is done
-            self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
-        if self.watcher is not None:
-            self.watcher.lower_for_rest()
-
-    def _to_loop(self, why: str, ctx: JobContext | None) -> _Fast | None:
+    def _to_loop(self, why: str, ctx: JobContext | None) -> BindOutcome | None:
         """Not bound in the watcher's thread: counted by why, the look passed on."""
         self.left_to_loop[why] = self.left_to_loop.get(why, 0) + 1
-        return None if ctx is None else _Fast(ctx)
+        return None if ctx is None else BindOutcome(Verdict.LEFT_ALONE, ctx.pid,
+                                                    reason=why, context=ctx)
 
-    def _release_exited(self, group: str) -> None:
-        """In the watcher's thread, under the placer's lock: ranks of ``group`` bound
-        here that exited (the loop's exit handling may lag behind a quick relaunch)
-        give their CPUs back now; the loop forgets them as usual."""
-        peers = [rb for rb in list(self.bound.values()) if rb.group == group and rb.pidfd >= 0]
-        if not peers:
-            return
-        poll = select.poll()
-        for rb in peers:
-            poll.register(rb.pidfd, select.POLLIN)
-        gone = {fd for fd, _ in poll.poll(0)}
-        for rb in peers:
-            if rb.pidfd in gone:
-                self.placer.release(f"rule:{rb.pid}")
-
-    def _close(self, rb: RuleBound | None) -> None:
-        if rb is not None and rb.pidfd >= 0:
-            with self.placer.lock:
-                os.close(rb.pidfd)
-                rb.pidfd = -1
-
-    async def _finish(self, m: RuleMatch, seen: float, fast: _Fast) -> None:
-        """On the loop, after ``_bind_now`` set the CPUs: watch the process, record the
-        binding with the originals read before, save, then the rest (fd limit, memory
-        nodes, exclusive moves, log line). Exited meanwhile: the reservation goes,
-        nothing is recorded; the rest failed: the CPUs are put back as they were."""
-        pid, ctx, target = m.pid, fast.ctx, fast.target
-        assert target is not None and fast.placed is not None
+    async def _finish(self, m: RuleMatch, seen: float, fast: BindOutcome) -> None:
+        """On the loop, after the watcher's thread set the CPUs: watch the process,
+        record the binding with the originals read before (the pipeline's ``bind``),
+        then the rest. Exited meanwhile: the reservation goes, nothing is recorded; the
+        rest failed: the CPUs are put back as they were."""
+        pid, ctx, tb = m.pid, fast.context, fast.thread
+        assert tb is not None and ctx is not None and fast.placement is not None
         acting_for(m.uid)
         rb = self.bound.get(pid)
         self.bound_first += 1
-        self.latencies_ms.append((fast.bound_at - seen) * 1000)
-        ns = fast.ns or {}
-        steps = {f"{k}_ms": round((ns[k] - ns[prev]) / 1e6, 3)
-                 for prev, k in zip(("t0", "intake", "place"), ("intake", "place", "bound"),
-                                    strict=True) if k in ns and prev in ns}
-        if "m0" in ns and "t0" in ns:  # the rule match, before the exec counts as seen
-            steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
-        steps["handoff_ms"] = round((time.monotonic() - fast.bound_at) * 1000, 3)
+        self.latencies_ms.append((tb.bound_at - seen) * 1000)
+        steps = _steps(tb)
         self.steps_ms.append(steps)
         try:
             if self.record_delay:  # crash tests: a window between the bind and its record
@@ -741,10 +604,11 @@ class AutoBinder:
             if rb is None or not self.pidwatch.watch(pid, ctx.start_time, "rule", self._exited):
                 self._forget(pid)
                 return
-            rb.exec_seen = seen
-            rb.bound_at = fast.bound_at
-            rb.timing = {"bind_first_ms": round((fast.bound_at - seen) * 1000, 3), **steps}
-            await self._apply(m, ctx, rb, fast.placed, seen, False, fast.originals)
+            rb.exec_seen, rb.bound_at = seen, tb.bound_at
+            rb.timing = {"bind_first_ms": round((tb.bound_at - seen) * 1000, 3), **steps}
+            out = await self.pipeline.bind(self._cpus_request(m, ctx, fast.placement,
+                                                              tb.originals))
+            await self._after_cpus(m, ctx, rb, fast.placement, out, False)
         except NoSuchProcess:
             self._forget(pid)
         except Exception as err:
@@ -755,62 +619,59 @@ class AutoBinder:
                 log.exception("automatic binding of pid %d failed", pid)
                 self._failure(m, pid, repr(err))
         finally:
-            target.close()
+            tb.target.close()
             if self._pending.get(pid) is asyncio.current_task():
                 del self._pending[pid]
-            with self._fast_lock:  # against the watcher's thread adding one meanwhile
-                self._unrecorded.discard(pid)
-                if not self._unrecorded:
-                    self.journal.clear()
+            self.pipeline.recorded(pid)
 
-    def _put_back(self, fast: _Fast) -> None:
+    def _cpus_request(self, m: RuleMatch, ctx: JobContext, placed: Placement,
+                      originals: Originals) -> BindRequest:
+        """The loop's record of CPUs the watcher's thread set (with the masks before)."""
+        return BindRequest(m.pid, self.peer, BindSource.RULE, placement=Placement(
+            cpus=placed.cpus, mems=None, gpus=placed.gpus, explanation=placed.explanation),
+            nofile=self._nofile(m), match=m, context=ctx, why=ctx.why, originals=originals)
+
+    def _nofile(self, m: RuleMatch) -> int | None:
+        return m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
+
+    def _put_back(self, fast: BindOutcome) -> None:
         """Undo a fast bind whose recording failed: every thread's mask as it was."""
-        if fast.target is None or fast.originals is None or self.jobs.is_bound(fast.ctx.pid):
+        tb = fast.thread
+        if tb is None or self.jobs.is_bound(fast.pid):
             return
         try:
-            self.jobs.binder.restore(fast.target, fast.originals)
+            self.pipeline.actuator.restore(tb.target, tb.originals)
         except TunerdError as err:
-            log.warning("pid %d: CPUs not put back after a failed bind: %s", fast.ctx.pid,
+            log.warning("pid %d: CPUs not put back after a failed bind: %s", fast.pid,
                         err.message)
 
-    async def _apply(self, m: RuleMatch, ctx: JobContext, rb: RuleBound, placed: Placement,
-                     seen: float, at_start: bool, originals: Originals | None = None) -> None:
-        """``originals``: the CPUs are set already (``_bind_now``), these are the masks
-        from before."""
+    async def _after_cpus(self, m: RuleMatch, ctx: JobContext, rb: RuleBound,
+                          placed: Placement, out: BindOutcome, at_start: bool) -> None:
+        """The CPUs are bound (and recorded): then its memory nodes (a cpuset, page
+        moves: a second pass of the pipeline), the log line, its followers, an
+        exclusive rule's moves."""
         pid = ctx.pid
-        t_bind = time.monotonic()
-        # CPUs first: thread affinity is quick, while memory nodes need a cpuset
-        # cgroup (and page migration) -- the process should not run on the
-        # wrong CPUs while that is set up
-        nofile = m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
-        nofile = self.gate.cap_nofile(m.uid, pid, nofile, [])
-        res = await self.jobs.bind(pid, peer=self.peer, placement=Placement(
-            cpus=placed.cpus, mems=None, gpus=placed.gpus, explanation=placed.explanation),
-            nofile=nofile, origin="rule", name=m.rule.name, cmdline=m.cmdline, partial=True,
-            why=ctx.why, persist_after=True, originals=originals)  # bind first, persist after
-        if originals is None:
-            rb.bound_at = time.monotonic()
-            self.latencies_ms.append((rb.bound_at - seen) * 1000)
-            rb.timing = {"queue_place_ms": round((t_bind - seen) * 1000, 3)}
-        rb.timing = {**(rb.timing or {}),
-                     **{k: res.get(k) for k in ("save_ms", "apply_ms", "elapsed_ms")}}
+        rb.timing = {**(rb.timing or {}), "save_ms": round(out.save_ms, 3),
+                     "apply_ms": round(out.result.elapsed_ms, 3) if out.result else None,
+                     "elapsed_ms": round(out.elapsed_ms, 3)}
         assert rb.bound_at is not None
-        notes = list(res.get("notes") or [])
+        notes = list(out.notes)
         mems = self.placer.bindable_mems(placed.mems)
         if mems:
-            res2 = await self.jobs.bind(pid, peer=self.peer,
-                                        placement=Placement(cpus=None, mems=mems),
-                                        origin="rule", name=m.rule.name, partial=True)
-            notes += [n for n in res2.get("notes") or [] if n not in notes]
+            res2 = await self.pipeline.bind(BindRequest(
+                pid, self.peer, BindSource.RULE, placement=Placement(cpus=None, mems=mems),
+                match=m, context=ctx))
+            notes += [n for n in res2.notes if n not in notes]
         log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms"
                  " (%s)", m.rule.name, pid, _cut(m.cmdline), user_name(m.uid),
                  ", already running at start" if at_start else "",
                  format_cpulist(placed.cpus or frozenset()),
-                 ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - seen) * 1000, ctx.why)
+                 ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - rb.exec_seen) * 1000,
+                 ctx.why)
         self._partial(m, ctx, placed, notes)
         await self._followers(m, pid, placed.cpus or frozenset(), rb.group)
         if m.rule.exclusive and m.rule.exclusive_scope:
-            self.mover.move_off(f"rule:{pid}:{ctx.start_time}", m.rule.exclusive_scope,
+            self.mover.move_off(_move_key(pid, ctx.start_time), m.rule.exclusive_scope,
                                 placed.cpus or frozenset(), pid, 0)
 
     async def _followers(self, m: RuleMatch, pid: int, cpus: frozenset[int],
@@ -836,8 +697,8 @@ class AutoBinder:
                     todo.append((kid, depth + 1))
                 held, rec = self.bound.get(kid), self.jobs.record(kid)
                 if held is not None and held.group == group:  # taken for a rank: it is not
-                    self.placer.release(f"rule:{kid}")
-                    self._close(self.bound.pop(kid, None))
+                    self.bound.pop(kid, None)
+                    self.pipeline.forget_rule_hold(kid)
                 elif held is not None or (rec is not None and rec.origin != "worker"):
                     continue  # another job's rank, or bound by someone else
                 try:
@@ -847,11 +708,12 @@ class AutoBinder:
                 if mask <= cpus:
                     continue
                 try:
-                    await self.jobs.bind(kid, peer=self.peer, placement=Placement(
-                        cpus=cpus, mems=None, explanation=f"follower of rank {pid}: "
-                                                          "kept inside the rank's CPUs"),
-                        origin="worker", name=m.rule.name, partial=True,
-                        why=f"started by rank {pid} before its bind was recorded")
+                    await self.pipeline.bind(BindRequest(
+                        kid, self.peer, BindSource.WORKER, placement=Placement(
+                            cpus=cpus, mems=None, explanation=f"follower of rank {pid}: "
+                                                              "kept inside the rank's CPUs"),
+                        name=m.rule.name,
+                        why=f"started by rank {pid} before its bind was recorded"))
                     log.info("rule %s: pid %d, started by rank %d, narrowed to its CPUs %s",
                              m.rule.name, kid, pid, format_cpulist(cpus))
                 except TunerdError as err:
@@ -885,22 +747,14 @@ class AutoBinder:
                            + "; ".join(other), key=f"partial:{ctx.pid}")
         self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
 
-    def _reserve(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
-                 seen: float, at_start: bool) -> RuleBound:
-        exclusive = m.rule.exclusive or m.rule.placement == "exclusive"
+    def _track(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
+               seen: float, at_start: bool, watch: bool = True) -> RuleBound | None:
+        """A rank the pipeline holds: kept for status and exits (``watch``: its exit
+        now; a bind in the watcher's thread is watched once the loop has it)."""
         rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
                        uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
         self.bound[m.pid] = rb
-        self.placer.reserve(Reservation(
-            key=f"rule:{m.pid}", holder=f"pid {m.pid} (rule {m.rule.name})",
-            gpus=placed.gpus, cpus=placed.cpus or frozenset(), exclusive=exclusive,
-            pid=m.pid, group=group, job=ctx.job_key, uid=m.uid))
-        return rb
-
-    def _hold(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
-              seen: float, at_start: bool) -> RuleBound | None:
-        rb = self._reserve(m, ctx, group, placed, seen, at_start)
-        if not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
+        if watch and not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
             return None
         return rb
@@ -930,32 +784,52 @@ class AutoBinder:
 
     def _forget(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
-        self._close(rb)
-        self.placer.release(f"rule:{pid}")
+        self.pipeline.forget_rule_hold(pid)
         if rb is not None:
             self.pidwatch.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
-        self._close(rb)
-        self.placer.release(f"rule:{pid}")
+        self.pipeline.forget_rule_hold(pid)
         if rb is None:
             return
-        key = f"rule:{pid}:{rb.start_time}"
+        key = _move_key(pid, rb.start_time)
         if key in self.mover.moved:
             self.mover.restore(key)
 
     def restore_moves(self) -> None:
         """At start: put back what exclusive rule jobs moved if the job ended meanwhile."""
         for key in list(self.mover.moved):
-            if not key.startswith("rule:"):
+            k = ReservationKey.parse(key)
+            if k is None or k.kind is not ReservationKind.RULE:
                 continue
-            _, pid_s, start_s = key.split(":")
+            pid_s, _, start_s = k.ident.partition(":")
             pid, start = int(pid_s), int(start_s)
             if not self.pidwatch.watch(pid, start, "rule-exclusive", self._restore_rule_moves):
                 self.mover.restore(key)
 
     def _restore_rule_moves(self, pid: int) -> None:
         for key in list(self.mover.moved):
-            if key.startswith(f"rule:{pid}:"):
+            k = ReservationKey.parse(key)
+            if k is not None and k.kind is ReservationKind.RULE \
+                    and k.ident.partition(":")[0] == str(pid):
                 self.mover.restore(key)
+
+
+def _move_key(pid: int, start_time: int) -> str:
+    """A rule's exclusive move, in the mover's state: "rule:PID:START" (text form)."""
+    return str(ReservationKey(ReservationKind.RULE, f"{pid}:{start_time}"))
+
+
+def _steps(tb: ThreadBind) -> dict[str, float]:
+    """How long each step of a bind in the watcher's thread took (ms), and the handoff
+    to the loop after."""
+    ns = tb.ns
+    steps: dict[str, float] = {
+        f"{k}_ms": round((ns[k] - ns[prev]) / 1e6, 3)
+        for prev, k in zip(("t0", "intake", "place"), ("intake", "place", "bound"),
+                           strict=True) if k in ns and prev in ns}
+    if "m0" in ns and "t0" in ns:  # the rule match, before the exec counts as seen
+        steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
+    steps["handoff_ms"] = round((time.monotonic() - tb.bound_at) * 1000, 3)
+    return steps

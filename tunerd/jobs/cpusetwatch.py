@@ -56,8 +56,9 @@ POLL_INTERVAL = 0.25  # seconds, without inotify; the 1 s bound holds with a pol
 SAFETY_POLL = 1.0  # seconds, with inotify (writes notify; hotplug wakes the watcher)
 # lookup(pid) -> (start time, cpulist) of pid's binding where it is applied and has CPUs
 Lookup = Callable[[int], "tuple[int, str] | None"]
-# rebind(pid, cpus) re-applies inside the set
-Rebind = Callable[[int, frozenset[int]], Awaitable[Any]]
+# rebind(pid, cpus) re-applies inside the set (through tunerd.jobs.pipeline): the CPUs
+# bound, as a cpulist (or a record with "cpus")
+Rebind = Callable[[int, frozenset[int]], Awaitable[object]]
 
 
 @dataclass
@@ -266,7 +267,8 @@ class CpusetWatch:
             log.warning("re-binding pid %d inside its new cpuset %s failed: %s", key[0],
                         format_cpulist(eff), err.message)
             return
-        self._set_by_us[key] = (rec or {}).get("cpus") if isinstance(rec, dict) else None
+        got = rec.get("cpus") if isinstance(rec, dict) else rec
+        self._set_by_us[key] = got if isinstance(got, str) else None
         self.rebinds_total += 1
         self.last_rebind_ms = round((time.perf_counter() - t0) * 1000, 3)
         log.info("pid %d re-bound to CPUs %s after its cpuset changed (%.1f ms)", key[0],

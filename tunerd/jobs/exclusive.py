@@ -26,6 +26,7 @@ from typing import Any
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errors import PermissionDenied, UsageError
+from tunerd.jobs.actuate import set_threads
 
 __all__ = ["ExclusiveMover", "parse_scope"]
 
@@ -142,22 +143,31 @@ class ExclusiveMover:
                                             "threads": {}})
         entry["threads"].update(plan)
         self._save()  # originals on disk before the first change
-        moved = 0
-        for tkey, rec in plan.items():
-            try:
-                os.sched_setaffinity(int(tkey), parse_cpulist(rec["set"]))
-                moved += 1
-            except OSError as err:
-                entry["threads"].pop(tkey, None)
-                if isinstance(err, PermissionError):
-                    raise PermissionDenied(
-                        f"cannot move thread {tkey}: {err.strerror} (EPERM: setting the CPUs "
-                        "of another user's thread needs CAP_SYS_NICE, which tunerd does not "
-                        "have)") from err
+        moved = self._move(entry, plan)
         self._save()
         log.info("exclusive %s: moved %d thread(s) in %s off CPUs %s", key, moved, scope,
                  format_cpulist(cpus))
         return {"scope": scope, "moved": moved, "notes": notes}
+
+    def _move(self, entry: dict[str, Any], plan: dict[str, dict[str, Any]]) -> int:
+        """Set the planned masks, each process pinned by a pidfd (tunerd.jobs.actuate);
+        a thread not moved is dropped from ``entry``."""
+        moved = 0
+        for pid, threads in _by_pid(plan).items():
+            got = set_threads(pid, {int(t): (None, parse_cpulist(r["set"]))
+                                    for t, r in threads.items()},
+                              thread_starts={int(t): r["start_time"]
+                                             for t, r in threads.items()}, proc=self.proc)
+            moved += len(got.done)
+            for tkey in threads:
+                if int(tkey) not in got.done:
+                    entry["threads"].pop(tkey, None)
+            if got.denied is not None:
+                raise PermissionDenied(
+                    f"cannot move thread {got.denied[0]}: {got.denied[1]} (EPERM: setting the "
+                    "CPUs of another user's thread needs CAP_SYS_NICE, which tunerd does not "
+                    "have)")
+        return moved
 
     def restore(self, key: str) -> int:
         """Put back every thread moved for ``key``; returns how many were restored."""
@@ -165,17 +175,16 @@ class ExclusiveMover:
         if entry is None:
             return 0
         restored = 0
-        for tid_s, rec in entry["threads"].items():
-            t = int(tid_s)
-            if procfs.read_start_time(t, self.proc) != rec["start_time"]:
-                continue  # exited, or the tid was reused
-            try:
-                if frozenset(os.sched_getaffinity(t)) != parse_cpulist(rec["set"]):
-                    continue  # changed by someone else since: theirs now
-                os.sched_setaffinity(t, parse_cpulist(rec["orig"]))
-                restored += 1
-            except OSError as err:
-                log.warning("exclusive %s: cannot restore thread %s: %s", key, tid_s, err)
+        for pid, threads in _by_pid(entry["threads"]).items():
+            # a thread whose mask changed since keeps it (theirs now); one that exited, or
+            # whose tid was reused (its start time), is skipped
+            got = set_threads(pid, {int(t): (parse_cpulist(r["set"]), parse_cpulist(r["orig"]))
+                                    for t, r in threads.items()},
+                              thread_starts={int(t): r["start_time"]
+                                             for t, r in threads.items()}, proc=self.proc)
+            restored += len(got.done)
+            for tid, why in [*got.failed.items(), *([got.denied] if got.denied else [])]:
+                log.warning("exclusive %s: cannot restore thread %s: %s", key, tid, why)
         del self.moved[key]
         self._save()
         log.info("exclusive %s: restored %d thread(s)", key, restored)
@@ -204,3 +213,11 @@ class ExclusiveMover:
         if n:
             self._save()
         return n
+
+
+def _by_pid(threads: dict[str, dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Moved threads (tid -> record) grouped by their process."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for tid, rec in threads.items():
+        out.setdefault(int(rec["pid"]), {})[tid] = rec
+    return out

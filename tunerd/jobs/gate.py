@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errors import PermissionDenied
+from tunerd.jobs.peer import Peer
 
 __all__ = [
     "EXCLUSIVE_DENIED",
@@ -80,14 +81,15 @@ class ReservationGate:
         # a user's subordinate uids (/etc/subuid) count as her
         self.subids = subids if subids is not None else SubIds(Path("/nonexistent"))
         self._counters: list[Callable[[Callable[[int], bool]], int]] = []
-        self._holds: dict[str, int] = {}  # reservation key -> uid (bind --exclusive)
+        # reservation key (tunerd.jobs.placer.ReservationKey) -> uid: bind --exclusive
+        self._holds: dict[Hashable, int] = {}
 
     def count_with(self, counter: Callable[[Callable[[int], bool]], int]) -> None:
         """Another holder of a user's reservations (the lease service: its leases);
         ``counter(same)`` counts those whose uid ``same`` accepts."""
         self._counters.append(counter)
 
-    def held_by(self, uid: int, *, besides: str | None = None) -> int:
+    def held_by(self, uid: int, *, besides: Hashable | None = None) -> int:
         """Reservations of ``uid``'s user: hers and her subordinate uids'."""
         self.subids.refresh()
         owner = self.subids.owner_cached(uid)
@@ -98,7 +100,7 @@ class ReservationGate:
         return (sum(c(same) for c in self._counters)
                 + sum(1 for k, u in self._holds.items() if same(u) and k != besides))
 
-    def admit(self, peer: Any, *, exclusive: bool, key: str | None = None) -> None:
+    def admit(self, peer: Peer, *, exclusive: bool, key: Hashable | None = None) -> None:
         """PermissionDenied unless ``peer`` may hold one more reservation (``key``: one
         it replaces, not counted)."""
         if peer.is_root:
@@ -128,10 +130,10 @@ class ReservationGate:
             return cap
         return nofile
 
-    def hold(self, key: str, uid: int) -> None:
+    def hold(self, key: Hashable, uid: int) -> None:
         self._holds[key] = uid
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: Hashable) -> None:
         self._holds.pop(key, None)
 
 
@@ -149,12 +151,29 @@ def _hard_nofile(pid: int, proc_root: str) -> int | None:
 
 
 # -- rules ---------------------------------------------------------------------------
-def rule_reaches_beyond(rule: Any) -> bool:
+class RuleReach(Protocol):
+    """What the gate reads of a ``[[job]]`` rule (tunerd.watch.rules.JobRule)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def exclusive(self) -> bool: ...
+    @property
+    def placement(self) -> str: ...
+    @property
+    def exclusive_scope(self) -> str | None: ...
+    @property
+    def users(self) -> tuple[str, ...]: ...
+    @property
+    def uids(self) -> frozenset[int]: ...
+
+
+def rule_reaches_beyond(rule: RuleReach) -> bool:
     """Whether a rule moves or reserves more than the process it matched."""
     return bool(rule.exclusive or rule.placement == "exclusive" or rule.exclusive_scope)
 
 
-def rule_reach_refused(rule: Any, uid: int | None) -> str | None:
+def rule_reach_refused(rule: RuleReach, uid: int | None) -> str | None:
     """Why ``rule`` may not act for a process of ``uid`` (None: it may)."""
     if not rule_reaches_beyond(rule) or uid == 0:
         return None

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 from pathlib import Path
 from typing import NamedTuple
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.jobs.actuate import set_threads
 
 log = logging.getLogger("tunerd.autobind")
 
@@ -116,26 +116,8 @@ def _read(path: Path) -> list[InFlight]:
 
 def put_back(entry: InFlight, proc: str = procfs.PROC) -> int:
     """Give every thread of ``entry``'s process that still has the mask tunerd set its
-    mask from before; the number of threads put back (0: gone, or changed since)."""
-    try:
-        pidfd = os.pidfd_open(entry.pid)
-    except OSError:
-        return 0
-    try:
-        if procfs.read_start_time(entry.pid, proc) != entry.start_time:
-            return 0  # another process has the pid now
-        poll = select.poll()
-        poll.register(pidfd, select.POLLIN)
-        n = 0
-        for tid in procfs.list_tids(entry.pid, proc):
-            if poll.poll(0):  # exited: its tids may be another's soon
-                break
-            try:
-                if frozenset(os.sched_getaffinity(tid)) == entry.set_to:
-                    os.sched_setaffinity(tid, entry.before)
-                    n += 1
-            except OSError:
-                continue
-        return n
-    finally:
-        os.close(pidfd)
+    mask from before; the number of threads put back (0: gone, or changed since).
+    Pinned by a pidfd and its start time (tunerd.jobs.actuate)."""
+    got = set_threads(entry.pid, every=(entry.set_to, entry.before),
+                      start_time=entry.start_time, proc=proc)
+    return len(got.done)

@@ -37,14 +37,14 @@ from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
 from tunerd.jobs.allocation import Allocation, cvd_names
 from tunerd.jobs.exclusive import ExclusiveMover, parse_scope
-from tunerd.jobs.gate import LeaseLimits, ReservationGate
-from tunerd.jobs.intake import Intake, JobContext, request
+from tunerd.jobs.gate import LeaseLimits
+from tunerd.jobs.intake import JobContext, request
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement
-from tunerd.jobs.placer import Placer, PlaceRequest, Reservation
+from tunerd.jobs.placer import PlaceRequest, Reservation, ReservationKey, ReservationKind
 from tunerd.jobs.records import Lease
-from tunerd.jobs.registry import JobRegistry
 
 __all__ = ["LeaseLimits", "LeaseService", "lease_env", "user_name"]
 
@@ -71,20 +71,20 @@ def user_name(uid: int | None) -> str:
 class LeaseService:
     name = "leases"
 
-    def __init__(self, placer: Placer, jobs: JobRegistry, pidwatch: PidWatch,
+    def __init__(self, pipeline: BindPipeline, pidwatch: PidWatch,
                  mover: ExclusiveMover, section: dict[str, Any], save: Callable[[], None],
-                 errors: ErrorLog, intake: Intake, *, limits: Callable[[], LeaseLimits],
+                 errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None],
-                 gate: ReservationGate | None = None,
                  proc_root: str = procfs.PROC) -> None:
-        self.placer = placer
-        self.intake = intake
-        self.jobs = jobs
+        self.pipeline = pipeline  # the lease's process is bound through it (``run``)
+        self.placer = pipeline.placer
+        self.intake = pipeline.intake
+        self.jobs = pipeline.jobs
         self.pidwatch = pidwatch
         self.mover = mover
         self.errors = errors
         self._limits = limits
-        self.gate = gate or ReservationGate(limits)
+        self.gate = pipeline.gate
         self.gate.count_with(self.held_where)
         self._default_nofile = default_nofile
         self.proc = proc_root
@@ -119,10 +119,11 @@ class LeaseService:
                 self._drop(lid, save=False)
                 dropped += 1
                 continue
-            self.placer.reserve(self._reservation(rec))
+            self.pipeline.hold(self._reservation(rec))
         # exclusive moves whose job is gone (daemon was down when it ended): put back
         for key in list(self.mover.moved):
-            if key.startswith("lease:") and key[6:] not in self.leases:
+            k = ReservationKey.parse(key)
+            if k is not None and k.kind is ReservationKind.LEASE and k.ident not in self.leases:
                 self.mover.restore(key)
         if dropped:
             self._save_quietly()
@@ -184,7 +185,7 @@ class LeaseService:
         return who + (f", {rec.job}" if rec.job else "") + ")"
 
     def _reservation(self, rec: Lease) -> Reservation:
-        return Reservation(key=f"lease:{rec.id}", holder=self._holder(rec),
+        return Reservation(key=ReservationKey.lease(rec.id), holder=self._holder(rec),
                            gpus=tuple(rec.gpus), cpus=parse_cpulist(rec.cpus),
                            exclusive=bool(rec.exclusive), soft=True,
                            pid=rec.pid, job=rec.job, uid=rec.uid)
@@ -266,12 +267,12 @@ class LeaseService:
         self.leases[rec.id] = rec
         if rec.job_cgroup and self._jobs_timer is None:
             self._schedule_job_check()
-        self.placer.reserve(self._reservation(rec))
+        self.pipeline.hold(self._reservation(rec))
         try:
             self._save()
         except TunerdError as err:
             self.leases.pop(rec.id, None)
-            self.placer.release(f"lease:{rec.id}")
+            self.placer.release(ReservationKey.lease(rec.id))
             raise Failed(f"lease not made: {err.message}") from err
 
     async def alloc(self, peer: Peer, *, gpus: int, ncpus: int | None,
@@ -325,24 +326,7 @@ class LeaseService:
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
         try:
             if placed.applicable:
-                try:
-                    job = await self.jobs.bind(
-                        pid, peer=peer, placement=Placement(
-                            cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
-                            gpus=placed.gpus,
-                            explanation=placed.explanation),
-                        nofile=self._default_nofile(), origin="run",
-                        name=os.path.basename(cmd[0]) if cmd else None, lease=lid,
-                        partial=True)
-                except PermissionDenied as err:
-                    if "CAP_SYS_NICE" not in err.message:
-                        raise
-                    # a process may set its own CPUs: tunerctl does, before it execs
-                    rec.notes.append(f"{err.message}; tunerctl binds itself to CPUs "
-                                        f"{rec.cpus} before it runs the command")
-                else:
-                    rec.cpus_bound = job.get("cpus")
-                    rec.notes.extend(job.get("notes") or [])
+                await self._bind_holder(rec, peer, placed, cmd)
             await self._exclusive(rec, pid, peer)
         except BaseException:
             self._drop(lid)
@@ -350,13 +334,34 @@ class LeaseService:
         self._save_or_note(rec)
         return self._public(rec)
 
+    async def _bind_holder(self, rec: Lease, peer: Peer, placed: Placement,
+                           cmd: list[str]) -> None:
+        """The lease's own process, bound through the pipeline before it execs."""
+        assert rec.pid is not None
+        try:
+            out = await self.pipeline.bind(BindRequest(
+                rec.pid, peer, BindSource.LEASE, placement=Placement(
+                    cpus=placed.cpus, mems=self.placer.bindable_mems(placed.mems),
+                    gpus=placed.gpus, explanation=placed.explanation),
+                nofile=self._default_nofile(), lease=rec.id,
+                name=os.path.basename(cmd[0]) if cmd else None))
+        except PermissionDenied as err:
+            if "CAP_SYS_NICE" not in err.message:
+                raise
+            # a process may set its own CPUs: tunerctl does, before it execs
+            rec.notes.append(f"{err.message}; tunerctl binds itself to CPUs "
+                             f"{rec.cpus} before it runs the command")
+            return
+        rec.cpus_bound = out.record.cpus if out.record is not None else None
+        rec.notes.extend(out.notes)
+
     async def _exclusive(self, rec: Lease, pid: int | None, peer: Peer) -> None:
         if not (rec.exclusive and rec.scope):
             return
         if not rec.applied:
             rec.notes.append(f"exclusive scope {rec.scope}: nothing moved (not applied)")
             return
-        res = self.mover.move_off(f"lease:{rec.id}", rec.scope,
+        res = self.mover.move_off(str(ReservationKey.lease(rec.id)), rec.scope,
                                   parse_cpulist(rec.cpus), pid, peer.uid)
         rec.moved = res["moved"]
         rec.notes.extend(res["notes"])
@@ -420,11 +425,12 @@ class LeaseService:
         rec = self.leases.pop(lid, None)
         if rec is None:
             return
-        self.placer.release(f"lease:{lid}")
+        self.placer.release(ReservationKey.lease(lid))
         if rec.pid:
             self.pidwatch.unwatch(rec.pid, f"lease:{lid}")
-        if f"lease:{lid}" in self.mover.moved:
-            self.mover.restore(f"lease:{lid}")
+        moved = str(ReservationKey.lease(lid))  # the mover's key: the text form
+        if moved in self.mover.moved:
+            self.mover.restore(moved)
         if save:
             self._save_quietly()
 

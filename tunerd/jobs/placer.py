@@ -27,6 +27,7 @@ work):
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
@@ -56,7 +57,8 @@ from tunerd.topology.model import Topology
 from tunerd.topology.nodemap import node_map
 from tunerd.topology.visible import gpus_from_nvml
 
-__all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation"]
+__all__ = ["HostCapacity", "PlaceRequest", "Placer", "Reservation", "ReservationKey",
+           "ReservationKind"]
 
 log = logging.getLogger("tunerd.placer")
 
@@ -106,9 +108,50 @@ class PlaceRequest:
     what: str = "job"  # for messages: "lease", "rule torch-training", ...
 
 
+class ReservationKind(enum.Enum):
+    """Who holds a reservation (the text before the colon of a key's written form)."""
+
+    BIND = "bind"  # tunerctl bind: an exclusive bind, a rank's or Slurm task's CPUs
+    RULE = "rule"  # a [[job]] rule's rank
+    LEASE = "lease"  # alloc / run
+
+
+@dataclass(frozen=True)
+class ReservationKey:
+    """A reservation's key: its kind and what it is of (a pid, a lease id)."""
+
+    kind: ReservationKind
+    ident: str
+
+    def __str__(self) -> str:  # the text form, as state files and messages have it
+        return f"{self.kind.value}:{self.ident}"
+
+    @classmethod
+    def bind(cls, pid: int) -> ReservationKey:
+        return cls(ReservationKind.BIND, str(pid))
+
+    @classmethod
+    def rule(cls, pid: int) -> ReservationKey:
+        return cls(ReservationKind.RULE, str(pid))
+
+    @classmethod
+    def lease(cls, lid: str) -> ReservationKey:
+        return cls(ReservationKind.LEASE, lid)
+
+    @classmethod
+    def parse(cls, text: str) -> ReservationKey | None:
+        """The text form ("lease:L3", "rule:PID", "rule:PID:START" of a rule's exclusive
+        move); None for any other text."""
+        kind, sep, ident = text.partition(":")
+        try:
+            return cls(ReservationKind(kind), ident) if sep and ident else None
+        except ValueError:
+            return None
+
+
 @dataclass(frozen=True)
 class Reservation:
-    key: str  # "lease:L3", "rule:PID", "bind:PID"
+    key: ReservationKey  # the old text form ("rule:PID") is read too
     holder: str  # who, for messages: "lease L3 (alice, pid 42 python)"
     gpus: tuple[int, ...]
     cpus: frozenset[int]
@@ -118,6 +161,14 @@ class Reservation:
     group: str | None = None
     job: str | None = None  # scheduler job it was made in ("slurm:12")
     uid: int | None = None  # whose it is (None: not known, counts as someone else's)
+
+    def __post_init__(self) -> None:
+        key: object = self.key
+        if isinstance(key, str):  # the text form (older callers)
+            parsed = ReservationKey.parse(key)
+            if parsed is None:
+                raise ValueError(f"reservation key {key!r}: expected KIND:ID")
+            object.__setattr__(self, "key", parsed)
 
 
 def held_exclusively(taken: Mapping[int, str]) -> PlacementError:
@@ -139,7 +190,7 @@ class Placer:
         self._housekeeping = housekeeping
         self.dry_run = dry_run
         self.proc = proc_root
-        self._res: dict[str, Reservation] = {}
+        self._res: dict[ReservationKey, Reservation] = {}
         # place + reserve of a rule match run in the exec watcher's thread (bind first,
         # tunerd.jobs.autobind): it holds this lock across both, and place/reserve/
         # release take it, so a placement on the loop never sees half of another
@@ -188,7 +239,13 @@ class Placer:
             self._res_gpus += bool(res.gpus)
             return old
 
-    def release(self, key: str) -> Reservation | None:
+    def release(self, key: ReservationKey | str) -> Reservation | None:
+        """Give up the reservation ``key`` (its text form, "lease:L3", is read too)."""
+        if isinstance(key, str):
+            parsed = ReservationKey.parse(key)
+            if parsed is None:
+                return None
+            key = parsed
         with self.lock:
             res = self._res.pop(key, None)
             self._forget_res(res)
@@ -214,7 +271,7 @@ class Placer:
 
     def _held_gpus(self, r: Reservation) -> tuple[int, ...]:
         """A rule-bound process holds the GPUs seen from outside only (tunerd.jobs.gate)."""
-        if r.key.startswith("rule:") and r.pid is not None and r.gpus:
+        if r.key.kind is ReservationKind.RULE and r.pid is not None and r.gpus:
             return verified_gpus(r.pid, r.gpus, nvml_gpus=gpus_from_nvml, proc_root=self.proc)
         return r.gpus
 
@@ -235,13 +292,15 @@ class Placer:
                     out.setdefault(c, r.holder)
         return out
 
-    def held_by_others(self, cpus: frozenset[int], uid: int, key: str) -> dict[int, str]:
+    def held_by_others(self, cpus: frozenset[int], uid: int,
+                       key: ReservationKey) -> dict[int, str]:
         """CPUs of ``cpus`` that a reservation other than ``key`` holds exclusively and
         that is not ``uid``'s: CPU -> its holder (``bind --cpus``'s gate)."""
         return {c: r.holder for r in self._held() if r.exclusive and r.key != key
                 and r.uid != uid for c in r.cpus & cpus}
 
-    def gpus_held_by_others(self, gpus: Iterable[int], uid: int, key: str) -> dict[int, str]:
+    def gpus_held_by_others(self, gpus: Iterable[int], uid: int,
+                            key: ReservationKey) -> dict[int, str]:
         """GPUs of ``gpus`` that a reservation other than ``key`` holds and that is not
         ``uid``'s: GPU -> its holder (``bind --exclusive``'s gate)."""
         want = set(gpus)
@@ -250,7 +309,8 @@ class Placer:
 
     def enclosing_cpus(self, pid: int) -> frozenset[int] | None:
         """CPUs of the `tunerctl run` lease ``pid`` descends from, if any."""
-        holders = {r.pid: r for r in self._held() if r.pid and r.key.startswith("lease:")}
+        holders = {r.pid: r for r in self._held()
+                   if r.pid and r.key.kind is ReservationKind.LEASE}
         if not holders:
             return None
         p: int | None = pid
@@ -265,8 +325,8 @@ class Placer:
     def lease_of(self, pid: int) -> tuple[str, frozenset[int]] | None:
         """(lease id, CPUs) of the `tunerctl run` lease process ``pid`` holds, if any."""
         for r in self._held():
-            if r.pid == pid and r.key.startswith("lease:"):
-                return r.key[6:], r.cpus
+            if r.pid == pid and r.key.kind is ReservationKind.LEASE:
+                return r.key.ident, r.cpus
         return None
 
     def bindable_mems(self, mems: frozenset[int] | None) -> frozenset[int] | None:

@@ -27,14 +27,17 @@ from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
 from tunerd.base.keyedlocks import KeyedLocks
-from tunerd.jobs.binding import Binder, Originals, Target
+from tunerd.jobs.actuate import Actuator
+from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.peer import Peer, require_owner
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.records import Binding, Hold
 
-__all__ = ["AdoptCallback", "ChangeCallback", "ExitCallback", "JobRegistry"]
+__all__ = ["AdoptCallback", "Ask", "ChangeCallback", "ExitCallback", "JobRegistry", "Recorded"]
+
+JSONRecord = dict[str, Any]  # a record as the runtime state holds it (JSON)
 
 log = logging.getLogger("tunerd.jobs")
 
@@ -43,27 +46,36 @@ ExitCallback = Callable[[int, Binding], None]
 AdoptCallback = Callable[[Binding], None]
 # told the pid whose binding was stored, replaced or removed (read it back with record())
 ChangeCallback = Callable[[int], None]
-# computes the placement (and why) once the process is pinned and its owner checked
-Placing = Callable[[], "tuple[Placement | None, str | None]"]
 
 _FORGET_RETRIES = 5  # tries to rmdir a child cpuset still busy right after an exit
 
 
 @dataclass(frozen=True)
-class _Ask:
-    """What a caller of ``bind`` asks for."""
+class Ask:
+    """What a bind keeps in its record besides the plan (tunerd.jobs.pipeline)."""
 
     placement: Placement | None
     nofile: int | None
     origin: str
-    name: str | None
-    lease: str | None
-    cmdline: str | None
-    partial: bool
-    why: str | None
-    persist_after: bool = False  # bind first, save right after (a rule's just-exec'd process)
-    originals: Originals | None = None  # masks from before a fast bind set the CPUs already
-    hold: Callable[[], Hold | None] | None = None  # what the placer holds for it, once placed
+    name: str | None = None
+    lease: str | None = None
+    cmdline: str | None = None
+    why: str | None = None
+    hold: Hold | None = None  # what the placer holds for it: saved with its first record
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A change made, for ``JobRegistry.record``."""
+
+    plan: Plan
+    result: BindResult
+    prev: Binding | None
+    written: JSONRecord | None  # the record as ``persist`` wrote it (None: not written)
+    on_disk: bool  # a re-bind whose originals were on disk already
+    persist_after: bool  # bound first (a rule's just-exec'd process), saved now
+    mems_asked: bool
+    nofile_asked: int | None
 
 
 @dataclass
@@ -85,10 +97,10 @@ class JobRegistry:
 
     name = "jobs"
 
-    def __init__(self, binder: Binder, records: dict[str, dict[str, Any]],
+    def __init__(self, binder: Actuator, records: dict[str, dict[str, Any]],
                  save: Callable[[], None], pidwatch: PidWatch, errors: ErrorLog, *,
                  dry_run: bool = False, proc_root: str = procfs.PROC,
-                 mover: ExclusiveMover | None = None, bind_delay: float = 0.0) -> None:
+                 mover: ExclusiveMover | None = None) -> None:
         self.binder = binder
         self.mover = mover
         self._records = records  # the runtime store's section: JSON of self._bindings
@@ -98,8 +110,6 @@ class JobRegistry:
         self.errors = errors
         self.dry_run = dry_run
         self.proc = proc_root
-        # debug_bind_delay (tests): a placed bind waits this long before it changes anything
-        self.bind_delay = bind_delay
         self._callbacks: list[ExitCallback] = []
         self._adopt_callbacks: list[AdoptCallback] = []
         self._change_callbacks: list[ChangeCallback] = []
@@ -237,50 +247,13 @@ class JobRegistry:
             if job.get("origin") not in ("rule", "run") or not job.get("name"):
                 job["name"] = st.comm
 
-    # -- binding ---------------------------------------------------------------
-    async def bind(self, pid: int, *, peer: Peer, placement: Placement | Placing | None,
-                   nofile: int | None = None, origin: str = "cli", name: str | None = None,
-                   lease: str | None = None, cmdline: str | None = None,
-                   partial: bool = False, why: str | None = None,
-                   persist_after: bool = False,
-                   originals: Originals | None = None,
-                   hold: Callable[[], Hold | None] | None = None) -> dict[str, Any]:
-        """Bind ``pid`` to ``placement`` (and its fd limit); returns the job record plus
-        what this call did. ``cmdline``: its command line where the caller read it
-        already (at most 4 KiB, as a rule match has it); read from /proc otherwise.
-        ``persist_after``: bind first, save the record right after (a process that
-        just exec'd, bound by a rule: no write between the exec and its affinity).
-        ``originals``: the masks the process had before its CPUs were set already
-        (a rule's fast bind in the exec watcher, ``tunerd.jobs.autobind``): recorded
-        as its originals, where /proc now shows the new mask. ``hold``: what the
-        placer holds for it, asked once it is placed: saved with its first record (a
-        daemon killed right after the bind holds it again when it restarts).
+    # -- binding: the record-keeping stages of tunerd.jobs.pipeline ------------------
+    def lock(self, pid: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """One bind or unbind of ``pid`` at a time (on the loop)."""
+        return self._locks.hold(pid)
 
-        A process bound before is updated: values not given keep their previous
-        setting, and the originals from the first bind are kept. ``partial``: a limit
-        or memory-node step the daemon may not do is left out with a note (the CPU
-        binding stays), instead of failing the whole bind. Ownership is checked here,
-        once, on the process pinned by pidfd; a ``placement`` given as a callable
-        (returning the placement and why) is computed only after that check.
-        """
-        t0 = time.perf_counter()
-        async with self._lock(pid):
-            target = self.binder.pin(pid)
-            try:
-                require_owner(peer, pid, target.uid, target.euid)
-                if callable(placement):
-                    placement, why = placement()
-                    if self.bind_delay:  # tests: a window between the placement and the bind
-                        log.debug("pid %d placed; binding it in %g s (debug_bind_delay)",
-                                  pid, self.bind_delay)
-                        await asyncio.sleep(self.bind_delay)
-                ask = _Ask(placement, nofile, origin, name, lease, cmdline, partial, why,
-                           persist_after, originals, hold)
-                return await self._bind(target, t0, ask)
-            finally:
-                target.close()
-
-    def _previous(self, target: Target) -> Binding | None:
+    def previous(self, target: Target) -> Binding | None:
+        """The binding ``target`` has now (one of an earlier process with its pid: dropped)."""
         prev = self._bindings.get(target.pid)
         if prev is not None and prev.start_time != target.start_time:
             self._drop(target.pid)  # an earlier process with this pid: long gone
@@ -288,67 +261,20 @@ class JobRegistry:
             return None
         return prev
 
-    async def _bind(self, target: Target, t0: float, ask: _Ask) -> dict[str, Any]:
-        pid = target.pid
-        prev = self._previous(target)
-        p = ask.placement
-        cpus = p.cpus if p is not None else None
-        mems = p.mems if p is not None else None
-        if prev is not None:  # keep what was bound before unless changed now
-            cpus = cpus if cpus is not None else (prev.cpu_set() or None)
-            mems = mems if mems is not None else prev.mem_set()
-        plan = self.binder.prepare(target, cpus=cpus, mems=mems, nofile=ask.nofile,
-                                   previous=prev.originals if prev else None,
-                                   partial=ask.partial, originals=ask.originals)
-        if self.dry_run:
-            return {"pid": pid, "dry_run": True, "cpus": _fmt(plan.cpus),
-                    "mems": _fmt(plan.mems), "nofile": ask.nofile,
-                    "notes": [*plan.notes, "dry run: nothing was changed"],
-                    "elapsed_ms": _ms(t0)}
-        on_disk = prev is not None and plan.originals == prev.originals
-        moved = self.mover.originals_of(pid) if self.mover is not None and prev is None else {}
-        rec = self._new_record(target, ask, plan, prev,
-                               prev.originals if prev is not None and on_disk
-                               else _before_moves(plan.originals, moved))
-        save_ms, written = self._save_first(rec, prev, on_disk or ask.persist_after)
-        result = await self._apply(plan, rec, prev, on_disk)
-        if target.exited():  # exited during an executor apply: the exit handler may have run
-            self._bindings.pop(pid, None)
-            self._records.pop(str(pid), None)
-            self._changed(pid)
-            self._save_soon()
-            raise NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
-        # what the bind really did (a partial bind may have left out mems or nofile)
-        rec = dataclasses.replace(
-            rec, mems=_fmt(result.mems) if result.mems is not None else (
-                None if plan.cpuset is None and mems is not None else rec.mems),
-            nofile=rec.nofile if result.nofile_new is not None or ask.nofile is None
-            else (prev.nofile if prev else None),
-            notes=tuple(result.notes), originals=_before_moves(plan.originals, moved))
-        kept = self._put(rec)
-        if moved and self.mover is not None:
-            self.mover.disown(pid)  # the binding's originals hold the masks from before
-        if self._unapplied.pop(pid, None) is not None:
-            self.version += 1
-        self.binds_total += 1
-        if ask.persist_after and not on_disk:
-            self._save_quietly()  # bound first: now its originals (and all the rest)
-        elif kept != written:
-            # learnt only from the change itself (a thread cloned meanwhile, a step a partial
-            # bind left out, its notes), or a re-bind whose originals are on disk already:
-            # coalesced. A bind that found nothing new is written once, before the change.
-            self._save_soon()
-        if prev is None:
-            self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)
-        reply = rec.public()
-        reply.update(result.to_json())
-        reply.update(gpus=list(rec.gpus), rebind=prev is not None,
-                     apply_ms=reply.pop("elapsed_ms"), save_ms=round(save_ms, 3),
-                     elapsed_ms=round(_ms(t0), 3))
-        return reply
+    def originals_for(self, target: Target, plan: Plan, prev: Binding | None) -> Originals:
+        """The originals the record keeps: those on disk already for a re-bind that found
+        nothing new, else the plan's with the masks from before an exclusive move."""
+        if prev is not None and plan.originals == prev.originals:
+            return prev.originals
+        return _before_moves(plan.originals, self._moved(target, prev))
 
-    def _new_record(self, target: Target, ask: _Ask, plan: Any, prev: Binding | None,
-                    originals: Originals) -> Binding:
+    def _moved(self, target: Target, prev: Binding | None) -> dict[int, frozenset[int]]:
+        return self.mover.originals_of(target.pid) if self.mover is not None and prev is None \
+            else {}
+
+    def new_record(self, target: Target, ask: Ask, plan: Plan, prev: Binding | None,
+                   originals: Originals) -> Binding:
+        """The record a bind keeps (persisted before the change)."""
         p = ask.placement
         gpus = tuple(p.gpus) if p is not None and p.gpus else (prev.gpus if prev else ())
         return Binding(
@@ -365,26 +291,10 @@ class JobRegistry:
             explanation=(p.explanation if p is not None and p.explanation
                          else (prev.explanation if prev else None)),
             why=ask.why if ask.why is not None else (prev.why if prev else None),
-            hold=(ask.hold() if ask.hold is not None else None)
-            or (prev.hold if prev is not None else None), originals=originals)
+            hold=ask.hold or (prev.hold if prev is not None else None), originals=originals)
 
-    def _put(self, rec: Binding) -> dict[str, Any]:
-        """Keep ``rec`` (not saved); returns its JSON as the state holds it now."""
-        self._bindings[rec.pid] = rec
-        raw = self._records[str(rec.pid)] = rec.to_json()
-        self._changed(rec.pid)
-        return raw
-
-    def _restore(self, pid: int, prev: Binding | None) -> None:
-        if prev is not None:
-            self._put(prev)
-        else:
-            self._bindings.pop(pid, None)
-            self._records.pop(str(pid), None)
-            self._changed(pid)
-
-    def _save_first(self, rec: Binding, prev: Binding | None,
-                    on_disk: bool) -> tuple[float, dict[str, Any] | None]:
+    def persist(self, rec: Binding, prev: Binding | None,
+                on_disk: bool) -> tuple[float, JSONRecord | None]:
         """Keep the record, and save the originals before anything changes (the runtime
         store: tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
         process anyway). A failed write refuses the bind: nothing changed. Returns the
@@ -400,19 +310,63 @@ class JobRegistry:
             raise
         return _ms(t_save), raw
 
-    async def _apply(self, plan: Any, rec: Binding, prev: Binding | None,
-                     on_disk: bool) -> Any:
-        try:
-            if plan.cpuset is not None or plan.migrate_from is not None:
-                # moving pages can take long for a big process: keep the loop serving
-                return await asyncio.get_running_loop().run_in_executor(
-                    None, self.binder.apply, plan)
-            return self.binder.apply(plan)
-        except BaseException:
-            self._restore(rec.pid, prev)
-            if not on_disk:
-                self._save_quietly()
-            raise
+    def unpersist(self, pid: int, prev: Binding | None, on_disk: bool) -> None:
+        """The change failed: the record as it was before ``persist``."""
+        self._restore(pid, prev)
+        if not on_disk:
+            self._save_quietly()
+
+    def exited_meanwhile(self, pid: int) -> NoSuchProcess:
+        """The process exited during the change: its record goes (the exit handler may
+        have run already)."""
+        self._bindings.pop(pid, None)
+        self._records.pop(str(pid), None)
+        self._changed(pid)
+        self._save_soon()
+        return NoSuchProcess(f"process {pid} exited while being bound", pid=pid)
+
+    def keep(self, target: Target, rec: Binding, step: Recorded) -> Binding:
+        """After the change: keep what the bind really did (a partial bind may have left
+        out mems or nofile), save where something new was learnt, watch the process."""
+        pid, plan, result, prev = target.pid, step.plan, step.result, step.prev
+        moved = self._moved(target, prev)
+        rec = dataclasses.replace(
+            rec, mems=_fmt(result.mems) if result.mems is not None else (
+                None if plan.cpuset is None and step.mems_asked else rec.mems),
+            nofile=rec.nofile if result.nofile_new is not None or step.nofile_asked is None
+            else (prev.nofile if prev else None),
+            notes=tuple(result.notes), originals=_before_moves(plan.originals, moved))
+        kept = self._put(rec)
+        if moved and self.mover is not None:
+            self.mover.disown(pid)  # the binding's originals hold the masks from before
+        if self._unapplied.pop(pid, None) is not None:
+            self.version += 1
+        self.binds_total += 1
+        if step.persist_after and not step.on_disk:
+            self._save_quietly()  # bound first: now its originals (and all the rest)
+        elif kept != step.written:
+            # learnt only from the change itself (a thread cloned meanwhile, a step a partial
+            # bind left out, its notes), or a re-bind whose originals are on disk already:
+            # coalesced. A bind that found nothing new is written once, before the change.
+            self._save_soon()
+        if prev is None:
+            self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)
+        return rec
+
+    def _put(self, rec: Binding) -> JSONRecord:
+        """Keep ``rec`` (not saved); returns its JSON as the state holds it now."""
+        self._bindings[rec.pid] = rec
+        raw = self._records[str(rec.pid)] = rec.to_json()
+        self._changed(rec.pid)
+        return raw
+
+    def _restore(self, pid: int, prev: Binding | None) -> None:
+        if prev is not None:
+            self._put(prev)
+        else:
+            self._bindings.pop(pid, None)
+            self._records.pop(str(pid), None)
+            self._changed(pid)
 
     def note_unapplied(self, pid: int, start_time: int, placement: Placement, *,
                        origin: str, name: str, cmdline: str | None = None) -> None:
@@ -431,7 +385,7 @@ class JobRegistry:
 
     async def unbind(self, pid: int, *, peer: Peer) -> dict[str, Any]:
         """Restore what bind changed and forget the process."""
-        async with self._lock(pid):
+        async with self.lock(pid):
             rec = self._bindings.get(pid)
             target = self.binder.pin(pid)  # NoSuchProcess if it is gone
             try:
@@ -452,9 +406,6 @@ class JobRegistry:
             return {**summary, "unbound": True}
 
     # -- internals -------------------------------------------------------------
-    def _lock(self, pid: int) -> contextlib.AbstractAsyncContextManager[None]:
-        return self._locks.hold(pid)
-
     def _drop(self, pid: int) -> Binding | None:
         """Forget a record and stop watching its process (state not saved)."""
         rec = self._bindings.pop(pid, None)
