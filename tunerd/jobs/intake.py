@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
@@ -36,6 +36,9 @@ from tunerd.topology.model import Topology
 from tunerd.topology.visible import gpus_from_env, visible_list
 from tunerd.watch.launchers import WRAPPERS, is_launcher, launcher_comm, wrapper_name
 from tunerd.watch.launchers import _base as _base
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request"]
 
@@ -436,7 +439,28 @@ def _close_chain(entry: tuple[int, float, list[Up], int] | None) -> None:
         os.close(entry[3])
 
 
-def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
+class PlaceAsk(TypedDict, total=False):
+    """A caller's own asks for ``request``: PlaceRequest's fields, each optional."""
+
+    gpus: int
+    gpu_ids: tuple[int, ...] | None
+    ncpus: int | None
+    cpus: frozenset[int] | None
+    mode: str
+    exclusive: bool
+    allocation: Allocation | None
+    workers: int
+    rank: int | None
+    ranks: int | None
+    gpu_sharers: int | None
+    gpu_peers: tuple[int, ...] | None
+    group: str | None
+    job: str | None
+    ignore_busy_gpus: bool
+    what: str
+
+
+def request(ctx: JobContext, **kw: Unpack[PlaceAsk]) -> PlaceRequest:
     """The PlaceRequest for ``ctx`` (``kw``: the caller's own asks, PlaceRequest fields).
 
     The allocation is narrowed to what the job tree says: a `tunerctl run` lease
@@ -463,11 +487,11 @@ def request(ctx: JobContext, **kw: Any) -> PlaceRequest:
     sharers = None
     if rank is not None and rank.local_world and ctx.visible:
         sharers = -(-rank.local_world // len(ctx.visible))  # ranks per GPU, rounded up
-    base: dict[str, Any] = dict(
-        allocation=alloc, rank=rank.local_rank if rank else None,
-        ranks=rank.local_world if rank else None, group=group, job=ctx.job_key,
-        gpu_sharers=sharers, gpu_peers=ctx.visible if rank is not None else None,
-        what=f"process {ctx.pid}")
+    base: PlaceAsk = {
+        "allocation": alloc, "rank": rank.local_rank if rank else None,
+        "ranks": rank.local_world if rank else None, "group": group, "job": ctx.job_key,
+        "gpu_sharers": sharers, "gpu_peers": ctx.visible if rank is not None else None,
+        "what": f"process {ctx.pid}"}
     base.update(kw)
     return PlaceRequest(**base)
 
