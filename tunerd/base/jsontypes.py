@@ -2,7 +2,7 @@
 
 ``JSONValue`` is any JSON value, ``JSONObject`` one object (str keys). Values made
 by tunerd for a reply, a status or a state file are typed as these; untyped JSON
-read back (``json.load`` gives ``Any``) enters through ``json_object`` only, and a
+read back (``json.load`` gives it untyped) enters through ``json_object`` only, and a
 reader narrows each value it uses (``isinstance``) before it trusts its type.
 """
 
