@@ -473,7 +473,7 @@ class LeaseService:
         self._schedule_expiry()
 
     def _public(self, rec: Lease) -> dict[str, Any]:
-        out = rec.to_json()
+        out: dict[str, Any] = rec.to_json()
         out.pop("job_cgroup", None)
         out["env"] = lease_env(rec)
         if rec.cvd:  # the job's own numbering of its GPUs (Slurm renumbers them)

@@ -48,10 +48,10 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import PlacementError, UsageError
+from tunerd.base.jsontypes import JSONObject
 from tunerd.topology.model import Gpu, Link, Topology
 from tunerd.topology.nodemap import node_map
 
@@ -112,7 +112,7 @@ class Placement:
         return replace(self, notes=(*self.notes, *(n for n in notes if n)),
                        applicable=self.applicable if applicable is None else applicable)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {"gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids),
                 "cpus": None if self.cpus is None else format_cpulist(self.cpus),
                 "mems": None if self.mems is None else format_cpulist(self.mems),
@@ -215,23 +215,9 @@ def _holders(ids: Iterable[int], held: Mapping[int, str], what: str) -> str:
 
 def _choose_gpus(topo: Topology, idx: _Index, req: PlacementRequest,
                  busy: Mapping[int, str]) -> tuple[tuple[int, ...], int]:
+    """(GPUs, score): the named ones checked, else the best ``req.gpus`` free ones."""
     if req.gpu_ids is not None:
-        ids = tuple(sorted(set(req.gpu_ids)))
-        if len(ids) != len(req.gpu_ids):
-            raise UsageError(f"GPU list repeats an index: {list(req.gpu_ids)}")
-        if req.gpus and req.gpus != len(ids):
-            raise UsageError(f"asked for {req.gpus} GPUs but named {len(ids)}: {list(ids)}")
-        unknown = [i for i in ids if i not in idx.gpus]
-        if unknown:
-            raise UsageError(f"no GPU {', '.join(map(str, unknown))} on {topo.hostname} "
-                             f"(GPUs: {format_cpulist(idx.gpus) or 'none'})")
-        taken = [i for i in ids if i in busy]
-        if taken:
-            free_now = sorted(set(idx.gpus) - set(busy))
-            raise PlacementError(
-                f"GPU {format_cpulist(taken)} not free: {_holders(taken, busy, 'GPU')}; "
-                f"free GPUs: {format_cpulist(free_now) or 'none'}",
-                free_gpus=free_now, busy_gpus={str(k): v for k, v in busy.items()})
+        ids = _named_gpus(topo, idx, req, busy)
         return ids, _score(idx.cost, ids)
     k = req.gpus
     if k == 0:
@@ -253,26 +239,56 @@ def _choose_gpus(topo: Topology, idx: _Index, req: PlacementRequest,
 
     if math.comb(len(free), k) <= EXACT_LIMIT:
         best = min(itertools.combinations(free, k), key=key)
-    else:  # greedy: grow from every seed by the GPU that raises (worst, sum) least
-        cands = []
-        for seed in free:
-            chosen = [seed]
-            worst = total = 0
-            while len(chosen) < k:
-                pick: tuple[int, int, int] | None = None
-                for g in free:
-                    if g in chosen:
-                        continue
-                    add = [cost[(g, c)] for c in chosen]
-                    cand = (max(worst, *add), total + sum(add), g)
-                    if pick is None or cand < pick:
-                        pick = cand
-                assert pick is not None
-                worst, total = pick[0], pick[1]
-                chosen.append(pick[2])
-            cands.append(tuple(sorted(chosen)))
-        best = min(set(cands), key=key)
+    else:
+        best = min(_greedy_sets(cost, free, k), key=key)
     return best, _score(cost, best)
+
+
+def _named_gpus(topo: Topology, idx: _Index, req: PlacementRequest,
+                busy: Mapping[int, str]) -> tuple[int, ...]:
+    """``req.gpu_ids``, sorted, once each: refused when repeated, unknown or busy."""
+    assert req.gpu_ids is not None
+    ids = tuple(sorted(set(req.gpu_ids)))
+    if len(ids) != len(req.gpu_ids):
+        raise UsageError(f"GPU list repeats an index: {list(req.gpu_ids)}")
+    if req.gpus and req.gpus != len(ids):
+        raise UsageError(f"asked for {req.gpus} GPUs but named {len(ids)}: {list(ids)}")
+    unknown = [i for i in ids if i not in idx.gpus]
+    if unknown:
+        raise UsageError(f"no GPU {', '.join(map(str, unknown))} on {topo.hostname} "
+                         f"(GPUs: {format_cpulist(idx.gpus) or 'none'})")
+    taken = [i for i in ids if i in busy]
+    if taken:
+        free_now = sorted(set(idx.gpus) - set(busy))
+        raise PlacementError(
+            f"GPU {format_cpulist(taken)} not free: {_holders(taken, busy, 'GPU')}; "
+            f"free GPUs: {format_cpulist(free_now) or 'none'}",
+            free_gpus=free_now, busy_gpus={str(k): v for k, v in busy.items()})
+    return ids
+
+
+def _greedy_sets(cost: Mapping[tuple[int, int], int], free: tuple[int, ...],
+                 k: int) -> set[tuple[int, ...]]:
+    """Too many subsets to try: grow one set from every seed, each step adding the GPU
+    that raises (worst pair, sum of pairs) least."""
+    cands: set[tuple[int, ...]] = set()
+    for seed in free:
+        chosen = [seed]
+        worst = total = 0
+        while len(chosen) < k:
+            pick: tuple[int, int, int] | None = None
+            for g in free:
+                if g in chosen:
+                    continue
+                add = [cost[(g, c)] for c in chosen]
+                cand = (max(worst, *add), total + sum(add), g)
+                if pick is None or cand < pick:
+                    pick = cand
+            assert pick is not None
+            worst, total = pick[0], pick[1]
+            chosen.append(pick[2])
+        cands.add(tuple(sorted(chosen)))
+    return cands
 
 
 # -- CPUs ---------------------------------------------------------------------
@@ -354,139 +370,261 @@ def place(topo: Topology, req: PlacementRequest, *,
           exclusive_cpus: Mapping[int, str] | None = None,
           housekeeping: frozenset[int] = frozenset(),
           allowed_cpus: frozenset[int] | None = None) -> Placement:
-    """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring)."""
-    busy = dict(busy_gpus or {})
-    held = dict(exclusive_cpus or {})
+    """Choose GPUs, CPUs and memory nodes for ``req`` (see the module docstring).
+
+    The steps, in order: check the request, choose the GPUs (``_start``), the domain
+    (which NUMA nodes and which CPUs in them are local), the candidate cores in
+    placement order, how many CPUs, the CPUs themselves (spilling to the nearest
+    node when the domain is short), and the result with its notes.
+    """
+    job = _start(topo, req, dict(busy_gpus or {}), dict(exclusive_cpus or {}),
+                 housekeeping, allowed_cpus)
+    dom = _domain(job)
+    cand = _candidates(job, dom)
+    count = _cpu_count(job, cand)
+    chosen = _choose_cpus(job, dom, cand, count)
+    return _result(job, dom, cand, chosen)
+
+
+# -- the steps of place() ---------------------------------------------------------
+@dataclass
+class _Job:
+    """One ``place`` call: the request, its GPUs, the CPUs it may take, its notes."""
+
+    topo: Topology
+    idx: _Index
+    req: PlacementRequest
+    gpu_ids: tuple[int, ...]
+    gpus: list[Gpu]
+    score: int
+    exclusive: bool
+    housekeeping: frozenset[int]
+    allowed: frozenset[int] | None
+    held: dict[int, str]  # CPU -> who holds it exclusively
+    usable: frozenset[int]  # online, not housekeeping, inside ``allowed``
+    eligible: frozenset[int]  # usable and not held
+    picker: _Picker
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class _Domain:
+    """Where the job counts as local: ``home`` NUMA nodes, and inside them ``within``
+    (None: every CPU of them); ``sliced``: ``within`` is the GPUs' node-map slices."""
+
+    home: list[int]
+    within: frozenset[int] | None = None
+    sliced: bool = False
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """Cores to take from, in placement order; ``inner``: CPUs of the domain proper."""
+
+    whole: list[tuple[int, ...]]
+    split: list[tuple[int, ...]]
+    inner: int
+
+
+def _check(req: PlacementRequest) -> None:
     if req.mode not in MODES:
         raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
     if req.gpus < 0 or (req.cpus is not None and req.cpus < 1):
         raise UsageError(f"bad request: gpus={req.gpus}, cpus={req.cpus} "
                          "(gpus >= 0, cpus >= 1)")
+
+
+def _start(topo: Topology, req: PlacementRequest, busy: dict[int, str], held: dict[int, str],
+           housekeeping: frozenset[int], allowed: frozenset[int] | None) -> _Job:
+    """The request checked, its GPUs chosen, the CPUs it may take."""
+    _check(req)
     idx = _index(topo)
     gpu_ids, score = _choose_gpus(topo, idx, req, busy)
     gpus = [idx.gpus[i] for i in gpu_ids]
-    exclusive = req.exclusive or req.mode == "exclusive"
-    notes: list[str] = []
-    if gpu_ids:
-        links = (topo.link(a, b) for a, b in itertools.combinations(gpu_ids, 2))
-        pairs = sorted({lk.label for lk in links if lk is not None})
-        notes.append(f"GPU {format_cpulist(gpu_ids)}"
-                     + (f" ({'/'.join(pairs)})" if pairs else "") + f", score {score}")
-        mig = [g.index for g in gpus if g.mig_enabled]
-        if mig:
-            notes.append(f"GPU {format_cpulist(mig)} in MIG mode (placed as whole GPUs)")
-
-    online = topo.online_cpus()
-    usable = online - housekeeping
-    if allowed_cpus is not None:
-        usable &= allowed_cpus
+    usable = topo.online_cpus() - housekeeping
+    if allowed is not None:
+        usable &= allowed
     eligible = usable - frozenset(held)
-    picker = _Picker(idx, eligible)
+    return _Job(topo=topo, idx=idx, req=req, gpu_ids=gpu_ids, gpus=gpus, score=score,
+                exclusive=req.exclusive or req.mode == "exclusive",
+                housekeeping=housekeeping, allowed=allowed, held=held, usable=usable,
+                eligible=eligible, picker=_Picker(idx, eligible),
+                notes=_gpu_notes(topo, gpu_ids, gpus, score))
 
-    # the domain: which nodes (and which CPUs inside them) count as local
+
+def _gpu_notes(topo: Topology, gpu_ids: tuple[int, ...], gpus: list[Gpu],
+               score: int) -> list[str]:
+    if not gpu_ids:
+        return []
+    links = (topo.link(a, b) for a, b in itertools.combinations(gpu_ids, 2))
+    pairs = sorted({lk.label for lk in links if lk is not None})
+    notes = [f"GPU {format_cpulist(gpu_ids)}" + (f" ({'/'.join(pairs)})" if pairs else "")
+             + f", score {score}"]
+    mig = [g.index for g in gpus if g.mig_enabled]
+    if mig:
+        notes.append(f"GPU {format_cpulist(mig)} in MIG mode (placed as whole GPUs)")
+    return notes
+
+
+def _domain(job: _Job) -> _Domain:
+    """Which nodes (and which CPUs inside them) count as local."""
+    if job.req.mode == "none":
+        return _Domain(sorted(job.idx.node_cores))
+    if job.gpus:
+        return _gpu_domain(job)
+    return _gpuless_domain(job)
+
+
+def _gpu_domain(job: _Job) -> _Domain:
+    idx, mode = job.idx, job.req.mode
+    home = _gpu_nodes(job.topo, job.gpus)
     within: frozenset[int] | None = None
-    sliced = False  # ``within`` is the GPUs' slices of the node map
-    if req.mode == "none":
+    sliced = False
+    if mode in ("gpu-local", "exclusive", "core-complex"):
+        within, sliced = _gpu_local_cpus(job)
+    elif mode == "socket":
+        pkgs = {idx.node_package.get(n) for n in home}
+        home = sorted(n for p in pkgs if p is not None for n in idx.package_nodes[p])
+    return _Domain(home or sorted(idx.node_cores), within, sliced)
+
+
+def _gpu_local_cpus(job: _Job) -> tuple[frozenset[int] | None, bool]:
+    """(the GPUs' local CPUs, whether they are their slices of the node map).
+
+    Each GPU's slice of the node (tunerd.topology.nodemap): a rank on another GPU of
+    the same NUMA node, of any job, has its own slice; an allocation holding none of
+    the slice falls back to the CPUs near the GPUs.
+    """
+    own = node_map(job.topo, job.housekeeping).slice_cpus(job.gpu_ids)
+    if job.allowed is not None and own and not own & job.usable:
+        job.notes.append(f"the allocation holds no CPU of GPU {format_cpulist(job.gpu_ids)}'s "
+                         "slice: its CPUs near the GPU instead")
+        own = frozenset()
+    local = own or frozenset().union(*(g.local_cpus for g in job.gpus))
+    return local or None, bool(own)
+
+
+def _gpuless_domain(job: _Job) -> _Domain:
+    """No GPUs: the node with the most eligible CPUs (all nodes when nothing is asked)."""
+    idx = job.idx
+    if job.req.cpus is None and not job.exclusive:
         home = sorted(idx.node_cores)
-    elif gpus:
-        home = _gpu_nodes(topo, gpus)
-        if req.mode in ("gpu-local", "exclusive", "core-complex"):
-            # each GPU's slice of the node (tunerd.topology.nodemap): a rank on another
-            # GPU of the same NUMA node, of any job, has its own slice
-            own = node_map(topo, housekeeping).slice_cpus(gpu_ids)
-            if allowed_cpus is not None and own and not own & usable:
-                notes.append(f"the allocation holds no CPU of GPU {format_cpulist(gpu_ids)}'s "
-                             "slice: its CPUs near the GPU instead")
-                own = frozenset()
-            local = own or frozenset().union(*(g.local_cpus for g in gpus))
-            within = local or None
-            sliced = bool(own)
-        elif req.mode == "socket":
-            pkgs = {idx.node_package.get(n) for n in home}
-            home = sorted(n for p in pkgs if p is not None for n in idx.package_nodes[p])
-        if not home:
-            home = sorted(idx.node_cores)
+    elif idx.node_cores:
+        home = [max(sorted(idx.node_cores),
+                    key=lambda n: sum(len([c for c in idx.core_cpus[k] if c in job.eligible])
+                                      for k in idx.node_cores[n]))]
     else:
-        # no GPUs: the node with the most eligible CPUs (all nodes when nothing is asked)
-        if req.cpus is None and not exclusive:
-            home = sorted(idx.node_cores)
-        else:
-            home = [max(sorted(idx.node_cores),
-                        key=lambda n: sum(len([c for c in idx.core_cpus[k] if c in eligible])
-                                          for k in idx.node_cores[n]))] if idx.node_cores else []
-        if req.mode == "socket" and home:
-            home = sorted(idx.package_nodes[idx.node_package[home[0]]])
+        home = []
+    if job.req.mode == "socket" and home:
+        home = sorted(idx.package_nodes[idx.node_package[home[0]]])
+    return _Domain(home)
 
-    order = _order_nodes(idx, home)
-    whole, split = picker.cores_in(home, within)
-    inner = sum(len(c) for c in whole + split)  # CPUs of the domain proper
-    if within is not None:  # node-local CPUs outside the GPU's local set come next
-        w2, s2 = picker.cores_in(home, frozenset(c for c in eligible if c not in within))
-        if sliced and req.cpus is None and not exclusive and inner:
-            w2, s2 = [], []  # shared, every free CPU of the slice: never the others'
+
+def _candidates(job: _Job, dom: _Domain) -> _Candidates:
+    """The domain's free cores in placement order: its local CPUs first, then the rest
+    of its nodes (not for a shared request filling its slice), core-complex groups."""
+    whole, split = job.picker.cores_in(dom.home, dom.within)
+    inner = sum(len(c) for c in whole + split)
+    shared_slice = dom.sliced and job.req.cpus is None and not job.exclusive and inner > 0
+    if dom.within is not None and not shared_slice:
+        # node-local CPUs outside the GPU's local set come next (shared, every free CPU
+        # of the slice: never the others')
+        w2, s2 = job.picker.cores_in(
+            dom.home, frozenset(c for c in job.eligible if c not in dom.within))
         whole, split = whole + w2, split + s2
+    if job.req.mode == "core-complex" and job.req.cpus is None:
+        whole, split = _core_complex(job.topo, job.idx, job.gpus, whole, split, dom.within)
+    return _Candidates(whole, split, inner)
 
-    if req.mode == "core-complex" and req.cpus is None:
-        whole, split = _core_complex(topo, idx, gpus, whole, split, within)
 
-    # how many CPUs
-    smt = max((len(v) for v in idx.core_cpus.values()), default=1)
-    count: int | None = req.cpus
-    if count is None and exclusive:
-        if req.mode in ("node", "socket"):
-            count = sum(len(c) for c in whole) or smt
-        elif gpus:
-            count = _fair_share_cores(topo, idx, gpus, usable) * smt
-        else:
-            count = smt
-        if req.mode == "core-complex":
-            count = min(count, sum(len(c) for c in whole)) or smt
-    if exclusive and count is not None and count % smt:
-        notes.append(f"{count} CPUs rounded up to whole cores")
+def _cpu_count(job: _Job, cand: _Candidates) -> int | None:
+    """How many CPUs: the request's, or an exclusive job's fair share; exclusive counts
+    rounded up to whole cores. None: shared, every eligible CPU of the domain."""
+    smt = max((len(v) for v in job.idx.core_cpus.values()), default=1)
+    count = job.req.cpus
+    if count is None and job.exclusive:
+        count = _exclusive_count(job, cand, smt)
+    if job.exclusive and count is not None and count % smt:
+        job.notes.append(f"{count} CPUs rounded up to whole cores")
         count += smt - count % smt
+    return count
 
-    chosen: list[int] = []
-    if count is None:  # shared, every eligible CPU of the domain
-        for c in whole + split:
-            chosen += c
-        if not chosen:  # the local nodes are full: the nearest node that has room
-            for n in order[len(home):]:
-                w, s = picker.cores_in([n], None)
-                if w or s:
-                    chosen = [c for core in w + s for c in core]
-                    notes.append(f"no free CPU near the GPUs; using NUMA node {n}")
-                    break
+
+def _exclusive_count(job: _Job, cand: _Candidates, smt: int) -> int:
+    mode = job.req.mode
+    if mode in ("node", "socket"):
+        count = sum(len(c) for c in cand.whole) or smt
+    elif job.gpus:
+        count = _fair_share_cores(job.topo, job.idx, job.gpus, job.usable) * smt
     else:
-        chosen = _take(whole, split, count, exclusive)
-        if len(chosen) < count:
-            before = len(chosen)
-            for n in order[len(home):]:  # nearest node first, filled before the next
-                w2, s2 = picker.cores_in([n], None)
-                chosen += _take(w2, s2, count - len(chosen), exclusive)
-                if len(chosen) >= count:
-                    break
-            if len(chosen) > before:
-                spilled = sorted({topo.cpus[c].numa_node for c in chosen[before:]})
-                notes.append(f"spilled {len(chosen) - before} CPU(s) to NUMA node "
-                             f"{format_cpulist(spilled)}: only {before} free near the GPUs")
-        if len(chosen) < count:
-            raise _cpu_error(topo, count, exclusive, usable, eligible, held, housekeeping)
-    if not chosen:
-        raise _cpu_error(topo, count or 1, exclusive, usable, eligible, held, housekeeping)
+        count = smt
+    if mode == "core-complex":
+        count = min(count, sum(len(c) for c in cand.whole)) or smt
+    return count
 
+
+def _choose_cpus(job: _Job, dom: _Domain, cand: _Candidates, count: int | None) -> list[int]:
+    """The CPUs: from the candidates, then the nearest other nodes; refused when short."""
+    farther = _order_nodes(job.idx, dom.home)[len(dom.home):]
+    if count is None:
+        chosen = _every_free(job, cand, farther)
+    else:
+        chosen = _counted(job, cand, count, farther)
+        if len(chosen) < count:
+            raise _cpu_error(job, count)
+    if not chosen:
+        raise _cpu_error(job, count or 1)
+    return chosen
+
+
+def _every_free(job: _Job, cand: _Candidates, farther: list[int]) -> list[int]:
+    """Shared, every eligible CPU of the domain; when the local nodes are full, the
+    nearest node that has room."""
+    chosen = [c for core in cand.whole + cand.split for c in core]
+    if chosen:
+        return chosen
+    for n in farther:
+        w, s = job.picker.cores_in([n], None)
+        if w or s:
+            job.notes.append(f"no free CPU near the GPUs; using NUMA node {n}")
+            return [c for core in w + s for c in core]
+    return []
+
+
+def _counted(job: _Job, cand: _Candidates, count: int, farther: list[int]) -> list[int]:
+    """``count`` CPUs (fewer if the node is short): the candidates, then the nearest
+    other node, filled before the next."""
+    chosen = _take(cand.whole, cand.split, count, job.exclusive)
+    before = len(chosen)
+    if before >= count:
+        return chosen
+    for n in farther:
+        w2, s2 = job.picker.cores_in([n], None)
+        chosen += _take(w2, s2, count - len(chosen), job.exclusive)
+        if len(chosen) >= count:
+            break
+    if len(chosen) > before:
+        spilled = sorted({job.topo.cpus[c].numa_node for c in chosen[before:]})
+        job.notes.append(f"spilled {len(chosen) - before} CPU(s) to NUMA node "
+                         f"{format_cpulist(spilled)}: only {before} free near the GPUs")
+    return chosen
+
+
+def _result(job: _Job, dom: _Domain, cand: _Candidates, chosen: list[int]) -> Placement:
+    topo, notes = job.topo, job.notes
     cpus = frozenset(chosen)
-    if sliced and within is not None and not cpus <= within:
-        outside = cpus - within
-        notes.append(f"GPU {format_cpulist(gpu_ids)}'s slice ({format_cpulist(within)}) has "
-                     f"{inner} free CPU(s): {len(outside)} taken from other GPUs' slices "
-                     f"({format_cpulist(outside)})")
+    if dom.sliced and dom.within is not None and not cpus <= dom.within:
+        outside = cpus - dom.within
+        notes.append(f"GPU {format_cpulist(job.gpu_ids)}'s slice "
+                     f"({format_cpulist(dom.within)}) has {cand.inner} free CPU(s): "
+                     f"{len(outside)} taken from other GPUs' slices ({format_cpulist(outside)})")
     mems = frozenset(topo.cpus[c].numa_node for c in cpus)
-    ncores = len({idx.cpu_core[c] for c in cpus})
+    ncores = len({job.idx.cpu_core[c] for c in cpus})
     notes.append(f"CPU {format_cpulist(cpus)} ({len(cpus)} CPUs on {ncores} cores, "
-                 f"{'exclusive' if exclusive else 'shared'}, mode {req.mode})")
+                 f"{'exclusive' if job.exclusive else 'shared'}, mode {job.req.mode})")
     notes.append(f"memory node {format_cpulist(mems)}")
-    return Placement(gpus=gpu_ids, gpu_uuids=tuple(g.uuid for g in gpus), cpus=cpus,
-                     mems=mems, score=score, explanation="; ".join(notes))
+    return Placement(gpus=job.gpu_ids, gpu_uuids=tuple(g.uuid for g in job.gpus), cpus=cpus,
+                     mems=mems, score=job.score, explanation="; ".join(notes))
 
 
 def _core_complex(topo: Topology, idx: _Index, gpus: list[Gpu], whole: list[tuple[int, ...]],
@@ -543,16 +681,15 @@ def _take(whole: list[tuple[int, ...]], split: list[tuple[int, ...]], count: int
     return out
 
 
-def _cpu_error(topo: Topology, count: int, exclusive: bool, usable: frozenset[int],
-               eligible: frozenset[int], held: Mapping[int, str],
-               housekeeping: frozenset[int]) -> PlacementError:
-    parts = [f"need {count} {'exclusive ' if exclusive else ''}CPU(s) on {topo.hostname}, "
-             f"{len(eligible)} free ({format_cpulist(eligible) or 'none'})"]
-    in_use = sorted(c for c in held if c in usable)
+def _cpu_error(job: _Job, count: int) -> PlacementError:
+    held, eligible = job.held, job.eligible
+    parts = [f"need {count} {'exclusive ' if job.exclusive else ''}CPU(s) on "
+             f"{job.topo.hostname}, {len(eligible)} free ({format_cpulist(eligible) or 'none'})"]
+    in_use = sorted(c for c in held if c in job.usable)
     if in_use:
         parts.append(_holders(in_use, held, "CPU"))
-    if housekeeping:
-        parts.append(f"CPU {format_cpulist(housekeeping)} reserved for housekeeping")
+    if job.housekeeping:
+        parts.append(f"CPU {format_cpulist(job.housekeeping)} reserved for housekeeping")
     return PlacementError("; ".join(parts), free_cpus=format_cpulist(eligible),
                           held_cpus={str(k): v for k, v in held.items()})
 

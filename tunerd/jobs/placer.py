@@ -35,12 +35,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from tunerd.adapters import procfs
 from tunerd.adapters.procfs import read_text
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.errors import PlacementError, UsageError
+from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.allocation import Allocation
 from tunerd.jobs.gate import verified_gpus
 from tunerd.jobs.placement import (
@@ -179,6 +179,16 @@ def held_exclusively(taken: Mapping[int, str]) -> PlacementError:
                           held_cpus={str(c): h for c, h in sorted(taken.items())})
 
 
+def _rank_index(req: PlaceRequest) -> int:
+    """The rank's local rank (0 when not known)."""
+    return req.rank if req.rank is not None else 0
+
+
+# a placement's memo key: the request, the housekeeping CPUs, the reservations' digest
+# and their number
+_MemoKey = tuple[PlaceRequest, frozenset[int], int, int]
+
+
 class Placer:
     name = "placer"
 
@@ -200,7 +210,7 @@ class Placer:
         # request, the housekeeping CPUs and a digest of the reservations (kept by
         # reserve/release: the XOR of their hashes and their number), so that any
         # change of them is a miss; dropped whole when the topology or host changes.
-        self._memo: dict[tuple[Any, ...], Placement] = {}
+        self._memo: dict[_MemoKey, Placement] = {}
         self._memo_for: tuple[Topology, HostCapacity] = (topology, host)
         self._res_digest = 0
         self._res_gpus = 0  # reservations holding GPUs (busy GPUs are read live then)
@@ -212,13 +222,13 @@ class Placer:
     async def stop(self) -> None:
         pass
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         gpus = sorted({g for r in self._held() for g in r.gpus})
         excl = format_cpulist(frozenset(self.exclusive_cpus()))
         return {"summary": f"{len(self._res)} reservation(s)"
                            + (f", GPUs {format_cpulist(gpus)} held" if gpus else "")
                            + (f", CPUs {excl} exclusive" if excl else ""),
-                "reservations": len(self._res), "busy_gpus": gpus,
+                "reservations": len(self._res), "busy_gpus": list(gpus),
                 "exclusive_cpus": excl, "housekeeping": format_cpulist(self.housekeeping())}
 
     def warm_up(self) -> None:
@@ -352,7 +362,7 @@ class Placer:
             if self._memo_for[0] is not self.topo or self._memo_for[1] is not self.host:
                 self._memo.clear()
                 self._memo_for = (self.topo, self.host)
-            key: tuple[Any, ...] | None = None
+            key: _MemoKey | None = None
             if req.ignore_busy_gpus or not self._res_gpus:
                 key = (req, self._housekeeping(), self._res_digest, len(self._res))
                 hit = self._memo.get(key)
@@ -368,64 +378,73 @@ class Placer:
     def _place(self, req: PlaceRequest) -> Placement:
         if req.mode not in MODES:
             raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
-        topo = self.topo
         notes: list[str] = []
         alloc = req.allocation
         hk = self.housekeeping()
         allowed = self._allowed_cpus(alloc, hk, notes)
         busy = {} if req.ignore_busy_gpus else self.busy_gpus(req.job)
         if alloc is not None and alloc.gpus is not None:
-            outside = {g.index: f"outside {alloc.describe()}" for g in topo.gpus
-                       if g.index not in alloc.gpus}
-            if req.gpu_ids is not None:
-                bad = [g for g in req.gpu_ids if g in outside]
-                if bad:
-                    raise PlacementError(
-                        f"GPU {format_cpulist(bad)} not in {alloc.describe()}",
-                        allocation_gpus=list(alloc.gpus))
-            elif req.gpus and req.gpus > len(alloc.gpus):
-                raise PlacementError(
-                    f"need {req.gpus} GPU(s) but {alloc.describe()} has "
-                    f"{len(alloc.gpus) or 'no'} GPU(s)"
-                    + (f" ({format_cpulist(alloc.gpus)})" if alloc.gpus else
-                       ": ask the scheduler for GPUs (e.g. srun --gres=gpu:N)"),
-                    allocation_gpus=list(alloc.gpus))
-            busy = {**outside, **busy}
-
+            busy = {**self._outside_allocation(req, alloc, alloc.gpus), **busy}
         if req.cpus is not None:
             return self._given_cpus(req, allowed, notes)
-
-        exclusive = req.exclusive or req.mode == "exclusive"
-        count, share_notes, pooled = self._count(req, allowed, hk)
-        notes += share_notes
-        held = self.exclusive_cpus(group=None if pooled else req.group, job=req.job)
-        soft = {**self.exclusive_cpus(soft=True, job=req.job), **held}
+        count, pooled = self._count(req, allowed, hk, notes)
         preq = PlacementRequest(gpus=req.gpus if req.gpu_ids is None else len(req.gpu_ids),
-                                cpus=count, mode=req.mode, exclusive=exclusive,
+                                cpus=count, mode=req.mode,
+                                exclusive=req.exclusive or req.mode == "exclusive",
                                 gpu_ids=req.gpu_ids)
         if pooled is not None:  # ranks share a fixed slice: no further choice of CPUs
             return self._pooled(req, preq, pooled, busy, hk, notes)
+        return self._finish(self._against_holds(req, preq, busy, hk, allowed, notes), notes)
+
+    # -- parts of place() ------------------------------------------------------
+    def _outside_allocation(self, req: PlaceRequest, alloc: Allocation,
+                            may: tuple[int, ...]) -> dict[int, str]:
+        """The GPUs outside the allocation (``may``: its GPUs), as busy GPUs with why;
+        a request naming one of them, or more GPUs than it has, is refused."""
+        outside = {g.index: f"outside {alloc.describe()}" for g in self.topo.gpus
+                   if g.index not in may}
+        if req.gpu_ids is not None:
+            bad = [g for g in req.gpu_ids if g in outside]
+            if bad:
+                raise PlacementError(f"GPU {format_cpulist(bad)} not in {alloc.describe()}",
+                                     allocation_gpus=list(may))
+        elif req.gpus and req.gpus > len(may):
+            raise PlacementError(
+                f"need {req.gpus} GPU(s) but {alloc.describe()} has "
+                f"{len(may) or 'no'} GPU(s)"
+                + (f" ({format_cpulist(may)})" if may else
+                   ": ask the scheduler for GPUs (e.g. srun --gres=gpu:N)"),
+                allocation_gpus=list(may))
+        return outside
+
+    def _against_holds(self, req: PlaceRequest, preq: PlacementRequest,
+                       busy: Mapping[int, str], hk: frozenset[int],
+                       allowed: frozenset[int] | None, notes: list[str]) -> Placement:
+        """``preq`` on the topology, avoiding every hold it can: first the exclusive
+        holds, the job's ranks' and every lease's; then leases' CPUs may be shared; last
+        (a rank) the CPUs of the job's other ranks too, with a note."""
+        held = self.exclusive_cpus(group=req.group, job=req.job)
+        soft = {**self.exclusive_cpus(soft=True, job=req.job), **held}
         try:
-            p = place_on_topology(topo, preq, busy_gpus=busy, exclusive_cpus=soft,
-                                  housekeeping=hk, allowed_cpus=allowed)
+            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=soft,
+                                     housekeeping=hk, allowed_cpus=allowed)
         except PlacementError:
             if soft == held and not req.group:
                 raise
-            try:  # other leases' CPUs may be shared when nothing else is left
-                p = place_on_topology(topo, preq, busy_gpus=busy, exclusive_cpus=held,
-                                      housekeeping=hk, allowed_cpus=allowed)
-            except PlacementError:
-                if not req.group:
-                    raise
-                # more ranks than CPUs to split: share with the job's other ranks
-                p = place_on_topology(topo, preq, busy_gpus=busy,
-                                      exclusive_cpus=self.exclusive_cpus(job=req.job),
-                                      housekeeping=hk, allowed_cpus=allowed)
-                notes.append("shares CPUs with other ranks of the same job: not enough "
-                             "free CPUs to give each its own")
-        return self._finish(p, notes)
+        try:  # other leases' CPUs may be shared when nothing else is left
+            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=held,
+                                     housekeeping=hk, allowed_cpus=allowed)
+        except PlacementError:
+            if not req.group:
+                raise
+        # more ranks than CPUs to split: share with the job's other ranks
+        p = place_on_topology(self.topo, preq, busy_gpus=busy,
+                              exclusive_cpus=self.exclusive_cpus(job=req.job),
+                              housekeeping=hk, allowed_cpus=allowed)
+        notes.append("shares CPUs with other ranks of the same job: not enough "
+                     "free CPUs to give each its own")
+        return p
 
-    # -- parts of place() ------------------------------------------------------
     def _allowed_cpus(self, alloc: Allocation | None, hk: frozenset[int],
                       notes: list[str]) -> frozenset[int] | None:
         """CPUs of the allocation on the topology placed on (None: no restriction)."""
@@ -449,15 +468,30 @@ class Placer:
         base = online & allowed if allowed is not None else online
         return (base - hk) or base
 
-    def _count(self, req: PlaceRequest, allowed: frozenset[int] | None,
-               hk: frozenset[int]) -> tuple[int | None, list[str], frozenset[int] | None]:
-        """(CPU count, notes, pooled CPUs) for a request without an explicit CPU list.
+    def _count(self, req: PlaceRequest, allowed: frozenset[int] | None, hk: frozenset[int],
+               notes: list[str]) -> tuple[int | None, frozenset[int] | None]:
+        """(CPU count, pooled CPUs) for a request without an explicit CPU list; what was
+        decided on the way is said in ``notes``.
 
         ``pooled``: when a rank's share cannot hold the rank and its workers, the
         exact CPUs the rank shares with its neighbours (no further choice needed).
         """
-        notes: list[str] = []
         usable = self._usable(allowed, hk)
+        count = self._granted_count(req, usable, notes)
+        ranks = req.ranks if req.ranks and req.ranks > 1 else None
+        if count is None and ranks is not None:
+            return self._rank_count(req, usable, hk, ranks, notes)
+        if count is None and (req.gpus or req.gpu_ids):
+            count = self._gpu_share(req, usable, hk)
+        if count is not None and req.workers and count < 1 + req.workers:
+            notes.append(f"{count} CPU(s) for a process with {req.workers} DataLoader "
+                         "worker(s): they will share them")
+        return count, None
+
+    def _granted_count(self, req: PlaceRequest, usable: frozenset[int],
+                       notes: list[str]) -> int | None:
+        """The count asked for or granted (``--ncpus``, the scheduler's CPUs per task, a
+        Slurm task's mask), at most what the allocation has; None: not fixed."""
         alloc = req.allocation
         count = req.ncpus
         if count is None and alloc is not None and alloc.ncpus is not None:
@@ -473,60 +507,78 @@ class Placer:
             notes.append(f"asked for {count} CPUs, the allocation has {len(usable)} "
                          f"({format_cpulist(usable)}): using those")
             count = len(usable)
-        ranks = req.ranks if req.ranks and req.ranks > 1 else None
-        if count is None and ranks is not None:
-            if req.gpu_ids:
-                # per GPU: its slice of the node map, split by the job's ranks on it
-                share = sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
-                count = max(1, min(share // max(1, req.gpu_sharers or 1),
-                                   len(usable) // ranks or 1))
-            elif req.gpus:
-                count = max(1, len(usable) // ranks)
-            else:
-                count = max(1, len(usable) // ranks)
-            smt = self._smt()
-            if count > smt:  # whole cores: a rank never shares a core with the next one
-                count -= count % smt
-            need = 1 + max(0, req.workers)
-            own = node_map(self.topo, hk).slice_cpus(req.gpu_ids or ()) & usable
-            if own and count < need:  # its GPU's slice is too small: never other slices
-                gpus = format_cpulist(req.gpu_ids or ())
-                sharers = req.gpu_sharers or 1
-                if sharers > 1:
-                    notes.append(f"GPU {gpus}'s slice (CPU {format_cpulist(own)}) cannot give "
-                                 f"each of the {sharers} ranks on it room for {req.workers} "
-                                 f"DataLoader worker(s): they share the slice")
-                    return count, notes, own
-                if req.gpu_peers and len(req.gpu_peers) > 1 \
-                        and not (alloc is not None and alloc.scheduler):
-                    rank = req.rank if req.rank is not None else 0
-                    return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
-                notes.append(f"GPU {gpus}'s slice has {len(own)} CPU(s), too few for the "
-                             f"rank and its {req.workers} DataLoader worker(s): they share them")
-                return count, notes, None
-            if count < need and not (alloc is not None and alloc.scheduler):
-                rank = req.rank if req.rank is not None else 0
-                return count, notes, self._pool(req, usable, count, need, rank, ranks, notes)
-            if count < need:  # a scheduler's allocation is split, never pooled
-                notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
-                             f"{count} CPU(s) of {alloc.describe() if alloc else '?'}; its "
-                             f"{req.workers} DataLoader worker(s) share them")
-                return count, notes, None
-            notes.append(f"rank {req.rank if req.rank is not None else '?'} of {ranks}: "
-                         f"{count} CPUs (room for the rank and {req.workers} DataLoader "
-                         f"worker(s))")
-            return count, notes, None
-        if count is None and (req.gpus or req.gpu_ids):
-            gpu = req.gpu_ids[0] if req.gpu_ids else (
-                self.topo.gpus[0].index if self.topo.gpus else -1)
-            ngpu = len(req.gpu_ids) if req.gpu_ids else req.gpus
-            share = (sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
-                     if req.gpu_ids else per_gpu_cpu_share(self.topo, gpu, usable, hk) * ngpu)
-            count = min(len(usable), share // max(1, req.gpu_sharers or 1))
-        if count is not None and req.workers and count < 1 + req.workers:
-            notes.append(f"{count} CPU(s) for a process with {req.workers} DataLoader "
-                         "worker(s): they will share them")
-        return count, notes, None
+        return count
+
+    def _gpu_share(self, req: PlaceRequest, usable: frozenset[int], hk: frozenset[int]) -> int:
+        """A process with GPUs: its GPUs' slices (split by the job's processes on them)."""
+        if req.gpu_ids:
+            share = sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
+        else:
+            first = self.topo.gpus[0].index if self.topo.gpus else -1
+            share = per_gpu_cpu_share(self.topo, first, usable, hk) * req.gpus
+        return min(len(usable), share // max(1, req.gpu_sharers or 1))
+
+    def _rank_share(self, req: PlaceRequest, usable: frozenset[int], hk: frozenset[int],
+                    ranks: int) -> int:
+        """One of ``ranks`` ranks' CPU count, in whole cores where it is over one core."""
+        if req.gpu_ids:
+            # per GPU: its slice of the node map, split by the job's ranks on it
+            share = sum(per_gpu_cpu_share(self.topo, g, usable, hk) for g in req.gpu_ids)
+            count = max(1, min(share // max(1, req.gpu_sharers or 1),
+                               len(usable) // ranks or 1))
+        else:
+            count = max(1, len(usable) // ranks)
+        smt = self._smt()
+        if count > smt:  # whole cores: a rank never shares a core with the next one
+            count -= count % smt
+        return count
+
+    def _rank_count(self, req: PlaceRequest, usable: frozenset[int], hk: frozenset[int],
+                    ranks: int, notes: list[str]) -> tuple[int, frozenset[int] | None]:
+        """(count, pooled CPUs) of one of ``ranks`` ranks splitting the allowed CPUs.
+
+        A share too small for the rank and its workers: inside its GPU's slice, see
+        ``_small_slice``; on a node without a scheduler, pooled with the next ranks'
+        (``_pool``); a scheduler's allocation is split all the same, never pooled.
+        """
+        count = self._rank_share(req, usable, hk, ranks)
+        need = 1 + max(0, req.workers)
+        own = node_map(self.topo, hk).slice_cpus(req.gpu_ids or ()) & usable
+        if own and count < need:  # its GPU's slice is too small: never other slices
+            return count, self._small_slice(req, usable, own, count, need, ranks, notes)
+        alloc = req.allocation
+        if count < need and not (alloc is not None and alloc.scheduler):
+            return count, self._pool(req, usable, count, need, _rank_index(req), ranks, notes)
+        rank = req.rank if req.rank is not None else "?"
+        if count < need:  # a scheduler's allocation is split, never pooled
+            notes.append(f"rank {rank} of {ranks}: {count} CPU(s) of "
+                         f"{alloc.describe() if alloc else '?'}; its {req.workers} "
+                         "DataLoader worker(s) share them")
+        else:
+            notes.append(f"rank {rank} of {ranks}: {count} CPUs (room for the rank and "
+                         f"{req.workers} DataLoader worker(s))")
+        return count, None
+
+    def _small_slice(self, req: PlaceRequest, usable: frozenset[int], own: frozenset[int],
+                     count: int, need: int, ranks: int,
+                     notes: list[str]) -> frozenset[int] | None:
+        """A rank whose GPU's slice (``own``) cannot hold it and its workers: the ranks on
+        that GPU share the slice; a job over several GPUs pools its ranks' slices (no
+        scheduler); else the rank keeps its share, with a note. Never others' slices."""
+        gpus = format_cpulist(req.gpu_ids or ())
+        sharers = req.gpu_sharers or 1
+        if sharers > 1:
+            notes.append(f"GPU {gpus}'s slice (CPU {format_cpulist(own)}) cannot give "
+                         f"each of the {sharers} ranks on it room for {req.workers} "
+                         f"DataLoader worker(s): they share the slice")
+            return own
+        alloc = req.allocation
+        if req.gpu_peers and len(req.gpu_peers) > 1 \
+                and not (alloc is not None and alloc.scheduler):
+            return self._pool(req, usable, count, need, _rank_index(req), ranks, notes)
+        notes.append(f"GPU {gpus}'s slice has {len(own)} CPU(s), too few for the "
+                     f"rank and its {req.workers} DataLoader worker(s): they share them")
+        return None
 
     def _pool(self, req: PlaceRequest, usable: frozenset[int], share: int, need: int,
               rank: int, ranks: int, notes: list[str]) -> frozenset[int]:

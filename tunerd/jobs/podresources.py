@@ -43,11 +43,12 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
+from tunerd.base.jsontypes import JSONObject
 from tunerd.topology.model import Topology
 
 __all__ = ["ContainerDevices", "ContainerResources", "PodAllocation", "PodCgroup",
@@ -91,8 +92,9 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
             raise DecodeError("varint too long")
 
 
-def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value): int for varints, bytes for the rest."""
+def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value): int for varints (wire type 0), bytes for the
+    rest (``_payload`` takes a length-delimited one's)."""
     i = 0
     while i < len(buf):
         key, i = _varint(buf, i)
@@ -116,10 +118,17 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
             raise DecodeError(f"wire type {wt} of field {num}")
 
 
-def _ints(wt: int, v: Any, limit: int = MAX_CPU_ID) -> list[int]:
+def _payload(v: int | bytes) -> bytes:
+    """A length-delimited field's bytes (its wire type, 2, checked by the caller)."""
+    if isinstance(v, int):
+        raise DecodeError("a varint where a length-delimited field belongs")
+    return v
+
+
+def _ints(v: int | bytes, limit: int = MAX_CPU_ID) -> list[int]:
     """A repeated int64: packed (one length-delimited run) or one varint per entry; at
     most ``limit`` of them, each below ``limit`` (DecodeError otherwise)."""
-    if wt == 0:
+    if isinstance(v, int):  # wire type 0
         out = [v]
     else:
         out, i = [], 0
@@ -133,7 +142,7 @@ def _ints(wt: int, v: Any, limit: int = MAX_CPU_ID) -> list[int]:
     return out
 
 
-def _bounded(items: list[Any], what: str, limit: int = MAX_ITEMS) -> None:
+def _bounded(items: Sized, what: str, limit: int = MAX_ITEMS) -> None:
     if len(items) > limit:
         raise DecodeError(f"more than {limit} {what}")
 
@@ -160,31 +169,36 @@ class PodResources:
 
 
 def _devices(buf: bytes) -> ContainerDevices:
-    name, ids, numa = "", [], []
+    name = ""
+    ids: list[str] = []
+    numa: list[int] = []
     for num, wt, v in _fields(buf):
         if num == 1 and wt == 2:
-            name = v.decode()
+            name = _payload(v).decode()
         elif num == 2 and wt == 2:
-            ids.append(v.decode())
+            ids.append(_payload(v).decode())
             _bounded(ids, "device ids in one container")
         elif num == 3 and wt == 2:  # TopologyInfo { repeated NUMANode nodes = 1 }
-            for n2, w2, node in _fields(v):
-                if n2 == 1 and w2 == 2:
-                    numa += [x for n3, w3, x in _fields(node) if n3 == 1 and w3 == 0]
+            for n2, w2, node in _fields(_payload(v)):
+                if n2 == 1 and w2 == 2:  # NUMANode { int64 ID = 1 }: its varints
+                    numa += [x for n3, _, x in _fields(_payload(node))
+                             if n3 == 1 and isinstance(x, int)]
                     _bounded(numa, "NUMA nodes of one device list")
     return ContainerDevices(name, tuple(ids), tuple(numa))
 
 
 def _container(buf: bytes) -> ContainerResources:
-    name, devs, cpus = "", [], []
+    name = ""
+    devs: list[ContainerDevices] = []
+    cpus: list[int] = []
     for num, wt, v in _fields(buf):
         if num == 1 and wt == 2:
-            name = v.decode()
+            name = _payload(v).decode()
         elif num == 2 and wt == 2:
-            devs.append(_devices(v))
+            devs.append(_devices(_payload(v)))
             _bounded(devs, "device lists in one container")
         elif num == 3:
-            cpus += _ints(wt, v)
+            cpus += _ints(v)
             _bounded(cpus, "CPU ids in one container", MAX_CPU_ID)
     return ContainerResources(name, tuple(devs), frozenset(cpus))
 
@@ -195,19 +209,19 @@ def decode_list(buf: bytes) -> list[PodResources]:
     DecodeError, refused before it is decoded where it can be."""
     if len(buf) > MAX_ANSWER:
         raise DecodeError(f"an answer of {len(buf)} bytes, more than {MAX_ANSWER}")
-    pods = []
+    pods: list[PodResources] = []
     for num, wt, v in _fields(buf):
         if num != 1 or wt != 2:
             continue
         name = ns = ""
-        ctrs = []
-        for n2, w2, x in _fields(v):
+        ctrs: list[ContainerResources] = []
+        for n2, w2, x in _fields(_payload(v)):
             if n2 == 1 and w2 == 2:
-                name = x.decode()
+                name = _payload(x).decode()
             elif n2 == 2 and w2 == 2:
-                ns = x.decode()
+                ns = _payload(x).decode()
             elif n2 == 3 and w2 == 2:
-                ctrs.append(_container(x))
+                ctrs.append(_container(_payload(x)))
                 _bounded(ctrs, "containers in one pod")
         pods.append(PodResources(name, ns, tuple(ctrs)))
         _bounded(pods, "pods", MAX_PODS)
@@ -216,12 +230,13 @@ def decode_list(buf: bytes) -> list[PodResources]:
 
 def decode_allocatable(buf: bytes) -> tuple[list[ContainerDevices], frozenset[int]]:
     """AllocatableResourcesResponse { devices = 1; cpu_ids = 2; memory = 3 }."""
-    devs, cpus = [], []
+    devs: list[ContainerDevices] = []
+    cpus: list[int] = []
     for num, wt, v in _fields(buf):
         if num == 1 and wt == 2:
-            devs.append(_devices(v))
+            devs.append(_devices(_payload(v)))
         elif num == 2:
-            cpus += _ints(wt, v)
+            cpus += _ints(v)
     return devs, frozenset(cpus)
 
 
@@ -290,6 +305,18 @@ class _Cache:
     missed: set[tuple[str, str]] = field(default_factory=set)  # asked, not in this answer
 
 
+class _UnaryCall(Protocol):
+    def __call__(self, request: bytes, *, timeout: float) -> bytes: ...
+
+
+class _Channel(Protocol):
+    """What tunerd uses of a ``grpc.Channel``: a raw-bytes unary call, and close."""
+
+    def unary_unary(self, method: str) -> _UnaryCall: ...
+
+    def close(self) -> None: ...
+
+
 @contextlib.contextmanager
 def below_realtime() -> Iterator[None]:
     """The calling thread at SCHED_OTHER for the block when it runs SCHED_FIFO/RR (the
@@ -329,7 +356,7 @@ class PodResourcesSource:
         self.clock = clock
         self._cache = _Cache()
         self._lock = threading.Lock()
-        self._channel: Any = None
+        self._channel: _Channel | None = None
         self._failures = 0
         self._retry_at = 0.0
         self._uids: dict[str, tuple[str, str] | None] = {}  # pod uid -> (ns, name); None: conflict
@@ -393,7 +420,7 @@ class PodResourcesSource:
     async def stop(self) -> None:
         self.close()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         pods = len(self._cache.pods)
         summary = (f"{self.lists_total} List call(s), {pods} pod(s) in the last answer"
                    if self.lists_total else f"not asked yet ({self.socket_path})")
