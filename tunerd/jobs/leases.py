@@ -363,8 +363,8 @@ class LeaseService:
             return
         res = self.mover.move_off(str(ReservationKey.lease(rec.id)), rec.scope,
                                   parse_cpulist(rec.cpus), pid, peer.uid)
-        rec.moved = res["moved"]
-        rec.notes.extend(res["notes"])
+        rec.moved = res.moved
+        rec.notes.extend(res.notes)
 
     async def release_tagged(self, peer: Peer, tag: str) -> dict[str, Any]:
         """Release every lease with ``tag`` that ``peer`` may release (all, for root)."""
