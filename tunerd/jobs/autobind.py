@@ -37,12 +37,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import NoSuchProcess, TunerdError
+from tunerd.base.jsontypes import JSONObject
 from tunerd.base.logutil import acting_for
 from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
@@ -120,47 +120,52 @@ class AutoBinder:
                  proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
         self.pipeline = pipeline  # every bind: tunerd.jobs.pipeline
         self.placer = pipeline.placer
-        self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
-        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = pipeline.jobs
         self.intake = pipeline.intake
+        self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
+        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.pidwatch = pidwatch
         self.mover = mover
         self.errors = errors
         self._default_nofile = default_nofile
         self.use_connector = use_connector
         self.proc = proc_root
+        self.record_delay = record_delay  # debug_apply_delay: seconds before a record
         self.rules = RuleSet([])
         self.watcher: ExecWatcher[Found] | None = None
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
+        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        self._pending: dict[int, asyncio.Task[None]] = {}
+        self._scanning = False  # True while binding processes that ran before the rules
+        self._init_memory()
+        self._init_counters()
+        self._init_watcher_thread(realtime)
+
+    def _init_memory(self) -> None:
+        """What the rules remember of processes they looked at and did not bind."""
+        # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
+        self.left_alone: dict[int, str] = {}
+        self._self_affined: set[int] = set()  # ... of those, ranks that set their own CPUs
+        # descendants and left-alone processes a rescan need not look at again (until
+        # they exec: an exec event looks at them afresh)
+        self._settled: set[int] = set()
+        # pid -> start time of processes whose binding failed: not retried (a /proc
+        # scan or an overrun rescan would otherwise repeat the same error forever)
+        self._failed: dict[int, int] = {}
+        # wrappers an explicit rule matched: pid -> (start time, the match); what they
+        # run matches that rule (``_wrapped_match``)
+        self._wrapped: dict[int, tuple[int, RuleMatch]] = {}
+
+    def _init_counters(self) -> None:
+        """What ``status`` reports: counts, latencies, the steps of binds."""
         self.matched = 0
         self.failed = 0
         self.partial = 0  # bound, but a limit or memory step was left out
         self.last_error: str | None = None
-        self._pending: dict[int, asyncio.Task[None]] = {}
-        # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
-        self.left_alone: dict[int, str] = {}
-        self._self_affined: set[int] = set()  # ... of those, ranks that set their own CPUs
-        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
-        # descendants and left-alone processes a rescan need not look at again (until
-        # they exec: an exec event looks at them afresh)
-        self._settled: set[int] = set()
-        self._scanning = False  # True while binding processes that ran before the rules
-        # pid -> start time of processes whose binding failed: not retried (a /proc
-        # scan or an overrun rescan would otherwise repeat the same error forever)
-        self._failed: dict[int, int] = {}
         # exec event handled -> CPUs bound, as the daemon sees it (the last 1000)
         self.latencies_ms: deque[float] = deque(maxlen=1000)
-        # bind first: a rule match is placed and its CPUs set in the exec watcher's
-        # thread; the loop records, watches and saves it after (False: all on the loop)
-        self.bind_in_watcher = True
         self.bound_first = 0  # matches whose CPUs were set in the watcher's thread
-        # the watcher thread's nice value and, with ``realtime``, its SCHED_FIFO
-        # priority while execs are sparse (it binds now: a wake-up that waits behind
-        # other runnable tasks delays every bind); None: left as the daemon's
-        self.watcher_nice: int | None = WATCHER_NICE
-        self.watcher_rt: int | None = WATCHER_RT_PRIORITY if realtime else None
         self.left_to_loop: dict[str, int] = {}  # ... and why the others were not
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
@@ -169,16 +174,22 @@ class AutoBinder:
         # watcher read it, the main thread's CPUs set), CLOCK_MONOTONIC ns (status
         # "timeline_ns", which bench/autobind.py cuts into steps)
         self.timeline: deque[tuple[int, int, int, int]] = deque(maxlen=256)
+
+    def _init_watcher_thread(self, realtime: bool) -> None:
+        """Bind first: a rule match is placed and its CPUs set in the exec watcher's
+        thread; the loop records, watches and saves it after (False: all on the loop)."""
+        self.bind_in_watcher = True
+        # the watcher thread's nice value and, with ``realtime``, its SCHED_FIFO
+        # priority while execs are sparse (it binds now: a wake-up that waits behind
+        # other runnable tasks delays every bind); None: left as the daemon's
+        self.watcher_nice: int | None = WATCHER_NICE
+        self.watcher_rt: int | None = WATCHER_RT_PRIORITY if realtime else None
         self._match_ns = 0
         # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the
         # ones whose CPUs are set already (``_inflight``) are recorded before we go
         self._fast_lock = threading.Lock()
         self._stopping = False
         self._inflight: set[int] = set()
-        # wrappers an explicit rule matched: pid -> (start time, the match); what they
-        # run matches that rule (``_wrapped_match``)
-        self._wrapped: dict[int, tuple[int, RuleMatch]] = {}
-        self.record_delay = record_delay  # debug_apply_delay: seconds before a record
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -244,13 +255,26 @@ class AutoBinder:
             t.cancel()
         self.pipeline.journal.close()
 
-    def status(self) -> dict[str, Any]:
-        w = self.watcher.status() if self.watcher else {"mode": "off"}
-        n = len(self.rules.rules)
+    def status(self) -> JSONObject:
         bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
         at_start = [b for b in bound if b.at_start]
+        return {"summary": self._summary(at_start),
+                "rules": [r.name for r in self.rules.rules],
+                "watcher": self.watcher.status() if self.watcher else {"mode": "off"},
+                "latency_ms": self._latency(), "matched": self.matched, "failed": self.failed,
+                "partial": self.partial, "last_error": self.last_error,
+                "bound_in_watcher": self.bound_first, "left_to_loop": {**self.left_to_loop},
+                "bound_at_start": len(at_start),
+                "scope": None if self.scope is None else {**self.scope.status()},
+                "timeline_ns": [[*t] for t in self.timeline],
+                "left_alone": [*self.left_alone_now()],
+                "bound": [_bound_json(b) for b in bound]}
+
+    def _summary(self, at_start: list[RuleBound]) -> str:
+        n = len(self.rules.rules)
         names = ", ".join(r.name for r in self.rules.rules)
-        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {w['mode']}, "
+        mode = self.watcher.mode if self.watcher else "off"
+        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
             users = sorted({user_name(b.uid) for b in at_start})
@@ -261,38 +285,31 @@ class AutoBinder:
         if self.scope is not None:
             summary += (f"; scoped to pid {self.scope.root}'s subtree, "
                         f"{self.scope.out_of_scope} out of scope")
+        return summary
+
+    def _latency(self) -> JSONObject:
+        """Exec to bound (ms): median, p99, max; the median of each step of a bind in
+        the watcher's thread."""
         lat = sorted(self.latencies_ms)
-        latency: dict[str, Any] = {"n": len(lat), "median": round(statistics.median(lat), 3),
-                   "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
-                   "max": round(lat[-1], 3)} if lat else {"n": 0}
+        latency: JSONObject = {
+            "n": len(lat), "median": round(statistics.median(lat), 3),
+            "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
+            "max": round(lat[-1], 3)} if lat else {"n": 0}
         steps = list(self.steps_ms)
         if steps:
             latency["bind_first_steps_median"] = {
                 k: round(statistics.median(s[k] for s in steps if k in s), 3)
                 for k in steps[-1]}
-        return {"summary": summary, "rules": [r.name for r in self.rules.rules], "watcher": w,
-                "latency_ms": latency, "matched": self.matched, "failed": self.failed,
-                "partial": self.partial, "last_error": self.last_error,
-                "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
-                "bound_at_start": len(at_start),
-                "scope": None if self.scope is None else self.scope.status(),
-                "timeline_ns": [list(t) for t in self.timeline],
-                "left_alone": self.left_alone_now(),
-                "bound": [{"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
-                           "cpus": format_cpulist(b.placement.cpus or frozenset()),
-                           "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
-                           "notes": list(b.placement.notes), "timing": b.timing,
-                           "at_start": b.at_start,
-                           "latency_ms": None if b.bound_at is None else
-                           round((b.bound_at - b.exec_seen) * 1000, 3)}
-                          for b in bound]}
+        return latency
 
-    def left_alone_now(self) -> list[dict[str, Any]]:
+    def left_alone_now(self) -> list[JSONObject]:
         """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
         that set their own affinity) and that still run, with why."""
-        return [{"pid": p, "why": w, "self_affined": p in self._self_affined}
-                for p, w in sorted(self.left_alone.items())
-                if procfs.read_start_time(p, self.proc) is not None][:100]
+        alive: list[JSONObject] = [
+            {"pid": p, "why": w, "self_affined": p in self._self_affined}
+            for p, w in sorted(self.left_alone.items())
+            if procfs.read_start_time(p, self.proc) is not None]
+        return alive[:100]
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
@@ -814,6 +831,18 @@ class AutoBinder:
             if k is not None and k.kind is ReservationKind.RULE \
                     and k.ident.partition(":")[0] == str(pid):
                 self.mover.restore(key)
+
+
+def _bound_json(b: RuleBound) -> JSONObject:
+    """A rank a rule holds, as ``status`` lists it."""
+    return {"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
+            "cpus": format_cpulist(b.placement.cpus or frozenset()),
+            "gpus": [*b.placement.gpus], "applied": b.placement.applicable,
+            "notes": [*b.placement.notes],
+            "timing": None if b.timing is None else {**b.timing},
+            "at_start": b.at_start,
+            "latency_ms": None if b.bound_at is None else
+            round((b.bound_at - b.exec_seen) * 1000, 3)}
 
 
 def _move_key(pid: int, start_time: int) -> str:
