@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tunerd.adapters.procfs import read_text
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.jsontypes import JSONObject
 
 __all__ = ["CHILD_PREFIX", "CpusetCgroup", "KubeletOwned", "child_name", "find_cpuset",
            "kubelet_owned", "read_ids", "tunerd_children"]
@@ -177,7 +178,7 @@ class CpusetCgroup:
         finally:
             os.close(fd)
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JSONObject:
         return {"version": self.version, "mount": str(self.mount), "path": self.path}
 
     @classmethod

@@ -37,12 +37,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import NoSuchProcess, TunerdError
+from tunerd.base.jsontypes import JSONObject
 from tunerd.base.logutil import acting_for
 from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
@@ -69,6 +69,7 @@ from tunerd.jobs.pipeline import (
 )
 from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import ReservationKey, ReservationKind
+from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import RuleMatch, RuleSet
@@ -77,7 +78,6 @@ __all__ = ["AutoBinder"]
 
 FOLLOWERS_MAX = 256  # processes a rank's bind looks at again (``_followers``)
 FOLLOWERS_DEPTH = 4  # ... and how far down its tree
-WRAPPED_MAX = 1024  # wrappers matched by an explicit rule, remembered at once
 _CAP = re.compile(r"\bCAP_[A-Z_]+\b")  # a capability a left-out step needed
 log = logging.getLogger("tunerd.autobind")
 
@@ -120,47 +120,38 @@ class AutoBinder:
                  proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
         self.pipeline = pipeline  # every bind: tunerd.jobs.pipeline
         self.placer = pipeline.placer
-        self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
-        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.jobs = pipeline.jobs
         self.intake = pipeline.intake
+        self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
+        self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
         self.pidwatch = pidwatch
         self.mover = mover
         self.errors = errors
         self._default_nofile = default_nofile
         self.use_connector = use_connector
         self.proc = proc_root
+        self.record_delay = record_delay  # debug_apply_delay: seconds before a record
         self.rules = RuleSet([])
         self.watcher: ExecWatcher[Found] | None = None
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
+        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        self._pending: dict[int, asyncio.Task[None]] = {}
+        self._scanning = False  # True while binding processes that ran before the rules
+        # what the rules remember of processes they looked at and did not bind
+        self.memory = RuleMemory(pidwatch, errors, proc_root)
+        self._init_counters()
+        self._init_watcher_thread(realtime)
+
+    def _init_counters(self) -> None:
+        """What ``status`` reports: counts, latencies, the steps of binds."""
         self.matched = 0
         self.failed = 0
         self.partial = 0  # bound, but a limit or memory step was left out
         self.last_error: str | None = None
-        self._pending: dict[int, asyncio.Task[None]] = {}
-        # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
-        self.left_alone: dict[int, str] = {}
-        self._self_affined: set[int] = set()  # ... of those, ranks that set their own CPUs
-        self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
-        # descendants and left-alone processes a rescan need not look at again (until
-        # they exec: an exec event looks at them afresh)
-        self._settled: set[int] = set()
-        self._scanning = False  # True while binding processes that ran before the rules
-        # pid -> start time of processes whose binding failed: not retried (a /proc
-        # scan or an overrun rescan would otherwise repeat the same error forever)
-        self._failed: dict[int, int] = {}
         # exec event handled -> CPUs bound, as the daemon sees it (the last 1000)
         self.latencies_ms: deque[float] = deque(maxlen=1000)
-        # bind first: a rule match is placed and its CPUs set in the exec watcher's
-        # thread; the loop records, watches and saves it after (False: all on the loop)
-        self.bind_in_watcher = True
         self.bound_first = 0  # matches whose CPUs were set in the watcher's thread
-        # the watcher thread's nice value and, with ``realtime``, its SCHED_FIFO
-        # priority while execs are sparse (it binds now: a wake-up that waits behind
-        # other runnable tasks delays every bind); None: left as the daemon's
-        self.watcher_nice: int | None = WATCHER_NICE
-        self.watcher_rt: int | None = WATCHER_RT_PRIORITY if realtime else None
         self.left_to_loop: dict[str, int] = {}  # ... and why the others were not
         # ... and how long each step of that took (intake, place, bind; the handoff to
         # the loop after), the last 1000
@@ -169,16 +160,22 @@ class AutoBinder:
         # watcher read it, the main thread's CPUs set), CLOCK_MONOTONIC ns (status
         # "timeline_ns", which bench/autobind.py cuts into steps)
         self.timeline: deque[tuple[int, int, int, int]] = deque(maxlen=256)
+
+    def _init_watcher_thread(self, realtime: bool) -> None:
+        """Bind first: a rule match is placed and its CPUs set in the exec watcher's
+        thread; the loop records, watches and saves it after (False: all on the loop)."""
+        self.bind_in_watcher = True
+        # the watcher thread's nice value and, with ``realtime``, its SCHED_FIFO
+        # priority while execs are sparse (it binds now: a wake-up that waits behind
+        # other runnable tasks delays every bind); None: left as the daemon's
+        self.watcher_nice: int | None = WATCHER_NICE
+        self.watcher_rt: int | None = WATCHER_RT_PRIORITY if realtime else None
         self._match_ns = 0
         # stopping: no bind in the watcher's thread after ``stop`` took this lock, and the
         # ones whose CPUs are set already (``_inflight``) are recorded before we go
         self._fast_lock = threading.Lock()
         self._stopping = False
         self._inflight: set[int] = set()
-        # wrappers an explicit rule matched: pid -> (start time, the match); what they
-        # run matches that rule (``_wrapped_match``)
-        self._wrapped: dict[int, tuple[int, RuleMatch]] = {}
-        self.record_delay = record_delay  # debug_apply_delay: seconds before a record
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -244,13 +241,26 @@ class AutoBinder:
             t.cancel()
         self.pipeline.journal.close()
 
-    def status(self) -> dict[str, Any]:
-        w = self.watcher.status() if self.watcher else {"mode": "off"}
-        n = len(self.rules.rules)
+    def status(self) -> JSONObject:
         bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
         at_start = [b for b in bound if b.at_start]
+        return {"summary": self._summary(at_start),
+                "rules": [r.name for r in self.rules.rules],
+                "watcher": self.watcher.status() if self.watcher else {"mode": "off"},
+                "latency_ms": self._latency(), "matched": self.matched, "failed": self.failed,
+                "partial": self.partial, "last_error": self.last_error,
+                "bound_in_watcher": self.bound_first, "left_to_loop": {**self.left_to_loop},
+                "bound_at_start": len(at_start),
+                "scope": None if self.scope is None else {**self.scope.status()},
+                "timeline_ns": [[*t] for t in self.timeline],
+                "left_alone": [*self.memory.left_alone_now()],
+                "bound": [_bound_json(b) for b in bound]}
+
+    def _summary(self, at_start: list[RuleBound]) -> str:
+        n = len(self.rules.rules)
         names = ", ".join(r.name for r in self.rules.rules)
-        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {w['mode']}, "
+        mode = self.watcher.mode if self.watcher else "off"
+        summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:
             users = sorted({user_name(b.uid) for b in at_start})
@@ -261,38 +271,26 @@ class AutoBinder:
         if self.scope is not None:
             summary += (f"; scoped to pid {self.scope.root}'s subtree, "
                         f"{self.scope.out_of_scope} out of scope")
+        return summary
+
+    def _latency(self) -> JSONObject:
+        """Exec to bound (ms): median, p99, max; the median of each step of a bind in
+        the watcher's thread."""
         lat = sorted(self.latencies_ms)
-        latency: dict[str, Any] = {"n": len(lat), "median": round(statistics.median(lat), 3),
-                   "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
-                   "max": round(lat[-1], 3)} if lat else {"n": 0}
+        latency: JSONObject = {
+            "n": len(lat), "median": round(statistics.median(lat), 3),
+            "p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))], 3),
+            "max": round(lat[-1], 3)} if lat else {"n": 0}
         steps = list(self.steps_ms)
         if steps:
             latency["bind_first_steps_median"] = {
                 k: round(statistics.median(s[k] for s in steps if k in s), 3)
                 for k in steps[-1]}
-        return {"summary": summary, "rules": [r.name for r in self.rules.rules], "watcher": w,
-                "latency_ms": latency, "matched": self.matched, "failed": self.failed,
-                "partial": self.partial, "last_error": self.last_error,
-                "bound_in_watcher": self.bound_first, "left_to_loop": dict(self.left_to_loop),
-                "bound_at_start": len(at_start),
-                "scope": None if self.scope is None else self.scope.status(),
-                "timeline_ns": [list(t) for t in self.timeline],
-                "left_alone": self.left_alone_now(),
-                "bound": [{"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
-                           "cpus": format_cpulist(b.placement.cpus or frozenset()),
-                           "gpus": list(b.placement.gpus), "applied": b.placement.applicable,
-                           "notes": list(b.placement.notes), "timing": b.timing,
-                           "at_start": b.at_start,
-                           "latency_ms": None if b.bound_at is None else
-                           round((b.bound_at - b.exec_seen) * 1000, 3)}
-                          for b in bound]}
+        return latency
 
-    def left_alone_now(self) -> list[dict[str, Any]]:
-        """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
-        that set their own affinity) and that still run, with why."""
-        return [{"pid": p, "why": w, "self_affined": p in self._self_affined}
-                for p, w in sorted(self.left_alone.items())
-                if procfs.read_start_time(p, self.proc) is not None][:100]
+    def left_alone_now(self) -> list[JSONObject]:
+        """Processes a rule matched and left alone that still run, with why."""
+        return self.memory.left_alone_now()
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
@@ -306,8 +304,8 @@ class AutoBinder:
         # binding first: the uid is read after the CPUs are set where the gate does not
         # need it before (a rule that reserves nothing for others)
         m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
-        if m is None and self._wrapped:
-            m = self._wrapped_match(pid)
+        if m is None and self.memory.wrapped:
+            m = self.memory.wrapped_match(pid)
         if m is None or (self.scope is not None and not self.scope.admits(pid)):
             return None
         seen = time.monotonic()
@@ -338,42 +336,15 @@ class AutoBinder:
             return
         self.on_match(m, seen, fast.context if fast is not None else None)
 
-    def _wrapped_match(self, pid: int) -> RuleMatch | None:
-        """An explicit rule matched a wrapper (``bash myjob.sh``): what the wrapper runs
-        -- the image it execs, the children it starts -- is that rule's match."""
-        start = procfs.read_start_time(pid, self.proc)
-        hit = self._wrapped.get(pid)
-        if hit is None or hit[0] != start:
-            ppid = procfs.read_ppid(pid, self.proc)
-            hit = self._wrapped.get(ppid) if ppid is not None else None
-            if hit is None or ppid is None or procfs.read_start_time(ppid, self.proc) != hit[0]:
-                return None
-        got = procfs.read_cmdline_prefix(pid, self.proc)
-        env = procfs.read_environ_view(pid, self.proc)
-        if got is None or env is None:
-            return None
-        wrapper = hit[1]
-        return RuleMatch(rule=wrapper.rule, pid=pid, cmdline=got[0], uid=wrapper.uid,
-                         env=env)
-
-    def _wrap(self, m: RuleMatch, ctx: JobContext) -> None:
-        """Remember a wrapper an explicit rule matched (``_wrapped_match``)."""
-        if m.rule.rank or ctx.role != "wrapper":
-            return
-        if len(self._wrapped) >= WRAPPED_MAX:
-            self._wrapped.clear()
-        self._wrapped[ctx.pid] = (ctx.start_time, m)  # a stale entry never matches: the
-        # start time is checked, and the table is bounded
-
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
         m = self.rules.match(pid)
-        if m is None and self._wrapped:
-            m = self._wrapped_match(pid)
+        if m is None and self.memory.wrapped:
+            m = self.memory.wrapped_match(pid)
         if m is None:
             return
         if self.scope is not None and not self.scope.admits(pid):
-            self._settled.add(pid)  # outside for good: not looked at again until it execs
+            self.memory.settled.add(pid)  # outside for good: not looked at again until it execs
             return
         self.on_match(m)
 
@@ -392,7 +363,7 @@ class AutoBinder:
             hook()
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
-            if pid != me and pid not in self.bound and pid not in self._settled:
+            if pid != me and pid not in self.bound and pid not in self.memory.settled:
                 self.on_exec(pid)
 
     def preview(self, m: RuleMatch) -> Placement:
@@ -414,7 +385,7 @@ class AutoBinder:
             log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
             return None  # gone (or unreadable) before we got to it
         # a process seen before (a rescan, or another exec of it) is no new match
-        if self._failed.get(pid) == ctx.start_time:
+        if self.memory.failed.get(pid) == ctx.start_time:
             return None
         prev = self.bound.get(pid)
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
@@ -426,32 +397,14 @@ class AutoBinder:
             ctx = replace(ctx, self_affined=False,
                           why=ctx.why.split("; its CPU mask ")[0] + "; bound by tunerd")
         if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
-            self._wrap(m, ctx)
-            self._left_alone(ctx)
-            self._settle(ctx)
+            self.memory.wrap(m, ctx)
+            self.memory.leave_alone(ctx)
+            self.memory.settle(ctx)
             return None
         if m.rule.rank and ctx.role not in ("rank", "descendant"):
             return None
         log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
         return ctx
-
-    def _settle(self, ctx: JobContext) -> None:
-        if len(self._settled) > 100_000:
-            self._settled.clear()
-        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled.discard):
-            self._settled.add(ctx.pid)
-
-    def _left_alone(self, ctx: JobContext) -> None:
-        if len(self.left_alone) > 1000:
-            self.left_alone.clear()
-            self._self_affined.clear()
-        if ctx.self_affined:
-            self._self_affined.add(ctx.pid)
-        else:
-            self._self_affined.discard(ctx.pid)
-        if ctx.pid not in self.left_alone:
-            log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
-        self.left_alone[ctx.pid] = ctx.why
 
     async def _after_parent(self, m: RuleMatch, ctx: JobContext) -> JobContext:
         """A descendant whose rank is being bound right now (a /proc rescan finds both):
@@ -468,7 +421,7 @@ class AutoBinder:
         cpus = ctx.parent_cpus
         mask = ctx.allocation.mask
         if cpus is not None:
-            self._settle(ctx)
+            self.memory.settle(ctx)
         if cpus is None or (mask is not None and mask <= cpus):
             return
         self.matched += 1
@@ -559,7 +512,7 @@ class AutoBinder:
             if self._stopping:
                 return self._to_loop("stopping", None)
             pid = m.pid
-            if (pid in self._pending or pid in self.bound or pid in self._failed
+            if (pid in self._pending or pid in self.bound or pid in self.memory.failed
                     or self.jobs.record(pid) is not None or self.jobs.dry_run
                     or rule_reach_refused(m.rule, m.uid) is not None):
                 return self._to_loop("seen before, or refused", None)
@@ -572,7 +525,7 @@ class AutoBinder:
                 self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
             if tb is None or out.context is None or out.placement is None:
                 if out.context is not None and out.context.role == "wrapper":
-                    self._wrap(m, out.context)  # before what it starts execs
+                    self.memory.wrap(m, out.context)  # before what it starts execs
                 return self._to_loop(out.reason, out.context)
             self._track(m, out.context, tb.group, out.placement, 0.0, False, watch=False)
             self._inflight.add(pid)  # until the loop has it (``_matched``)
@@ -760,27 +713,14 @@ class AutoBinder:
         return rb
 
     def _failure(self, m: RuleMatch, pid: int, message: str) -> None:
-        self._remember_failure(pid)
+        self.memory.remember_failure(pid)
         self.failed += 1
         self.last_error = f"rule {m.rule.name}, pid {pid}: {message}"
         self.errors.record("autobind", self.last_error, key=pid)
         self._forget(pid)
 
-    def _remember_failure(self, pid: int) -> None:
-        start = procfs.read_start_time(pid, self.proc)
-        if start is not None:
-            if len(self._failed) > 10_000:
-                self._failed.clear()
-            self._failed[pid] = start
-            # the failure's error resolves itself when the process ends
-            self.pidwatch.watch(pid, start, "rule-failed", self._failed_exited)
-
     def _partial_exited(self, pid: int) -> None:
         self.errors.resolve("autobind", f"partial:{pid}")
-
-    def _failed_exited(self, pid: int) -> None:
-        self._failed.pop(pid, None)
-        self.errors.resolve("autobind", pid)
 
     def _forget(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
@@ -814,6 +754,18 @@ class AutoBinder:
             if k is not None and k.kind is ReservationKind.RULE \
                     and k.ident.partition(":")[0] == str(pid):
                 self.mover.restore(key)
+
+
+def _bound_json(b: RuleBound) -> JSONObject:
+    """A rank a rule holds, as ``status`` lists it."""
+    return {"pid": b.pid, "rule": b.rule, "user": user_name(b.uid),
+            "cpus": format_cpulist(b.placement.cpus or frozenset()),
+            "gpus": [*b.placement.gpus], "applied": b.placement.applicable,
+            "notes": [*b.placement.notes],
+            "timing": None if b.timing is None else {**b.timing},
+            "at_start": b.at_start,
+            "latency_ms": None if b.bound_at is None else
+            round((b.bound_at - b.exec_seen) * 1000, 3)}
 
 
 def _move_key(pid: int, start_time: int) -> str:

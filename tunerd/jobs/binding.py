@@ -10,10 +10,10 @@ import os
 import select
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from tunerd.adapters.cpuset import CpusetCgroup
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.base.jsontypes import JSONObject
 
 __all__ = ["BindResult", "Originals", "Plan", "Target"]
 
@@ -28,7 +28,7 @@ class Target:
     uid: int  # real uid
     euid: int
 
-    _poll: Any = field(default=None, repr=False, compare=False)
+    _poll: select.poll | None = field(default=None, repr=False, compare=False)
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -57,7 +57,7 @@ class Originals:
     cpuset_child: CpusetCgroup | None = None  # the child cpuset tunerd made
     affinity_set: bool = False  # whether bind changed CPU masks (restore only what changed)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {
             "pid": self.pid,
             "start_time": self.start_time,
@@ -70,22 +70,26 @@ class Originals:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Originals:
-        nof = d.get("nofile")
-        base, child = d.get("cpuset_base"), d.get("cpuset_child")
+    def from_json(cls, d: object) -> Originals:
+        """Read back what ``to_json`` wrote; TypeError, KeyError or ValueError for a
+        malformed record (its owner drops it)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"originals: expected an object, got {type(d).__name__}")
+        nof, base, child = d.get("nofile"), d.get("cpuset_base"), d.get("cpuset_child")
         threads: dict[int, frozenset[int]] = {}
-        for text, tids in (d.get("threads") or {}).items():
+        for text, tids in _mapping(d.get("threads") or {}).items():
             mask = parse_cpulist(text)
-            for tid in tids:
-                threads[int(tid)] = mask
+            for tid in _sequence(tids):
+                threads[_int(tid)] = mask
+        pair = _sequence(nof) if nof else None
         return cls(
-            pid=int(d["pid"]),
-            start_time=int(d["start_time"]),
-            process_cpus=parse_cpulist(d["process_cpus"]),
+            pid=_int(d["pid"]),
+            start_time=_int(d["start_time"]),
+            process_cpus=parse_cpulist(_str(d["process_cpus"])),
             threads=threads,
-            nofile=(int(nof[0]), int(nof[1])) if nof else None,
-            cpuset_base=CpusetCgroup.from_json(base) if base else None,
-            cpuset_child=CpusetCgroup.from_json(child) if child else None,
+            nofile=(_int(pair[0]), _int(pair[1])) if pair else None,
+            cpuset_base=CpusetCgroup.from_json(_mapping(base)) if base else None,
+            cpuset_child=CpusetCgroup.from_json(_mapping(child)) if child else None,
             affinity_set=bool(d.get("affinity_set")),
         )
 
@@ -93,12 +97,37 @@ class Originals:
         return replace(self, threads=dict(self.threads))
 
 
-def _group_masks(masks: dict[int, frozenset[int]]) -> dict[str, list[int]]:
+def _group_masks(masks: dict[int, frozenset[int]]) -> JSONObject:
     """cpulist -> [tid, ...]: threads mostly share one mask, so this stays small."""
     by_mask: dict[frozenset[int], list[int]] = {}
     for tid, mask in masks.items():
         by_mask.setdefault(mask, []).append(tid)
-    return {format_cpulist(m): sorted(tids) for m, tids in by_mask.items()}
+    return {format_cpulist(m): [*sorted(tids)] for m, tids in by_mask.items()}
+
+
+# -- narrowing a JSON value read back (a wrong type raises as int() and [] would) -----
+def _int(v: object) -> int:
+    if isinstance(v, int | float | str):
+        return int(v)
+    raise TypeError(f"expected a number, got {type(v).__name__}")
+
+
+def _str(v: object) -> str:
+    if isinstance(v, str):
+        return v
+    raise TypeError(f"expected a string, got {type(v).__name__}")
+
+
+def _mapping(v: object) -> dict[str, object]:
+    if isinstance(v, dict):
+        return v
+    raise TypeError(f"expected an object, got {type(v).__name__}")
+
+
+def _sequence(v: object) -> list[object]:
+    if isinstance(v, list | tuple):
+        return list(v)
+    raise TypeError(f"expected a list, got {type(v).__name__}")
 
 
 @dataclass
@@ -136,7 +165,7 @@ class BindResult:
     notes: list[str]
     elapsed_ms: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         return {
             "pid": self.pid,
             "cpus": format_cpulist(self.cpus) if self.cpus is not None else None,
@@ -145,7 +174,7 @@ class BindResult:
             "pages_moved": self.pages_moved,
             "nofile": ({"old": self.nofile_old, "new": self.nofile_new}
                        if self.nofile_new is not None else None),
-            "notes": self.notes,
+            "notes": [*self.notes],
             "elapsed_ms": round(self.elapsed_ms, 3),
         }
 

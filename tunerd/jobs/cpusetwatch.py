@@ -41,16 +41,28 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from tunerd.adapters.cpuset import CpusetCgroup, find_cpuset
 from tunerd.adapters.procfs import read_text
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errors import TunerdError
+from tunerd.base.jsontypes import JSONObject
 
 __all__ = ["CpusetWatch"]
 
 log = logging.getLogger("tunerd.cpusetwatch")
+
+
+class _Inotify(Protocol):
+    """What the watcher uses of ``inotify_simple.INotify`` (an optional package)."""
+
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def read(self, timeout: int | None = None) -> object: ...
+    def add_watch(self, path: str, mask: int) -> int: ...
+    def rm_watch(self, wd: int) -> None: ...
+
 
 POLL_INTERVAL = 0.25  # seconds, without inotify; the 1 s bound holds with a poll alone
 SAFETY_POLL = 1.0  # seconds, with inotify (writes notify; hotplug wakes the watcher)
@@ -121,7 +133,7 @@ class CpusetWatch:
         self._where: dict[tuple[int, int], Path] = {}  # ... and its cgroup dir, if any
         self._changed: set[int] = set()  # pids whose binding changed since the last round
         self._wds: dict[int, Path] = {}
-        self._ino: Any = None
+        self._ino: _Inotify | None = None
         self._task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
         self.rebinds_total = 0
@@ -140,8 +152,9 @@ class CpusetWatch:
         try:
             from inotify_simple import INotify
 
-            self._ino = INotify()
-            asyncio.get_running_loop().add_reader(self._ino.fileno(), self._on_inotify)
+            ino: _Inotify = INotify()
+            self._ino = ino
+            asyncio.get_running_loop().add_reader(ino.fileno(), self._on_inotify)
         except (ImportError, OSError) as err:  # the poll alone keeps the 1 s bound
             log.info("cpuset watch: no inotify (%s); polling every %.2f s", err,
                      self.poll_interval)
@@ -161,10 +174,10 @@ class CpusetWatch:
             self._ino.close()
             self._ino = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         return {"summary": f"{len(self._cgroups)} cpuset cgroup(s) watched, "
                            f"{self.rebinds_total} re-bind(s) after a cpuset change",
-                "cgroups": sorted(w.cgroup.path for w in self._cgroups.values()),
+                "cgroups": [*sorted(w.cgroup.path for w in self._cgroups.values())],
                 "rebinds_total": self.rebinds_total, "last_rebind_ms": self.last_rebind_ms,
                 "inotify": self._ino is not None}
 
@@ -204,7 +217,8 @@ class CpusetWatch:
 
     def _on_inotify(self) -> None:
         try:
-            self._ino.read(timeout=0)
+            if self._ino is not None:  # the reader goes with it (``stop``)
+                self._ino.read(timeout=0)
         except OSError:
             pass
         self._dirty.set()

@@ -20,15 +20,16 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errors import PermissionDenied, UsageError
 from tunerd.jobs.actuate import set_threads
 
-__all__ = ["ExclusiveMover", "parse_scope"]
+__all__ = ["ExclusiveMover", "MoveReport", "MovedEntry", "MovedThread", "parse_scope"]
 
 log = logging.getLogger("tunerd.exclusive")
 
@@ -36,6 +37,32 @@ CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpus
 _SCOPE_RE = re.compile(r"^(pid:(?P<pid>\d+)|cgroup:(?P<cg>/[^\0]*))$")
 _NAME_MAX = 255  # bytes in one path component (NAME_MAX)
 _PATH_MAX = 4096 - len("/sys/fs/cgroup/unified/cgroup.procs")  # PATH_MAX, roots included
+
+
+class MovedThread(TypedDict):
+    """One moved thread, as the runtime state keeps it (``leases.moved[KEY].threads``)."""
+
+    pid: int
+    start_time: int
+    orig: str  # its mask before (a cpulist)
+    set: str  # the mask tunerd set
+
+
+class MovedEntry(TypedDict):
+    """What one exclusive holder moved (``leases.moved[KEY]``)."""
+
+    scope: str
+    cpus: str  # the holder's CPUs
+    threads: dict[str, MovedThread]  # str(tid) -> the thread
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What ``move_off`` did."""
+
+    scope: str
+    moved: int = 0  # threads moved
+    notes: list[str] = field(default_factory=list)
 
 
 def parse_scope(scope: str) -> tuple[str, str]:
@@ -84,15 +111,15 @@ def scope_pids(scope: str, proc: str = procfs.PROC,
 class ExclusiveMover:
     """Keeps the record of every moved thread in ``section``; ``save`` persists it."""
 
-    def __init__(self, section: dict[str, Any], save: Callable[[], None], *,
+    def __init__(self, section: dict[str, MovedEntry], save: Callable[[], None], *,
                  dry_run: bool = False, proc: str = procfs.PROC) -> None:
-        self.moved: dict[str, dict[str, Any]] = section
+        self.moved = section
         self._save = save
         self.dry_run = dry_run
         self.proc = proc
 
     def move_off(self, key: str, scope: str, cpus: frozenset[int], keep_root: int | None,
-                 requester_uid: int) -> dict[str, Any]:
+                 requester_uid: int) -> MoveReport:
         """Move every thread in ``scope`` (except ``keep_root`` and its tree) off ``cpus``.
 
         Non-root requesters only move processes they own; others are skipped.
@@ -105,8 +132,8 @@ class ExclusiveMover:
                 else set())
         keep.add(os.getpid())
         if not cpus:
-            return {"scope": scope, "moved": 0, "notes": []}
-        plan: dict[str, dict[str, Any]] = {}
+            return MoveReport(scope)
+        plan: dict[str, MovedThread] = {}
         notes: list[str] = []
         foreign = 0
         for pid in pids:
@@ -130,26 +157,26 @@ class ExclusiveMover:
                 st = procfs.read_start_time(tid, self.proc)
                 if st is None:
                     continue
-                plan[str(tid)] = {"pid": pid, "start_time": st, "orig": format_cpulist(cur),
-                                  "set": format_cpulist(new)}
+                plan[str(tid)] = MovedThread(pid=pid, start_time=st, orig=format_cpulist(cur),
+                                             set=format_cpulist(new))
         if foreign:
             notes.append(f"{foreign} process(es) in {scope} belong to other users and were "
                          "not moved")
         if self.dry_run:
             notes.append(f"dry run: would move {len(plan)} thread(s) off "
                          f"{format_cpulist(cpus)}")
-            return {"scope": scope, "moved": 0, "notes": notes}
-        entry = self.moved.setdefault(key, {"scope": scope, "cpus": format_cpulist(cpus),
-                                            "threads": {}})
+            return MoveReport(scope, notes=notes)
+        entry = self.moved.setdefault(key, MovedEntry(scope=scope, cpus=format_cpulist(cpus),
+                                                      threads={}))
         entry["threads"].update(plan)
         self._save()  # originals on disk before the first change
         moved = self._move(entry, plan)
         self._save()
         log.info("exclusive %s: moved %d thread(s) in %s off CPUs %s", key, moved, scope,
                  format_cpulist(cpus))
-        return {"scope": scope, "moved": moved, "notes": notes}
+        return MoveReport(scope, moved, notes)
 
-    def _move(self, entry: dict[str, Any], plan: dict[str, dict[str, Any]]) -> int:
+    def _move(self, entry: MovedEntry, plan: dict[str, MovedThread]) -> int:
         """Set the planned masks, each process pinned by a pidfd (tunerd.jobs.actuate);
         a thread not moved is dropped from ``entry``."""
         moved = 0
@@ -215,9 +242,9 @@ class ExclusiveMover:
         return n
 
 
-def _by_pid(threads: dict[str, dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+def _by_pid(threads: dict[str, MovedThread]) -> dict[int, dict[str, MovedThread]]:
     """Moved threads (tid -> record) grouped by their process."""
-    out: dict[int, dict[str, dict[str, Any]]] = {}
+    out: dict[int, dict[str, MovedThread]] = {}
     for tid, rec in threads.items():
         out.setdefault(int(rec["pid"]), {})[tid] = rec
     return out

@@ -29,12 +29,12 @@ import pwd
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
+from tunerd.base.jsontypes import JSONObject, JSONValue
 from tunerd.jobs.allocation import Allocation, cvd_names
 from tunerd.jobs.exclusive import ExclusiveMover, parse_scope
 from tunerd.jobs.gate import LeaseLimits
@@ -72,7 +72,7 @@ class LeaseService:
     name = "leases"
 
     def __init__(self, pipeline: BindPipeline, pidwatch: PidWatch,
-                 mover: ExclusiveMover, section: dict[str, Any], save: Callable[[], None],
+                 mover: ExclusiveMover, section: JSONObject, save: Callable[[], None],
                  errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None],
                  proc_root: str = procfs.PROC) -> None:
@@ -88,16 +88,12 @@ class LeaseService:
         self.gate.count_with(self.held_where)
         self._default_nofile = default_nofile
         self.proc = proc_root
-        section.setdefault("next_id", 1)
-        section.setdefault("leases", {})
+        next_id = section.setdefault("next_id", 1)
+        self._next_id = next_id if isinstance(next_id, int) else 1  # the state checked it
+        raw_leases = section.setdefault("leases", {})
         section.setdefault("moved", {})
         self.section = section
-        self.leases: dict[str, Lease] = {}
-        for lid, raw in list(section["leases"].items()):
-            try:
-                self.leases[lid] = Lease.from_json(raw)
-            except ValueError as err:
-                log.error("dropping lease %r: %s", lid, err)
+        self.leases = _read_leases(raw_leases)
         self._store_save = save
         self._jobs_timer: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -164,7 +160,7 @@ class LeaseService:
         """A /proc rescan happened (autobind): check the leases' jobs now too."""
         self._ended_jobs()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         n = len(self.leases)
         gpus = sorted(g for r in self.leases.values() for g in r.gpus)
         return {"summary": f"{n} lease(s)" + (f" holding GPU(s) {','.join(map(str, gpus))}"
@@ -172,7 +168,7 @@ class LeaseService:
                 "leases": n}
 
     # -- queries -------------------------------------------------------------
-    def list_leases(self) -> list[dict[str, Any]]:
+    def list_leases(self) -> list[JSONObject]:
         return [self._public(r) for r in sorted(self.leases.values(),
                                                 key=lambda r: int(r.id[1:]))]
 
@@ -229,8 +225,9 @@ class LeaseService:
     def _new_record(self, peer: Peer, placed: Placement, ctx: JobContext, *,
                     exclusive: bool, scope: str | None, origin: str, pid: int | None = None,
                     cmd: list[str] | None = None, tag: str | None = None) -> Lease:
-        lid = f"L{self.section['next_id']}"
-        self.section["next_id"] += 1
+        lid = f"L{self._next_id}"
+        self._next_id += 1
+        self.section["next_id"] = self._next_id
         now = time.time()
         ttl = self._limits().alloc_ttl
         return Lease(
@@ -278,7 +275,7 @@ class LeaseService:
     async def alloc(self, peer: Peer, *, gpus: int, ncpus: int | None,
                     cpus: frozenset[int] | None = None, exclusive: bool = False,
                     scope: str | None = None, tag: str | None = None,
-                    workers: int = 0) -> dict[str, Any]:
+                    workers: int = 0) -> JSONObject:
         self._check(peer, gpus, ncpus, exclusive, scope)
         ctx = self._describe(peer)
         placed = self.placer.place(self._request(ctx, gpus=gpus, ncpus=ncpus, cpus=cpus,
@@ -301,7 +298,7 @@ class LeaseService:
     async def run(self, peer: Peer, *, gpus: int, ncpus: int | None,
                   cpus: frozenset[int] | None = None, exclusive: bool = False,
                   scope: str | None = None, cmd: list[str], tag: str | None = None,
-                  workers: int = 0) -> dict[str, Any]:
+                  workers: int = 0) -> JSONObject:
         """Lease for the peer process itself, bound before it exec()s ``cmd``."""
         self._check(peer, gpus, ncpus, exclusive, scope)
         pid = peer.pid
@@ -363,10 +360,10 @@ class LeaseService:
             return
         res = self.mover.move_off(str(ReservationKey.lease(rec.id)), rec.scope,
                                   parse_cpulist(rec.cpus), pid, peer.uid)
-        rec.moved = res["moved"]
-        rec.notes.extend(res["notes"])
+        rec.moved = res.moved
+        rec.notes.extend(res.notes)
 
-    async def release_tagged(self, peer: Peer, tag: str) -> dict[str, Any]:
+    async def release_tagged(self, peer: Peer, tag: str) -> JSONObject:
         """Release every lease with ``tag`` that ``peer`` may release (all, for root)."""
         tagged = [lid for lid, r in self.leases.items() if r.tag == tag]
         mine = [lid for lid in tagged if peer.is_root or self.leases[lid].uid == peer.uid]
@@ -374,10 +371,10 @@ class LeaseService:
             raise PermissionDenied(
                 f"the {len(tagged)} lease(s) tagged {tag!r} belong to other users; uid "
                 f"{peer.uid} may only release its own", tag=tag)
-        out = []
+        out: list[JSONValue] = []
         for lid in mine:
             out.append(await self.release(peer, lid, save=False))
-        notes: list[str] = []
+        notes: list[JSONValue] = []
         if mine:
             try:
                 self._save()
@@ -386,7 +383,7 @@ class LeaseService:
                 notes.append(f"released, but the runtime state was not saved: {err.message}")
         return {"tag": tag, "released": out, "notes": notes}
 
-    async def release(self, peer: Peer, lid: str, save: bool = True) -> dict[str, Any]:
+    async def release(self, peer: Peer, lid: str, save: bool = True) -> JSONObject:
         rec = self.leases.get(lid)
         if rec is None:
             known = ", ".join(sorted(self.leases)) or "none"
@@ -411,8 +408,10 @@ class LeaseService:
                 self._save()
             except TunerdError as err:  # released already: the reply must say so truthfully
                 self.errors.record("leases", f"release {lid}: {err.message}", key="save")
-                out.setdefault("notes", []).append(
-                    f"released, but the runtime state was not saved: {err.message}")
+                notes = out.setdefault("notes", [])
+                if isinstance(notes, list):  # a lease's record always has its notes
+                    notes.append(f"released, but the runtime state was not saved: "
+                                 f"{err.message}")
         return out
 
     def _holder_exited(self, pid: int) -> None:
@@ -472,14 +471,28 @@ class LeaseService:
             self._save_quietly()
         self._schedule_expiry()
 
-    def _public(self, rec: Lease) -> dict[str, Any]:
-        out: dict[str, Any] = rec.to_json()
+    def _public(self, rec: Lease) -> JSONObject:
+        out: JSONObject = rec.to_json()
         out.pop("job_cgroup", None)
-        out["env"] = lease_env(rec)
+        env: JSONObject = {**lease_env(rec)}
         if rec.cvd:  # the job's own numbering of its GPUs (Slurm renumbers them)
-            out["env"]["CUDA_VISIBLE_DEVICES"] = rec.cvd
+            env["CUDA_VISIBLE_DEVICES"] = rec.cvd
+        out["env"] = env
         out["lease"] = rec.id
         return out
+
+
+def _read_leases(raw: JSONValue) -> dict[str, Lease]:
+    """The leases of the runtime state's section; a malformed one is dropped, logged."""
+    out: dict[str, Lease] = {}
+    for lid, rec in (raw.items() if isinstance(raw, dict) else ()):
+        try:
+            if not isinstance(rec, dict):
+                raise ValueError(f"malformed lease record: {rec!r:.40}")
+            out[lid] = Lease.from_json(rec)
+        except ValueError as err:
+            log.error("dropping lease %r: %s", lid, err)
+    return out
 
 
 def job_dir(alloc: Allocation) -> str | None:

@@ -20,12 +20,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.base.jsontypes import JSONObject, json_object
 from tunerd.base.keyedlocks import KeyedLocks
 from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
@@ -37,7 +37,7 @@ from tunerd.jobs.records import Binding, Hold
 
 __all__ = ["AdoptCallback", "Ask", "ChangeCallback", "ExitCallback", "JobRegistry", "Recorded"]
 
-JSONRecord = dict[str, Any]  # a record as the runtime state holds it (JSON)
+JSONRecord = JSONObject  # a record as the runtime state holds it
 
 log = logging.getLogger("tunerd.jobs")
 
@@ -97,7 +97,7 @@ class JobRegistry:
 
     name = "jobs"
 
-    def __init__(self, binder: Actuator, records: dict[str, dict[str, Any]],
+    def __init__(self, binder: Actuator, records: dict[str, JSONRecord],
                  save: Callable[[], None], pidwatch: PidWatch, errors: ErrorLog, *,
                  dry_run: bool = False, proc_root: str = procfs.PROC,
                  mover: ExclusiveMover | None = None) -> None:
@@ -156,13 +156,14 @@ class JobRegistry:
             self._save_handle = None
             self._save_quietly()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         n = len(self._bindings)
-        out: dict[str, Any] = {"summary": f"{n} process{'es' if n != 1 else ''} bound",
-                               "bound": n, "pids": sorted(self._bindings)}
+        summary = f"{n} process{'es' if n != 1 else ''} bound"
         if self._unapplied:
-            out["summary"] += f", {len(self._unapplied)} placed on the replayed topology only"
-            out["not_applied"] = sorted(self._unapplied)
+            summary += f", {len(self._unapplied)} placed on the replayed topology only"
+        out: JSONObject = {"summary": summary, "bound": n, "pids": [*sorted(self._bindings)]}
+        if self._unapplied:
+            out["not_applied"] = [*sorted(self._unapplied)]
         return out
 
     # -- queries -------------------------------------------------------------
@@ -213,14 +214,14 @@ class JobRegistry:
             return None
         return b.start_time, b.cpu_set()
 
-    def jobs(self, live: bool = True) -> list[dict[str, Any]]:
+    def jobs(self, live: bool = True) -> list[JSONObject]:
         """Bound processes (and replay-only placements), with live name and threads."""
         out = []
         for rec in sorted(self._bindings.values(), key=lambda r: r.pid):
-            job = rec.public()
+            job: JSONObject = json_object(rec.public()) or {}
             job["applied"] = True
             if live:
-                self._live(job)
+                self._live(job, rec.pid)
             out.append(job)
         for u in sorted(self._unapplied.values(), key=lambda u: u.pid):
             job = {"pid": u.pid, "start_time": u.start_time, "uid": u.uid, "name": u.name,
@@ -229,13 +230,13 @@ class JobRegistry:
                    **{k: v for k, v in u.placement.to_json().items()
                       if k in ("cpus", "mems", "gpus", "explanation", "notes")}}
             if live:
-                self._live(job)
+                self._live(job, u.pid)
             out.append(job)
         return out
 
-    def _live(self, job: dict[str, Any]) -> None:
+    def _live(self, job: JSONObject, pid: int) -> None:
         """NAME and THREADS as /proc says now (a task bound in a prolog renames itself)."""
-        p = procfs.Process(int(job["pid"]), self.proc)
+        p = procfs.Process(pid, self.proc)
         try:
             st = p.stat()
         except (NoSuchProcess, PermissionDenied):
@@ -383,7 +384,7 @@ class JobRegistry:
         self._unapplied.pop(pid, None)
         self.version += 1
 
-    async def unbind(self, pid: int, *, peer: Peer) -> dict[str, Any]:
+    async def unbind(self, pid: int, *, peer: Peer) -> JSONObject:
         """Restore what bind changed and forget the process."""
         async with self.lock(pid):
             rec = self._bindings.get(pid)
@@ -396,14 +397,15 @@ class JobRegistry:
                 self._drop(pid)
             finally:
                 target.close()
-            notes = summary.setdefault("notes", [])
+            notes = summary["notes"]
             try:
                 self._save()
             except TunerdError as err:  # done already: say so, do not fail the reply
                 self.errors.record("jobs", f"unbind {pid}: {err.message}", key="save")
                 notes.append(f"the process is unbound, but the runtime state was not saved: "
                              f"{err.message}")
-            return {**summary, "unbound": True}
+            return {"pid": summary["pid"], "threads": summary["threads"], "notes": [*notes],
+                    "unbound": True}
 
     # -- internals -------------------------------------------------------------
     def _drop(self, pid: int) -> Binding | None:

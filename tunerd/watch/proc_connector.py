@@ -44,6 +44,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from tunerd.adapters.procfs import PROC, Process, read_text
 from tunerd.base.errors import TunerdError
+from tunerd.base.jsontypes import JSONObject
 
 __all__ = [
     "PROC_EVENT_EXEC",
@@ -743,7 +744,7 @@ class ExecWatcher(Generic[T]):
             self._rescan()
             await asyncio.sleep(max(self.scan_interval - (time.monotonic() - t0), 0.1))
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> JSONObject:
         return {"mode": self.mode, "reason": self.reason, "events": self.events,
                 "selected": self.selected, "batches": self.batches,
                 "overruns": self.overruns, "rescans": self.scans,
@@ -752,7 +753,7 @@ class ExecWatcher(Generic[T]):
                 "kernel_event_filter": bool(self._conn and self._conn.kernel_filter)}
 
 
-def _quantiles(xs: deque[float]) -> dict[str, float]:
+def _quantiles(xs: deque[float]) -> JSONObject:
     s = sorted(xs)
     if not s:
         return {"n": 0}
