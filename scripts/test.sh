@@ -75,6 +75,13 @@ fi
 # `tunerctl doctor`, the training-side helpers and `tunerctl bench`'s built-in workload.
 # 2.13.0 is the CPU build (a newer unpinned release would pull a multi-GB CUDA build).
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/pip install -q torch==2.13.0 numpy
+# the real DeepSpeed and HF Accelerate launchers for tests/test_launchers_real.py (~7 s
+# into a fresh venv). After torch: deepspeed is an sdist whose setup.py imports torch,
+# so no build isolation (it would fetch another torch); DS_BUILD_OPS=0 builds no ops.
+.venv/bin/python -c 'import importlib.util as u, sys
+sys.exit(not (u.find_spec("deepspeed") and u.find_spec("accelerate")))' 2>/dev/null \
+    || DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation deepspeed==0.19.8 \
+        accelerate==1.16.0
 # the GPU check's offline wheels (.whl/, git-ignored, ~5 MB, a few seconds): its test then
 # installs and runs scripts/gpu-check.sh on a bare python3 from them, as on a GPU node
 [ -d .whl ] || sh scripts/gpu-check.sh --prepare >/dev/null \
