@@ -25,7 +25,7 @@ from tunerd.topology.nvml_replay import ReplayNvml
 
 NVML_NAME = re.compile(r"\bnvml[A-Z][A-Za-z0-9_]*")
 PYNVML_IMPORT = re.compile(r"^\s*(import pynvml|from pynvml\b)", re.M)
-LAYER = REPO / "tunerd" / "nvml.py"
+LAYER = REPO / "tunerd" / "adapters" / "nvml.py"
 
 
 # -- 1. NVML names are spelled in the layer only ------------------------------------

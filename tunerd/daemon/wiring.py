@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errorlog import ErrorLog
-from tunerd.base.errors import Failed
+from tunerd.base.errors import Failed, UsageError
 from tunerd.base.safefs import prepare_dir
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.cmd_bind import BindCommands
@@ -113,8 +112,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
-    if cfg.debug_nvml_replay is not None:
-        _replay_nvml(cfg.debug_nvml_replay, topology)
+    if cfg.debug_nvml_replay is not None or cfg.debug_gpu_processes is not None:
+        _replay_nvml(cfg, topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
@@ -320,10 +319,19 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     return daemon
 
 
-def _replay_nvml(recording: Path, topology: Any) -> None:
+def _replay_nvml(cfg: DaemonConfig, topology: Topology) -> None:
     """NVML answered from the snapshot plus a recording's driver and telemetry
-    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
+    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)
+    and the compute processes a test lists (``debug_gpu_processes``)."""
     from tunerd.adapters import nvml
     from tunerd.topology.nvml_recording import RecordedNvml
+    from tunerd.topology.nvml_replay import ReplayNvml
 
-    nvml.set_backend(RecordedNvml(topology, recording))
+    if cfg.topology is None and cfg.debug_gpu_processes is not None:
+        raise UsageError("debug_gpu_processes lists processes on a snapshot's GPUs: it "
+                         "needs --topology")
+    if cfg.debug_nvml_replay is not None:
+        nvml.set_backend(RecordedNvml(topology, cfg.debug_nvml_replay,
+                                      cfg.debug_gpu_processes))
+    else:
+        nvml.set_backend(ReplayNvml(topology, processes=cfg.debug_gpu_processes))
