@@ -49,6 +49,7 @@ from tunerd.jobs.binding import Binder
 from tunerd.jobs.cpusetwatch import CpusetWatch
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import ReservationGate
+from tunerd.jobs.gpuuse import GpuUse
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.leases import LeaseService
 from tunerd.jobs.pidwatch import PidWatch
@@ -143,6 +144,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                           journal=None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight",
                           record_delay=cfg.debug_apply_delay)
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
+    # processes a launch started without a rank variable (mp.spawn): placed by the
+    # rules at their first GPU use
+    gpuuse = GpuUse(autobind, intake, jobs, scope=scope)
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
     def irq_context() -> IrqContext:
@@ -270,8 +274,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         cpusets.wake()  # effective cpusets change with the CPUs online, unnotified
 
     hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch, hotplug, pods]
+    services: list[Service] = [jobs, placer, leases, autobind, gpuuse, host, monitor,
+                               cpusets, policywatch, hotplug, pods]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,

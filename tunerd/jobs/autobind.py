@@ -309,6 +309,11 @@ class AutoBinder:
                 for p, w in sorted(self.left_alone.items())
                 if procfs.read_start_time(p, self.proc) is not None][:100]
 
+    def set_own_cpus(self, pid: int) -> bool:
+        """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
+        taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
+        return pid in self._self_affined
+
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
         """For every exec on the host, in the watcher's thread: keep the no-match path
