@@ -97,22 +97,26 @@ def _daemon(daemon_factory: Any, tmp: Path, snap: Path, token: str) -> tuple[Dae
     return d.start(), procs
 
 
-def _spawn_job(tmp: Path, token: str) -> tuple[subprocess.Popen[str], dict[int, int]]:
-    """The parent (which the rule matches) and its two spawn ranks: rank -> pid."""
+def _spawn_job(tmp: Path, token: str, under: list[str] | None = None
+               ) -> tuple[subprocess.Popen[str], dict[int, int]]:
+    """The parent (which the rule matches; started by ``under``, a launcher, if given)
+    and its two spawn ranks: rank -> pid."""
     script = tmp / f"spawn_parent_{token}.py"
     script.write_text(SPAWN_PARENT)
-    env = {**os.environ, "TUNERD_NUM_WORKERS": "0"}
+    env = {**os.environ, "TUNERD_NUM_WORKERS": "0", "TUNERD_TEST_TOKEN": token}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     out = tmp / f"ranks-{token}"
     out.mkdir()
-    parent = subprocess.Popen([sys.executable, str(script), str(out)], env=env, text=True)
+    parent = subprocess.Popen([*(under or []), sys.executable, str(script), str(out)],
+                              env=env, text=True)
     wait_for(lambda: all((out / f"rank-{i}").exists() for i in (0, 1)) or parent.poll(), 60,
              "the two spawn ranks started")
     ranks = {i: int((out / f"rank-{i}").read_text()) for i in (0, 1)}
     for pid in ranks.values():  # really what mp.spawn starts
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        assert is_spawn_child(argv) and Path(f"/proc/{pid}/stat").read_text().split()[3] \
-            == str(parent.pid)
+        assert is_spawn_child(argv)
+        if under is None:
+            assert Path(f"/proc/{pid}/stat").read_text().split()[3] == str(parent.pid)
     return parent, ranks
 
 
@@ -214,3 +218,52 @@ def test_mp_spawn_ranks_are_bound_near_the_gpu_each_opened(daemon_factory,
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
         kill(stray)
+
+
+# a torchrun-like agent (its comm says launcher) that starts one rank, LOCAL_RANK=0
+AGENT = r"""
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(15, b"torchrun", 0, 0, 0)  # PR_SET_NAME: the agent's comm
+env = {**os.environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+sys.exit(subprocess.Popen(sys.argv[1:], env=env).wait())
+"""
+
+
+@pytest.mark.root
+def test_a_ranks_mp_spawn_children_are_placed_near_their_gpus_not_kept_as_workers(
+        daemon_factory, tmp_path: Path) -> None:
+    """A rank (the bundled rule, under a launcher) that calls mp.spawn: its spawn children
+    inherit LOCAL_RANK and are narrowed into the rank's CPUs as its workers when they
+    exec; once one uses another GPU it is placed in that GPU's slice instead."""
+    from tests.test_torch_ddp import bundled_rule_policy
+
+    if len(HOST_CPUS) < 2:
+        pytest.skip("needs 2 CPUs")
+    snap, cpu0, cpu1 = snapshot_with_gpus_here(tmp_path / "snap.json")
+    token = f"rk{os.getpid()}"
+    procs = tmp_path / "gpu-processes.json"
+    write_processes(procs, {})
+    cfg = tmp_path / "tunerd.toml"
+    cfg.write_text(f'debug_gpu_processes = "{procs}"\n')
+    bundled_rule_policy(tmp_path / "policies", token)
+    d = daemon_factory(policy_dir=tmp_path / "policies",
+                       args=["--topology", str(snap), "--config", str(cfg)]).start()
+    agent, ranks = _spawn_job(tmp_path, token, under=[sys.executable, "-c", AGENT])
+    try:
+        a, b = ranks[0], ranks[1]
+        rank = int(Path(f"/proc/{a}/stat").read_text().split()[3])
+
+        def on(pid: int, cpu: int) -> bool:
+            return all(parse_cpulist(c) == {cpu} for c in task_cpus(pid).values())
+
+        wait_for(lambda: on(rank, cpu0) and on(a, cpu0), 10,
+                 "the rank bound near GPU 0, its spawn child narrowed into its CPUs",
+                 detail=d.log)
+        write_processes(procs, {0: [b], 1: [a]})
+        wait_for(lambda: on(a, cpu1), 10, "the spawn child that uses GPU 1 bound there",
+                 detail=d.log)
+        jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
+        assert jobs[a]["origin"] == "rule" and jobs[a]["why"].startswith("uses GPU 1"), jobs[a]
+        assert on(rank, cpu0) and on(b, cpu0)
+    finally:
+        kill_tree(agent)  # type: ignore[arg-type]

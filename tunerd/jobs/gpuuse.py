@@ -39,6 +39,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -115,6 +116,7 @@ class GpuUse:
         self._fd_cursor = 0
         self._ranks: dict[str, set[int]] = {}  # job group -> pids placed in it
         self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[None]] = set()  # worker bindings being undone
 
     # -- service ----------------------------------------------------------------
     async def start(self) -> None:
@@ -124,6 +126,8 @@ class GpuUse:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        for t in list(self._tasks):
+            t.cancel()
 
     def status(self) -> dict[str, Any]:
         return {"summary": f"placed at first GPU use: {self.placed} process(es)",
@@ -245,8 +249,11 @@ class GpuUse:
 
     # -- one process --------------------------------------------------------------
     def consider(self, pid: int, gpus: tuple[int, ...], how: str, users: Users) -> str:
-        """Place ``pid`` (it uses ``gpus``, as ``how`` saw) or say why not."""
-        if self.jobs.is_bound(pid) or pid in self.autobind.bound:
+        """Place ``pid`` (it uses ``gpus``, as ``how`` saw) or say why not. A rank's
+        mp.spawn child that inherited its rank variable was narrowed into the rank's
+        CPUs as a worker at its exec: it is placed all the same (that binding undone)."""
+        rec = self.jobs.record(pid)
+        if pid in self.autobind.bound or (rec is not None and rec.origin != "worker"):
             return "bound already"
         if self.scope is not None and not self.scope.contains(pid):
             return "outside this daemon's scope"
@@ -255,17 +262,37 @@ class GpuUse:
         except TunerdError as err:
             log.debug("pid %d (uses GPU %s): %s", pid, gpus, err.message)
             return "gone"
-        if ctx.role in ("launcher", "wrapper") or ctx.rank is not None:
+        inherited = ctx.rank is not None and ctx.role == "descendant"
+        if ctx.role in ("launcher", "wrapper") or (ctx.rank is not None and not inherited):
             return f"a {ctx.role}: the rules' own"
         launch = self.launch(ctx)
-        if launch is None:
+        if launch is None or ((inherited or rec is not None)
+                              and not launch.group.startswith("mp.spawn:")):
             return "no launch tunerd knows started it"
-        if self._own_cpus(ctx, launch):
+        if rec is None and self._own_cpus(ctx, launch):
             return "it or its parent set its own CPUs (numactl, taskset)"
         siblings = sorted(p for p, (_, h) in users.items() if h and p != pid
                           and procfs.read_ppid(p, self.proc) == launch.parent)
-        self._hand_over(self._as_rank(ctx, gpus, how, launch, siblings, users), launch)
+        ranked = self._as_rank(ctx, gpus, how, launch, siblings, users)
+        if rec is None:
+            self._hand_over(ranked, launch)
+        else:
+            self._spawn_task(self._unnarrow_then_place(ranked, launch))
         return "placed"
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _unnarrow_then_place(self, ctx: JobContext, launch: Launch) -> None:
+        """A spawn rank narrowed as a worker: its CPUs back as they were, then placed."""
+        try:
+            await self.jobs.unbind(ctx.pid, peer=self.autobind.peer)
+        except TunerdError as err:
+            log.debug("pid %d: worker binding not undone: %s", ctx.pid, err.message)
+            return
+        self._hand_over(ctx, launch)
 
     def launch(self, ctx: JobContext) -> Launch | None:
         """The launch tunerd knows that started ``ctx`` (module docstring), or None."""
@@ -340,7 +367,8 @@ class GpuUse:
                f"placed as a rank of job {launch.group}")
         return replace(ctx, role="rank", rank=rank, gpus=gpus, gpus_how=how, why=why,
                        visible=visible, allocation=alloc, parent_rank=None,
-                       parent_cpus=None, launcher=f"{launch.kind} {launch.parent}")
+                       parent_cpus=None, self_affined=False,
+                       launcher=f"{launch.kind} {launch.parent}")
 
     def _hand_over(self, ctx: JobContext, launch: Launch) -> None:
         """To the rule's bind: gate, place, hold, apply, record (``AutoBinder``)."""
