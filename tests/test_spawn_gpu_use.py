@@ -47,6 +47,10 @@ def rank(i, out):
     time.sleep(120)
 
 if __name__ == "__main__":
+    import subprocess  # and a helper that chose its own CPU: left as it is
+    helper = subprocess.Popen(["taskset", "-c", "0", "sleep", "120"])
+    with open(os.path.join(sys.argv[1], "helper"), "w") as f:
+        f.write(str(helper.pid))
     mp.spawn(rank, args=(sys.argv[1],), nprocs=2, join=True)
 """
 
@@ -112,7 +116,8 @@ def _spawn_job(tmp: Path, token: str, under: list[str] | None = None
     wait_for(lambda: all((out / f"rank-{i}").exists() for i in (0, 1)) or parent.poll(), 60,
              "the two spawn ranks started")
     ranks = {i: int((out / f"rank-{i}").read_text()) for i in (0, 1)}
-    for pid in ranks.values():  # really what mp.spawn starts
+    ranks[-1] = int((out / "helper").read_text())  # the taskset helper
+    for pid in (ranks[0], ranks[1]):  # really what mp.spawn starts
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         assert is_spawn_child(argv)
         if under is None:
@@ -138,6 +143,11 @@ def _orphan() -> int:
     return int(out.stdout)
 
 
+def jobs_why(d: DaemonProc, pid: int) -> str:
+    return str(next(j for j in d.ctl("--json", "jobs").json()["jobs"] if j["pid"] == pid)
+               .get("why"))
+
+
 def _gpuuse(d: DaemonProc) -> dict[str, Any]:
     out: dict[str, Any] = d.ctl("--json", "status").json()["services"]["gpuuse"]
     return out
@@ -159,7 +169,8 @@ def test_mp_spawn_ranks_are_placed_near_the_gpu_each_opened_on_the_dgx(daemon_fa
     orphan = _orphan()
     try:
         a, b = ranks[0], ranks[1]
-        write_processes(procs, {2: [a], 3: [stray.pid], 4: [orphan], 5: [b]})
+        write_processes(procs, {2: [a], 3: [stray.pid], 4: [orphan], 5: [b],
+                                6: [ranks[-1]]})
 
         def placed() -> dict[int, dict[str, Any]] | None:
             got = {x["pid"]: x for x in autobind_status(d)["bound"] if x["pid"] in (a, b)}
@@ -170,13 +181,15 @@ def test_mp_spawn_ranks_are_placed_near_the_gpu_each_opened_on_the_dgx(daemon_fa
         assert got[b]["gpus"] == [5] and parse_cpulist(got[b]["cpus"]) <= slices[5], got[b]
         assert parse_cpulist(got[a]["cpus"]) == slices[2]  # the job's only rank on GPU 2
         assert f"uses GPU 2 (NVML); started by mp.spawn parent {parent.pid}" in d.log()
-        st = wait_for(lambda: (s := _gpuuse(d))["left_alone"].get(
-            "outside this daemon's scope") and s, 5, "the orphan looked at", detail=d.log)
+        st = wait_for(lambda: len((s := _gpuuse(d))["left_alone"]) == 3 and s, 5,
+                      "the other GPU users looked at", detail=d.log)
         assert st["placed"] == 2, st
         assert st["left_alone"] == {"no launch tunerd knows started it": 1,
-                                    "outside this daemon's scope": 1}, st
+                                    "outside this daemon's scope": 1,
+                                    "it or its parent set its own CPUs (numactl, taskset)": 1
+                                    }, st
         bound = {x["pid"] for x in autobind_status(d)["bound"]}
-        assert stray.pid not in bound and orphan not in bound
+        assert not bound & {stray.pid, orphan, ranks[-1]}, bound
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
         kill(stray)
@@ -225,7 +238,13 @@ AGENT = r"""
 import ctypes, os, subprocess, sys
 ctypes.CDLL(None).prctl(15, b"torchrun", 0, 0, 0)  # PR_SET_NAME: the agent's comm
 env = {**os.environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-sys.exit(subprocess.Popen(sys.argv[1:], env=env).wait())
+rank = subprocess.Popen(sys.argv[1:], env=env)
+# a process the launcher starts without a rank variable (a launcher tunerd does not
+# know would start every rank so): placed, under the rank rule, at its first GPU use
+plain = subprocess.Popen(["sleep", "120"])
+with open(os.path.join(sys.argv[-1], "plain"), "w") as f:
+    f.write(str(plain.pid))
+sys.exit(rank.wait())
 """
 
 
@@ -259,9 +278,14 @@ def test_a_ranks_mp_spawn_children_are_placed_near_their_gpus_not_kept_as_worker
         wait_for(lambda: on(rank, cpu0) and on(a, cpu0), 10,
                  "the rank bound near GPU 0, its spawn child narrowed into its CPUs",
                  detail=d.log)
-        write_processes(procs, {0: [b], 1: [a]})
+        plain = int((tmp_path / f"ranks-{token}" / "plain").read_text())
+        write_processes(procs, {0: [b], 1: [a, plain]})
         wait_for(lambda: on(a, cpu1), 10, "the spawn child that uses GPU 1 bound there",
                  detail=d.log)
+        wait_for(lambda: on(plain, cpu1), 10, "the launcher's plain child near GPU 1",
+                 detail=d.log)
+        assert jobs_why(d, plain).startswith("uses GPU 1 (NVML); started by launcher "
+                                             "torchrun"), jobs_why(d, plain)
         jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
         assert jobs[a]["origin"] == "rule" and jobs[a]["why"].startswith("uses GPU 1"), jobs[a]
         assert on(rank, cpu0) and on(b, cpu0)

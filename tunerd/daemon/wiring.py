@@ -144,9 +144,6 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                           journal=None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight",
                           record_delay=cfg.debug_apply_delay)
     autobind.rescan_hooks.append(leases.rescan)  # leases die with their job
-    # processes a launch started without a rank variable (mp.spawn): placed by the
-    # rules at their first GPU use
-    gpuuse = GpuUse(autobind, intake, jobs, scope=scope)
     replay = (f"topology replay ({cfg.topology}): GPU settings are not applied"
               if cfg.topology is not None else None)
     def irq_context() -> IrqContext:
@@ -229,6 +226,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                                       metrics_listen=cfg.metrics_listen),
                       jobs, errors, daemon_facts=daemon_facts, fleet=fleet,
                       uid_sees_all=ProcVisibility(str(cfg.proc_root)).uid_sees_all)
+    # processes a launch started without a rank variable (mp.spawn): placed by the
+    # rules at their first GPU use, seen in the monitor's GPU sample
+    gpuuse = GpuUse(autobind, intake, jobs, scope=scope, listing=monitor.gpu_processes)
 
     async def fleet_changed(new: Policy) -> None:
         fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)

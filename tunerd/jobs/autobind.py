@@ -488,8 +488,17 @@ class AutoBinder:
     def _settle(self, ctx: JobContext) -> None:
         if len(self._settled) > 100_000:
             self._settled.clear()
-        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled.discard):
+        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled_exited):
             self._settled.add(ctx.pid)
+        else:
+            self._settled_exited(ctx.pid)
+
+    def _settled_exited(self, pid: int) -> None:
+        """A settled process ended: not looked at, nor listed as left alone, any more
+        (while none is, tunerd.jobs.gpuuse has no launch to follow and reads nothing)."""
+        self._settled.discard(pid)
+        self.left_alone.pop(pid, None)
+        self._self_affined.discard(pid)
 
     def _left_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:

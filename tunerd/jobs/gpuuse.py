@@ -11,7 +11,9 @@ Every ``TICK_S`` on the daemon's loop, while ``[[job]]`` rules are in force and 
 has bound or left alone a process (else there is no launch to follow and nothing is
 read), the service asks who uses a GPU:
 
-* NVML's compute-process list of every GPU (``Device.compute_processes``);
+* NVML's compute-process list of every GPU (``Device.compute_processes``), as the
+  monitor's last GPU sample has it (``listing``: it reads every GPU's list each cycle
+  anyway), or read here where that sample is missing or stale;
 * for mp.spawn children of processes a rule bound, their open ``/dev/nvidiaN`` (read
   for at most ``MAX_FD_SCANS`` processes a tick: a process NVML cannot see, as from
   inside another PID namespace).
@@ -39,7 +41,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +52,7 @@ from tunerd.jobs.gate import device_gpus
 from tunerd.jobs.intake import Intake, JobContext, RankId
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
+from tunerd.watch.launchers import launcher_comm
 from tunerd.watch.rules import JobRule, RuleMatch
 
 __all__ = ["GpuUse", "Launch", "is_spawn_child"]
@@ -91,6 +94,9 @@ class Launch:
 
 
 Users = dict[int, tuple[tuple[int, ...], str]]  # pid -> (GPU indices, how seen)
+# (GPU index, pid) of every compute process, as another reader of NVML last saw them
+# (the monitor's sample), or None where it has no fresh list
+Listing = Callable[[], "list[tuple[int, int]] | None"]
 
 
 class GpuUse:
@@ -100,12 +106,13 @@ class GpuUse:
 
     def __init__(self, autobind: AutoBinder, intake: Intake, jobs: JobRegistry, *,
                  scope: ProcessScope | None = None, tick_s: float = TICK_S,
-                 proc_root: str = procfs.PROC) -> None:
+                 listing: Listing | None = None, proc_root: str = procfs.PROC) -> None:
         self.autobind = autobind
         self.intake = intake
         self.jobs = jobs
         self.scope = scope
         self.tick_s = tick_s
+        self.listing = listing
         self.proc = proc_root
         self.placed = 0
         self.ticks = 0  # ticks that looked (armed)
@@ -114,6 +121,7 @@ class GpuUse:
         self._known: dict[int, tuple[str, float]] = {}  # pid -> (verdict, when)
         self._spawn: dict[int, bool] = {}  # child of a rule-bound process -> spawn child?
         self._fd_cursor = 0
+        self._minors: dict[int, int] = {}
         self._ranks: dict[str, set[int]] = {}  # job group -> pids placed in it
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()  # worker bindings being undone
@@ -177,16 +185,16 @@ class GpuUse:
     def gpu_users(self) -> Users:
         """pid -> (GPUs, how seen): NVML's lists, then open device nodes (bounded)."""
         out: Users = {}
-        devs = nvml.devices()
-        for dev in devs:
-            procs = dev.compute_processes()
-            if procs is nvml.NA:
+        seen = self.listing() if self.listing is not None else None
+        devs = nvml.devices() if seen is None or self.autobind.bound else []
+        if seen is None:
+            seen = [(dev.index, p.pid) for dev in devs
+                    if (procs := dev.compute_processes()) is not nvml.NA for p in procs]
+        for gpu, pid in seen:
+            if len(out) >= MAX_LISTED and pid not in out:
                 continue
-            for p in procs:
-                if len(out) >= MAX_LISTED and p.pid not in out:
-                    break
-                gpus = out.get(p.pid, ((), ""))[0]
-                out[p.pid] = ((*gpus, dev.index), "NVML")
+            gpus = out.get(pid, ((), ""))[0]
+            out[pid] = ((*gpus, gpu), "NVML")
         out.update(self._fd_users(out, devs))
         return out
 
@@ -198,8 +206,10 @@ class GpuUse:
         if not parents:
             self._spawn.clear()
             return {}
-        minors = {m if isinstance(m := d.minor_number, int) else d.index: d.index
-                  for d in devs}
+        if not self._minors:  # the N of /dev/nvidiaN -> GPU index, asked once
+            self._minors = {m if isinstance(m := d.minor_number, int) else d.index: d.index
+                            for d in devs}
+        minors = self._minors
         start = self._fd_cursor % len(parents)
         turn = (parents[start:] + parents[:start])[:MAX_FD_PARENTS]
         self._fd_cursor = start + len(turn)
@@ -266,8 +276,10 @@ class GpuUse:
         if ctx.role in ("launcher", "wrapper") or (ctx.rank is not None and not inherited):
             return f"a {ctx.role}: the rules' own"
         launch = self.launch(ctx)
-        if launch is None or ((inherited or rec is not None)
-                              and not launch.group.startswith("mp.spawn:")):
+        if (inherited or rec is not None) and \
+                (launch is None or not launch.group.startswith("mp.spawn:")):
+            return "a rank's worker: kept in its CPUs"
+        if launch is None:
             return "no launch tunerd knows started it"
         if rec is None and self._own_cpus(ctx, launch):
             return "it or its parent set its own CPUs (numactl, taskset)"
@@ -319,7 +331,7 @@ class GpuUse:
         m = self.autobind.rules.match(ppid)
         if parent.role == "launcher":
             rule = m.rule if m is not None else self._rank_rule(ctx)
-            name = (parent.argv[0].rsplit("/", 1)[-1] if parent.argv else parent.comm)[:48]
+            name = _launcher_name(parent)
             return None if rule is None else Launch(
                 ppid, pst.start_time, rule, f"launcher {name}", f"{name}:{key}",
                 self.jobs.is_bound(ppid))
@@ -391,3 +403,16 @@ def _stat(pid: int, proc: str) -> procfs.Stat | None:
         return procfs.Process(pid, proc).stat()
     except TunerdError:
         return None
+
+
+def _launcher_name(parent: JobContext) -> str:
+    """The launcher's name as the intake keys its ranks' job (``torchrun:PID.START``):
+    its comm where that names a launcher, else ``-m MODULE``, else its program."""
+    named = launcher_comm(parent.comm)
+    if named is not None:
+        return named
+    argv = parent.argv
+    for i, a in enumerate(argv[1:6], 1):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[i + 1][:48]
+    return (os.path.basename(argv[0]) if argv else parent.comm)[:48]
