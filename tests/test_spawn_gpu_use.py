@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,12 @@ SPAWN_PARENT = r"""
 import os, sys, time
 import torch.multiprocessing as mp
 
+held = []
+
 def rank(i, out):
+    node = os.environ.get(f"TEST_NVIDIA_NODE_{i}")
+    if node:  # holds a /dev/nvidiaN open, as CUDA does (O_PATH: no driver needed here)
+        held.append(os.open(node, os.O_PATH))
     # a DataLoader-style worker, forked before the rank is placed: it has the rank's
     # command line (spawn-marked), and must follow the rank, never be placed itself
     mp.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True).start()
@@ -101,13 +107,15 @@ def _daemon(daemon_factory: Any, tmp: Path, snap: Path, token: str) -> tuple[Dae
     return d.start(), procs
 
 
-def _spawn_job(tmp: Path, token: str, under: list[str] | None = None
+def _spawn_job(tmp: Path, token: str, under: list[str] | None = None,
+               env_extra: dict[str, str] | None = None
                ) -> tuple[subprocess.Popen[str], dict[int, int]]:
     """The parent (which the rule matches; started by ``under``, a launcher, if given)
     and its two spawn ranks: rank -> pid."""
     script = tmp / f"spawn_parent_{token}.py"
     script.write_text(SPAWN_PARENT)
-    env = {**os.environ, "TUNERD_NUM_WORKERS": "0", "TUNERD_TEST_TOKEN": token}
+    env = {**os.environ, "TUNERD_NUM_WORKERS": "0", "TUNERD_TEST_TOKEN": token,
+           **(env_extra or {})}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     out = tmp / f"ranks-{token}"
     out.mkdir()
@@ -201,19 +209,22 @@ def test_mp_spawn_ranks_are_bound_near_the_gpu_each_opened(daemon_factory,
                                                            tmp_path: Path) -> None:
     """On this machine with two recorded GPUs (GPU 0 local to the first CPU, GPU 1 to
     the last), so the binds are applied: every thread of rank 0, listed on GPU 1, runs
-    on GPU 1's slice, and rank 1's on GPU 0's; a GPU user no launch started keeps its
-    CPUs."""
+    on GPU 1's slice, and rank 1's, which NVML does not list but which holds
+    /dev/nvidia0 open, on GPU 0's; their workers follow them; a GPU user no launch
+    started keeps its CPUs."""
     if len(HOST_CPUS) < 2:
         pytest.skip("needs 2 CPUs")
     snap, cpu0, cpu1 = snapshot_with_gpus_here(tmp_path / "snap.json")
     token = f"sh{os.getpid()}"
     d, procs = _daemon(daemon_factory, tmp_path, snap, token)
-    parent, ranks = _spawn_job(tmp_path, token)
+    node = tmp_path / "nvidia0"  # the device node of GPU 0: major 195, minor 0
+    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
+    parent, ranks = _spawn_job(tmp_path, token, env_extra={"TEST_NVIDIA_NODE_1": str(node)})
     stray = subprocess.Popen(["sleep", "120"])
     try:
         a, b = ranks[0], ranks[1]
         before = task_cpus(stray.pid)
-        write_processes(procs, {0: [b, stray.pid], 1: [a]})
+        write_processes(procs, {0: [stray.pid], 1: [a]})
 
         def on(pid: int, cpu: int) -> bool:
             return all(parse_cpulist(c) == {cpu} for c in task_cpus(pid).values())
@@ -227,6 +238,8 @@ def test_mp_spawn_ranks_are_bound_near_the_gpu_each_opened(daemon_factory,
         jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
         assert jobs[a]["why"].startswith("uses GPU 1 (NVML); started by mp.spawn parent"), \
             jobs[a]
+        assert jobs[b]["why"].startswith("uses GPU 0 (an open /dev/nvidiaN); started by "
+                                         "mp.spawn parent"), jobs[b]
         assert task_cpus(stray.pid) == before
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
