@@ -188,7 +188,12 @@ def test_mp_spawn_ranks_are_placed_near_the_gpu_each_opened_on_the_dgx(daemon_fa
         assert got[a]["gpus"] == [2] and parse_cpulist(got[a]["cpus"]) <= slices[2], got[a]
         assert got[b]["gpus"] == [5] and parse_cpulist(got[b]["cpus"]) <= slices[5], got[b]
         assert parse_cpulist(got[a]["cpus"]) == slices[2]  # the job's only rank on GPU 2
-        assert f"uses GPU 2 (NVML); started by mp.spawn parent {parent.pid}" in d.log()
+        jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
+        assert [(jobs[p]["applied"], jobs[p]["gpus"], jobs[p]["mems"]) for p in (a, b)] == [
+            (False, [2], "0"), (False, [5], "1")], (jobs[a], jobs[b])  # memory: its node
+        assert jobs[a]["why"].startswith(f"uses GPU 2 (NVML); started by mp.spawn parent "
+                                         f"{parent.pid}, placed as a rank of job mp.spawn:"
+                                         f"{parent.pid}."), jobs[a]
         st = wait_for(lambda: len((s := _gpuuse(d))["left_alone"]) == 3 and s, 5,
                       "the other GPU users looked at", detail=d.log)
         assert st["placed"] == 2, st

@@ -586,7 +586,7 @@ class AutoBinder:
                          "%s", m.rule.name, pid, placed.gpus,
                          format_cpulist(placed.cpus or frozenset()), " ".join(placed.notes))
                 self.jobs.note_unapplied(pid, ctx.start_time, placed, origin="rule",
-                                         name=m.rule.name, cmdline=m.cmdline)
+                                         name=m.rule.name, cmdline=m.cmdline, why=ctx.why)
                 return
             await self._apply(m, ctx, rb, placed, seen, at_start)
         except NoSuchProcess:
