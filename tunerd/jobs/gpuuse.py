@@ -41,9 +41,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tunerd.adapters import nvml, procfs
 from tunerd.base.errors import TunerdError
@@ -117,7 +116,7 @@ class GpuUse:
         self.placed = 0
         self.ticks = 0  # ticks that looked (armed)
         self.left_alone: dict[str, int] = {}  # why -> how many (first verdicts)
-        self.last: list[dict[str, Any]] = []  # the last placements handed over
+        self.last: list[dict[str, object]] = []  # the last placements handed over
         self._known: dict[int, tuple[str, float]] = {}  # pid -> (verdict, when)
         self._spawn: dict[int, bool] = {}  # child of a rule-bound process -> spawn child?
         self._fd_cursor = 0
@@ -137,7 +136,7 @@ class GpuUse:
         for t in list(self._tasks):
             t.cancel()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, object]:
         return {"summary": f"placed at first GPU use: {self.placed} process(es)",
                 "placed": self.placed, "ticks": self.ticks,
                 "left_alone": dict(self.left_alone), "last": list(self.last)}
@@ -292,7 +291,7 @@ class GpuUse:
             self._spawn_task(self._unnarrow_then_place(ranked, launch))
         return "placed"
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
