@@ -23,7 +23,11 @@ Root only (the daemon binds the jobs). The README's figure comes from exactly:
 
     sudo python bench/daemon_cpu.py --window 30 --rounds 3
 
-Other options: [--procs 2000] [--jobs 10] [--scrape 15] [--json FILE].
+Other options: [--procs 2000] [--jobs 10] [--scrape 15] [--json FILE] [--rule].
+``--rule``: the loaded daemon's policy has a ``[[job]]`` rule that binds the jobs as
+they start (instead of ``tunerctl bind``), so the services that follow rule-bound jobs
+run too (tunerd.jobs.gpuuse looks for GPU users every second while a rule has bound
+something).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ JOB = ("import threading, time\nbuf = bytearray(32 << 20)\n"
        "for i in range(0, len(buf), 4096): buf[i] = 1\n"
        "for _ in range(3): threading.Thread(target=time.sleep, args=(3600,), daemon=True)"
        ".start()\nprint('ready', flush=True)\ntime.sleep(3600)\n")
+RULE = '[[job]]\nname = "bench"\nmatch.cmdline = ["*tunerd-bench-job*"]\ncpus = "{cpu}"\n'
 IDLE_LOOP = ("import asyncio\nasync def main():\n    while True:\n        await asyncio.sleep(1)\n"
              "asyncio.run(main())\n")
 
@@ -79,6 +84,8 @@ def main() -> int:
     ap.add_argument("--scrape", type=float, default=15.0, help="seconds between scrapes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rule", action="store_true",
+                    help="the jobs bound by a [[job]] rule, not by tunerctl bind")
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the daemon binds the jobs")
@@ -93,18 +100,22 @@ def main() -> int:
         base = Daemon(POLICY)
         daemons.append(base)
         time.sleep(3)
-        loaded = Daemon(POLICY, metrics="127.0.0.1:0")
+        cpus = sorted(os.sched_getaffinity(0))
+        loaded = Daemon(POLICY + (RULE.format(cpu=cpus[0]) if a.rule else ""),
+                        metrics="127.0.0.1:0")
         daemons.append(loaded)
+        result["rule"] = a.rule
         url = loaded.metrics_url()
         # 2,000 other processes and 10 jobs, bound by the loaded daemon only
         for _ in range(a.procs):
             started.append(subprocess.Popen(["sleep", "3600"]))
-        cpus = sorted(os.sched_getaffinity(0))
         for i in range(a.jobs):
-            p = subprocess.Popen([PY, "-c", JOB], stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen([PY, "-c", JOB, "tunerd-bench-job"], stdout=subprocess.PIPE,
+                                 text=True)
             started.append(p)
             assert p.stdout is not None and p.stdout.readline() == "ready\n"
-            loaded.bind(p.pid, str(cpus[i % len(cpus)]))
+            if not a.rule:
+                loaded.bind(p.pid, str(cpus[i % len(cpus)]))
         time.sleep(12)  # a slow cycle (numa_maps, threads) for every job has run
         for n in range(a.rounds):
             row: dict[str, float] = {}

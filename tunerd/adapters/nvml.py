@@ -298,6 +298,12 @@ class Device:
         """Compute processes on this GPU (``nvidia-smi --query-compute-apps=pid,used_memory``)."""
         return NA
 
+    @property
+    def minor_number(self) -> NaOr[int]:
+        """The N of this GPU's ``/dev/nvidiaN`` (``--query-gpu=`` has none; ``nvidia-smi
+        -q`` prints it as ``Minor Number``)."""
+        return NA
+
     # -- locality ---------------------------------------------------------------------
     def cpu_affinity(self, ncpus: int) -> NaOr[frozenset[int]]:
         """CPUs the driver calls close to this GPU (``nvidia-smi topo -m``, CPU Affinity)."""
@@ -654,6 +660,10 @@ class NvmlDevice(Device):
             return NA
         return [GpuProcess(int(p.pid), _int(getattr(p, "usedGpuMemory", None)))
                 for p in plist or []]
+
+    @property
+    def minor_number(self) -> NaOr[int]:
+        return self._qint("nvmlDeviceGetMinorNumber") if self.parent is None else NA
 
     def cpu_affinity(self, ncpus: int) -> NaOr[frozenset[int]]:
         words = max(1, (ncpus + 63) // 64)

@@ -59,6 +59,9 @@ class DaemonConfig:
     job_python: Path | None = None
     # an NVML recording (tests/fixtures/nvml) replayed with --topology (tests only)
     debug_nvml_replay: Path | None = None
+    # a JSON file {"<gpu index>": [pids]}: the replayed GPUs' compute processes, read
+    # again when it changes (tests only, with --topology: tunerd.topology.nvml_replay)
+    debug_gpu_processes: Path | None = None
     # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.jobs.podresources)
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     # one daemon binds processes on a node: the node-wide claim every unscoped,
@@ -183,6 +186,9 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                    _abs_path),
     "debug_nvml_replay": ("NVML recording's driver/CUDA with --topology (tests)",
                           _abs_path),
+    "debug_gpu_processes": ("JSON {GPU: [pids]}: the replayed GPUs' processes "
+                            "(tests, --topology)",
+                            _abs_path),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
     "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",

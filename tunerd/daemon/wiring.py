@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errorlog import ErrorLog
-from tunerd.base.errors import Failed
+from tunerd.base.errors import Failed, UsageError
 from tunerd.base.safefs import prepare_dir
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.cmd_bind import BindCommands
@@ -50,6 +49,7 @@ from tunerd.jobs.autobind import AutoBinder
 from tunerd.jobs.cpusetwatch import CpusetWatch
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import ReservationGate
+from tunerd.jobs.gpuuse import GpuUse
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.leases import LeaseService
@@ -115,8 +115,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     save_runtime, save_durable = runtime.save, durable.save
 
     topology = load_topology(cfg.topology)
-    if cfg.debug_nvml_replay is not None:
-        _replay_nvml(cfg.debug_nvml_replay, topology)
+    if cfg.debug_nvml_replay is not None or cfg.debug_gpu_processes is not None:
+        _replay_nvml(cfg, topology)
     policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
     policy.put(policy.load())  # a bad policy at start: PolicyError, exit 1
 
@@ -230,6 +230,9 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                                       metrics_listen=cfg.metrics_listen),
                       jobs, errors, daemon_facts=daemon_facts, fleet=fleet,
                       uid_sees_all=ProcVisibility(str(cfg.proc_root)).uid_sees_all)
+    # processes a launch started without a rank variable (mp.spawn): placed by the
+    # rules at their first GPU use, seen in the monitor's GPU sample
+    gpuuse = GpuUse(autobind, intake, jobs, scope=scope, listing=monitor.gpu_processes)
 
     async def fleet_changed(new: Policy) -> None:
         fleet.policy_changed(new.model.info.names, policy.facts.gpu_models, new.data)
@@ -277,8 +280,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         cpusets.wake()  # effective cpusets change with the CPUs online, unnotified
 
     hotplug = TopologyWatch(topology, topology_changed, replay=cfg.topology is not None)
-    services: list[Service] = [jobs, placer, leases, autobind, host, monitor, cpusets,
-                               policywatch, hotplug, pods]
+    services: list[Service] = [jobs, placer, leases, autobind, gpuuse, host, monitor,
+                               cpusets, policywatch, hotplug, pods]
     router = Router()
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
@@ -325,10 +328,19 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     return daemon
 
 
-def _replay_nvml(recording: Path, topology: Any) -> None:
+def _replay_nvml(cfg: DaemonConfig, topology: Topology) -> None:
     """NVML answered from the snapshot plus a recording's driver and telemetry
-    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)."""
+    (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)
+    and the compute processes a test lists (``debug_gpu_processes``)."""
     from tunerd.adapters import nvml
     from tunerd.topology.nvml_recording import RecordedNvml
+    from tunerd.topology.nvml_replay import ReplayNvml
 
-    nvml.set_backend(RecordedNvml(topology, recording))
+    if cfg.topology is None and cfg.debug_gpu_processes is not None:
+        raise UsageError("debug_gpu_processes lists processes on a snapshot's GPUs: it "
+                         "needs --topology")
+    if cfg.debug_nvml_replay is not None:
+        nvml.set_backend(RecordedNvml(topology, cfg.debug_nvml_replay,
+                                      cfg.debug_gpu_processes))
+    else:
+        nvml.set_backend(ReplayNvml(topology, processes=cfg.debug_gpu_processes))

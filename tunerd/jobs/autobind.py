@@ -292,6 +292,11 @@ class AutoBinder:
         """Processes a rule matched and left alone that still run, with why."""
         return self.memory.left_alone_now()
 
+    def set_own_cpus(self, pid: int) -> bool:
+        """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
+        taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
+        return pid in self.memory.self_affined
+
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
         """For every exec on the host, in the watcher's thread: keep the no-match path

@@ -90,6 +90,7 @@ class _Unapplied:
     placement: Placement
     origin: str
     at: float
+    why: str | None = None  # how the intake told what it is (a rule's bind)
 
 
 class JobRegistry:
@@ -226,7 +227,7 @@ class JobRegistry:
         for u in sorted(self._unapplied.values(), key=lambda u: u.pid):
             job = {"pid": u.pid, "start_time": u.start_time, "uid": u.uid, "name": u.name,
                    "cmdline": u.cmdline, "origin": u.origin, "bound_at": u.at,
-                   "applied": False, "lease": None, "nofile": None,
+                   "applied": False, "lease": None, "nofile": None, "why": u.why,
                    **{k: v for k, v in u.placement.to_json().items()
                       if k in ("cpus", "mems", "gpus", "explanation", "notes")}}
             if live:
@@ -370,14 +371,15 @@ class JobRegistry:
             self._changed(pid)
 
     def note_unapplied(self, pid: int, start_time: int, placement: Placement, *,
-                       origin: str, name: str, cmdline: str | None = None) -> None:
+                       origin: str, name: str, cmdline: str | None = None,
+                       why: str | None = None) -> None:
         """Remember a placement made on a replayed topology that was not applied here."""
         if self.is_bound(pid):
             return
         self.version += 1
         self._unapplied[pid] = _Unapplied(
             pid, start_time, procfs.read_uid(pid, self.proc), name,
-            self._cmdline(pid, cmdline), placement, origin, time.time())
+            self._cmdline(pid, cmdline), placement, origin, time.time(), why)
         self.pidwatch.watch(pid, start_time, "jobs-unapplied", self._unapplied_exited)
 
     def _unapplied_exited(self, pid: int) -> None:

@@ -83,8 +83,17 @@ class RuleMemory:
     def settle(self, ctx: JobContext) -> None:
         if len(self.settled) > 100_000:
             self.settled.clear()
-        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self.settled.discard):
+        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled_exited):
             self.settled.add(ctx.pid)
+        else:
+            self._settled_exited(ctx.pid)
+
+    def _settled_exited(self, pid: int) -> None:
+        """A settled process ended: not looked at, nor listed as left alone, any more
+        (while none is, tunerd.jobs.gpuuse has no launch to follow and reads nothing)."""
+        self.settled.discard(pid)
+        self.left_alone.pop(pid, None)
+        self.self_affined.discard(pid)
 
     def leave_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:

@@ -378,6 +378,17 @@ class Monitor:
         self.reports.drop(self._publish(sample))
         return sample
 
+    def gpu_processes(self) -> list[tuple[int, int]] | None:
+        """(GPU, pid) of every compute process in the last sample, or None where GPUs
+        were not sampled within the last three intervals (tunerd.jobs.gpuuse then asks
+        NVML itself)."""
+        with self.lock:
+            s, at = self.latest, self.last_cycle_at
+        gpu = (s or {}).get("gpu") or {}
+        if not gpu.get("available") or time.monotonic() - at > 3 * self.interval:
+            return None
+        return [(int(p["gpu"]), int(p["pid"])) for p in gpu.get("processes") or []]
+
     def _publish(self, sample: dict[str, Any]) -> dict[int, Report]:
         """Store a finished sample (either thread); returns the ended reports."""
         ended: dict[int, Report] = sample.pop("ended_reports", None) or {}

@@ -22,7 +22,8 @@ __all__ = ["RecordedNvml"]
 
 
 class RecordedNvml(ReplayNvml):
-    def __init__(self, topo: Topology, recording: Path) -> None:
+    def __init__(self, topo: Topology, recording: Path,
+                 processes: Path | None = None) -> None:
         try:
             rec = json.loads(recording.read_text())
             str(rec["driver_version"])
@@ -30,4 +31,4 @@ class RecordedNvml(ReplayNvml):
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise UsageError(f"{recording}: not an NVML recording (driver_version, "
                              f"cuda_driver_version): {err}") from err
-        super().__init__(topo, rec)
+        super().__init__(topo, rec, processes)

@@ -15,10 +15,13 @@ i mod n of the recording).
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from tunerd.adapters import nvml
-from tunerd.adapters.nvml import NA, MemoryInfo, NaOr
+from tunerd.adapters.nvml import NA, GpuProcess, MemoryInfo, NaOr
 from tunerd.topology.model import Gpu, Topology
 
 __all__ = ["ReplayDevice", "ReplayNvml"]
@@ -114,6 +117,15 @@ class ReplayDevice(nvml.Device):
                  else self.gpu.memory_total_bytes)
         return MemoryInfo(total, 0, total)  # a snapshot records no load: nothing in use
 
+    def compute_processes(self) -> NaOr[list[GpuProcess]]:
+        if self.mig is not None or self.replay.processes is None:
+            return NA  # a snapshot records no processes
+        return [GpuProcess(pid, NA) for pid in self.replay.listed().get(self.gpu.index, ())]
+
+    @property
+    def minor_number(self) -> NaOr[int]:
+        return self.gpu.index if self.mig is None else NA  # /dev/nvidiaN: N = index here
+
     def cpu_affinity(self, ncpus: int) -> NaOr[frozenset[int]]:
         words = max(1, (ncpus + 63) // 64)  # what NVML's 64-bit mask array can hold
         return frozenset(c for c in self.gpu.local_cpus if c < words * 64)
@@ -176,8 +188,11 @@ class ReplayNvml(nvml.Backend):
 
     device_class: type[ReplayDevice] = ReplayDevice
 
-    def __init__(self, topo: Topology, telemetry: dict[str, Any] | None = None) -> None:
+    def __init__(self, topo: Topology, telemetry: dict[str, Any] | None = None,
+                 processes: Path | None = None) -> None:
         self.topo = topo
+        self.processes = processes  # the processes file (module docstring), or None
+        self._listed: tuple[tuple[int, int, int], dict[int, tuple[int, ...]]] | None = None
         self.telemetry = telemetry or {}
         gpus_rec = self.telemetry.get("gpus")
         self.telemetry_gpus: list[dict[str, Any]] = [
@@ -203,6 +218,19 @@ class ReplayNvml(nvml.Backend):
     def devices(self) -> list[nvml.Device]:
         return list(self._devices)
 
+    def listed(self) -> dict[int, tuple[int, ...]]:
+        """GPU index -> the pids the processes file lists on it, read again only when
+        the file changed (one stat per call otherwise)."""
+        assert self.processes is not None
+        try:
+            st = os.stat(self.processes)
+        except OSError:
+            return {}
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._listed is None or self._listed[0] != key:
+            self._listed = (key, _read_processes(self.processes))
+        return self._listed[1]
+
     @property
     def driver_version(self) -> NaOr[str]:
         v = self.telemetry.get("driver_version")
@@ -217,3 +245,22 @@ class ReplayNvml(nvml.Backend):
     def cuda_driver_version(self) -> NaOr[int]:
         v = self.telemetry.get("cuda_driver_version")
         return v if isinstance(v, int) and not isinstance(v, bool) else NA
+
+
+MAX_LISTED = 4096  # pids per GPU read from a processes file
+
+
+def _read_processes(path: Path) -> dict[int, tuple[int, ...]]:
+    """``{"<gpu index>": [pid, ...]}`` as GPU index -> pids; {} when it is no such file."""
+    try:
+        raw = json.loads(path.read_bytes()[:1 << 20])
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[int, tuple[int, ...]] = {}
+    for key, pids in raw.items():
+        if str(key).isdigit() and isinstance(pids, list):
+            out[int(key)] = tuple(p for p in pids[:MAX_LISTED]
+                                  if isinstance(p, int) and not isinstance(p, bool) and p > 0)
+    return out
