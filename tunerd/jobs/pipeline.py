@@ -488,7 +488,7 @@ class BindPipeline:
         req, ctx, m = run.req, run.ctx, run.req.match
         assert ctx is not None and m is not None
         self.jobs.note_unapplied(req.pid, ctx.start_time, placed, origin="rule",
-                                 name=m.rule.name, cmdline=m.cmdline)
+                                 name=m.rule.name, cmdline=m.cmdline, why=ctx.why)
         return BindOutcome(Verdict.LEFT_ALONE, req.pid, placement=placed, context=ctx,
                            reason="placed on the replayed topology only: "
                                   + " ".join(placed.notes))
