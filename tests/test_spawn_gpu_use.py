@@ -78,6 +78,18 @@ def test_the_replayed_gpus_list_the_processes_file_and_read_it_again(tmp_path: P
     assert replay.devices()[5].minor_number == 5
 
 
+def test_a_processes_file_another_user_may_write_or_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """The file names processes the daemon places: trusted only as a policy file is."""
+    topo = load_topology(DGX_H100)
+    f = tmp_path / "procs.json"
+    write_processes(f, {2: [4242]})
+    f.chmod(0o666)  # any user could list her own processes on a GPU
+    assert all(d.compute_processes() == [] for d in ReplayNvml(topo, processes=f).devices())
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # never blocks the daemon
+    assert all(d.compute_processes() == [] for d in ReplayNvml(topo, processes=fifo).devices())
+
+
 def test_a_spawn_child_is_told_by_its_command_line() -> None:
     assert is_spawn_child([sys.executable, "-B", "-c", "from multiprocessing.spawn import "
                            "spawn_main; spawn_main(tracker_fd=4, pipe_handle=6)",

@@ -22,6 +22,8 @@ from typing import Any
 
 from tunerd.adapters import nvml
 from tunerd.adapters.nvml import NA, GpuProcess, MemoryInfo, NaOr
+from tunerd.base.errors import Failed
+from tunerd.base.safefs import read_trusted
 from tunerd.topology.model import Gpu, Topology
 
 __all__ = ["ReplayDevice", "ReplayNvml"]
@@ -252,9 +254,9 @@ MAX_LISTED = 4096  # pids per GPU read from a processes file
 
 def _read_processes(path: Path) -> dict[int, tuple[int, ...]]:
     """``{"<gpu index>": [pid, ...]}`` as GPU index -> pids; {} when it is no such file."""
-    try:
-        raw = json.loads(path.read_bytes()[:1 << 20])
-    except (OSError, ValueError):
+    try:  # trusted as a policy file is (root's, no one else may write it), 1 MiB at most
+        raw = json.loads(read_trusted(path, "processes file", 1 << 20))
+    except (OSError, ValueError, Failed):
         return {}
     if not isinstance(raw, dict):
         return {}
