@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.k8s_render import CHART_DIR, KUSTOMIZE_DIR, ROOT, helm_template, kustomize
+from tunerd.daemon.config import DaemonConfig
 
 K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33")
 BIN = Path(sys.executable).parent
@@ -163,6 +164,8 @@ def check_daemonset(docs: list[dict[str, Any]]) -> None:
     host = {m["mountPath"]: vols[m["name"]].get("hostPath", {}).get("path")
             for m in ctr["volumeMounts"]}
     assert host["/run/tunerd"] == "/run/tunerd"
+    # the node lock: the host's own file (pod and host exclude each other), in root-only /run
+    assert host["/run/tunerd.lock"] == "/run/tunerd.lock" == str(DaemonConfig().node_lock)
     assert host["/var/lib/tunerd"] == "/var/lib/tunerd"
     assert host["/host/sys"] == "/sys" and host["/host/proc"] == "/proc"
     assert host["/var/lib/kubelet/pod-resources"] == "/var/lib/kubelet/pod-resources"

@@ -2,7 +2,7 @@
 
 - A second unscoped tunerd, whatever its runtime dir, refuses to start and names the
   first (pid, runtime dir): the node-wide lock (``--node-lock``, default
-  /run/lock/tunerd.lock). Both daemons here use a temporary lock, so a real tunerd on
+  /run/tunerd.lock). Both daemons here use a temporary lock, so a real tunerd on
   this machine is neither disturbed nor in the way.
 - A scoped daemon (``--scope-pid``, what the test suite gives every daemon it starts)
   binds by its rules only processes in that pid's subtree: a matching process outside
@@ -71,11 +71,11 @@ def test_the_node_lock_defaults_to_a_fixed_path_outside_the_runtime_dir() -> Non
     from tunerd.daemon.config import DaemonConfig, load_config
 
     cfg = load_config(None, {"runtime_dir": Path("/tmp/elsewhere")})
-    assert cfg.node_lock == DaemonConfig().node_lock == Path("/run/lock/tunerd.lock")
+    assert cfg.node_lock == DaemonConfig().node_lock == Path("/run/tunerd.lock")
     assert cfg.scope_pid is None
     out = subprocess.run([sys.executable, "-m", "tunerd.daemon.main", "--help"],
                          capture_output=True, text=True, timeout=60, cwd=REPO).stdout
-    assert "--node-lock" in out and "/run/lock/tunerd.lock" in out and "--scope-pid" in out
+    assert "--node-lock" in out and "/run/tunerd.lock" in out and "--scope-pid" in out
 
 
 @pytest.mark.root
@@ -123,13 +123,15 @@ def test_the_node_lock_is_never_a_symlink_nor_in_a_dir_others_may_write(tmp_path
     with pytest.raises(Failed, match="cannot open the node lock"):
         NodeClaim.acquire(d / "tunerd.lock", tmp_path / "run")
     assert (d / "target").read_text() == ""  # nothing written through the link
-    open_dir = tmp_path / "open"
-    open_dir.mkdir()
-    open_dir.chmod(0o777)  # writable by all and not sticky: anyone could swap the file
-    with pytest.raises(Failed, match="writable by others and not sticky"):
-        NodeClaim.acquire(open_dir / "tunerd.lock", tmp_path / "run")
+    for mode in (0o777, 0o1777):  # anyone could swap the file, or (sticky) pre-create it
+        open_dir = tmp_path / f"open{mode:o}"
+        open_dir.mkdir()
+        open_dir.chmod(mode)
+        with pytest.raises(Failed, match=r"node lock dir .*writable by"):
+            NodeClaim.acquire(open_dir / "tunerd.lock", tmp_path / "run")
     claim = NodeClaim.acquire(d / "ok.lock", tmp_path / "run")
     try:
+        assert os.stat(d / "ok.lock").st_mode & 0o777 == 0o600  # no one else may even open it
         pid, run, started = (d / "ok.lock").read_text().split()
         assert (int(pid), run) == (os.getpid(), str(tmp_path / "run")) and int(started) > 0
     finally:

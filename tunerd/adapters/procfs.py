@@ -59,6 +59,7 @@ __all__ = [
     "environ_view",
     "list_pids",
     "list_tids",
+    "lock_holders",
     "parse_io",
     "parse_limits_nofile",
     "parse_numa_maps",
@@ -803,4 +804,23 @@ def descendants(root: int, proc: str = PROC, include_root: bool = True,
         for c in kids.get(p, ()):
             out.append(c)
             todo.append(c)
+    return out
+
+
+def lock_holders(dev: int, ino: int, proc: str = PROC) -> list[tuple[str, int]]:
+    """Who holds a lock on the file (``dev``, ``ino``): (kind, pid) from the kernel's
+    lock table, ``/proc/locks`` (``1: FLOCK ADVISORY WRITE 812 fd:01:1234 0 EOF``;
+    waiters, the ``->`` lines, are left out). The pid is as this PID namespace sees it:
+    0 or -1 when the kernel cannot name one (outside our namespace, or an OFD lock)."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    try:
+        text = read_text(f"{proc}/locks", limit=4 << 20)
+    except OSError:
+        return []
+    out: list[tuple[str, int]] = []
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[1] != "->" and f[5] == want:
+            with contextlib.suppress(ValueError):
+                out.append((f[1], int(f[4])))
     return out

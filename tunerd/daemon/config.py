@@ -66,7 +66,7 @@ class DaemonConfig:
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     # one daemon binds processes on a node: the node-wide claim every unscoped,
     # non-dry-run daemon locks (tunerd.daemon.runtime.NodeClaim), whatever its runtime dir
-    node_lock: Path = Path("/run/lock/tunerd.lock")
+    node_lock: Path = Path("/run/tunerd.lock")
     # a test daemon: [[job]] rules bind only this process and its descendants, and no
     # node-wide claim is taken (tunerd.jobs.scope); None: the whole node
     scope_pid: int | None = None

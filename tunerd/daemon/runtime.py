@@ -9,16 +9,21 @@ exits 1 with one line naming the running pid, without touching the socket.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 import stat
 import time
 from pathlib import Path
 
+from tunerd.adapters.procfs import lock_holders, read_comm, read_uid
 from tunerd.base.errors import Failed
-from tunerd.base.safefs import write_atomic
+from tunerd.base.safefs import check_dir, file_kind, write_atomic
 
 __all__ = ["NodeClaim", "PidLock", "read_pidfile", "remove_pidfile", "write_pidfile"]
+
+log = logging.getLogger("tunerd")
 
 
 class PidLock:
@@ -111,6 +116,14 @@ class NodeClaim:
     state; a second one, whatever its runtime dir, finds it locked and exits 1 naming
     the first. The kernel drops the lock when the holder dies (SIGKILL included), so
     the file itself is never removed (unlinking a lock file races a new holder).
+
+    No other user can create, hold, replace or link it: it lives in a dir only root
+    writes (default ``/run``; a sticky world-writable one such as ``/run/lock`` is
+    refused), it is mode 0600 (flock needs only an open fd, so a file others could open
+    read-only is one they could lock), and a file that is not exactly ours (another
+    owner, a second hard link, group or other bits) is replaced by a fresh one while we
+    hold its lock. Who holds it is read from the kernel's lock table (/proc/locks), not
+    only from what the file says.
     """
 
     def __init__(self, path: Path, fd: int | None) -> None:
@@ -119,43 +132,19 @@ class NodeClaim:
 
     @classmethod
     def acquire(cls, path: Path, runtime_dir: Path) -> NodeClaim:
-        """Lock ``path`` (created 0644 if missing, never through a symlink, nothing but
-        a regular file owned by us or root, in a dir only root writes or a sticky one
-        such as /run/lock); Failed (exit 1) naming the daemon that holds it.
+        """Lock ``path``; Failed (exit 1) naming the daemon (the pid the kernel says)
+        that holds it.
 
-        An unprivileged daemon in a dir it does not own (the default /run/lock) only
-        looks: it refuses to start if a daemon holds the claim, but neither creates
-        nor holds it, so no user can keep root's daemon from starting."""
-        owner = _check_lock_dir(path.parent)
-        hold = os.geteuid() == 0 or owner == os.geteuid()
-        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        An unprivileged daemon in a dir it does not own (the default /run) only looks:
+        it refuses to start if a daemon holds the claim (from /proc/locks: the file is
+        root's 0600), but neither creates nor holds it."""
+        check_dir(path.parent, "node lock dir")  # only root (or we) may write there
+        owner = os.stat(path.parent).st_uid
+        if os.geteuid() != 0 and owner != os.geteuid():
+            _look(path)
+            return cls(path, None)
+        fd = _take(path)
         try:
-            fd = os.open(path, (os.O_RDWR | os.O_CREAT | flags) if hold
-                         else (os.O_RDONLY | flags), 0o644)
-        except FileNotFoundError:
-            if hold:
-                raise Failed(f"cannot create the node lock {path}", path=str(path)) from None
-            return cls(path, None)  # nobody ever claimed this node
-        except OSError as err:
-            raise Failed(f"cannot open the node lock {path}: {err.strerror or err}",
-                         path=str(path)) from err
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise Failed(f"node lock {path} is not a regular file; refusing to use it",
-                             path=str(path))
-            if hold and st.st_uid not in (0, os.geteuid()):
-                raise Failed(f"node lock {path} is owned by uid {st.st_uid}, not root; "
-                             "refusing to use it (remove it)", path=str(path))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise Failed(f"another tunerd ({_holder(fd)}) binds processes on this "
-                             f"node (node lock {path}); stop it first, or run this one "
-                             "--dry-run or --scope-pid PID", path=str(path)) from None
-            if not hold:
-                os.close(fd)
-                return cls(path, None)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {runtime_dir} {int(time.time())}\n".encode(), 0)
         except BaseException:
@@ -170,32 +159,132 @@ class NodeClaim:
             self._fd = None
 
 
-def _holder(fd: int) -> str:
-    """``pid N, runtime dir D`` from the lock file's text (what its holder wrote)."""
+_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _take(path: Path) -> int:
+    """An fd of ``path`` that we hold the flock of, the file ours alone (0600, one link,
+    owned by us): a file that is not is replaced while we hold its lock, so a daemon
+    waiting on the old one finds it gone and looks again."""
+    for _ in range(8):
+        try:
+            fd = os.open(path, _OPEN | os.O_CREAT, 0o600)
+        except OSError as err:  # a symlink (ELOOP), a dir: only root can make one there
+            raise Failed(f"cannot open the node lock {path}: {err.strerror or err} "
+                         "(remove it)", path=str(path), errno=err.errno) from err
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Failed(f"node lock {path} is {file_kind(st.st_mode)}; refusing to "
+                             "use it (remove it)", path=str(path))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise Failed(_held_message(path, st, fd), path=str(path)) from None
+            if not _names(path, st):
+                os.close(fd)  # replaced while we waited: the new file is the lock
+                continue
+            why = _not_ours(st)
+            if why is None:
+                return fd
+            fresh = _replace_or_keep(path, fd, why)
+            if fresh == fd:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return fresh
+    raise Failed(f"node lock {path} kept changing under us; refusing to start",
+                 path=str(path))
+
+
+def _not_ours(st: os.stat_result) -> str | None:
+    """Why a lock file is not ours alone (None: it is)."""
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_nlink != 1:
+        return f"{st.st_nlink} hard links"
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):04o}"
+    return None
+
+
+def _names(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path`` still names the file ``st`` describes."""
     try:
-        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        now = os.lstat(path)
     except OSError:
-        text = ""
-    parts = text.split(" ")
-    if len(parts) >= 3 and parts[0].isdigit():
-        return f"pid {parts[0]}, runtime dir {' '.join(parts[1:-1])}"
-    return "pid unknown"
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
-def _check_lock_dir(d: Path) -> int:
-    """The node lock's dir: a real dir owned by root (or us), writable by no one else
-    unless sticky (as /run/lock is: no one may replace another's file there). Its
-    owner's uid."""
+def _replace_or_keep(path: Path, fd: int, why: str) -> int:
+    """``_replace``; a file that cannot be renamed over (a Kubernetes hostPath file is a
+    mount point: EBUSY) is kept, made ours alone (0600, root's) and warned of."""
     try:
-        st = os.lstat(d)
+        return _replace(path, why)
     except OSError as err:
-        raise Failed(f"node lock dir {d}: {err.strerror or err}", path=str(d)) from err
-    if not stat.S_ISDIR(st.st_mode):
-        raise Failed(f"node lock dir {d} is not a directory; refusing it", path=str(d))
-    if st.st_uid not in (0, os.geteuid()):
-        raise Failed(f"node lock dir {d} is owned by uid {st.st_uid}; refusing it",
-                     path=str(d))
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise Failed(f"node lock dir {d} is writable by others and not sticky; "
-                     "refusing it", path=str(d))
-    return st.st_uid
+        if err.errno not in (errno.EBUSY, errno.EXDEV):
+            raise Failed(f"cannot replace the node lock {path} ({why}): "
+                         f"{err.strerror or err}", path=str(path), errno=err.errno) from err
+    os.fchown(fd, os.geteuid(), os.getegid())
+    os.fchmod(fd, 0o600)
+    log.warning("node lock %s was not tunerd's alone (%s) and cannot be replaced (a mount "
+                "point): made it 0600, ours", path, why)
+    return fd
+
+
+def _replace(path: Path, why: str) -> int:
+    """A fresh lock file renamed over ``path`` (whose lock the caller holds), locked."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    fd = os.open(tmp, _OPEN | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        os.close(fd)
+        raise
+    log.warning("node lock %s was not tunerd's alone (%s): replaced it with a new file",
+                path, why)
+    return fd
+
+
+def _look(path: Path) -> None:
+    """Refuse (Failed) when a daemon holds the claim; the file need not be readable."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return  # nobody ever claimed this node
+    if lock_holders(st.st_dev, st.st_ino):
+        raise Failed(_held_message(path, st, None), path=str(path))
+
+
+def _held_message(path: Path, st: os.stat_result, fd: int | None) -> str:
+    return (f"another tunerd ({_holder(st, fd)}) binds processes on this node (node lock "
+            f"{path}); stop it first, or run this one --dry-run or --scope-pid PID")
+
+
+def _holder(st: os.stat_result, fd: int | None) -> str:
+    """``pid N, runtime dir D``: the pid from the kernel's lock table, the runtime dir
+    from the file's text (what its holder wrote), and a word when they disagree."""
+    pids = sorted({p for kind, p in lock_holders(st.st_dev, st.st_ino) if kind == "FLOCK"})
+    text = ""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    parts = text.split(" ")
+    named = int(parts[0]) if len(parts) >= 3 and parts[0].isdigit() else None
+    run = " ".join(parts[1:-1]) if named is not None else None
+    if not pids or pids[0] <= 0:
+        where = "a process outside this PID namespace" if pids else "pid unknown"
+        return where + (f"; the file names pid {named}, runtime dir {run}" if named else "")
+    pid = pids[0]
+    if pid == named:
+        return f"pid {pid}, runtime dir {run}"
+    comm = read_comm(pid) or "?"
+    uid = read_uid(pid)
+    stale = f"; the file names pid {named}, stale" if named is not None else ""
+    return f"pid {pid} ({comm}, uid {uid}){stale}"
