@@ -152,3 +152,27 @@ def test_the_scope_is_the_subtree_of_its_pid() -> None:
         assert not mine.admits(999_999_999)  # gone: outside
     finally:
         kill(child)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_scope_pid_1_is_refused(tmp_path: Path, how: str) -> None:
+    """init's subtree is the whole node: `--scope-pid 1` would bind everything with no
+    node lock (issue 34 item 8); refused as a usage error, one line, before anything."""
+    argv = [sys.executable, "-m", "tunerd.daemon.main", "--runtime-dir", str(tmp_path / "run"),
+            "--state-dir", str(tmp_path / "state"), "--metrics-listen", "off",
+            "--dry-run"]  # were it to start (before the fix), it would write nothing
+    if how == "flag":
+        argv += ["--scope-pid", "1"]
+    else:
+        conf = tmp_path / "tunerd.toml"
+        conf.write_text("scope_pid = 1\n")
+        conf.chmod(0o644)
+        argv += ["--config", str(conf)]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=10, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tunerd --scope-pid 1 started (it ran for 10 s)")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "1 is init" in lines[0] and "scope" in lines[0], lines
+    assert not (tmp_path / "run").exists()  # nothing touched

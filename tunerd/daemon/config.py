@@ -128,6 +128,15 @@ def _count(minimum: int) -> Callable[[Any], int]:
     return check
 
 
+def _scope_pid(v: Any) -> int:
+    pid = _count(1)(v)
+    if pid == 1:  # init's subtree is every process: the whole node, with no node lock
+        raise _Bad("1 is init, whose subtree is the whole node: a test daemon scoped to it "
+                   "would bind every process without the node lock; give the pid of the "
+                   "test's own process, or drop it (an unscoped daemon takes the node lock)")
+    return pid
+
+
 def _log_level(v: Any) -> str:
     if v not in LOG_LEVELS:
         raise _Bad(f"must be one of {'|'.join(LOG_LEVELS)}, got {v!r}")
@@ -193,8 +202,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                              _abs_path),
     "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",
                   _abs_path),
-    "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons)",
-                  _count(1)),
+    "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons; "
+                  "not 1)", _scope_pid),
     "subuid_file": ("subordinate uids: each counts as its user for per-user limits",
                     _abs_path),
 }
