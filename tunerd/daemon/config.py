@@ -202,8 +202,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                              _abs_path),
     "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",
                   _abs_path),
-    "scope_pid": ("rules bind only this pid's process subtree; no node lock (test daemons; "
-                  "not 1)", _scope_pid),
+    "scope_pid": ("rules bind only this pid's subtree, not 1; no node lock (test daemons)",
+                  _scope_pid),
     "subuid_file": ("subordinate uids: each counts as its user for per-user limits",
                     _abs_path),
 }
