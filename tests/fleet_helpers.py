@@ -159,7 +159,8 @@ def start_fleet(specs: list[dict[str, Any]], prefix: str) -> Fleet:
             d = make_daemon(tmp / f"n{i}", fleet_policy(spec["ib_hca"]), ns=ns, **extra,
                             sample_interval=0.5, job_python=Path(spec.get("python",
                                                                          "/usr/bin/python3")),
-                            debug_nvml_replay=spec["nvml"])
+                            debug_nvml_replay=spec["nvml"],
+                            apply_host_settings=True)  # its nccl.conf: a temp etc_root
             d.extra_args += ["--topology", str(TOPOLOGY),
                              "--metrics-listen", f"{addr}:{METRICS_PORT}"]
             fleet.nodes.append(Node(f"n{i}", ns, nic, addr, d))

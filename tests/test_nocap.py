@@ -88,7 +88,8 @@ def nocap_daemon(tmp_path: Path) -> Iterator[tuple[NoCapDaemon, str]]:
     # this machine plus two GPUs, so that what the rule places on really exists here
     topology, gpu0_cpu, _ = snapshot_with_gpus_here(tmp_path / "topology.json")
     d = NoCapDaemon(tmp=base, policy_dir=pdir, gpu0_cpu=gpu0_cpu,
-                    extra_args=["--config", str(cfg), "--topology", str(topology)])
+                    extra_args=["--config", str(cfg), "--topology", str(topology),
+                                "--apply-host-settings"])  # to the tree
     try:
         d.start()
         assert d.proc is not None

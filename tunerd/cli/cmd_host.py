@@ -32,11 +32,16 @@ def _skipped(res: dict[str, Any]) -> list[str]:
             for k in res.get("apply_once_skipped", [])]
 
 
+def _plan_only(res: dict[str, Any]) -> list[str]:
+    why = res.get("plan_only")
+    return [f"note: planned only, nothing is written to this machine ({why})"] if why else []
+
+
 def _human_plan(res: dict[str, Any]) -> str:
     lines = [f"{c['key']}: {_v(c['current'])} -> {c['desired']}" for c in res["changes"]]
     if not lines:
         lines.append("nothing to change")
-    return "\n".join(lines + _skipped(res) + _unavailable(res))
+    return "\n".join(lines + _skipped(res) + _unavailable(res) + _plan_only(res))
 
 
 def _human_apply(res: dict[str, Any]) -> str:
@@ -48,7 +53,8 @@ def _human_apply(res: dict[str, Any]) -> str:
     lines += [f"{c['key']}: {_v(c['from'])} -> {_v(c['to'])}" for c in res["changed"]]
     if not res["changed"] and not res["errors"] and not res.get("would_change"):
         lines.append("nothing to change")
-    return "\n".join(lines + _errors(res) + _skipped(res) + _unavailable(res))
+    return "\n".join(lines + _errors(res) + _skipped(res) + _unavailable(res)
+                     + _plan_only(res))
 
 
 def _human_verify(res: dict[str, Any]) -> str:

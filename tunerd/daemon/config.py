@@ -72,6 +72,9 @@ class DaemonConfig:
     scope_pid: int | None = None
     # subordinate uids: each counts as its user for per-user limits (tests: a temp file)
     subuid_file: Path = Path("/etc/subuid")
+    # with --topology: write the replayed node's host settings (sysctl, NIC, NCCL, block,
+    # vm, IRQ, PCIe, CPU) to this machine; False: they are planned, never written
+    apply_host_settings: bool = False
 
     @property
     def socket_path(self) -> Path:
@@ -206,6 +209,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                   _scope_pid),
     "subuid_file": ("subordinate uids: each counts as its user for per-user limits",
                     _abs_path),
+    "apply_host_settings": ("with --topology: write host settings to this machine "
+                            "(false: planned only)", _bool),
 }
 
 

@@ -42,7 +42,7 @@ class HostSettings:
     def __init__(self, tuners: dict[str, Tuner], section: dict[str, Any],
                  save: Callable[[], None], errors: ErrorLog, *, state_path: Path,
                  dry_run: bool = False, verify_interval: float = 60.0,
-                 apply_delay: float = 0.0) -> None:
+                 apply_delay: float = 0.0, plan_only: str | None = None) -> None:
         self.tuners = tuners
         section.setdefault("originals", {})
         section.setdefault("applied_once", [])
@@ -50,7 +50,11 @@ class HostSettings:
         self._save = save
         self.errors = errors
         self.state_path = state_path
-        self.dry_run = dry_run
+        # plan_only: why host settings are planned and never written (a topology replay
+        # without --apply-host-settings): a dry run of the host settings alone
+        self.plan_only = plan_only
+        self.dry_run = dry_run or plan_only is not None
+        self.sections: dict[str, int] = {}  # section -> settings the policy manages here
         self.verify_interval = verify_interval
         self.apply_delay = apply_delay
         self._policy: Policy | None = None
@@ -121,6 +125,7 @@ class HostSettings:
             "apply_once_skipped": sorted(c.key for c in changes
                                          if c.needed and self._once_done(c.key)),
             "dry_run": self.dry_run,
+            **({"plan_only": self.plan_only} if self.plan_only else {}),
         }
 
     # -- apply --------------------------------------------------------------------
@@ -140,8 +145,25 @@ class HostSettings:
     def _reverify(self) -> None:
         """Read the settings back after writing them, so that ``status`` tells the state
         now, not the drift the last periodic verify saw before the apply."""
-        drift = [c for c in self.plan_all() if c.needed and not self._once_done(c.key)]
+        changes = self.plan_all()
+        drift = [c for c in changes if c.needed and not self._once_done(c.key)]
         self.last_verify = {"time": time.time(), "drift": len(drift)}
+        sections: dict[str, int] = {}
+        for c in changes:
+            if c.available:
+                sec = c.key.partition(":")[0]
+                sections[sec] = sections.get(sec, 0) + 1
+        self.sections = sections
+
+    def writes(self) -> str:
+        """Which host settings this daemon writes to this machine, in words."""
+        what = ", ".join(f"{k} ({n})" for k, n in sorted(self.sections.items())) or "none"
+        if self.plan_only:
+            return (f"planned only, nothing written to this machine ({self.plan_only}); "
+                    f"would manage: {what}")
+        if self.dry_run:
+            return f"dry run, nothing written; would manage: {what}"
+        return f"written to this machine: {what}"
 
     async def _apply_changes(self, changes: list[Change], reason: str,
                              retry_failed: bool = True) -> dict[str, Any]:
@@ -149,6 +171,7 @@ class HostSettings:
                 and (retry_failed or self.failed.get(c.key, "\0") != c.desired)]
         result: dict[str, Any] = {
             "changed": [], "errors": [], "dry_run": self.dry_run,
+            **({"plan_only": self.plan_only} if self.plan_only else {}),
             "unavailable": [c.to_dict() for c in changes if not c.available],
             "apply_once_skipped": sorted(c.key for c in changes
                                          if c.needed and self._once_done(c.key)),
@@ -511,8 +534,11 @@ class HostSettings:
                    + (f", not placed: {'; '.join(st['not_placed'].values())}"
                       if st["not_placed"] else ""))
         return {
-            "summary": f"{len(self.originals)} setting(s) changed from their originals; "
-                       f"{drift}; {mode}" + (" (dry run)" if self.dry_run else "") + irq,
+            "summary": f"{self.writes()}; {len(self.originals)} setting(s) changed from "
+                       f"their originals; {drift}; {mode}"
+                       + (" (dry run)" if self.dry_run and not self.plan_only else "") + irq,
+            "writes": {"written": not self.dry_run, "sections": dict(self.sections),
+                       "plan_only": self.plan_only},
             "originals": len(self.originals),
             "enforcing": self.enforcing,
             "last_apply": self.last_apply,

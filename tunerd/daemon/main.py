@@ -126,6 +126,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", default=None,
                    help="plan and log every change but write nothing to the host "
                         "(default off)")
+    p.add_argument("--apply-host-settings", action="store_true", default=None,
+                   help="with --topology: write the policy's host settings (sysctl, NIC, "
+                        "NCCL, block, vm, IRQ, PCIe) to this machine (default: a replayed "
+                        "node's host settings are planned, never written)")
     p.add_argument("--node-lock", type=Path, metavar="FILE",
                    help=f"node-wide lock: one unscoped, non-dry-run tunerd per node, "
                         f"whatever its runtime dir (default {d.node_lock})")
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_dir": args.state_dir, "topology": args.topology,
             "metrics_listen": args.metrics_listen, "dry_run": args.dry_run,
             "log_level": args.log_level, "node_lock": args.node_lock,
-            "scope_pid": args.scope_pid,
+            "scope_pid": args.scope_pid, "apply_host_settings": args.apply_host_settings,
         })
         if cfg.topology is not None:  # a bad snapshot is a usage error, not a traceback
             from tunerd.topology import read_snapshot

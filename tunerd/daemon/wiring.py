@@ -170,7 +170,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
                                      topology=lambda: None if replay else placer.topo),
                         durable.section("host"), save_durable, errors,
                         state_path=cfg.state_path, dry_run=cfg.dry_run,
-                        verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay)
+                        verify_interval=cfg.verify_interval, apply_delay=cfg.debug_apply_delay,
+                        plan_only=_plan_only(cfg))
 
     def daemon_facts() -> dict[str, float | None]:
         """Daemon health for the metrics (read from the HTTP thread: plain values only)."""
@@ -326,6 +327,15 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     MonitorCommands(monitor, settings_for=settings_for,
                     left_alone=autobind.left_alone_now, gpu_nics=pairing).register(router)
     return daemon
+
+
+def _plan_only(cfg: DaemonConfig) -> str | None:
+    """Why host settings are planned, never written: a replayed topology is another
+    node's, so its policy's sysctls, NICs and nccl.conf are not this machine's to get
+    (unless asked with --apply-host-settings)."""
+    if cfg.topology is None or cfg.apply_host_settings:
+        return None
+    return (f"topology replay of {cfg.topology}; tunerd --apply-host-settings writes them")
 
 
 def _replay_nvml(cfg: DaemonConfig, topology: Topology) -> None:
