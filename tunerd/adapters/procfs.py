@@ -57,6 +57,7 @@ __all__ = [
     "children_map",
     "descendants",
     "environ_view",
+    "in_initial_pid_namespace",
     "list_pids",
     "list_tids",
     "lock_holders",
@@ -65,6 +66,7 @@ __all__ = [
     "parse_numa_maps",
     "parse_stat",
     "parse_status",
+    "pid_namespace",
     "read_bytes",
     "read_cmdline",
     "read_cmdline_prefix",
@@ -824,3 +826,23 @@ def lock_holders(dev: int, ino: int, proc: str = PROC) -> list[tuple[str, int]]:
             with contextlib.suppress(ValueError):
                 out.append((f[1], int(f[4])))
     return out
+
+
+# the initial PID namespace's inode number, fixed by the kernel (include/linux/proc_ns.h)
+PROC_PID_INIT_INO = 0xEFFFFFFC
+
+
+def pid_namespace(proc: str = PROC) -> int | None:
+    """The inode of our active PID namespace (``/proc/PID/ns/pid``), None if unreadable.
+    NSpid cannot tell where it is: under a /proc mounted for the namespace (``unshare
+    --mount-proc``, a container without hostPID) it shows one level."""
+    try:
+        return os.stat(f"{proc}/{os.getpid()}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def in_initial_pid_namespace(proc: str = PROC) -> bool:
+    """Whether we run in the host's own PID namespace (True when it cannot be read)."""
+    ns = pid_namespace(proc)
+    return ns is None or ns == PROC_PID_INIT_INO

@@ -260,6 +260,8 @@ class AutoBinder:
         n = len(self.rules.rules)
         names = ", ".join(r.name for r in self.rules.rules)
         mode = self.watcher.mode if self.watcher else "off"
+        if self.watcher is not None and self.watcher.mode == "proc-scan" and self.watcher.reason:
+            mode += f" (proc connector: {self.watcher.reason})"  # never silent about why
         summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
         if at_start:

@@ -164,6 +164,9 @@ class Intake:
         # (pid, start time) -> the launcher a Python process is (None: none), read once
         self._launchers: dict[tuple[int, int], str | None] = {}
         self._cache_lock = threading.Lock()
+        # the walk up ends below the host's init; in a PID namespace of our own its pid 1
+        # is the container's entry point, which may be the launcher (torchrun as PID 1)
+        self._top = 1 if procfs.in_initial_pid_namespace(proc_root) else 0
 
     def exec_seen(self, pid: int) -> None:
         """``pid`` exec'd: what a quick look kept of it as a parent is no longer so
@@ -226,11 +229,11 @@ class Intake:
         return tuple(gpus or ()), how, visible
 
     def _walk(self, ctx: JobContext) -> Iterator[Up]:
-        """``ctx``'s parent, its parent, ... (up to ANCESTOR_DEPTH, to pid 1 or
-        slurmstepd), read as the walk goes."""
+        """``ctx``'s parent, its parent, ... (up to ANCESTOR_DEPTH, to pid 1 (included
+        in a PID namespace of our own) or slurmstepd), read as the walk goes."""
         ppid = ctx.ppid
         for _ in range(ANCESTOR_DEPTH):
-            if ppid <= 1 or ppid == ctx.pid:
+            if ppid <= self._top or ppid == ctx.pid:
                 return
             try:
                 st = procfs.Process(ppid, self.proc).stat()

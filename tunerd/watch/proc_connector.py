@@ -42,7 +42,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from tunerd.adapters.procfs import PROC, Process, read_text
+from tunerd.adapters.procfs import (
+    PROC,
+    Process,
+    in_initial_pid_namespace,
+    pid_namespace,
+    read_text,
+)
 from tunerd.base.errors import TunerdError
 from tunerd.base.jsontypes import JSONObject
 
@@ -152,8 +158,9 @@ def listen_refusal() -> str | None:
         return "CAP_NET_ADMIN is needed to listen to process events"
     if uid_map[:3] != ["0", "0", "4294967295"]:
         return "not in the initial user namespace (container?): the kernel ignores LISTEN"
-    if len(nspid.split()) > 1:
-        return "not in the initial PID namespace (container?): the kernel ignores LISTEN"
+    if not in_initial_pid_namespace() or len(nspid.split()) > 1:
+        return (f"not in the initial PID namespace (pid:[{pid_namespace()}], container?): "
+                "the kernel sends no process events there")
     return None
 
 

@@ -1,0 +1,116 @@
+"""A daemon in a PID namespace of its own still binds (issue 34 item 6).
+
+The kernel sends proc-connector events only to listeners in the initial PID namespace
+(drivers/connector/cn_proc.c); a daemon in a container without hostPID, or in an
+`unshare` sandbox, that subscribed anyway got nothing and bound nothing, silently: its
+check read NSpid, which under a /proc mounted for the namespace shows one level. Here
+the real daemon and a real torchrun run inside `unshare --pid --fork --mount-proc`: the
+daemon knows where it is (its /proc/self/ns/pid is not the initial namespace's), says
+so in status, and binds the ranks by scanning its namespace's /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_ctl, wait_for
+from tests.leases_helpers import cpus_allowed, descendants
+from tests.test_launchers_real import snapshot_with_8_gpus_here
+from tests.test_torch_ddp import bundled_rule_policy
+from tunerd.base.cpulist import parse_cpulist
+
+pytestmark = pytest.mark.root
+
+HOST_CPUS = frozenset(os.sched_getaffinity(0))
+GPUS = (2, 5)
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+_TRAIN = """import os, sys, time
+open(sys.argv[0] + ".ready" + os.environ["LOCAL_RANK"], "w").close()
+time.sleep(60)
+"""
+
+
+def _ranks(top: int, train: Path) -> dict[int, int]:
+    """local rank -> host pid of the processes running ``train`` under ``top``."""
+    out: dict[int, int] = {}
+    for pid in descendants(top):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(train).encode() in argv:
+            for kv in env:
+                if kv.startswith(b"LOCAL_RANK="):
+                    out[int(kv.split(b"=", 1)[1])] = pid
+    return out
+
+
+def _ns_pid(host_pid: int) -> int:
+    for line in Path(f"/proc/{host_pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError(f"no NSpid for {host_pid}")
+
+
+@pytest.mark.skipif(len(HOST_CPUS) < 2, reason="needs 2 CPUs (two GPU slices apart)")
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_a_daemon_in_its_own_pid_namespace_binds_torchrun_ranks(tmp_path: Path) -> None:
+    tmp = tmp_path / "pidns"
+    tmp.mkdir()
+    token = f"pidns{os.getpid()}"
+    bundled_rule_policy(tmp / "policies", token)
+    snap = snapshot_with_8_gpus_here(tmp / "snap.json")
+    run, sock = tmp / "run", tmp / "run" / "tunerd.sock"
+    train = tmp / f"train_{token}.py"
+    train.write_text(_TRAIN)
+    # unscoped: inside the namespace it sees only the namespace's processes (and the
+    # rule binds only this test's token); its own node lock, not the host's
+    daemon = [sys.executable, "-m", "tunerd.daemon.main", "--policy-dir", str(tmp / "policies"),
+              "--runtime-dir", str(run), "--state-dir", str(tmp / "state"),
+              "--metrics-listen", "off", "--log-level", "debug", "--topology", str(snap),
+              "--node-lock", str(tmp / "node.lock")]
+    job = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(train)]
+    script = (f"{shlex.join(daemon)} > {tmp / 'tunerd.log'} 2>&1 &\n"
+              f"for i in $(seq 400); do [ -S {sock} ] && break; sleep 0.05; done\n"
+              f"exec {shlex.join(job)}\n")
+    env = {**os.environ, "TUNERD_TEST_TOKEN": token, "CUDA_VISIBLE_DEVICES": "2,5",
+           "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL",
+                          "--", "bash", "-c", script], env=env, cwd=tmp)
+
+    def log() -> str:
+        return (tmp / "tunerd.log").read_text(errors="replace")
+
+    try:
+        wait_for(lambda: len(_ranks(p.pid, train)) == 2, 60, "torchrun's 2 ranks", detail=log)
+        ranks = _ranks(p.pid, train)
+
+        def bound() -> list[dict[str, object]] | None:
+            """The rule-bound jobs, once both ranks are, each in the CPUs its record says."""
+            r = run_ctl("--socket", str(sock), "--json", "jobs")
+            jobs = [j for j in r.json()["jobs"] if j.get("origin") == "rule"] if r.rc == 0 else []
+            return jobs if len(jobs) == 2 else None
+
+        jobs = wait_for(bound, 15, "both ranks bound by the rule", detail=log)
+        for j in jobs:  # the daemon's pids are its namespace's: NSpid's last field
+            host = next(h for h in ranks.values() if _ns_pid(h) == j["pid"])
+            assert parse_cpulist(cpus_allowed(host) or "") == parse_cpulist(str(j["cpus"])), j
+            gpus = j["gpus"]
+            assert isinstance(gpus, list) and len(gpus) == 1 and gpus[0] in GPUS, j
+        st = run_ctl("--socket", str(sock), "--json", "status").json()
+        summary = st["services"]["autobind"]["summary"]
+        assert "watcher proc-scan" in summary and "initial PID namespace" in summary, summary
+        human = run_ctl("--socket", str(sock), "status").out
+        assert "not in the initial PID namespace" in human, human
+    finally:
+        p.kill()  # our own child, by pid: --kill-child ends the namespace with it
+        p.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
