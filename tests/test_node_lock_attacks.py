@@ -255,3 +255,40 @@ def test_a_lock_file_that_is_a_mount_point_is_kept_and_made_ours(
     _starts(_daemon(daemon_factory, private_run, "pod"))
     st = os.stat(f"/proc/{private_run.pid}/root{lock}")
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == 0
+
+
+_FLOCK_PIDFILE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)  # the pidfile is 0644: scripts read it
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+try:
+    os.open(sys.argv[1] + ".lock", os.O_RDONLY); print("lock opened")
+except OSError as e:
+    print("lock", e.strerror)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_user_cannot_hold_the_runtime_dirs_lock(unpriv_user, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The same attack on the one-daemon-per-runtime-dir lock: she flocks root's 0644
+    pidfile read-only; root's next daemon on that runtime dir still starts."""
+    d = daemon_factory(name="pidlock").start()
+    pidfile = d.runtime_dir / "tunerd.pid"
+    assert d.stop() == 0
+    pidfile.write_text("1\n")  # a leftover, as after a crash
+    pidfile.chmod(0o644)
+    p = subprocess.Popen(["setpriv", f"--reuid={unpriv_user[0]}", f"--regid={unpriv_user[1]}",
+                          "--clear-groups", "--", sys.executable, "-c", _FLOCK_PIDFILE,
+                          str(pidfile)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        lines = [p.stdout.readline(), p.stdout.readline()]
+        assert lines[1] == "holding\n", lines
+        d.start()  # before: "another tunerd (pid 1) is running with runtime dir ..."
+        assert lines[0] == "lock Permission denied\n", lines
+        assert d.proc is not None and pidfile.read_text() == f"{d.proc.pid}\n"
+        assert pidfile.stat().st_mode & 0o777 == 0o644
+    finally:
+        p.kill()  # our own child, by pid
+        p.wait()

@@ -1,9 +1,10 @@
 """RUNTIME_DIR/tunerd.pid: how scripts without systemd find the daemon, and its lock.
 
-One daemon per runtime dir: the daemon takes an flock on the pidfile before it
-touches anything else there (state, socket) and holds it while it runs. A second
-one (say ``tunerd --dry-run`` run by hand with the default dirs) finds it locked and
-exits 1 with one line naming the running pid, without touching the socket.
+One daemon per runtime dir: the daemon takes an flock on ``tunerd.pid.lock`` (0600:
+no one else can open it, so no one else can lock it) before it touches anything
+else there (state, socket) and holds it while it runs. A second one (say ``tunerd
+--dry-run`` run by hand with the default dirs) finds it locked and exits 1 with one
+line naming the running pid, without touching the socket.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tunerd.adapters.procfs import lock_holders, read_comm, read_uid
@@ -27,52 +29,39 @@ log = logging.getLogger("tunerd")
 
 
 class PidLock:
-    """The pidfile, flock'ed by the running daemon, its pid written in place (a rename
-    would give a second daemon an unlocked file to lock)."""
+    """One daemon per runtime dir: an flock on ``tunerd.pid.lock`` beside the pidfile,
+    a file as the node lock's (0600, ours alone: see ``_take``), so that no user can
+    hold it (the pidfile itself is 0644 for scripts to read, and flock needs only a
+    read-only fd); the pid is written to ``tunerd.pid`` once the lock is held."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd: int | None = fd
-        st = os.fstat(fd)
-        self._inode = (st.st_dev, st.st_ino)
 
     @classmethod
     def acquire(cls, path: Path) -> PidLock:
-        """Lock ``path`` and write our pid in it; Failed (exit 1) naming the pid of the
-        daemon that holds it. Never follows a symlink, opens nothing but a regular file."""
+        """Lock the runtime dir and write our pid in ``path``; Failed (exit 1) naming the
+        pid of the daemon that holds it (the kernel's lock table first)."""
+        def held(lock: Path, st: os.stat_result, fd: int) -> str:
+            pids = sorted({p for k, p in lock_holders(st.st_dev, st.st_ino) if k == "FLOCK"})
+            who = (f"pid {pids[0]}" if pids and pids[0] > 0
+                   else f"pid {read_pidfile(path) or 'unknown'}")
+            return (f"another tunerd ({who}) is running with runtime dir {path.parent}; stop "
+                    "it first, or give this one its own --runtime-dir (and --state-dir)")
+
+        fd = _take(path.with_name(path.name + ".lock"), held)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, 0o644)
-        except OSError as err:
-            raise Failed(f"cannot open {path}: {err.strerror or err}", path=str(path)) from err
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise Failed(f"{path} is not a regular file; refusing to use it",
-                             path=str(path))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                text = os.pread(fd, 64, 0).decode(errors="replace").strip()
-                who = f"pid {text}" if text.isdigit() else "pid unknown"
-                raise Failed(f"another tunerd ({who}) is running with runtime dir "
-                             f"{path.parent}; stop it first, or give this one its own "
-                             "--runtime-dir (and --state-dir)", path=str(path)) from None
-            os.fchmod(fd, 0o644)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            write_pidfile(path)
         except BaseException:
             os.close(fd)
             raise
         return cls(path, fd)
 
     def release(self) -> None:
-        """Remove the pidfile (if it is still this one) and let go of the lock."""
+        """Remove the pidfile (if it is still ours) and let go of the lock."""
         if self._fd is None:
             return
-        with contextlib.suppress(OSError):
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._inode:
-                self.path.unlink()
+        remove_pidfile(self.path)
         os.close(self._fd)
         self._fd = None
 
@@ -143,7 +132,7 @@ class NodeClaim:
         if os.geteuid() != 0 and owner != os.geteuid():
             _look(path)
             return cls(path, None)
-        fd = _take(path)
+        fd = _take(path, _held_message)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {runtime_dir} {int(time.time())}\n".encode(), 0)
@@ -162,7 +151,7 @@ class NodeClaim:
 _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _take(path: Path) -> int:
+def _take(path: Path, held: Callable[[Path, os.stat_result, int], str]) -> int:
     """An fd of ``path`` that we hold the flock of, the file ours alone (0600, one link,
     owned by us): a file that is not is replaced while we hold its lock, so a daemon
     waiting on the old one finds it gone and looks again."""
@@ -180,7 +169,7 @@ def _take(path: Path) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise Failed(_held_message(path, st, fd), path=str(path)) from None
+                raise Failed(held(path, st, fd), path=str(path)) from None
             if not _names(path, st):
                 os.close(fd)  # replaced while we waited: the new file is the lock
                 continue
@@ -226,11 +215,11 @@ def _replace_or_keep(path: Path, fd: int, why: str) -> int:
         return _replace(path, why)
     except OSError as err:
         if err.errno not in (errno.EBUSY, errno.EXDEV):
-            raise Failed(f"cannot replace the node lock {path} ({why}): "
+            raise Failed(f"cannot replace the lock file {path} ({why}): "
                          f"{err.strerror or err}", path=str(path), errno=err.errno) from err
     os.fchown(fd, os.geteuid(), os.getegid())
     os.fchmod(fd, 0o600)
-    log.warning("node lock %s was not tunerd's alone (%s) and cannot be replaced (a mount "
+    log.warning("lock file %s was not tunerd's alone (%s) and cannot be replaced (a mount "
                 "point): made it 0600, ours", path, why)
     return fd
 
@@ -247,7 +236,7 @@ def _replace(path: Path, why: str) -> int:
             tmp.unlink()
         os.close(fd)
         raise
-    log.warning("node lock %s was not tunerd's alone (%s): replaced it with a new file",
+    log.warning("lock file %s was not tunerd's alone (%s): replaced it with a new file",
                 path, why)
     return fd
 
@@ -262,7 +251,7 @@ def _look(path: Path) -> None:
         raise Failed(_held_message(path, st, None), path=str(path))
 
 
-def _held_message(path: Path, st: os.stat_result, fd: int | None) -> str:
+def _held_message(path: Path, st: os.stat_result, fd: int | None = None) -> str:
     return (f"another tunerd ({_holder(st, fd)}) binds processes on this node (node lock "
             f"{path}); stop it first, or run this one --dry-run or --scope-pid PID")
 
