@@ -292,3 +292,30 @@ def test_a_user_cannot_hold_the_runtime_dirs_lock(unpriv_user, daemon_factory) -
     finally:
         p.kill()  # our own child, by pid
         p.wait()
+
+
+def test_a_users_daemon_only_looks_at_the_lock(private_run: PrivateRun, unpriv_user,
+                                               daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A daemon an ordinary user runs (unscoped, not a dry run) cannot open root's 0600
+    lock: it reads the kernel's lock table instead, refuses while root's daemon holds
+    the node (naming its pid), and neither creates nor holds the lock when none does."""
+    from tests.security_helpers import chown_tree
+
+    root = _daemon(daemon_factory, private_run, "root").start()
+    base: DaemonProc = daemon_factory(name="user")
+    base.scoped = False
+    chown_tree(base.tmp, *unpriv_user)
+    argv = private_run.enter("setpriv", f"--reuid={unpriv_user[0]}",
+                             f"--regid={unpriv_user[1]}", "--clear-groups", "--",
+                             *base.argv(), "--log-level", "info")
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 1, p.stderr
+    assert root.proc is not None and f"another tunerd (pid {root.proc.pid}" in p.stderr, p.stderr
+    assert root.stop() == 0
+    user = NsDaemon(tmp=base.tmp, policy_dir=base.policy_dir, scoped=False)
+    user.ns = private_run
+    user.argv = lambda: argv  # type: ignore[method-assign]
+    user.start()  # nobody holds the node now: hers starts, holding nothing
+    st = os.stat(f"/proc/{private_run.pid}/root{_lock_path()}")
+    assert st.st_uid == 0 and st.st_mode & 0o777 == 0o600
+    assert user.stop() == 0
