@@ -49,7 +49,7 @@ class PidLock:
             return (f"another tunerd ({who}) is running with runtime dir {path.parent}; stop "
                     "it first, or give this one its own --runtime-dir (and --state-dir)")
 
-        fd = _take(path.with_name(path.name + ".lock"), held)
+        fd = _take(path.with_name(path.name + ".lock"), held, "runtime dir lock")
         try:
             write_pidfile(path)
         except BaseException:
@@ -151,7 +151,8 @@ class NodeClaim:
 _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _take(path: Path, held: Callable[[Path, os.stat_result, int], str]) -> int:
+def _take(path: Path, held: Callable[[Path, os.stat_result, int], str],
+          what: str = "node lock") -> int:
     """An fd of ``path`` that we hold the flock of, the file ours alone (0600, one link,
     owned by us): a file that is not is replaced while we hold its lock, so a daemon
     waiting on the old one finds it gone and looks again."""
@@ -159,12 +160,12 @@ def _take(path: Path, held: Callable[[Path, os.stat_result, int], str]) -> int:
         try:
             fd = os.open(path, _OPEN | os.O_CREAT, 0o600)
         except OSError as err:  # a symlink (ELOOP), a dir: only root can make one there
-            raise Failed(f"cannot open the node lock {path}: {err.strerror or err} "
+            raise Failed(f"cannot open the {what} {path}: {err.strerror or err} "
                          "(remove it)", path=str(path), errno=err.errno) from err
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise Failed(f"node lock {path} is {file_kind(st.st_mode)}; refusing to "
+                raise Failed(f"{what} {path} is {file_kind(st.st_mode)}; refusing to "
                              "use it (remove it)", path=str(path))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -184,7 +185,7 @@ def _take(path: Path, held: Callable[[Path, os.stat_result, int], str]) -> int:
             raise
         os.close(fd)
         return fresh
-    raise Failed(f"node lock {path} kept changing under us; refusing to start",
+    raise Failed(f"{what} {path} kept changing under us; refusing to start",
                  path=str(path))
 
 
