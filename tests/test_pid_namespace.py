@@ -114,3 +114,27 @@ def test_a_daemon_in_its_own_pid_namespace_binds_torchrun_ranks(tmp_path: Path) 
         p.kill()  # our own child, by pid: --kill-child ends the namespace with it
         p.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_connectors_view_is_checked_against_ours() -> None:
+    """The second check, independent of the namespace inode: the exec of a child the
+    daemon starts must arrive with the pid it sees. Here in the initial namespace it
+    does; inside a PID namespace (the inode check skipped, as a kernel that reports
+    namespaces otherwise would) it does not, and the watcher would fall back."""
+    from tunerd.watch.proc_connector import ProcConnector
+
+    c = ProcConnector()
+    c.open()
+    try:
+        assert c.view_mismatch() is None
+    finally:
+        c.close()
+    code = ("import tunerd.watch.proc_connector as pc\n"
+            "pc.listen_refusal = lambda: None  # only the probe decides\n"
+            "c = pc.ProcConnector(); c.open(); print(c.view_mismatch(0.5)); c.close()\n")
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--", sys.executable,
+                        "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert p.returncode == 0, p.stderr
+    assert "no exec event for pid" in p.stdout and "do not match this PID namespace" in (
+        p.stdout), p.stdout

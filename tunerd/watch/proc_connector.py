@@ -308,6 +308,40 @@ class ProcConnector:
             pid, tgid = struct.unpack_from("ii", buf, _OFF_PID)
             out.append(ProcEvent(what, pid, tgid))
 
+    def view_mismatch(self, timeout: float = 2.0) -> str | None:
+        """The connector's view against ours (None: they agree): the exec of a child we
+        start must come, with the pid we see. A kernel that ignored our LISTEN, or one
+        whose events carry another PID namespace's numbers, fails here, not silently
+        later. Events of other processes read meanwhile are dropped: the caller scans
+        /proc after it starts watching."""
+        import select
+        import shutil
+
+        exe = shutil.which("true") or "/bin/true"
+        try:
+            child = os.posix_spawn(exe, [exe], {})
+        except OSError as err:
+            log.debug("proc connector: no probe (%s: %s)", exe, err.strerror)
+            return None
+        seen: list[int] = []
+        try:
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.sock()], [], [], left)[0]:
+                    break
+                try:
+                    events = self.read()
+                except Overrun:
+                    return None  # a busy node: events do come
+                if any(e.what == PROC_EVENT_EXEC and e.tgid == child for e in events):
+                    return None
+                seen += [e.tgid for e in events if e.what == PROC_EVENT_EXEC]
+        finally:
+            os.waitpid(child, 0)
+        return (f"no exec event for pid {child}, a child it started, within {timeout:g} s "
+                f"({len(seen)} other exec event(s)): the kernel's process events do not "
+                "match this PID namespace")
+
     def unsubscribe(self) -> None:
         if self._sock is None:
             return
@@ -493,6 +527,10 @@ class ExecWatcher(Generic[T]):
                                  else PROC_EVENT_EXEC, self.rcvbuf, filter_events=PROC_EVENT_EXEC)
             try:
                 conn.open()
+                why = conn.view_mismatch()
+                if why is not None:
+                    conn.close()
+                    raise ConnectorUnavailable(errno.EPERM, why)
             except ConnectorUnavailable as err:
                 self.reason = f"{err.strerror} (errno {errno.errorcode.get(err.errno or 0, '?')})"
                 log.warning("proc connector unavailable: %s; falling back to scanning /proc "
