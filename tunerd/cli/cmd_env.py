@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from typing import Any
 
@@ -12,7 +13,7 @@ from tunerd.cli.types import Command
 
 
 def _exports(r: dict[str, Any]) -> str:
-    settings = {**r["nccl"], **(r.get("nic_env") or {})}
+    settings = {**r["nccl"], **(r.get("nic_env") or {}), **(r.get("rank_env") or {})}
     lines = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(settings.items())]
     if r.get("nic_note"):
         lines.append(f"# {r['nic_note']}")
@@ -23,8 +24,10 @@ def _exports(r: dict[str, Any]) -> str:
 
 @click.command(cls=Command)
 @click.option("--local-rank", "local_rank", type=click.IntRange(min=0), default=None,
-              help="Also the rank's own NIC ([nccl] per_rank_nic): NCCL_IB_HCA or "
-                   "NCCL_SOCKET_IFNAME and UCX_NET_DEVICES for its GPU's NIC.")
+              help="Also the rank's slice (TUNERD_RANK_CPUS, OMP_NUM_THREADS) and, with "
+                   "[nccl] per_rank_nic, its GPU's NIC (NCCL_IB_HCA or NCCL_SOCKET_IFNAME, "
+                   "UCX_NET_DEVICES). Its GPU: the Nth of CUDA_VISIBLE_DEVICES (indices, "
+                   "GPU-/MIG- UUIDs) inside the Slurm grant; one it cannot resolve: exit 2.")
 def env(local_rank: int | None) -> int:
     """Print the node's [nccl] settings as export lines.
 
@@ -34,11 +37,9 @@ def env(local_rank: int | None) -> int:
     ctx = get_ctx()
     args: dict[str, Any] = {}
     if local_rank is not None:
-        args["local_rank"] = local_rank
-        from tunerd.topology.iopath import rank_gpus
+        from tunerd.topology.visible import resolve_env
 
-        gpus = rank_gpus(local_rank)
-        if gpus is not None:
-            args["gpus"] = gpus
+        args["local_rank"] = local_rank
+        args["environ"] = resolve_env(os.environ)  # the daemon resolves the rank's GPU
     ctx.emit(ctx.call("env", **args), _exports)
     return 0
