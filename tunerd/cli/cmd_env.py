@@ -32,7 +32,9 @@ def env(local_rank: int | None) -> int:
     """Print the node's [nccl] settings as export lines.
 
     For jobs in containers, which never read the host's /etc/nccl.conf:
-    eval "$(tunerctl env)" before the launcher, or --json for scripts.
+    eval "$(tunerctl env)" before the launcher, or --json for scripts. With
+    --local-rank N also TUNERD_RANK_CPUS (the slice of the node its GPU owns) and an
+    OMP_NUM_THREADS that fits it.
     """
     ctx = get_ctx()
     args: dict[str, Any] = {}
