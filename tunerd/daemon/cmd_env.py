@@ -82,6 +82,8 @@ class EnvCommands:
         if given is not None:
             return given
         environ = _check_environ(req.args.get("environ"))
+        if not topo.gpus:  # a CPU-only node: no rank has a GPU (a note says so), no error
+            return []
         from tunerd.jobs.allocation import scheduler_gpus
         from tunerd.topology.visible import resolve_gpus
 
@@ -157,6 +159,8 @@ def _nic_reply(topo: Topology, gpus: list[int], per_rank_nic: bool) -> dict[str,
         out["nic_note"] = ("GPU " + ", ".join(str(p.gpu) for p in far) + ": its NIC "
                            + ", ".join(p.nic.device for p in far) + " is on another "
                            "NUMA node (no fabric NIC on the GPU's own)")
+    elif not gpus:
+        out["nic_note"] = "no GPU on this node: no per-rank NIC"
     elif not mine:
         out["nic_note"] = f"no fabric NIC for GPU(s) {gpus}"
     return out
