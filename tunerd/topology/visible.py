@@ -1,6 +1,8 @@
 """Which GPUs a process uses: CUDA_VISIBLE_DEVICES, LOCAL_RANK, and NVML.
 
-In order of trust:
+``resolve_gpus`` is the one resolver every path asks (bind, rules, run, the GPU-use
+service, ``tunerctl env --local-rank``, ``export_nccl_env``); the rest of this module are
+its parts. In order of trust:
 
 1. ``LOCAL_RANK`` (torchrun, Slurm via the launcher) picks one GPU out of the
    visible ones: ``CUDA_VISIBLE_DEVICES[LOCAL_RANK]``, or GPU ``LOCAL_RANK`` when
@@ -24,9 +26,9 @@ from tunerd.topology.model import Topology
 if TYPE_CHECKING:
     from tunerd.adapters.nvml import Device
 
-__all__ = ["RESOLVE_VARS", "GpuResolveError", "gpus_from_env", "gpus_from_nvml",
-           "nvml_users", "parse_gpu_list", "resolve_cvd", "resolve_env", "resolve_gpus",
-           "visible_gpus", "visible_list"]
+__all__ = ["MAX_RESOLVE_VALUE", "RESOLVE_VARS", "GpuResolveError", "gpus_from_env",
+           "gpus_from_nvml", "nvml_users", "parse_gpu_list", "resolve_cvd", "resolve_env",
+           "resolve_gpus", "visible_gpus", "visible_list"]
 
 MAX_GPU_INDEX = 1 << 16  # CUDA_VISIBLE_DEVICES entries beyond it name no GPU
 MAX_LOCAL_RANK = 1 << 20  # LOCAL_RANK beyond it is ignored (as if unset)
