@@ -318,7 +318,8 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     LeaseCommands(leases).register(router)
     HostCommands(host).register(router)
     topology_cmds.register(router)
-    EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology).register(router)
+    EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology,
+                housekeeping=placer.housekeeping).register(router)
     def pairing() -> dict[str, Any]:
         from tunerd.topology.iopath import gpu_nics, pairing_json
 

@@ -51,6 +51,7 @@ from tunerd.jobs.gate import device_gpus
 from tunerd.jobs.intake import Intake, JobContext, RankId
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
+from tunerd.topology.visible import nvml_users
 from tunerd.watch.launchers import launcher_comm
 from tunerd.watch.rules import JobRule, RuleMatch
 
@@ -187,8 +188,7 @@ class GpuUse:
         seen = self.listing() if self.listing is not None else None
         devs = nvml.devices() if seen is None or self.autobind.bound else []
         if seen is None:
-            seen = [(dev.index, p.pid) for dev in devs
-                    if (procs := dev.compute_processes()) is not nvml.NA for p in procs]
+            seen = nvml_users(devs)
         for gpu, pid in seen:
             if len(out) >= MAX_LISTED and pid not in out:
                 continue

@@ -33,7 +33,7 @@ from tunerd.base.errors import NoSuchProcess, TunerdError
 from tunerd.jobs.allocation import Allocation, read_allocation, scheduler_gpus
 from tunerd.jobs.placer import PlaceRequest
 from tunerd.topology.model import Topology
-from tunerd.topology.visible import gpus_from_env, visible_list
+from tunerd.topology.visible import resolve_gpus, visible_list
 from tunerd.watch.launchers import WRAPPERS, is_launcher, launcher_comm, wrapper_name
 from tunerd.watch.launchers import _base as _base
 
@@ -221,10 +221,10 @@ class Intake:
         seen = visible_list(self.topo, env, granted)
         visible = tuple(seen) if seen is not None else tuple(g.index for g in self.topo.gpus)
         if rank is not None:
-            gpus = gpus_from_env(self.topo, env, allowed=granted, local_rank=rank.local_rank)
+            gpus = resolve_gpus(self.topo, env, granted=granted, local_rank=rank.local_rank)
             how = f"its CUDA_VISIBLE_DEVICES/{rank.var}"
         else:
-            gpus = gpus_from_env(self.topo, env, allowed=granted)
+            gpus = resolve_gpus(self.topo, env, granted=granted)
             how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
         return tuple(gpus or ()), how, visible
 
