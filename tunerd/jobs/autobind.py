@@ -46,6 +46,7 @@ from tunerd.base.jsontypes import JSONObject
 from tunerd.base.logutil import acting_for
 from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.external import ExternalHolds
 from tunerd.jobs.gate import (
     LeaseLimits,
     ReservationGate,
@@ -140,6 +141,8 @@ class AutoBinder:
         self._scanning = False  # True while binding processes that ran before the rules
         # what the rules remember of processes they looked at and did not bind
         self.memory = RuleMemory(pidwatch, errors, proc_root)
+        # ranks that pinned themselves: held in the ledger as outside owners of CPUs
+        self.external = ExternalHolds(self.placer, pidwatch)
         self._init_counters()
         self._init_watcher_thread(realtime)
 
@@ -405,6 +408,7 @@ class AutoBinder:
             self.memory.wrap(m, ctx)
             self.memory.leave_alone(ctx)
             self.memory.settle(ctx)
+            self.external.hold(ctx, self.memory.placed_by(ctx))  # a self-pinned rank
             return None
         if m.rule.rank and ctx.role not in ("rank", "descendant"):
             return None

@@ -114,6 +114,9 @@ class ReservationKind(enum.Enum):
     BIND = "bind"  # tunerctl bind: an exclusive bind, a rank's or Slurm task's CPUs
     RULE = "rule"  # a [[job]] rule's rank
     LEASE = "lease"  # alloc / run
+    # a rank that pinned itself (numactl/taskset wrapper, in-app binding, torchrun
+    # --numa-binding): left as it is, held as an outside owner of the CPUs it runs on
+    EXTERNAL = "external"
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,10 @@ class ReservationKey:
         return cls(ReservationKind.LEASE, lid)
 
     @classmethod
+    def external(cls, pid: int) -> ReservationKey:
+        return cls(ReservationKind.EXTERNAL, str(pid))
+
+    @classmethod
     def parse(cls, text: str) -> ReservationKey | None:
         """The text form ("lease:L3", "rule:PID", "rule:PID:START" of a rule's exclusive
         move); None for any other text."""
@@ -161,6 +168,9 @@ class Reservation:
     group: str | None = None
     job: str | None = None  # scheduler job it was made in ("slurm:12")
     uid: int | None = None  # whose it is (None: not known, counts as someone else's)
+    ranked: bool = False  # a rank (a rule's, a launcher's or scheduler's): steers [irq]
+    start_time: int | None = None  # the holding process's (an external hold's identity)
+    placed_by: str | None = None  # an external hold: who chose its CPUs (numactl, self)
 
     def __post_init__(self) -> None:
         key: object = self.key
@@ -169,6 +179,17 @@ class Reservation:
             if parsed is None:
                 raise ValueError(f"reservation key {key!r}: expected KIND:ID")
             object.__setattr__(self, "key", parsed)
+
+
+def steers_irq(r: Reservation) -> bool:
+    """Whether ``r``'s CPUs keep ``[irq]``'s interrupts off them: a rule's rank, a
+    self-pinned rank, a rank its launcher or scheduler identified, root's binds and
+    leases, a lease inside a scheduler's job. Never a user's plain ``tunerctl bind``."""
+    if r.key.kind in (ReservationKind.RULE, ReservationKind.EXTERNAL):
+        return True
+    if r.key.kind is ReservationKind.LEASE and r.job is not None:
+        return True
+    return r.ranked or r.uid == 0
 
 
 def held_exclusively(taken: Mapping[int, str]) -> PlacementError:
@@ -302,6 +323,29 @@ class Placer:
                     out.setdefault(c, r.holder)
         return out
 
+    def held_cpus(self, *, steering: bool = False) -> dict[int, str]:
+        """Every CPU a reservation holds -> its holder (the first one): the one source
+        of held CPUs for placement, ``[irq]`` and ``jobs``.
+
+        ``steering``: only the holds that steer ``[irq]`` (``steers_irq``): ranks (a
+        rule's, a launcher's or scheduler's, a self-pinned one) and root's binds and
+        leases; a user's plain bind of her own process never moves host interrupts."""
+        out: dict[int, str] = {}
+        for r in self._held():
+            if steering and not steers_irq(r):
+                continue
+            for c in r.cpus:
+                out.setdefault(c, r.holder)
+        return out
+
+    def external_holds(self) -> list[Reservation]:
+        """Ranks that pinned themselves, held as outside owners of their CPUs."""
+        return [r for r in self._held() if r.key.kind is ReservationKind.EXTERNAL]
+
+    def external_cpus(self) -> dict[int, str]:
+        """CPU -> the self-pinned rank holding it (later placements avoid them)."""
+        return {c: r.holder for r in self.external_holds() for c in r.cpus}
+
     def held_by_others(self, cpus: frozenset[int], uid: int,
                        key: ReservationKey) -> dict[int, str]:
         """CPUs of ``cpus`` that a reservation other than ``key`` holds exclusively and
@@ -425,18 +469,20 @@ class Placer:
         (a rank) the CPUs of the job's other ranks too, with a note."""
         held = self.exclusive_cpus(group=req.group, job=req.job)
         soft = {**self.exclusive_cpus(soft=True, job=req.job), **held}
-        try:
-            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=soft,
-                                     housekeeping=hk, allowed_cpus=allowed)
-        except PlacementError:
-            if soft == held and not req.group:
-                raise
-        try:  # other leases' CPUs may be shared when nothing else is left
-            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=held,
-                                     housekeeping=hk, allowed_cpus=allowed)
-        except PlacementError:
-            if not req.group:
-                raise
+        ext = self.external_cpus()
+        # self-pinned ranks' CPUs are avoided first (as leases' are), then shared with
+        # a note naming them (``_clash``); other leases' CPUs may be shared last
+        tiers = [{**ext, **soft}, {**ext, **held}, soft, held]
+        for i, tier in enumerate(tiers):
+            if tier in tiers[:i]:
+                continue
+            try:
+                return place_on_topology(self.topo, preq, busy_gpus=busy,
+                                         exclusive_cpus=tier, housekeeping=hk,
+                                         allowed_cpus=allowed)
+            except PlacementError:
+                if tier is tiers[-1] and not req.group:
+                    raise
         # more ranks than CPUs to split: share with the job's other ranks
         p = place_on_topology(self.topo, preq, busy_gpus=busy,
                               exclusive_cpus=self.exclusive_cpus(job=req.job),
@@ -672,7 +718,19 @@ class Placer:
         return self._finish(Placement(cpus=cpus, mems=mems, gpus=gpus, gpu_uuids=uuids,
                                       explanation=expl), notes)
 
+    def _clash(self, p: Placement) -> str | None:
+        """A note naming the self-pinned ranks whose CPUs ``p`` shares, if any."""
+        ext = self.external_cpus()
+        shared = {c: ext[c] for c in (p.cpus or ()) if c in ext}
+        if not shared:
+            return None
+        return (f"CPU {format_cpulist(shared)} shared with "
+                f"{'; '.join(sorted(set(shared.values())))}: no free CPU was left")
+
     def _finish(self, p: Placement, notes: list[str]) -> Placement:
+        clash = self._clash(p)
+        if clash is not None:
+            notes = [*notes, clash]
         if notes:
             p = replace(p, explanation="; ".join([p.explanation, *notes]) if p.explanation
                         else "; ".join(notes))

@@ -1,0 +1,73 @@
+"""Ranks that pinned themselves, held in the node's ledger as outside owners of CPUs.
+
+A rank started through ``numactl``/``taskset`` (torchrun ``--numa-binding``, SGLang,
+vLLM ``--numa-bind``), or one that set its own affinity, is left as it is by the rules
+(``tunerd.jobs.intake``: its mask is narrower than its parent's). Its CPUs are still
+taken: it is held here as an ``external`` reservation of the placer (pid + start time,
+its job, who chose the CPUs), so that later jobs avoid those CPUs as they avoid
+tunerd's own holds, and where they cannot, their explanation names the rank. The hold
+goes when the process exits (its pidfd); after a daemon restart the rules' first scan
+finds the rank again and holds it again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tunerd.base.cpulist import format_cpulist
+from tunerd.base.jsontypes import JSONObject
+from tunerd.jobs.intake import JobContext
+from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.placer import Placer, Reservation, ReservationKey
+
+__all__ = ["ExternalHolds", "external_reservation"]
+
+log = logging.getLogger("tunerd.autobind")
+
+
+def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
+    """The hold of a self-pinned rank ``ctx`` (None: not one, or no mask known)."""
+    cpus = ctx.allocation.mask
+    if not ctx.self_affined or ctx.role != "rank" or not cpus:
+        return None
+    job = ctx.group or ctx.launcher
+    gpus = f", GPU {format_cpulist(ctx.gpus)}" if ctx.gpus else ""
+    how = f" via {placed_by}" if placed_by != "self" else ""
+    holder = (f"pid {ctx.pid} ({ctx.comm}{gpus}{', job ' + job if job else ''}, "
+              f"pinned itself{how})")
+    return Reservation(key=ReservationKey.external(ctx.pid), holder=holder, gpus=(),
+                       cpus=cpus, pid=ctx.pid, group=ctx.group, job=ctx.job_key,
+                       uid=ctx.uid, ranked=True, start_time=ctx.start_time,
+                       placed_by=placed_by)
+
+
+class ExternalHolds:
+    """Self-pinned ranks as external holders in the placer, released at their exit."""
+
+    def __init__(self, placer: Placer, pidwatch: PidWatch) -> None:
+        self.placer = placer
+        self.pidwatch = pidwatch
+
+    def hold(self, ctx: JobContext, placed_by: str) -> Reservation | None:
+        """Hold ``ctx``'s CPUs as an outside owner's (on the loop); None: nothing held."""
+        res = external_reservation(ctx, placed_by)
+        if res is None:
+            return None
+        if not self.pidwatch.watch(ctx.pid, ctx.start_time, "external", self._exited):
+            return None  # gone already
+        old = self.placer.reserve(res)
+        if old is None or old.cpus != res.cpus:
+            log.info("pid %d held as an external owner of CPU %s (%s)", ctx.pid,
+                     format_cpulist(res.cpus), res.holder)
+        return res
+
+    def _exited(self, pid: int) -> None:
+        if self.placer.release(ReservationKey.external(pid)) is not None:
+            log.info("pid %d exited: its external hold is released", pid)
+
+    def listing(self) -> list[JSONObject]:
+        """The external holders, for ``tunerctl jobs``."""
+        return [{"pid": r.pid, "start_time": r.start_time, "cpus": format_cpulist(r.cpus),
+                 "job": r.group or r.job, "placed_by": r.placed_by, "why": r.holder,
+                 "uid": r.uid}
+                for r in sorted(self.placer.external_holds(), key=lambda r: r.pid or 0)]
