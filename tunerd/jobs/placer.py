@@ -512,7 +512,9 @@ class Placer:
     def _usable(self, allowed: frozenset[int] | None, hk: frozenset[int]) -> frozenset[int]:
         online = self.topo.online_cpus()
         base = online & allowed if allowed is not None else online
-        return (base - hk) or base
+        # a self-pinned rank's CPUs are no one's share while others are left: a rank of
+        # that slice gets fewer CPUs rather than some of its neighbour's
+        return (base - hk - self.external_cpus().keys()) or (base - hk) or base
 
     def _count(self, req: PlaceRequest, allowed: frozenset[int] | None, hk: frozenset[int],
                notes: list[str]) -> tuple[int | None, frozenset[int] | None]:
