@@ -154,10 +154,12 @@ def test_dgx_numactl_rank_on_gpu6_is_held_beside_other_jobs(daemon_factory,
         assert [x["pid"] for x in ext] == [pinned] and ext[0]["cpus"] == "1", ext
         # advise: the self-pinned rank on GPU 6 runs outside its GPU's slice
         adv = d.ctl("--json", "advise", str(pinned))
-        assert adv.rc == 0, adv.err
+        assert adv.rc == 1, adv.err  # a warning: advise exits 1, as for any problem found
         found = {f["id"]: f for j in adv.json()["jobs"] for f in j["findings"]}
         assert "self-pinned-outside-slice" in found, found
-        assert "GPU 6" in found["self-pinned-outside-slice"]["message"]
+        f = found["self-pinned-outside-slice"]
+        assert "GPU 6" in f["title"] and f["evidence"]["outside"] == "1", f
+        assert f["evidence"]["slice"] == "84-97,196-209", f
     finally:
         for a in agents:
             kill_tree(a)  # type: ignore[arg-type]

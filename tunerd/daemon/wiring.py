@@ -19,9 +19,10 @@ import logging
 import os
 from typing import Any
 
+from tunerd.adapters import procfs
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errorlog import ErrorLog
-from tunerd.base.errors import Failed, UsageError
+from tunerd.base.errors import Failed, TunerdError, UsageError
 from tunerd.base.safefs import prepare_dir
 from tunerd.daemon.app import Daemon, Service
 from tunerd.daemon.cmd_bind import BindCommands
@@ -55,7 +56,7 @@ from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.leases import LeaseService
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
-from tunerd.jobs.placement import Placement
+from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import HostCapacity, Placer
 from tunerd.jobs.podresources import PodResourcesSource
 from tunerd.jobs.registry import JobRegistry
@@ -265,8 +266,8 @@ class _Wiring:
         EnvCommands(self.policy, self.nccl_file,
                     topology=self.current_topology).register(router)
         MonitorCommands(self.monitor, settings_for=self.settings_for,
-                        left_alone=autobind.left_alone_now,
-                        gpu_nics=self.pairing).register(router)
+                        left_alone=autobind.left_alone_now, gpu_nics=self.pairing,
+                        self_pinned=self.self_pinned_findings).register(router)
 
     # -- callbacks the services are given ----------------------------------------------
     def irq_context(self) -> IrqContext:
@@ -392,6 +393,28 @@ class _Wiring:
             if rule.name == rb.rule:
                 return rule.torch.to_dict()
         return {}
+
+    def self_pinned_findings(self, pid: int) -> list[dict[str, Any]]:
+        """``advise`` on a self-pinned rank the ledger holds: its CPUs against its GPUs'
+        slice, its memory's NUMA nodes against its CPUs' (numa_maps, on a NUMA host)."""
+        from tunerd.diagnose.advise import self_pinned
+        from tunerd.topology.nodemap import node_map
+
+        placer = self.placer
+        res = next((r for r in placer.external_holds() if r.pid == pid), None)
+        if res is None:
+            return []
+        topo = placer.topo
+        slice_cpus = node_map(topo, placer.housekeeping()).slice_cpus(res.uses_gpus)
+        pages: dict[int, int] = {}
+        if len(placer.host.mems) > 1:  # one node: nothing is remote (and no walk)
+            try:
+                pages = procfs.Process(pid).numa_pages()
+            except TunerdError:
+                pages = {}
+        found = self_pinned(res.cpus, res.uses_gpus, slice_cpus, mems_of(topo, res.cpus),
+                            pages)
+        return [f.to_dict() for f in found]
 
     def refuse_for_root(self, p: Policy) -> str | None:  # SIGHUP comes from root
         return self.preview.refuse_rebind(p, 0)

@@ -38,7 +38,7 @@ def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
     return Reservation(key=ReservationKey.external(ctx.pid), holder=holder, gpus=(),
                        cpus=cpus, pid=ctx.pid, group=ctx.group, job=ctx.job_key,
                        uid=ctx.uid, ranked=True, start_time=ctx.start_time,
-                       placed_by=placed_by)
+                       placed_by=placed_by, uses_gpus=ctx.gpus)
 
 
 class ExternalHolds:
@@ -68,6 +68,7 @@ class ExternalHolds:
     def listing(self) -> list[JSONObject]:
         """The external holders, for ``tunerctl jobs``."""
         return [{"pid": r.pid, "start_time": r.start_time, "cpus": format_cpulist(r.cpus),
+                 "gpus": list(r.uses_gpus),
                  "job": r.group or r.job, "placed_by": r.placed_by, "why": r.holder,
                  "uid": r.uid}
                 for r in sorted(self.placer.external_holds(), key=lambda r: r.pid or 0)]

@@ -171,6 +171,7 @@ class Reservation:
     ranked: bool = False  # a rank (a rule's, a launcher's or scheduler's): steers [irq]
     start_time: int | None = None  # the holding process's (an external hold's identity)
     placed_by: str | None = None  # an external hold: who chose its CPUs (numactl, self)
+    uses_gpus: tuple[int, ...] = ()  # an external hold: the GPUs it uses (shown, not held)
 
     def __post_init__(self) -> None:
         key: object = self.key
