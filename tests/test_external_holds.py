@@ -190,3 +190,45 @@ def test_placer_avoids_external_holds_and_names_them_when_it_cannot() -> None:
     assert placer.held_cpus() == {0: "pid 77 (tunerctl bind --exclusive)",
                                   1: placer.external_holds()[0].holder}
     assert set(placer.held_cpus(steering=True)) == {1}  # a user's bind steers nothing
+
+
+def test_a_self_pinned_ranks_memory_goes_to_its_cpus_node_unless_the_rule_says_leave(
+        ) -> None:
+    """``[[job]] self_pinned_memory``: "bind" (the default) binds a self-pinned rank's
+    memory to its CPUs' NUMA node -- on the DGX H100 topology as a host of two memory
+    nodes, CPU 1 -> node 0; "leave" binds nothing; a host of one node has nothing to bind."""
+    import dataclasses
+
+    from tunerd.jobs.external import ExternalHolds
+    from tunerd.jobs.intake import Intake
+    from tunerd.jobs.pidwatch import PidWatch
+
+    dgx = dataclasses.replace(load_topology(DGX_H100), replayed=False)
+    here = Intake(load_topology(TWO_GPUS), HOST_CPUS, bound=lambda pid: None,
+                  lease=lambda pid: None).describe(os.getpid())
+    ctx = dataclasses.replace(here, role="rank", self_affined=True, allocation=dataclasses
+                              .replace(here.allocation, mask=frozenset({1})))
+    two = ExternalHolds(Placer(dgx, HostCapacity(frozenset(dgx.cpus), frozenset({0, 1})),
+                               frozenset), PidWatch())
+    assert two.memory_to_bind(ctx, "bind")[0] == {0}
+    assert two.memory_to_bind(ctx, "leave")[0] is None
+    one = ExternalHolds(Placer(load_topology(TWO_GPUS), HostCapacity(HOST_CPUS), frozenset),
+                        PidWatch())
+    mems, why = one.memory_to_bind(ctx, "bind")
+    assert mems is None and "replayed" in why  # a loaded snapshot is a replay
+    dgx_replayed = ExternalHolds(Placer(load_topology(DGX_H100), HostCapacity(
+        frozenset(range(224)), frozenset({0, 1})), frozenset), PidWatch())
+    assert dgx_replayed.memory_to_bind(ctx, "bind")[0] is None
+
+
+def test_self_pinned_memory_is_validated(tmp_path: Path) -> None:
+    from tests.helpers import run_ctl, write_policy
+
+    write_policy(tmp_path, "00.toml", '[policy]\nname = "x"\n\n[[job]]\nname = "r"\n'
+                 'match.rank = true\nself_pinned_memory = "maybe"\n')
+    r = run_ctl("policy", "check", str(tmp_path))
+    assert r.rc != 0 and "self_pinned_memory" in r.out + r.err and "bind, leave" in \
+        r.out + r.err, r.out + r.err
+    write_policy(tmp_path, "00.toml", '[policy]\nname = "x"\n\n[[job]]\nname = "r"\n'
+                 'match.rank = true\nself_pinned_memory = "leave"\n')
+    assert run_ctl("policy", "check", str(tmp_path)).rc == 0

@@ -18,6 +18,7 @@ from tunerd.base.cpulist import format_cpulist
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.intake import JobContext
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.placement import mems_of
 from tunerd.jobs.placer import Placer, Reservation, ReservationKey
 
 __all__ = ["ExternalHolds", "external_reservation"]
@@ -60,6 +61,22 @@ class ExternalHolds:
             log.info("pid %d held as an external owner of CPU %s (%s)", ctx.pid,
                      format_cpulist(res.cpus), res.holder)
         return res
+
+    def memory_to_bind(self, ctx: JobContext,
+                       policy: str) -> tuple[frozenset[int] | None, str]:
+        """(memory nodes to bind a self-pinned rank's memory to, why) -- None: nothing
+        (the rule says "leave", a replayed node, one memory node, CPUs on every node)."""
+        cpus = ctx.allocation.mask
+        if policy != "bind":
+            return None, f"self_pinned_memory = {policy!r}"
+        if self.placer.topo.replayed:
+            return None, "a replayed topology: its CPUs are not this node's"
+        if not cpus:
+            return None, "its CPUs are not known"
+        mems = self.placer.bindable_mems(mems_of(self.placer.topo, cpus))
+        if mems is None:
+            return None, "its CPUs span every memory node (or the node has one)"
+        return mems, f"CPUs {format_cpulist(cpus)} are on node(s) {format_cpulist(mems)}"
 
     def _exited(self, pid: int) -> None:
         if self.placer.release(ReservationKey.external(pid)) is not None:
