@@ -94,7 +94,7 @@ def test_a_later_job_on_gpu1_avoids_the_cpu_a_numactl_rank_took(daemon_factory,
         held = wait_for(lambda: _external(d, pinned), 30, "the numactl rank held as "
                         "external", detail=d.log)
         assert os.sched_getaffinity(pinned) == {1}  # left as it pinned itself
-        assert held["cpus"] == "1" and held["placed_by"] in ("numactl", "self"), held
+        assert held["cpus"] == "1" and held["placed_by"] == "numactl", held
         assert f"pid {pinned}" in held["why"] and held["job"], held
         assert _job(d, pinned) is None  # never bound by tunerd
         assert "external holders" in d.ctl("jobs").out
@@ -232,3 +232,30 @@ def test_self_pinned_memory_is_validated(tmp_path: Path) -> None:
     write_policy(tmp_path, "00.toml", '[policy]\nname = "x"\n\n[[job]]\nname = "r"\n'
                  'match.rank = true\nself_pinned_memory = "leave"\n')
     assert run_ctl("policy", "check", str(tmp_path)).rc == 0
+
+
+@needs
+def test_the_external_hold_survives_a_daemon_restart(daemon_factory, tmp_path: Path) -> None:
+    """SIGKILL the daemon while a numactl-pinned rank runs: the next daemon holds its CPU
+    again as soon as it answers (from the runtime state, before any rescan), with who
+    pinned it as the first daemon saw it, and drops the hold when the rank exits."""
+    pdir = tmp_path / "policies"
+    token = secrets.token_hex(6)
+    bundled_rule_policy(pdir, token)
+    d = daemon_factory(policy_dir=pdir, args=["--topology", str(TWO_GPUS)]).start()
+    job = _torchrun("kept", "numactl", "--physcpubind=1",
+                    env={"TUNERD_TEST_TOKEN": token, "CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        pinned = _rank(job, "kept")
+        first = wait_for(lambda: _external(d, pinned), 30, "held", detail=d.log)
+        assert first["placed_by"] == "numactl", first
+        d.kill9()
+        d.start()
+        again = _external(d, pinned)  # the first answer already has it
+        assert again is not None, _jobs(d)
+        assert {k: again[k] for k in ("cpus", "placed_by", "job", "start_time")} == \
+            {k: first[k] for k in ("cpus", "placed_by", "job", "start_time")}
+    finally:
+        kill_tree(job)  # type: ignore[arg-type]
+    wait_for(lambda: _external(d, pinned) is None, 10, "released after the restart",
+             detail=d.log)

@@ -49,6 +49,7 @@ from tunerd.jobs.allocation import add_gpu_source
 from tunerd.jobs.autobind import AutoBinder
 from tunerd.jobs.cpusetwatch import CpusetWatch
 from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.external import ExternalHolds
 from tunerd.jobs.gate import ReservationGate
 from tunerd.jobs.gpuuse import GpuUse
 from tunerd.jobs.intake import Intake
@@ -190,7 +191,10 @@ class _Wiring:
                                    scope=self.scope, default_nofile=policy.default_nofile,
                                    gate=gate, use_connector=cfg.watch_execs,
                                    realtime=cfg.exec_watch_realtime,
-                                   record_delay=cfg.debug_apply_delay)
+                                   record_delay=cfg.debug_apply_delay,
+                                   external=ExternalHolds(self.placer, self.pidwatch,
+                                                          self.runtime.section("external"),
+                                                          save))
         self.autobind.rescan_hooks.append(self.leases.rescan)  # leases die with their job
 
     def _host(self) -> None:

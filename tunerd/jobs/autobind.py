@@ -118,7 +118,8 @@ class AutoBinder:
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
                  record_delay: float = 0.0,
-                 proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
+                 proc_root: str = procfs.PROC, scope: ProcessScope | None = None,
+                 external: ExternalHolds | None = None) -> None:
         self.pipeline = pipeline  # every bind: tunerd.jobs.pipeline
         self.placer = pipeline.placer
         self.jobs = pipeline.jobs
@@ -142,7 +143,7 @@ class AutoBinder:
         # what the rules remember of processes they looked at and did not bind
         self.memory = RuleMemory(pidwatch, errors, proc_root)
         # ranks that pinned themselves: held in the ledger as outside owners of CPUs
-        self.external = ExternalHolds(self.placer, pidwatch)
+        self.external = external or ExternalHolds(self.placer, pidwatch)
         self._memory_steps: set[asyncio.Future[None]] = set()  # their memory binds
         self._init_counters()
         self._init_watcher_thread(realtime)
@@ -183,6 +184,7 @@ class AutoBinder:
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
+        self.external.restore()  # self-pinned ranks held again before anything is placed
         self.restore_moves()
         self._recover()
 

@@ -15,7 +15,7 @@ from tunerd.base.errorlog import ErrorLog
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.intake import JobContext
 from tunerd.jobs.pidwatch import PidWatch
-from tunerd.watch.launchers import wrapper_name
+from tunerd.watch.launchers import AFFINITY_WRAPPERS, wrapper_name
 from tunerd.watch.rules import RuleMatch
 
 __all__ = ["WRAPPED_MAX", "RuleMemory"]
@@ -102,10 +102,22 @@ class RuleMemory:
 
     def placed_by(self, ctx: JobContext) -> str:
         """Who chose a self-pinned rank's CPUs: the wrapper this very process exec'd
-        through where a rule saw it (numactl, taskset), else "self" (the rank, or its
-        launcher: not told apart)."""
+        through where a rule saw it, else the one its parent's command line runs it
+        through (``torchrun --no-python numactl ...``; torchrun ``--numa-binding``),
+        else "self" (the rank, or a launcher that binds before exec: not told apart).
+        A rank rule never matches a wrapper's own exec, and numactl execs at once: the
+        parent's command line is what tells it."""
         hit = self.wrappers.get(ctx.pid)
-        return hit[1] if hit is not None and hit[0] == ctx.start_time else "self"
+        if hit is not None and hit[0] == ctx.start_time:
+            return hit[1]
+        got = procfs.read_cmdline_prefix(ctx.ppid, self.proc)
+        words = [w.rsplit("/", 1)[-1] for w in got[0].split(" ")] if got else []
+        named = next((w for w in words if w in AFFINITY_WRAPPERS), None)
+        if named is not None:
+            return named
+        if any(w.startswith(("--numa-binding", "--numa_binding")) for w in words):
+            return "torchrun --numa-binding"
+        return "self"
 
     def leave_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:
