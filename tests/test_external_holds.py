@@ -71,6 +71,10 @@ def _external(d: DaemonProc, pid: int) -> dict[str, Any] | None:
     return next((x for x in _jobs(d).get("external") or [] if x["pid"] == pid), None)
 
 
+def held_by(held: dict[str, Any], pid: int) -> str:
+    return next(h for h in held if h.startswith(f"pid {pid} "))
+
+
 def _job(d: DaemonProc, pid: int) -> dict[str, Any] | None:
     return next((j for j in _jobs(d)["jobs"] if j["pid"] == pid), None)
 
@@ -98,6 +102,9 @@ def test_a_later_job_on_gpu1_avoids_the_cpu_a_numactl_rank_took(daemon_factory,
         assert f"pid {pinned}" in held["why"] and held["job"], held
         assert _job(d, pinned) is None  # never bound by tunerd
         assert "external holders" in d.ctl("jobs").out
+        held = {h["holder"]: h for h in _jobs(d)["held"]}  # the ledger's held_cpus
+        assert held[held_text := held_by(held, pinned)]["cpus"] == "1", held
+        assert held[held_text]["steers_irq"] is True
 
         later = _torchrun("later", env={**env, "CUDA_VISIBLE_DEVICES": "1"})
         rank = _rank(later, "later")

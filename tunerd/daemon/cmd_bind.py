@@ -74,7 +74,9 @@ class BindCommands:
         return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
                 "leases": seen.redact(req.peer, self.leases.list_leases()),
                 "left_alone": seen.redact(req.peer, self._left_alone()),
-                "external": seen.redact(req.peer, [dict(x) for x in self._external()])}
+                "external": seen.redact(req.peer, [dict(x) for x in self._external()]),
+                # every CPU the ledger holds, by holder (the placer's held_cpus)
+                "held": self.pipeline.placer.held_listing()}
 
 
 def bind_reply(out: BindOutcome) -> dict[str, Any]:

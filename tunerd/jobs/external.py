@@ -35,7 +35,8 @@ def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
     job = ctx.group or ctx.launcher
     gpus = f", GPU {format_cpulist(ctx.gpus)}" if ctx.gpus else ""
     how = f" via {placed_by}" if placed_by != "self" else ""
-    holder = (f"pid {ctx.pid} ({ctx.comm}{gpus}{', job ' + job if job else ''}, "
+    # named in other users' placements: no command (hidepid may hide it from them)
+    holder = (f"pid {ctx.pid} (rank{gpus}{', job ' + job if job else ''}, "
               f"pinned itself{how})")
     return Reservation(key=ReservationKey.external(ctx.pid), holder=holder, gpus=(),
                        cpus=cpus, pid=ctx.pid, group=ctx.group, job=ctx.job_key,

@@ -339,6 +339,17 @@ class Placer:
                 out.setdefault(c, r.holder)
         return out
 
+    def held_listing(self) -> list[JSONObject]:
+        """``held_cpus`` by holder, for ``tunerctl jobs``: who holds which CPUs, and
+        whether that steers ``[irq]``."""
+        by: dict[str, set[int]] = {}
+        steer: dict[str, bool] = {}
+        for r in self._held():
+            by.setdefault(r.holder, set()).update(r.cpus)
+            steer[r.holder] = steer.get(r.holder, False) or steers_irq(r)
+        return [{"holder": h, "cpus": format_cpulist(c), "steers_irq": steer[h]}
+                for h, c in sorted(by.items()) if c]
+
     def external_holds(self) -> list[Reservation]:
         """Ranks that pinned themselves, held as outside owners of their CPUs."""
         return [r for r in self._held() if r.key.kind is ReservationKind.EXTERNAL]
