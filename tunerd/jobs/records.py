@@ -137,8 +137,11 @@ class Hold:
     ranked: bool = False  # a rank its launcher or scheduler identified (steers [irq])
 
     def to_json(self) -> JSONObject:
-        return {"group": self.group, "job": self.job, "exclusive": self.exclusive,
-                "uid": self.uid, "ranked": self.ranked}
+        d: JSONObject = {"group": self.group, "job": self.job, "exclusive": self.exclusive,
+                         "uid": self.uid}
+        if self.ranked:  # written only when set: older daemons' layout otherwise
+            d["ranked"] = True
+        return d
 
     @classmethod
     def from_json(cls, raw: JSONValue | None) -> Hold | None:
