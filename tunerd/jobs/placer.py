@@ -236,6 +236,7 @@ class Placer:
         self._memo_for: tuple[Topology, HostCapacity] = (topology, host)
         self._res_digest = 0
         self._res_gpus = 0  # reservations holding GPUs (busy GPUs are read live then)
+        self._res_external = 0  # external holds (none: the placement path skips them)
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
@@ -269,6 +270,7 @@ class Placer:
             self._res[res.key] = res
             self._res_digest ^= hash(res)
             self._res_gpus += bool(res.gpus)
+            self._res_external += res.key.kind is ReservationKind.EXTERNAL
             return old
 
     def release(self, key: ReservationKey | str) -> Reservation | None:
@@ -287,6 +289,7 @@ class Placer:
         if res is not None:
             self._res_digest ^= hash(res)
             self._res_gpus -= bool(res.gpus)
+            self._res_external -= res.key.kind is ReservationKind.EXTERNAL
 
     def _held(self) -> list[Reservation]:
         """The reservations now (a copy: another thread may reserve meanwhile)."""
@@ -352,6 +355,8 @@ class Placer:
 
     def external_holds(self) -> list[Reservation]:
         """Ranks that pinned themselves, held as outside owners of their CPUs."""
+        if not self._res_external:  # the usual case, on the exec path: no walk
+            return []
         return [r for r in self._held() if r.key.kind is ReservationKind.EXTERNAL]
 
     def external_cpus(self) -> dict[int, str]:
