@@ -318,25 +318,26 @@ class Placer:
         ``job``: what that scheduler job holds itself (its own exclusive lease) does
         not count against it.
         """
-        out: dict[int, str] = {}
-        for r in self._held():
+        def counts(r: Reservation) -> bool:
             if job is not None and r.job == job and (group is None or r.group != group):
-                continue
-            if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
-                for c in r.cpus:
-                    out.setdefault(c, r.holder)
-        return out
+                return False
+            return r.exclusive or (soft and r.soft) or (group is not None and r.group == group)
 
-    def held_cpus(self, *, steering: bool = False) -> dict[int, str]:
+        return self.held_cpus(where=counts)
+
+    def held_cpus(self, *, steering: bool = False,
+                  where: Callable[[Reservation], bool] | None = None) -> dict[int, str]:
         """Every CPU a reservation holds -> its holder (the first one): the one source
-        of held CPUs for placement, ``[irq]`` and ``jobs``.
+        of held CPUs for placement (``exclusive_cpus``, ``external_cpus``), ``[irq]``
+        and ``jobs``.
 
         ``steering``: only the holds that steer ``[irq]`` (``steers_irq``): ranks (a
         rule's, a launcher's or scheduler's, a self-pinned one) and root's binds and
-        leases; a user's plain bind of her own process never moves host interrupts."""
+        leases; a user's plain bind of her own process never moves host interrupts.
+        ``where``: only the reservations it accepts."""
         out: dict[int, str] = {}
         for r in self._held():
-            if steering and not steers_irq(r):
+            if (steering and not steers_irq(r)) or (where is not None and not where(r)):
                 continue
             for c in r.cpus:
                 out.setdefault(c, r.holder)
@@ -361,7 +362,9 @@ class Placer:
 
     def external_cpus(self) -> dict[int, str]:
         """CPU -> the self-pinned rank holding it (later placements avoid them)."""
-        return {c: r.holder for r in self.external_holds() for c in r.cpus}
+        if not self._res_external:
+            return {}
+        return self.held_cpus(where=lambda r: r.key.kind is ReservationKind.EXTERNAL)
 
     def held_by_others(self, cpus: frozenset[int], uid: int,
                        key: ReservationKey) -> dict[int, str]:
