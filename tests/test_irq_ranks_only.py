@@ -20,7 +20,8 @@ from types import SimpleNamespace
 
 from tests.helpers import DaemonProc, run_as, write_policy
 from tests.iotree import build
-from tests.test_irq_real import IRQS, _mask, pytestmark  # noqa: F401  (same skip rule)
+from tests.test_irq_real import IRQS, _mask
+from tests.test_irq_real import pytestmark as needs_real_irqs  # the same skip rule
 from tunerd.base.errorlog import ErrorLog
 from tunerd.daemon.host import HostSettings
 from tunerd.policy.typed import IrqSection, PolicyModel
@@ -44,6 +45,7 @@ def _irq_status(d: DaemonProc) -> dict:
     return out
 
 
+@needs_real_irqs
 def test_a_users_binds_never_move_host_interrupts(daemon_factory, unpriv_user,
                                                   tmp_path: Path) -> None:
     uid, gid = unpriv_user
