@@ -145,18 +145,21 @@ def test_dgx_numactl_rank_on_gpu6_is_held_beside_other_jobs(daemon_factory,
         agents.append(agent)
         wait_for(lambda: _external(d, pinned), 30, "the GPU 6 rank held", detail=d.log)
         ranks = []
-        for r in (0, 1):
+        # a 2-rank job on GPUs 0-1 (GPU 0's slice holds CPU 1), and a job on GPU 6 itself
+        for r, world, cvd in ((0, "2", "0,1"), (1, "2", "0,1"), (0, "1", "6")):
             a, pid = spawn_rank(["sleep", "120"], {**env, "LOCAL_RANK": str(r),
-                                                   "LOCAL_WORLD_SIZE": "2",
-                                                   "CUDA_VISIBLE_DEVICES": "0,1"},
+                                                   "LOCAL_WORLD_SIZE": world,
+                                                   "CUDA_VISIBLE_DEVICES": cvd},
                                 name="torchrun")
             agents.append(a)
             ranks.append(pid)
         placed = [wait_for(lambda p=p: _job(d, p), 30, f"rank {p} placed", detail=d.log)
                   for p in ranks]
         cpus = [parse_cpulist(j["cpus"]) for j in placed]
-        assert all(cpus) and not cpus[0] & cpus[1], [j["cpus"] + j["explanation"] for j in placed]
+        assert all(cpus) and not cpus[0] & cpus[1] and not (cpus[0] | cpus[1]) & cpus[2], \
+            [j["cpus"] + j["explanation"] for j in placed]
         assert all(1 not in c for c in cpus), placed  # the pinned rank's CPU avoided
+        assert cpus[2] <= parse_cpulist("84-97,196-209")  # GPU 6's slice
         ext = _jobs(d)["external"]
         assert [x["pid"] for x in ext] == [pinned] and ext[0]["cpus"] == "1", ext
         # advise: the self-pinned rank on GPU 6 runs outside its GPU's slice
