@@ -248,10 +248,12 @@ class Placer:
     def status(self) -> JSONObject:
         gpus = sorted({g for r in self._held() for g in r.gpus})
         excl = format_cpulist(frozenset(self.exclusive_cpus()))
+        ext = self._res_external
         return {"summary": f"{len(self._res)} reservation(s)"
+                           + (f" ({ext} external: self-pinned ranks)" if ext else "")
                            + (f", GPUs {format_cpulist(gpus)} held" if gpus else "")
                            + (f", CPUs {excl} exclusive" if excl else ""),
-                "reservations": len(self._res), "busy_gpus": list(gpus),
+                "reservations": len(self._res), "external": ext, "busy_gpus": list(gpus),
                 "exclusive_cpus": excl, "housekeeping": format_cpulist(self.housekeeping())}
 
     def warm_up(self) -> None:
