@@ -134,3 +134,32 @@ def test_rewrites_of_one_interrupt_are_rate_limited(tmp_path: Path) -> None:
                    for i in ids)
 
     asyncio.run(run())
+
+
+def test_which_holds_steer_interrupts() -> None:
+    """The ledger's ``held_cpus(steering=True)``: ranks (a rule's, a self-pinned one, one
+    its launcher or scheduler identified) and root's binds and leases; never a user's
+    plain bind or her own lease outside a scheduler's job."""
+    from tunerd.jobs.placer import Reservation, ReservationKey, steers_irq
+
+    def res(key: ReservationKey, **kw: object) -> Reservation:
+        return Reservation(key=key, holder=str(key), gpus=(), cpus=frozenset({1}), **kw)  # type: ignore[arg-type]
+
+    steer = {
+        "rule": res(ReservationKey.rule(1), uid=1000),
+        "external": res(ReservationKey.external(2), uid=1000, ranked=True),
+        "a user's torchrun rank": res(ReservationKey.bind(3), uid=1000, ranked=True,
+                                      group="torch:ppid 9"),
+        "root's plain bind": res(ReservationKey.bind(4), uid=0),
+        "root's lease": res(ReservationKey.lease("L1"), uid=0, soft=True),
+        "a lease in a Slurm job": res(ReservationKey.lease("L2"), uid=1000, job="slurm:12"),
+    }
+    never = {
+        "a user's plain bind": res(ReservationKey.bind(5), uid=1000),
+        "a user's exclusive bind": res(ReservationKey.bind(6), uid=1000, exclusive=True),
+        "a user's lease": res(ReservationKey.lease("L3"), uid=1000, soft=True),
+        "a user's rank-looking bind, no launcher": res(ReservationKey.bind(7), uid=1000,
+                                                       group="torch:ppid 9"),
+    }
+    assert [k for k, r in steer.items() if not steers_irq(r)] == []
+    assert [k for k, r in never.items() if steers_irq(r)] == []
