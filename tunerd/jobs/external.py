@@ -61,16 +61,17 @@ class ExternalHolds:
     def restore(self) -> int:
         """At start (on the loop): the holds of the last daemon whose ranks still run
         (same pid and start time) are held again; the others are dropped."""
-        held = 0
+        held = dropped = 0
         for key, raw in list(self.state.items()):
             res = _from_json(raw)
             if res is None or res.pid is None or str(res.pid) != key or not \
                     self.pidwatch.watch(res.pid, res.start_time, "external", self._exited):
                 del self.state[key]
+                dropped += 1
                 continue
             self.placer.reserve(res)
             held += 1
-        if held or self.state:
+        if dropped:
             self.save()
         if held:
             log.info("%d external hold(s) of self-pinned ranks restored", held)
