@@ -269,3 +269,39 @@ def test_the_external_hold_survives_a_daemon_restart(daemon_factory, tmp_path: P
         kill_tree(job)  # type: ignore[arg-type]
     wait_for(lambda: _external(d, pinned) is None, 10, "released after the restart",
              detail=d.log)
+
+
+def test_restore_holds_live_ranks_again_and_drops_the_rest() -> None:
+    """The runtime state's external holds at start: a live rank (same pid and start time)
+    is held again; an exited one, a reused pid and a malformed entry are dropped and the
+    state saved."""
+    import asyncio
+
+    from tunerd.adapters import procfs
+    from tunerd.jobs.external import ExternalHolds
+    from tunerd.jobs.pidwatch import PidWatch
+
+    me, start = os.getpid(), procfs.read_start_time(os.getpid())
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    entry = {"cpus": "1", "holder": "pid X (rank, pinned itself via numactl)", "group": "g",
+             "job": None, "uid": 0, "placed_by": "numactl", "gpus": [0]}
+    state: dict[str, Any] = {
+        str(me): {**entry, "pid": me, "start_time": start},
+        str(gone.pid): {**entry, "pid": gone.pid, "start_time": 1},
+        "77": {**entry, "pid": me, "start_time": start},  # keyed by another pid
+        "78": {"pid": 78},
+    }
+    saves: list[int] = []
+    placer = Placer(load_topology(TWO_GPUS), HostCapacity(frozenset({0, 1})), frozenset)
+
+    async def run() -> int:
+        holds = ExternalHolds(placer, PidWatch(), state, lambda: saves.append(1))
+        n = holds.restore()
+        holds.pidwatch.unwatch(me, "external")
+        return n
+
+    assert asyncio.run(run()) == 1
+    assert list(state) == [str(me)] and saves == [1]
+    [r] = placer.external_holds()
+    assert (r.pid, r.cpus, r.placed_by, r.uses_gpus) == (me, {1}, "numactl", (0,))
