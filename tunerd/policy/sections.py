@@ -194,6 +194,10 @@ JOB = Table({
                            max_len=1024),
     "workers": Int(0, 1024, description="DataLoader worker processes per rank; placement "
                                         "gives the rank room for them"),
+    "self_pinned_memory": Enum(("bind", "leave"),
+                               description="a rank that pinned its own CPUs (numactl, "
+                                           "taskset): bind its memory to their NUMA "
+                                           "node(s) (default bind) or leave it"),
     "torch": TORCH,
 }, required=("name",))
 

@@ -170,6 +170,7 @@ class JobSpec:
     exclusive: bool = False
     exclusive_scope: str | None = None  # "cgroup:/PATH" | "pid:N"
     workers: int | None = None  # DataLoader worker processes per rank (placement room)
+    self_pinned_memory: str = "bind"  # bind | leave: a self-pinned rank's memory
     torch: TorchSettings = TorchSettings()
 
 
@@ -231,6 +232,7 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         exclusive=raw.get("exclusive", False),
         exclusive_scope=raw.get("exclusive_scope"),
         workers=raw.get("workers"),
+        self_pinned_memory=raw.get("self_pinned_memory", "bind"),
         torch=TorchSettings(**raw.get("torch", {})),
     )
 
