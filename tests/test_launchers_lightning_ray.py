@@ -224,28 +224,35 @@ def _start(kind: str, tmp: Path, token: str, env_extra: dict[str, str]) -> Launc
     return Launched(top=top, out=out, log=log, kind=kind, seen=set())
 
 
+# The test token in each launch's environment (TUNERD_TEST_TOKEN) says which daemon's
+# bundled rule may place it: this VM's daemons each match one launch (-al Lightning,
+# -ab Ray, -as mp.spawn); the DGX daemon matches *-*b (Ray, shared, and -b: its own).
+
+
 @dataclass(frozen=True)
 class Module:
     tmp: Path
     token: str
     ray: Launched | None
-    lightning_dgx: Launched | None
+    lightning_vm: Launched | None  # GPUs 0-1 of this VM
+    lightning_dgx: Launched | None  # GPUs 2-3 of the DGX replay
 
 
 @pytest.fixture(scope="module")
 def module() -> Iterator[Module]:
-    """The slow starts, begun at once and shared: one Ray Train run (used on this VM and
-    on the DGX replay) and the DGX scene's Lightning job (GPUs 2-3)."""
+    """The slow starts, begun at once: one Ray Train run (used on this VM and on the DGX
+    replay) and the two Lightning jobs (this VM's, and the DGX scene's on GPUs 2-3)."""
     tmp = Path(tempfile.mkdtemp(prefix="tunerd-test-lr-"))
     tmp.chmod(0o755)
     token = f"lr{os.getpid()}"
     started: list[Launched] = []
     try:
         ray = _start("ray", tmp, f"{token}-ab", {}) if HAVE_RAY else None
-        light = (_start("lightning", tmp, f"{token}-b", {"CUDA_VISIBLE_DEVICES": "2,3"})
-                 if HAVE_LIGHTNING else None)
-        started = [x for x in (ray, light) if x is not None]
-        yield Module(tmp=tmp, token=token, ray=ray, lightning_dgx=light)
+        vm, dgx = ((_start("lightning", tmp, f"{token}-al", {"CUDA_VISIBLE_DEVICES": "0,1"}),
+                    _start("lightning", tmp, f"{token}-b", {"CUDA_VISIBLE_DEVICES": "2,3"}))
+                   if HAVE_LIGHTNING else (None, None))
+        started = [x for x in (ray, vm, dgx) if x is not None]
+        yield Module(tmp=tmp, token=token, ray=ray, lightning_vm=vm, lightning_dgx=dgx)
     finally:
         for x in started:
             x.end()
@@ -332,6 +339,61 @@ def _placed_on_this_vm(daemon_factory: Any, tmp: Path, scope: str, name: str,
     return d
 
 
+def _environ(pid: int) -> dict[str, str]:
+    out = {}
+    for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        k, sep, v = kv.partition(b"=")
+        if sep:
+            out[k.decode()] = v.decode(errors="replace")
+    return out
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+# -- what the real launchers start (the facts the placement relies on) ------------------
+
+@needs_lightning
+def test_lightning_rank_1_is_rank_0s_child_and_only_it_has_local_rank(module: Module) -> None:
+    """Lightning's rank 0 is the process the user started (no rank variable: Lightning
+    sets it in os.environ only); it re-executes the script as rank 1 with LOCAL_RANK=1."""
+    assert module.lightning_dgx is not None
+    ranks = module.lightning_dgx.ranks()
+    assert ranks[0] == module.lightning_dgx.top.pid and _ppid(ranks[1]) == ranks[0]
+    env0, env1 = _environ(ranks[0]), _environ(ranks[1])
+    assert "LOCAL_RANK" not in env0 and "WORLD_SIZE" not in env0, env0
+    assert (env1["LOCAL_RANK"], env1["NODE_RANK"], env1["WORLD_SIZE"]) == ("1", "0", "2")
+    assert env1["MASTER_ADDR"] == "127.0.0.1" and env1["CUDA_VISIBLE_DEVICES"] == "2,3"
+    argv1 = Path(f"/proc/{ranks[1]}/cmdline").read_bytes().split(b"\0")
+    assert argv1[1].decode().startswith("/") and argv1[1].decode().endswith(".py"), argv1
+
+
+@needs_ray
+def test_ray_train_workers_are_raylets_children_with_no_rank_in_their_environ(
+        module: Module) -> None:
+    """Ray Train's workers are started by raylet (the driver's child in a local Ray), each
+    in its own process group; their /proc environment names the Ray job but no rank:
+    Ray Train sets LOCAL_RANK, RANK and MASTER_ADDR in os.environ (as each wrote)."""
+    assert module.ray is not None
+    ranks = module.ray.ranks()
+    raylet = {_ppid(p) for p in ranks.values()}
+    assert len(raylet) == 1
+    (rl,) = raylet
+    assert Path(f"/proc/{rl}/comm").read_text().strip() == "raylet"
+    assert _ppid(rl) == module.ray.top.pid
+    jobs = set()
+    for r, pid in ranks.items():
+        env = _environ(pid)
+        assert "LOCAL_RANK" not in env and "RANK" not in env, env
+        assert env["RAY_RAYLET_PID"] == str(rl) and os.getpgid(pid) == pid
+        assert Path(f"/proc/{pid}/comm").read_text().startswith("ray::RayTrainWo")
+        jobs.add(env["RAY_JOB_ID"])
+        inside = json.loads((module.ray.out / f"ray-rank-{r}").read_text())["env"]
+        assert (inside["LOCAL_RANK"], inside["MASTER_ADDR"]) == (str(r), "127.0.0.1")
+    assert len(jobs) == 1, jobs
+
+
 # -- on this VM with two recorded GPUs: bound for real ------------------------------------
 
 @needs_lightning
@@ -343,21 +405,13 @@ def test_lightning_ddp_ranks_alone_on_the_node_are_placed_within_2s_of_first_gpu
     other job on the node, both placed in their GPUs' slices within 2 s, one job."""
     if len(HOST_CPUS) < 2:
         pytest.skip("needs 2 CPUs (GPU 0's and GPU 1's slices apart)")
-    job = _start("lightning", module.tmp, f"{module.token}-a", {"CUDA_VISIBLE_DEVICES": "0,1"})
-    try:
-        ranks = job.ranks()
-        assert Path(f"/proc/{ranks[1]}/stat").read_text().rpartition(")")[2].split()[1] \
-            == str(ranks[0])  # Lightning's rank 1 is rank 0's child
-        env1 = Path(f"/proc/{ranks[1]}/environ").read_bytes().split(b"\0")
-        assert b"LOCAL_RANK=1" in env1 and not any(
-            e.startswith(b"LOCAL_RANK=") for e in
-            Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"\0"))
-        d = _placed_on_this_vm(daemon_factory, module.tmp, f"{module.token}-a*",
-                               "lightning", ranks, [])
-        key = job_key(_jobs(d)[ranks[0]])
-        assert f":{ranks[0]}." in key, key  # keyed by rank 0, which started rank 1
-    finally:
-        job.end()
+    assert module.lightning_vm is not None
+    ranks = module.lightning_vm.ranks()
+    assert _ppid(ranks[1]) == ranks[0]  # Lightning's rank 1 is rank 0's child
+    d = _placed_on_this_vm(daemon_factory, module.tmp, f"{module.token}-al", "lightning",
+                           ranks, [])
+    key = job_key(_jobs(d)[ranks[0]])
+    assert f":{ranks[0]}." in key, key  # keyed by rank 0, which started rank 1
 
 
 @needs_ray
@@ -374,7 +428,7 @@ def test_ray_train_workers_are_placed_as_one_job(module: Module,
     tree = [module.ray.top.pid, *descendants(module.ray.top.pid)]
     _free(tree)
     others = [p for p in tree if p not in ranks.values()]
-    _placed_on_this_vm(daemon_factory, module.tmp, f"{module.token}-a*", "ray", ranks,
+    _placed_on_this_vm(daemon_factory, module.tmp, f"{module.token}-ab", "ray", ranks,
                        others)
 
 
@@ -386,10 +440,10 @@ def test_mp_spawn_ranks_with_only_the_bundled_rule_are_placed(module: Module,
     listed on GPUs 0 and 1, are placed by the bundled rule, one job (the parent's)."""
     if len(HOST_CPUS) < 2:
         pytest.skip("needs 2 CPUs")
-    token = f"{module.token}-a"
+    token = f"{module.token}-as"
     parent, ranks = _spawn_job(module.tmp, token)
     try:
-        d = _placed_on_this_vm(daemon_factory, module.tmp, f"{token}*", "spawn",
+        d = _placed_on_this_vm(daemon_factory, module.tmp, token, "spawn",
                                {0: ranks[0], 1: ranks[1]}, [parent.pid])
         assert f":{parent.pid}." in job_key(_jobs(d)[ranks[0]])
     finally:
