@@ -46,13 +46,13 @@ from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdEr
 
 __all__ = [
     "ARG_READ_MAX",
+    "CLK_TCK",
     "O_ACCMODE",
     "O_PATH",
-    "CLK_TCK",
-    "Creds",
     "PAGE_SIZE",
     "PF_KTHREAD",
     "PROC",
+    "Creds",
     "EnvPieces",
     "EnvironView",
     "IoCounters",
