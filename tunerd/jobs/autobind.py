@@ -72,7 +72,7 @@ from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
-from tunerd.watch.rules import RuleMatch, RuleSet
+from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
 __all__ = ["AutoBinder"]
 
@@ -292,10 +292,37 @@ class AutoBinder:
         """Processes a rule matched and left alone that still run, with why."""
         return self.memory.left_alone_now()
 
+    # -- what the GPU-use service asks (tunerd.jobs.gpuuse.RuleBinds) ------------
     def set_own_cpus(self, pid: int) -> bool:
         """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
         taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
         return pid in self.memory.self_affined
+
+    def rule_set(self) -> RuleSet:
+        """The rules in force."""
+        return self.rules
+
+    def rule_bound(self, pid: int) -> tuple[int, str] | None:
+        """(start time, rule name) of ``pid`` where a rule bound it."""
+        rb = self.bound.get(pid)
+        return None if rb is None else (rb.start_time, rb.rule)
+
+    def rule_bound_pids(self) -> list[int]:
+        return list(self.bound)
+
+    def looked_at(self) -> bool:
+        """Whether the rules bound or left alone a process (a dict's truth: nothing read)."""
+        return bool(self.bound or self.memory.left_alone)
+
+    def rules_peer(self) -> Peer:
+        """Who the rules act as (root)."""
+        return self.peer
+
+    def place_rank(self, rule: JobRule, ctx: JobContext) -> None:
+        """Bind ``ctx`` (a rank another source told: tunerd.jobs.gpuuse) under ``rule``:
+        the same gate, placer, ledger and registry as every rule bind."""
+        m = RuleMatch(rule=rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid, env=ctx.env)
+        self.on_match(m, time.monotonic(), ctx)
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
