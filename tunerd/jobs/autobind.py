@@ -136,6 +136,8 @@ class AutoBinder:
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        # ranks another source told (``place_rank``): never a rank's follower
+        self.told_ranks: set[int] = set()
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
         # what the rules remember of processes they looked at and did not bind
@@ -322,6 +324,9 @@ class AutoBinder:
         """Bind ``ctx`` (a rank another source told: tunerd.jobs.gpuuse) under ``rule``:
         the same gate, placer, ledger and registry as every rule bind."""
         m = RuleMatch(rule=rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid, env=ctx.env)
+        if len(self.told_ranks) >= 4096:
+            self.told_ranks.clear()
+        self.told_ranks.add(ctx.pid)  # a parent rank's bind made meanwhile leaves it be
         self.on_match(m, time.monotonic(), ctx)
 
     # -- events ----------------------------------------------------------------
@@ -678,6 +683,8 @@ class AutoBinder:
                 continue
             for kid in kids[:FOLLOWERS_MAX]:
                 seen += 1
+                if kid in self.told_ranks:
+                    continue  # a rank of its own (Lightning's rank 1): not a follower
                 if depth + 1 < FOLLOWERS_DEPTH:
                     todo.append((kid, depth + 1))
                 held, rec = self.bound.get(kid), self.jobs.record(kid)

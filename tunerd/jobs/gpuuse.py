@@ -442,7 +442,7 @@ class GpuUse:
             return "gone"
         if is_system_service(ctx.comm, ctx.argv):
             return "a system GPU service: never a rank"
-        why, launch = self._launch_of(ctx, rec is not None)
+        why, launch = self._launch_of(ctx)
         if launch is None:
             return why
         if rec is None and self._own_cpus(ctx):
@@ -454,13 +454,16 @@ class GpuUse:
             self._spawn_task(self._unnarrow_then_place(ranked, launch))
         return "placed"
 
-    def _launch_of(self, ctx: JobContext, recorded: bool) -> tuple[str, Launch | None]:
-        """The launch ``ctx`` is placed under, or why there is none."""
+    def _launch_of(self, ctx: JobContext) -> tuple[str, Launch | None]:
+        """The launch ``ctx`` is placed under, or why there is none. One a rank's bind
+        narrowed as its follower but that is no descendant of the rank (it has a rank
+        variable of its own: Lightning's rank 1, started by rank 0) is placed all the
+        same."""
         if ctx.role in ("launcher", "wrapper", "rank"):
             return f"a {ctx.role}: the rules' own", None
         launch = self.launch(ctx)
         spawn = launch is not None and launch.group.startswith("mp.spawn:")
-        if (ctx.role == "descendant" or recorded) and not spawn:
+        if ctx.role == "descendant" and not spawn:
             return "a rank's worker: kept in its CPUs", None
         if launch is None:
             launch = self.tree_launch(ctx)
@@ -617,7 +620,7 @@ class GpuUse:
         self.placed += 1
         self.last = [*self.last[-9:], {"pid": ctx.pid, "gpus": [*ctx.gpus],
                                        "rule": launch.rule.name, "job": launch.group,
-                                       "why": ctx.why}]
+                                       "why": ctx.why, "at": round(time.monotonic(), 3)}]
         self.rules.place_rank(launch.rule, ctx)
 
 
