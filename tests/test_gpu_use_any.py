@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -36,7 +37,6 @@ from tests.leases_helpers import (
 from tests.test_spawn_gpu_use import TEST_NODES, write_processes
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.cpulist import parse_cpulist
-from tunerd.jobs.gpuuse import is_system_service
 
 pytestmark = pytest.mark.root
 HOST_CPUS = frozenset(os.sched_getaffinity(0))
@@ -180,6 +180,8 @@ def _job_of(why: str) -> str:
 
 
 def test_system_gpu_services_are_never_ranks() -> None:
+    from tunerd.jobs.gpuuse import is_system_service
+
     for comm, argv in (("nvidia-persiste", ["/usr/bin/nvidia-persistenced"]),
                        ("nv-hostengine", ["nv-hostengine", "-n"]),
                        ("dcgm-exporter", ["/usr/bin/dcgm-exporter"]),
@@ -317,7 +319,9 @@ kids = [subprocess.Popen([sys.executable, "-c", CHILD, sys.argv[2],
                          stdin=subprocess.DEVNULL) for i in range(8)]
 time.sleep(300)
 """
-FDS = 20000
+# ~20,000 fds each: as many as this machine's hard limit lets a process hold (20,000
+# here, and the test may not raise it: no CAP_SYS_RESOURCE)
+FDS = min(20000, resource.getrlimit(resource.RLIMIT_NOFILE)[1] - 64)
 
 
 def _cpu_s(pid: int) -> float:
@@ -327,7 +331,7 @@ def _cpu_s(pid: int) -> float:
 
 def test_children_with_20000_fds_each_cost_the_daemon_under_20_ms_per_s(
         daemon_factory, tmp_path: Path, unpriv_user: tuple[int, int]) -> None:
-    """Her rule-bound process starts 8 spawn-marked children holding 20,000 fds each,
+    """Her rule-bound process starts 8 spawn-marked children holding ~20,000 fds each,
     none a GPU. The daemon's CPU time (its /proc/PID/stat) over 10 s stays under
     20 ms/s; no fd table is read past its cap, and each is listed again only when its
     verdict is due (455 ms/s in the field before)."""
@@ -343,8 +347,9 @@ def test_children_with_20000_fds_each_cost_the_daemon_under_20_ms_per_s(
                                         f'match.cmdline = ["*{script.name}*"]\n')
     d = daemon_factory(policy_dir=pol).start()
     assert d.proc is not None
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     drop = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
-            f"({FDS + 1024}, {FDS + 1024})); os.setgroups([]); os.setgid({gid}); "
+            f"({hard}, {hard})); os.setgroups([]); os.setgid({gid}); "
             f"os.setuid({uid}); os.execv(sys.executable, [sys.executable, "
             f"{str(script)!r}, {str(out)!r}, '{FDS}'])")
     parent = subprocess.Popen([sys.executable, "-c", drop], cwd="/")
@@ -357,9 +362,13 @@ def test_children_with_20000_fds_each_cost_the_daemon_under_20_ms_per_s(
         t0, c0 = time.monotonic(), _cpu_s(d.proc.pid)
         time.sleep(10.0)
         ms_per_s = (_cpu_s(d.proc.pid) - c0) * 1000 / (time.monotonic() - t0)
-        scan = _gpuuse(d)["scan"]
-        assert ms_per_s < 20.0, (ms_per_s, scan)
-        assert scan["fd_tables_cut"] >= 8 and scan["fd_tables_listed"] <= 8 * 6, scan
+        assert ms_per_s < 20.0, ms_per_s
+        st = _gpuuse(d)
+        scan = st["scan"]
+        # every table cut at its cap, listed again only when its verdict was due (2, 4,
+        # 8 ... s), never more entries a tick than the tick's budget
+        assert scan["fd_tables_cut"] >= 8 and scan["fd_tables_listed"] <= 8 * 4, scan
+        assert scan["fd_entries_read"] <= st["ticks"] * scan["max_fds_per_tick"], st
         print(json.dumps({"daemon_ms_per_s": round(ms_per_s, 2), "scan": scan}))
     finally:
         kill_tree(parent)  # type: ignore[arg-type]

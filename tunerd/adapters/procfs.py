@@ -843,16 +843,19 @@ def open_char_devices(pid: int, majors: frozenset[int], proc: str = PROC,
     fd table's entries are looked at (listed lazily, in the kernel's ascending order).
     Returns (found, entries looked at, whether the table was cut there); an unreadable
     or vanished process gives ([], 0, False)."""
-    fd_dir = f"{proc}/{pid}/fd"
     found: list[OpenDevice] = []
     seen = 0
     try:
-        with os.scandir(fd_dir) as it:
+        dfd = os.open(f"{proc}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return found, seen, False
+    try:  # names relative to the open directory: no path walk per fd
+        with os.scandir(dfd) as it:
             for entry in it:
                 if seen >= max_entries:
                     return found, seen, True
                 seen += 1
-                hit = _char_device(fd_dir, entry.name, majors)
+                hit = _char_device(dfd, entry.name, majors)
                 if hit is not None:
                     flags = _fd_flags(f"{proc}/{pid}/fdinfo/{entry.name}")
                     if flags is not None:
@@ -860,12 +863,14 @@ def open_char_devices(pid: int, majors: frozenset[int], proc: str = PROC,
                                                 flags, hit.st_mode, hit.st_uid, hit.st_gid))
     except OSError:
         return found, seen, False
+    finally:
+        os.close(dfd)
     return found, seen, False
 
 
-def _char_device(fd_dir: str, name: str, majors: frozenset[int]) -> os.stat_result | None:
+def _char_device(dfd: int, name: str, majors: frozenset[int]) -> os.stat_result | None:
     try:
-        st = os.stat(f"{fd_dir}/{name}")
+        st = os.stat(name, dir_fd=dfd)
     except OSError:
         return None
     if _stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:

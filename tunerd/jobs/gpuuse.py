@@ -25,7 +25,7 @@ asks who uses a GPU. The evidence, in order:
 The fd look is bounded (issue 34 item 3): at most ``MAX_FDS_PER_PROCESS`` fd entries of
 one process and ``MAX_FDS_PER_TICK`` of all together are read, a verdict is kept per
 process (pid and start time) so no fd table is listed again before it is due (a process
-holding no GPU is looked at again after 1, 2, 4 ... 30 s), and the whole gathering runs
+holding no GPU is looked at again after 2, 4, 8, 16, 30 s), and the whole gathering runs
 in a worker thread, off the event loop; ``status`` reports its cost (``scan``).
 
 A process found is placed when it is unbound, inside the daemon's scope, no system GPU
@@ -62,7 +62,7 @@ from typing import Protocol
 from tunerd.adapters import nvml, procfs
 from tunerd.base.errors import TunerdError
 from tunerd.base.jsontypes import JSONObject
-from tunerd.jobs.gate import MAX_FDS_SCANNED, gpu_fds
+from tunerd.jobs.gate import gpu_fds
 from tunerd.jobs.intake import Intake, JobContext, RankId, seen_rank
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.registry import JobRegistry
@@ -82,9 +82,11 @@ MAX_NEW = 32  # processes not seen before looked at per tick
 MAX_FD_PARENTS = 16  # rule-bound processes whose children are looked at per tick
 MAX_FD_KIDS = 256  # ... their children looked at per tick
 MAX_FD_SCANS = 8  # ... and of those children, whose fd tables are read
-MAX_FDS_PER_PROCESS = MAX_FDS_SCANNED  # fd entries one look reads (1,024)
-MAX_FDS_PER_TICK = 2048  # ... all looks of one tick together
-FD_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # a process holding no GPU: looked at again
+# fd entries one look reads: CUDA opens its nodes when it initialises, among a spawn
+# rank's first files (the gate's look at a rule-bound rank reads up to MAX_FDS_SCANNED)
+MAX_FDS_PER_PROCESS = 512
+MAX_FDS_PER_TICK = 512  # ... all looks of one tick together: ~4 ms of CPU at most
+FD_BACKOFF_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # a process holding no GPU: looked at again
 MAX_KNOWN = 4096  # verdicts kept (dropped whole when full)
 TREE_DEPTH = 16  # how far up a launch tree is walked
 SPAWN_MARKS = ("--multiprocessing-fork", "multiprocessing.spawn")
