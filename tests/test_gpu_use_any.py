@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from tests.binding_helpers import task_cpus
 from tests.helpers import DaemonProc, wait_for, write_policy
 from tests.leases_helpers import (
     DGX_H100,
-    kill,
     kill_tree,
     open_path_for_others,
     rule_policy,
@@ -174,6 +174,14 @@ def _gpuuse(d: DaemonProc) -> dict[str, Any]:
     return out
 
 
+NOT_HERS = "no launch tunerd knows started it, and no rule's gpu_use matches it"
+
+
+def _looked_at(d: DaemonProc) -> dict[str, Any] | None:
+    st = _gpuuse(d)
+    return st if st["left_alone"] else None
+
+
 def _job_of(why: str) -> str:
     """The job a GPU-use placement names: "... placed as a rank of job NAME:PID.START"."""
     return why.rsplit("placed as a rank of job ", 1)[1]
@@ -232,8 +240,7 @@ def test_any_gpu_user_is_placed_by_its_launch_tree_on_the_dgx(daemon_factory,
             by_job.setdefault(job[gpu], set()).update(parse_cpulist(jobs[pid]["cpus"]))
         cpus = list(by_job.values())
         assert all(not (a & b) for i, a in enumerate(cpus) for b in cpus[i + 1:]), by_job
-        st = wait_for(lambda: (s := _gpuuse(d))["left_alone"] and s, 5,
-                      "the service looked at", detail=d.log)
+        st = wait_for(partial(_looked_at, d), 5, "the service looked at", detail=d.log)
         assert st["left_alone"] == {"a system GPU service: never a rank": 1}, st
         assert p["service"][0] not in _jobs(d)
         at = {e["pid"]: e["at"] for e in st["last"]}
@@ -294,9 +301,8 @@ def test_a_policy_narrows_gpu_use_by_user_or_turns_it_off(daemon_factory,
             p = m.pids("lightning0", "lightning1")
             write_processes(procs, {2: [p["lightning0"][0]], 3: [p["lightning1"][0]]})
             if i == 0:
-                st = wait_for(lambda: (s := _gpuuse(d))["left_alone"] and s, 10,
-                              "both looked at", detail=d.log)
-                assert st["left_alone"] == {"no launch tunerd knows started it": 2}, st
+                st = wait_for(partial(_looked_at, d), 10, "both looked at", detail=d.log)
+                assert st["left_alone"] == {NOT_HERS: 2}, st
             else:
                 time.sleep(2.5)  # two monitor intervals: the service is off
                 assert _gpuuse(d)["ticks"] == 0

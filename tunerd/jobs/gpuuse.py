@@ -470,7 +470,9 @@ class GpuUse:
         if launch is None:
             launch = self.tree_launch(ctx)
         if launch is None:
-            return "no launch tunerd knows started it", None
+            some = any(r.gpu_use is not None for r in self.rules.rule_set().rules)
+            return ("no launch tunerd knows started it"
+                    + (", and no rule's gpu_use matches it" if some else "")), None
         return "", launch
 
     def _narrowed(self, ctx: JobContext, gpus: tuple[int, ...], how: str) -> tuple[int, ...]:
