@@ -208,8 +208,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "debug_gpu_processes": ("JSON {GPU: [pids]}: the replayed GPUs' processes "
                             "(tests, --topology)",
                             _abs_path),
-    "debug_gpu_device_nodes": ("MAJOR:MINOR,... by GPU index: the replayed GPUs' device "
-                               "nodes (tests, --topology)", _device_nodes),
+    "debug_gpu_device_nodes": ("MAJOR:MINOR,... by GPU index: replayed GPU device nodes "
+                               "(tests)", _device_nodes),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
     "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",
