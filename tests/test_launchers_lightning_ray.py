@@ -152,7 +152,8 @@ RANK = "import time\ntime.sleep(600)\n"
 
 @dataclass
 class Launched:
-    """A launcher this module started: its top process and, once up, its ranks."""
+    """A launcher this module started under ``sh -c`` (``top``, the shell) and, once up,
+    its ranks."""
 
     top: subprocess.Popen[bytes]
     out: Path
@@ -218,8 +219,12 @@ def _start(kind: str, tmp: Path, token: str, env_extra: dict[str, str]) -> Launc
         script = tmp / f"train_lightning_{token}.py"
         script.write_text(LIGHTNING)
         argv = [sys.executable, str(script), str(out)]
+    # under a shell, as a user's command runs (the shell ends the launch tree's job key);
+    # dash gives a background command /dev/null even for `<&0`: stdin goes by fd 3
     with log.open("wb") as f:
-        top = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+        top = subprocess.Popen(["sh", "-c", 'exec 3<&0; "$@" <&3 3<&- & wait', "sh", *argv],
+                               env=env,
+                               stdout=f, stderr=subprocess.STDOUT,
                                stdin=subprocess.PIPE if kind == "ray" else None, cwd=tmp)
     return Launched(top=top, out=out, log=log, kind=kind, seen=set())
 
@@ -360,7 +365,7 @@ def test_lightning_rank_1_is_rank_0s_child_and_only_it_has_local_rank(module: Mo
     sets it in os.environ only); it re-executes the script as rank 1 with LOCAL_RANK=1."""
     assert module.lightning_dgx is not None
     ranks = module.lightning_dgx.ranks()
-    assert ranks[0] == module.lightning_dgx.top.pid and _ppid(ranks[1]) == ranks[0]
+    assert _ppid(ranks[0]) == module.lightning_dgx.top.pid and _ppid(ranks[1]) == ranks[0]
     env0, env1 = _environ(ranks[0]), _environ(ranks[1])
     assert "LOCAL_RANK" not in env0 and "WORLD_SIZE" not in env0, env0
     assert (env1["LOCAL_RANK"], env1["NODE_RANK"], env1["WORLD_SIZE"]) == ("1", "0", "2")
@@ -381,7 +386,7 @@ def test_ray_train_workers_are_raylets_children_with_no_rank_in_their_environ(
     assert len(raylet) == 1
     (rl,) = raylet
     assert Path(f"/proc/{rl}/comm").read_text().strip() == "raylet"
-    assert _ppid(rl) == module.ray.top.pid
+    assert _ppid(_ppid(rl)) == module.ray.top.pid  # raylet <- the driver <- its shell
     jobs = set()
     for r, pid in ranks.items():
         env = _environ(pid)
@@ -441,11 +446,13 @@ def test_mp_spawn_ranks_with_only_the_bundled_rule_are_placed(module: Module,
     if len(HOST_CPUS) < 2:
         pytest.skip("needs 2 CPUs")
     token = f"{module.token}-as"
-    parent, ranks = _spawn_job(module.tmp, token)
+    parent, ranks = _spawn_job(module.tmp, token, under=["sh", "-c", '"$@" & wait', "sh"])
     try:
+        script = _ppid(ranks[0])  # the script mp.spawn runs in (the shell's child)
+        assert _ppid(ranks[1]) == script and _ppid(script) == parent.pid
         d = _placed_on_this_vm(daemon_factory, module.tmp, token, "spawn",
-                               {0: ranks[0], 1: ranks[1]}, [parent.pid])
-        assert f":{parent.pid}." in job_key(_jobs(d)[ranks[0]])
+                               {0: ranks[0], 1: ranks[1]}, [parent.pid, script])
+        assert f":{script}." in job_key(_jobs(d)[ranks[0]])
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
 
