@@ -22,7 +22,8 @@ What each launcher starts (read back from /proc on this machine, CPU torch, gloo
 Ray runs loopback-only and leaves nothing on the host: ``address="local"`` (never
 another user's cluster), its own ``_temp_dir``, ``RAY_AUTH_MODE=disabled`` (no token
 written to ~/.ray), ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray Train's
-``MASTER_ADDR`` is then 127.0.0.1, not the host's address), ``GLOO_SOCKET_IFNAME=lo``.
+``MASTER_ADDR`` is then 127.0.0.1, not the host's address), ``GLOO_SOCKET_IFNAME=lo``,
+``RAY_ENABLE_AUTO_CONNECT=0`` (a Ray call after shutdown never starts another Ray).
 The driver calls ``ray.shutdown()`` when the test closes its stdin; whatever is left
 is killed by the PIDs collected from its process tree.
 
@@ -146,7 +147,9 @@ if __name__ == "__main__":
 """
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo",
+           # never a second Ray in /tmp/ray started by a call after shutdown
+           "RAY_ENABLE_AUTO_CONNECT": "0"}
 
 # a torchrun rank: sleeps until killed (imports nothing: starts fast)
 RANK = "import time\ntime.sleep(600)\n"
