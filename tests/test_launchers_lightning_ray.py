@@ -347,6 +347,7 @@ def _placed_on_this_vm(daemon_factory: Any, tmp: Path, scope: str, name: str,
     wait_for(lambda: all(_on(ranks[g], slices[g]) for g in (0, 1)), 10,
              f"{name}: each rank in its GPU's slice", interval=0.02, detail=d.log)
     took = time.monotonic() - t0
+    print(f"{name}: both ranks placed {took:.2f} s after first GPU use")
     assert took <= PLACED_WITHIN_S, (name, took)
     jobs = _jobs(d)
     keys = {job_key(jobs[ranks[g]]) for g in (0, 1)}
