@@ -378,3 +378,25 @@ def test_children_with_20000_fds_each_cost_the_daemon_under_20_ms_per_s(
         print(json.dumps({"daemon_ms_per_s": round(ms_per_s, 2), "scan": scan}))
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
+
+
+def test_the_gpu_use_service_reads_only_its_narrow_interface_of_the_rules_binder() -> None:
+    """Issue 33: the GPU-use code reads no member of AutoBinder; what it asks of the
+    rules' binder is the RuleBinds protocol, which AutoBinder implements."""
+    import ast
+
+    from tunerd.jobs.autobind import AutoBinder
+    from tunerd.jobs.gpuuse import RuleBinds
+
+    src = Path(__file__).resolve().parents[1] / "tunerd" / "jobs" / "gpuuse.py"
+    tree = ast.parse(src.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                for a in n.names} | {n.module for n in ast.walk(tree)
+                                     if isinstance(n, ast.ImportFrom)}
+    assert "AutoBinder" not in imported and "tunerd.jobs.autobind" not in imported
+    asked = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Attribute) and n.value.attr == "rules"
+             and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    protocol = {m for m in vars(RuleBinds) if not m.startswith("_")}
+    assert asked and asked <= protocol, asked - protocol
+    assert all(callable(getattr(AutoBinder, m, None)) for m in protocol), protocol
