@@ -7,16 +7,21 @@ narrowed to this bench's token) whose replayed NVML lists, from its processes fi
 (``debug_gpu_processes``), 100 real processes this bench started, spread over the 8
 GPUs; the monitor's sample carries them to the GPU-use service every second.
 
-The same run alternates two phases on the same daemon, ``--rounds`` times:
+Two daemons run side by side on the same processes file, measured in the same windows:
+``on`` (the rule's ``gpu_use`` on) and ``off`` (``gpu_use.enabled = false``: the
+service is idle; the monitor still samples the 100 processes, as it did before GPU use
+was evidence). The same run alternates two phases, ``--rounds`` times:
 
   * baseline: the processes file lists nothing (the 100 processes still run);
   * listed: it lists the 100 processes.
 
 Each phase settles ``--settle`` s (the first looks at newly listed processes, at most
-32 a tick) and is then measured over ``--window`` s from outside: the daemon's
+32 a tick) and is then measured over ``--window`` s from outside: each daemon's
 /proc/PID/stat (utime + stime, all threads, 10 ms ticks) and the schedstat of its live
-threads (ns). Printed: the medians of each phase, the difference (the evidence's cost)
-and the ratio; and the service's own count of its gathering's CPU (``scan``).
+threads (ns). Printed, as medians over rounds: each daemon's baseline and listed
+figures; the whole daemon's cost of the 100 processes (``on``: listed - baseline); the
+GPU-use evidence's share (``on``'s cost - ``off``'s, same windows) and ``on``/``off``
+with the 100 listed; and the service's own count of its gathering's CPU (``scan``).
 
 ``--kind left-alone`` (default): the processes match no rule (no token): each is looked
 at when first listed and again every 30 s (RECHECK_S), the dearer steady state.
@@ -51,13 +56,16 @@ def write_processes(path: Path, table: dict[int, list[int]]) -> None:
     tmp.replace(path)
 
 
-def measure(pid: int, seconds: float) -> tuple[float, float]:
-    """ms of CPU per second: (/proc/PID/stat, all threads; live threads' schedstat)."""
-    s0, n0, t0 = cpu_seconds(pid), task_ns(pid), time.monotonic()
+def measure(pids: list[int], seconds: float) -> list[tuple[float, float]]:
+    """ms of CPU per second of each pid over one window: (/proc/PID/stat, all threads;
+    live threads' schedstat)."""
+    before = [(cpu_seconds(p), task_ns(p)) for p in pids]
+    t0 = time.monotonic()
     time.sleep(seconds)
-    s1, n1 = cpu_seconds(pid), task_ns(pid)
+    after = [(cpu_seconds(p), task_ns(p)) for p in pids]
     span = time.monotonic() - t0
-    return (s1 - s0) * 1e3 / span, (n1 - n0) / 1e6 / span
+    return [((s1 - s0) * 1e3 / span, (n1 - n0) / 1e6 / span)
+            for (s0, n0), (s1, n1) in zip(before, after, strict=True)]
 
 
 def main() -> int:
@@ -82,22 +90,28 @@ def main() -> int:
     listed = {g: [p.pid for p in sleepers[g::8]] for g in range(8)}
     out: dict[str, Any] = {"procs": args.procs, "kind": args.kind, "window_s": args.window,
                            "rounds": []}
+    cfg = f'debug_gpu_processes = "{procs_file}"\n'
+    policy = bundled_torch_rule(token)
+    off_policy = policy.replace("gpu_use = { enabled = true }", "gpu_use = { enabled = false }")
+    assert off_policy != policy, policy
     try:
-        with Daemon(bundled_torch_rule(token), topology=DGX,
-                    config=f'debug_gpu_processes = "{procs_file}"\n') as d:
+        with Daemon(policy, topology=DGX, config=cfg) as on, \
+                Daemon(off_policy, topology=DGX, config=cfg) as off:
             for r in range(args.rounds):
                 row: dict[str, Any] = {}
                 for phase, table in (("baseline", {}), ("listed", listed)):
                     write_processes(procs_file, table)
                     time.sleep(args.settle)
-                    row[phase] = measure(d.pid, args.window)
-                gpuuse = d.status()["services"]["gpuuse"]
+                    row[phase] = measure([on.pid, off.pid], args.window)
+                gpuuse = on.status()["services"]["gpuuse"]
                 row["service"] = {"placed": gpuuse["placed"], "scan": gpuuse["scan"],
-                                  "left_alone": gpuuse["left_alone"]}
+                                  "left_alone": gpuuse["left_alone"],
+                                  "off_ticks": off.status()["services"]["gpuuse"]["ticks"]}
                 out["rounds"].append(row)
-                print(f"round {r}: baseline {row['baseline'][0]:.2f} ms/s (threads "
-                      f"{row['baseline'][1]:.3f}), listed {row['listed'][0]:.2f} ms/s "
-                      f"(threads {row['listed'][1]:.3f})", flush=True)
+                (b_on, b_off), (l_on, l_off) = row["baseline"], row["listed"]
+                print(f"round {r} (schedstat ms/s): on {b_on[1]:.3f} -> {l_on[1]:.3f}, "
+                      f"off {b_off[1]:.3f} -> {l_off[1]:.3f} (baseline -> listed)",
+                      flush=True)
     finally:
         for p in sleepers:
             p.kill()
@@ -112,19 +126,39 @@ def main() -> int:
 
 def _report(out: dict[str, Any]) -> None:
     rows = out["rounds"]
+
     for i, what in ((0, "stat (all threads)"), (1, "schedstat (live threads)")):
-        base = statistics.median(r["baseline"][i] for r in rows)
-        listed = statistics.median(r["listed"][i] for r in rows)
-        diffs = statistics.median(r["listed"][i] - r["baseline"][i] for r in rows)
-        ratio = listed / base if base else float("nan")
-        out[what] = {"baseline_median": base, "listed_median": listed,
-                     "cost_median": diffs, "ratio": ratio}
-        print(f"{what}: baseline {base:.3f} ms/s, {out['procs']} listed {listed:.3f} ms/s, "
-              f"cost (median of per-round differences) {diffs:.3f} ms/s, ratio {ratio:.3f}")
-    scan = rows[-1]["service"]["scan"]
-    print(f"the service's own gathering: {scan['cpu_ms_per_s']} ms/s over its life "
-          f"({scan['cpu_ms']} ms); placed {rows[-1]['service']['placed']}, left alone "
-          f"{rows[-1]['service']['left_alone']}")
+        fig = _figures(rows, i)
+        out[what] = fig
+        print(f"{what}, medians over {len(rows)} rounds: on {fig['on_baseline']:.3f} -> "
+              f"{fig['on_listed']:.3f} ms/s, off {fig['off_baseline']:.3f} -> "
+              f"{fig['off_listed']:.3f} ms/s (baseline -> {out['procs']} listed); whole "
+              f"daemon's cost of them {fig['cost_of_100_whole_daemon']:.3f} ms/s, the GPU-use "
+              f"evidence's {fig['cost_of_gpu_use_evidence']:.3f} ms/s; on/off listed "
+              f"{fig['ratio_on_off_listed']:.3f}")
+    svc = rows[-1]["service"]
+    print(f"the service's own gathering: {svc['scan']['cpu_ms_per_s']} ms/s over its life "
+          f"({svc['scan']['cpu_ms']} ms); placed {svc['placed']}, left alone "
+          f"{svc['left_alone']}; the off daemon's service ticked {svc['off_ticks']} times")
+
+
+def _figures(rows: list[dict[str, Any]], i: int) -> dict[str, float]:
+    """Medians over rounds of figure ``i`` (0: stat, 1: schedstat)."""
+
+    def med(f: Any) -> float:
+        return statistics.median(f(r) for r in rows)
+
+    return {
+        "on_baseline": med(lambda r: r["baseline"][0][i]),
+        "on_listed": med(lambda r: r["listed"][0][i]),
+        "off_baseline": med(lambda r: r["baseline"][1][i]),
+        "off_listed": med(lambda r: r["listed"][1][i]),
+        "cost_of_100_whole_daemon": med(lambda r: r["listed"][0][i] - r["baseline"][0][i]),
+        "cost_of_gpu_use_evidence": med(lambda r: (r["listed"][0][i] - r["baseline"][0][i])
+                                        - (r["listed"][1][i] - r["baseline"][1][i])),
+        "ratio_on_off_listed": med(lambda r: r["listed"][0][i] / r["listed"][1][i]
+                                   if r["listed"][1][i] else float("nan")),
+    }
 
 
 if __name__ == "__main__":

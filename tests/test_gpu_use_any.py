@@ -107,6 +107,20 @@ else:
 time.sleep(120)
 """
 
+# torchrun's agent (its comm says launcher) and its two ranks, LOCAL_RANK set: the
+# exec-time rule's own
+TORCHRUN = COMMON + r"""
+if len(sys.argv) > 1:
+    report("torchrun" + os.environ["LOCAL_RANK"], os.getpid())
+else:
+    name("torchrun")
+    for i in range(2):
+        env = {**os.environ, "LOCAL_RANK": str(i), "RANK": str(i), "LOCAL_WORLD_SIZE": "2",
+               "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}
+        subprocess.Popen([sys.executable, sys.argv[0], "rank"], env=env)
+time.sleep(120)
+"""
+
 SERVICE = COMMON + r"""
 name("nv-hostengine")
 report("service", os.getpid())
@@ -200,11 +214,12 @@ def test_system_gpu_services_are_never_ranks() -> None:
 
 def test_any_gpu_user_is_placed_by_its_launch_tree_on_the_dgx(daemon_factory,
                                                              tmp_path: Path) -> None:
-    """DGX H100 snapshot (placements held, not applied here), the bundled rule alone:
-    Lightning's ranks on GPUs 2 and 3 are one job, Ray's workers on GPUs 4 and 5 one
-    job (keyed by the driver), two kernels of one Jupyter server on GPUs 6 and 7 a job
-    each, every one in its GPU's slice, no CPU shared between jobs; a system GPU service
-    listed on GPU 0 is never placed. The Lightning ranks within 2 s of their first use."""
+    """DGX H100 snapshot (placements held, not applied here), the bundled rule alone,
+    beside a torchrun job whose ranks the rule bound at exec on GPUs 0 and 1: Lightning's
+    ranks on GPUs 2 and 3 are one job, Ray's workers on GPUs 4 and 5 one job (keyed by
+    the driver), two kernels of one Jupyter server on GPUs 6 and 7 a job each, every one
+    in its GPU's slice, no CPU shared between the five jobs; a system GPU service listed
+    on GPU 0 is never placed. The Lightning ranks within 2 s of their first use."""
     token = f"any{os.getpid()}"
     d, procs = _daemon(daemon_factory, tmp_path, DGX_H100, token)
     slices = {s["gpu"]: parse_cpulist(s["cpus"])
@@ -217,13 +232,17 @@ def test_any_gpu_user_is_placed_by_its_launch_tree_on_the_dgx(daemon_factory,
         (tmp_path / "jupyter" / "ipykernel_launcher.py").write_text(JUPYTER)
         m.start(f"jupyter/jupyter_lab_{token}.py", JUPYTER)
         m.start(f"svc_{token}.py", SERVICE)
+        m.start(f"torchrun_{token}.py", TORCHRUN)
         p = m.pids("lightning0", "lightning1", "driver", "ray0", "ray1", "kernel0",
-                   "kernel1", "service")
+                   "kernel1", "service", "torchrun0", "torchrun1")
+        tr = [p["torchrun0"][0], p["torchrun1"][0]]
+        wait_for(lambda: _jobs_with(d, tr), 10, "the torchrun ranks bound at exec",
+                 detail=d.log)
         ranks = {2: p["lightning0"][0], 3: p["lightning1"][0], 4: p["ray0"][0],
                  5: p["ray1"][0], 6: p["kernel0"][0], 7: p["kernel1"][0]}
         t0 = time.monotonic()
         write_processes(procs, {**{g: [pid] for g, pid in ranks.items()},
-                                0: [p["service"][0]]})
+                                0: [p["service"][0], tr[0]], 1: [tr[1]]})
         jobs = wait_for(lambda: _jobs_with(d, ranks.values()), 10,
                         "the six GPU users placed", detail=d.log)
         for gpu, pid in ranks.items():
@@ -235,13 +254,18 @@ def test_any_gpu_user_is_placed_by_its_launch_tree_on_the_dgx(daemon_factory,
         assert job[4] == job[5] and job[4].startswith(f"ray_{token}.py:{driver}."), job
         assert job[6] != job[7] and job[6].startswith(f"ipykernel_launcher.py:{ranks[6]}."), job
         assert len(set(job.values())) == 4, job
-        by_job: dict[str, set[int]] = {}
+        by_job: dict[str, set[int]] = {"torchrun": set()}
         for gpu, pid in ranks.items():
             by_job.setdefault(job[gpu], set()).update(parse_cpulist(jobs[pid]["cpus"]))
+        for gpu, pid in enumerate(tr):  # the exec-time rule's: never re-placed here
+            assert jobs[pid]["gpus"] == [gpu], jobs[pid]
+            assert "placed as a rank of job" not in jobs[pid]["why"], jobs[pid]
+            by_job["torchrun"].update(parse_cpulist(jobs[pid]["cpus"]))
         cpus = list(by_job.values())
         assert all(not (a & b) for i, a in enumerate(cpus) for b in cpus[i + 1:]), by_job
         st = wait_for(partial(_looked_at, d), 5, "the service looked at", detail=d.log)
-        assert st["left_alone"] == {"a system GPU service: never a rank": 1}, st
+        assert st["left_alone"] == {"a system GPU service: never a rank": 1,
+                                    "bound already": 2}, st
         assert p["service"][0] not in _jobs(d)
         at = {e["pid"]: e["at"] for e in st["last"]}
         for pid in (ranks[2], ranks[3]):  # monitor interval (1 s) + 1 s
@@ -378,3 +402,25 @@ def test_children_with_20000_fds_each_cost_the_daemon_under_20_ms_per_s(
         print(json.dumps({"daemon_ms_per_s": round(ms_per_s, 2), "scan": scan}))
     finally:
         kill_tree(parent)  # type: ignore[arg-type]
+
+
+def test_the_gpu_use_service_reads_only_its_narrow_interface_of_the_rules_binder() -> None:
+    """Issue 33: the GPU-use code reads no member of AutoBinder; what it asks of the
+    rules' binder is the RuleBinds protocol, which AutoBinder implements."""
+    import ast
+
+    from tunerd.jobs.autobind import AutoBinder
+    from tunerd.jobs.gpuuse import RuleBinds
+
+    src = Path(__file__).resolve().parents[1] / "tunerd" / "jobs" / "gpuuse.py"
+    tree = ast.parse(src.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                for a in n.names} | {n.module for n in ast.walk(tree)
+                                     if isinstance(n, ast.ImportFrom)}
+    assert "AutoBinder" not in imported and "tunerd.jobs.autobind" not in imported
+    asked = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Attribute) and n.value.attr == "rules"
+             and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    protocol = {m for m in vars(RuleBinds) if not m.startswith("_")}
+    assert asked and asked <= protocol, asked - protocol
+    assert all(callable(getattr(AutoBinder, m, None)) for m in protocol), protocol

@@ -46,7 +46,8 @@ It is handed to the rules' bind through a narrow interface (``RuleBinds``): the 
 gate, placer, ledger and registry as every rule bind, recorded with why ("uses GPU 2
 (NVML) ..."). A verdict is kept per pid while the process stays listed (a left-alone
 one is looked at again after ``RECHECK_S``), so a tick over known processes reads
-nothing of them.
+nothing of them; after that, one stat read tells whether what the verdict rested on
+(the process, its parent's binding, the rules) is still so.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class RuleBinds(Protocol):
 
 
 Users = dict[int, tuple[tuple[int, ...], str]]  # pid -> (GPU indices, how seen)
+Basis = tuple[int, int, int, bool, bool]  # what a verdict rests on (GpuUse._basis)
 # (GPU index, pid) of every compute and graphics process, as another reader of NVML
 # last saw them (the monitor's sample), or None where it has no fresh list
 Listing = Callable[[], "list[tuple[int, int]] | None"]
@@ -212,7 +214,8 @@ class GpuUse:
         self.left_alone: dict[str, int] = {}  # why -> how many (first verdicts)
         self.last: list[JSONObject] = []  # the last placements handed over
         self.cost = ScanCost()
-        self._known: dict[int, tuple[str, float]] = {}  # pid -> (verdict, when)
+        # pid -> (verdict, when, what it rests on: ``_basis``)
+        self._known: dict[int, tuple[str, float, Basis | None]] = {}
         # worker thread only: child of a rule-bound process -> spawn child?; an fd
         # look's verdict per (pid, start time) -> (due again at, looks so far)
         self._spawn: dict[int, bool] = {}
@@ -277,7 +280,7 @@ class GpuUse:
         if not self.cost.since:
             self.cost.since = time.monotonic()
         now = time.monotonic()
-        skip = frozenset(p for p, (v, at) in self._known.items()
+        skip = frozenset(p for p, (v, at, _) in self._known.items()
                          if v == "placed" or now - at < RECHECK_S)
         placed = frozenset(p for ranks in self._ranks.values() for p in ranks)
         return Snapshot(tuple(self.rules.rule_bound_pids()), skip, placed)
@@ -287,19 +290,41 @@ class GpuUse:
         new = 0
         for pid in sorted(users):
             seen = self._known.get(pid)
-            if seen is not None and (seen[0] == "placed" or now - seen[1] < RECHECK_S):
+            if seen is not None and self._still(pid, seen, now):
                 continue
             if new >= MAX_NEW:
                 break
             new += 1
+            basis = self._basis(pid)
             verdict = self.consider(pid, *users[pid], users)
             if seen is None and verdict != "placed":
                 self.left_alone[verdict] = self.left_alone.get(verdict, 0) + 1
             if len(self._known) >= MAX_KNOWN:
                 self._known.clear()
-            self._known[pid] = (verdict, now)
+            self._known[pid] = (verdict, now, basis)
         for pid in [p for p in self._known if p not in users]:
             del self._known[pid]  # gone from the lists: a reused pid is looked at afresh
+
+    def _still(self, pid: int, seen: tuple[str, float, Basis | None], now: float) -> bool:
+        """Whether ``pid``'s verdict stands: placed, younger than RECHECK_S, or older
+        but resting on what is still so (one stat read: a left-alone process costs
+        nothing more while it, its parent's binding and the rules stay as they were)."""
+        verdict, at, basis = seen
+        if verdict == "placed" or now - at < RECHECK_S:
+            return True
+        if basis is not None and self._basis(pid) == basis:
+            self._known[pid] = (verdict, now, basis)
+            return True
+        return False
+
+    def _basis(self, pid: int) -> Basis | None:
+        """What a verdict on ``pid`` rests on: its start time and parent, the rules in
+        force, whether a rule or anyone bound its parent."""
+        st = _stat(pid, self.proc)
+        if st is None:
+            return None
+        return (st.start_time, st.ppid, id(self.rules.rule_set()),
+                self.rules.rule_bound(st.ppid) is not None, self.jobs.is_bound(st.ppid))
 
     def gather(self, snap: Snapshot) -> Users:
         """pid -> (GPUs, how seen): NVML's lists, then open device nodes (bounded).
