@@ -32,7 +32,7 @@ from tunerd.daemon.cmd_host import HostCommands
 from tunerd.daemon.cmd_leases import LeaseCommands
 from tunerd.daemon.cmd_monitor import MonitorCommands
 from tunerd.daemon.cmd_topology import TopologyCommands
-from tunerd.daemon.config import DaemonConfig
+from tunerd.daemon.config import DaemonConfig, device_nodes
 from tunerd.daemon.host import HostSettings
 from tunerd.daemon.hotplug import TopologyWatch
 from tunerd.daemon.notify import Notifier
@@ -126,7 +126,8 @@ class _Wiring:
         prepare_dir(cfg.state_dir, 0o700, "state dir")
         self._stores()
         topology = load_topology(cfg.topology)
-        if cfg.debug_nvml_replay is not None or cfg.debug_gpu_processes is not None:
+        if cfg.debug_nvml_replay is not None or cfg.debug_gpu_processes is not None \
+                or cfg.debug_gpu_device_nodes is not None:
             _replay_nvml(cfg, topology)
         self.policy = PolicyHolder(cfg.policy_dir, NodeFacts.from_topology(topology))
         self.policy.put(self.policy.load())  # a bad policy at start: PolicyError, exit 1
@@ -440,12 +441,15 @@ def _replay_nvml(cfg: DaemonConfig, topology: Topology) -> None:
     (``debug_nvml_replay``, tests only: one node of a test fleet runs another driver)
     and the compute processes a test lists (``debug_gpu_processes``)."""
     from tunerd.adapters import nvml
+    from tunerd.jobs.gate import set_test_device_nodes
     from tunerd.topology.nvml_recording import RecordedNvml
     from tunerd.topology.nvml_replay import ReplayNvml
 
-    if cfg.topology is None and cfg.debug_gpu_processes is not None:
-        raise UsageError("debug_gpu_processes lists processes on a snapshot's GPUs: it "
-                         "needs --topology")
+    if cfg.topology is None and (cfg.debug_gpu_processes or cfg.debug_gpu_device_nodes):
+        raise UsageError("debug_gpu_processes and debug_gpu_device_nodes stand in for a "
+                         "snapshot's GPUs: they need --topology")
+    if cfg.debug_gpu_device_nodes is not None:
+        set_test_device_nodes(device_nodes(cfg.debug_gpu_device_nodes))
     if cfg.debug_nvml_replay is not None:
         nvml.set_backend(RecordedNvml(topology, cfg.debug_nvml_replay,
                                       cfg.debug_gpu_processes))

@@ -73,7 +73,7 @@ from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
-from tunerd.watch.rules import RuleMatch, RuleSet
+from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
 __all__ = ["AutoBinder"]
 
@@ -138,6 +138,8 @@ class AutoBinder:
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        # ranks another source told (``place_rank``): never a rank's follower
+        self.told_ranks: set[int] = set()
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
         # what the rules remember of processes they looked at and did not bind
@@ -300,10 +302,40 @@ class AutoBinder:
         """Processes a rule matched and left alone that still run, with why."""
         return self.memory.left_alone_now()
 
+    # -- what the GPU-use service asks (tunerd.jobs.gpuuse.RuleBinds) ------------
     def set_own_cpus(self, pid: int) -> bool:
         """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
         taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
         return pid in self.memory.self_affined
+
+    def rule_set(self) -> RuleSet:
+        """The rules in force."""
+        return self.rules
+
+    def rule_bound(self, pid: int) -> tuple[int, str] | None:
+        """(start time, rule name) of ``pid`` where a rule bound it."""
+        rb = self.bound.get(pid)
+        return None if rb is None else (rb.start_time, rb.rule)
+
+    def rule_bound_pids(self) -> list[int]:
+        return list(self.bound)
+
+    def looked_at(self) -> bool:
+        """Whether the rules bound or left alone a process (a dict's truth: nothing read)."""
+        return bool(self.bound or self.memory.left_alone)
+
+    def rules_peer(self) -> Peer:
+        """Who the rules act as (root)."""
+        return self.peer
+
+    def place_rank(self, rule: JobRule, ctx: JobContext) -> None:
+        """Bind ``ctx`` (a rank another source told: tunerd.jobs.gpuuse) under ``rule``:
+        the same gate, placer, ledger and registry as every rule bind."""
+        m = RuleMatch(rule=rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid, env=ctx.env)
+        if len(self.told_ranks) >= 4096:
+            self.told_ranks.clear()
+        self.told_ranks.add(ctx.pid)  # a parent rank's bind made meanwhile leaves it be
+        self.on_match(m, time.monotonic(), ctx)
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
@@ -683,6 +715,8 @@ class AutoBinder:
                 continue
             for kid in kids[:FOLLOWERS_MAX]:
                 seen += 1
+                if kid in self.told_ranks:
+                    continue  # a rank of its own (Lightning's rank 1): not a follower
                 if depth + 1 < FOLLOWERS_DEPTH:
                     todo.append((kid, depth + 1))
                 held, rec = self.bound.get(kid), self.jobs.record(kid)

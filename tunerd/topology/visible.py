@@ -221,10 +221,11 @@ def gpus_from_nvml(pid: int) -> tuple[int, ...]:
 
 
 def nvml_users(devs: Iterable[Device]) -> list[tuple[int, int]]:
-    """(GPU index, pid) for every process NVML lists on ``devs`` (its compute lists;
-    ``nvidia-smi --query-compute-apps=gpu_bus_id,pid``): the NVML evidence of
-    ``resolve_gpus``, as the GPU-use service reads it from one listing."""
+    """(GPU index, pid) for every process NVML lists on ``devs`` (its compute and
+    graphics lists; ``nvidia-smi --query-compute-apps=gpu_bus_id,pid``): the NVML
+    evidence of ``resolve_gpus``, as the GPU-use service reads it from one listing."""
     from tunerd.adapters import nvml
 
     return [(dev.index, p.pid) for dev in devs
-            if (procs := dev.compute_processes()) is not nvml.NA for p in procs]
+            for procs in (dev.compute_processes(), dev.graphics_processes())
+            if procs is not nvml.NA for p in procs]
