@@ -10,7 +10,6 @@ import contextlib
 import json
 import signal
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -356,6 +355,10 @@ def test_the_netns_checks_pass_on_a_host_tuned_by_the_h100_policy(tmp_path: Path
     """The guard: the host carries 00-h100-training.toml's tcp_rmem/tcp_wmem (restored in
     the finally, whatever happens), and the checks above run in namespaces made then
     (which copy those values from the host)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
     sysctl = tomllib.loads((REPO / "policies/00-h100-training.toml").read_text())["sysctl"]
     wanted = {n: " ".join(str(sysctl[n]).split())
               for n in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")}
