@@ -695,7 +695,7 @@ class AutoBinder:
             self.errors.record(
                 "autobind", f"rule {m.rule.name}: {note.split(':', 1)[0]} for the processes "
                 f"it binds: the daemon lacks {cap.group(0)} (their CPUs are bound; last pid "
-                f"{ctx.pid}); grant tunerd {cap.group(0)} or lower the rule's value",
+                f"{ctx.pid}); grant tunerd {cap.group(0)} or {_lower_what(m, cap.group(0))}",
                 key=f"nocap:{m.rule.name}:{cap.group(0)}", level="warning")
         if not other:
             return
@@ -790,3 +790,13 @@ def _steps(tb: ThreadBind) -> dict[str, float]:
         steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
     steps["handoff_ms"] = round((time.monotonic() - tb.bound_at) * 1000, 3)
     return steps
+
+
+def _lower_what(m: RuleMatch, cap: str) -> str:
+    """Where the value a missing capability refused comes from: the rule's own `nofile`,
+    or (a rule that sets none) the policy's [limits] nofile, which applies to it."""
+    if cap != "CAP_SYS_RESOURCE":
+        return "lower the rule's value"
+    if m.rule.nofile is None:
+        return "lower [limits] nofile (the rule sets no nofile: the policy's applies)"
+    return "lower the rule's nofile"
