@@ -97,6 +97,7 @@ class RuleBound:
     placement: Placement
     exec_seen: float  # time.monotonic() of the exec event
     at_start: bool = False  # already running when the rule came into force
+    at_reload: bool = False  # ... and that was at a reload, not at the daemon's start
     bound_at: float | None = None
     timing: dict[str, float | None] | None = None
 
@@ -138,6 +139,7 @@ class AutoBinder:
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
+        self._rule_sets = 0  # apply_rules calls: the first is the start, the others reloads
         # what the rules remember of processes they looked at and did not bind
         self.memory = RuleMemory(pidwatch, errors, proc_root)
         self._init_counters()
@@ -199,6 +201,7 @@ class AutoBinder:
     async def apply_rules(self, rules: RuleSet) -> None:
         """Put a new rule set in force (start and every reload)."""
         self.rules = rules
+        self._rule_sets += 1
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self._matched, self.rescan, select=self.match,
                                        use_connector=self.use_connector, skip_exited=True,
@@ -262,10 +265,12 @@ class AutoBinder:
         mode = self.watcher.mode if self.watcher else "off"
         summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
-        if at_start:
-            users = sorted({user_name(b.uid) for b in at_start})
-            summary += (f" ({len(at_start)} already running at start, of user(s) "
-                        f"{', '.join(users)})")
+        for when, group in (("at start", [b for b in at_start if not b.at_reload]),
+                            ("at a reload", [b for b in at_start if b.at_reload])):
+            if group:
+                users = sorted({user_name(b.uid) for b in group})
+                summary += (f" ({len(group)} already running {when}, of user(s) "
+                            f"{', '.join(users)})")
         if self.failed:
             summary += f"; {self.failed} failed"
         if self.scope is not None:
@@ -622,7 +627,8 @@ class AutoBinder:
             notes += [n for n in res2.notes if n not in notes]
         log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms"
                  " (%s)", m.rule.name, pid, _cut(m.cmdline), user_name(m.uid),
-                 ", already running at start" if at_start else "",
+                 "" if not at_start else ", already running at a reload" if rb.at_reload
+                 else ", already running at start",
                  format_cpulist(placed.cpus or frozenset()),
                  ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - rb.exec_seen) * 1000,
                  ctx.why)
@@ -710,7 +716,8 @@ class AutoBinder:
         """A rank the pipeline holds: kept for status and exits (``watch``: its exit
         now; a bind in the watcher's thread is watched once the loop has it)."""
         rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
-                       uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
+                       uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start,
+                       at_reload=at_start and self._rule_sets > 1)
         self.bound[m.pid] = rb
         if watch and not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
