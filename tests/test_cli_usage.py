@@ -142,6 +142,19 @@ def test_plurals_in_human_output() -> None:
     assert "LEASE" in leases and "L1" in leases and "alice" in leases
 
 
+def test_jobs_past_hidepid_shows_hidden_not_a_cut_marker() -> None:
+    """Past hidepid=2 another user's /proc/PID/comm is unreadable and the daemon sends
+    its command line as "(hidden: /proc is mounted hidepid)": NAME was "(hidden:"."""
+    from tunerd.cli.cmd_bind import _human_jobs
+
+    gone = 2**22 + 12345  # above any pid_max: no /proc/PID/comm to read, as past hidepid
+    out = _human_jobs({"jobs": [{"pid": gone, "cmdline": "(hidden: /proc is mounted hidepid)",
+                                 "origin": "bind", "cpus": "0"}]})
+    row = next(ln for ln in out.splitlines() if ln.startswith(str(gone)))
+    assert row.split()[1] == "(hidden)", out
+    assert "(hidden:" not in out, out
+
+
 def test_top_never_wraps_inside_a_command() -> None:
     from io import StringIO
 
