@@ -315,7 +315,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
         daemon.reload_guard = refuse_for_root
     BindCommands(pipeline, leases, left_alone=autobind.left_alone_now).register(router)
     LeaseCommands(leases).register(router)
-    HostCommands(host).register(router)
+    HostCommands(host, policy_error=lambda: policy.error).register(router)
     topology_cmds.register(router)
     EnvCommands(policy, nccl_file, topology=lambda: topology_cmds.topology).register(router)
     def pairing() -> dict[str, Any]:
