@@ -50,12 +50,20 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
     assert show.json()["limits"] == {"nofile": 65536}  # old policy still in force
     assert show.json()["nic"] == []
     assert "policy rejected" in d.log()
+    # plan says its policy is the old one, and that the files were rejected: exit 1
+    plan = d.ctl("plan")
+    assert plan.rc == 1, plan
+    assert "the policy files were rejected, this plan is of the last good policy" in plan.out
+    assert f"{site}: nic[0].mtu" in plan.out, plan.out
+    assert f"{site}: nic[0].mtu" in d.ctl("--json", "plan").json()["policy_error"]
 
     site.write_text(GOOD.replace("65536", "131072"))
     d.signal(signal.SIGHUP)
     wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None, 20,
              "the fixed policy to load", detail=d.log)
     assert d.ctl("status").rc == 0
+    plan = d.ctl("plan")
+    assert plan.rc == 0 and "rejected" not in plan.out, plan
     show = d.ctl("policy", "show")
     assert show.rc == 0
     assert f"#   {site}" in show.out

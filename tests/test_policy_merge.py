@@ -291,6 +291,29 @@ def test_check_paths_report(tmp_path: Path) -> None:
     assert "cannot read" in rep["files"][1]["errors"][0]
 
 
+def test_check_keeps_the_other_files_notes_when_one_fails(tmp_path: Path) -> None:
+    """One bad file in a directory: the good ones still say whether they apply to this
+    node (and why not), as without it; the bad one has its error and no note."""
+    import shutil
+
+    d = tmp_path / "pol"
+    shutil.copytree(BUNDLED, d)
+    write_policy(d, "50-bad.toml", "[limits]\nnofile = 0\n")
+    facts = NodeFacts("dgx-h100-01", ("NVIDIA H100 80GB HBM3",) * 8)
+    rows = {Path(f["file"]).name: f for f in check_paths([d], facts)["files"]}
+    assert "limits.nofile" in rows["50-bad.toml"]["errors"][0]
+    assert "applies" not in rows["50-bad.toml"]
+    assert {n: r["applies"] for n, r in rows.items() if n != "50-bad.toml"} == {
+        "00-base.toml": True, "00-default.toml": True, "00-h100-training.toml": True,
+        "00-pcie-gpu.toml": False}
+    assert rows["00-pcie-gpu.toml"]["reason"]
+    from tunerd.cli.cmd_policy import _human_check
+
+    text = _human_check(check_paths([d], facts))
+    assert "00-base.toml (policy 'base', applies to this node)" in text, text
+    assert "FAIL" in text
+
+
 def test_render_toml_round_trips_odd_keys_and_values() -> None:
     data = {"top": 1, "a": {"b c": "x\"y\\z\n", "n": {"deep": [1, 2]}, "f": 1.5, "e": {}},
             "arr": [{"k": {"x": True}, "v": []}, {"k": {}}], "u": "ünï", "empty": []}

@@ -332,7 +332,15 @@ class Actuator:
         except ProcessLookupError:
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
         except PermissionError as err:
-            raise self._prlimit_denied(t, "raising another user's limit") from err
+            # the kernel lets only a process of the same uid, or CAP_SYS_RESOURCE, read or
+            # set another's limits, whatever the value: not a raise (4096 may be below
+            # its hard limit), and not "another user's" to its owner asking
+            raise PermissionDenied(
+                f"prlimit on pid {t.pid} (uid {t.uid}) failed: EPERM — tunerd (uid "
+                f"{os.geteuid()}) may change the fd limit of a process of another uid only "
+                f"with CAP_SYS_RESOURCE, which it does not have; its owner may set it "
+                f"within its hard limit: prlimit --pid {t.pid} --nofile={n}:",
+                pid=t.pid) from err
         if n > hard and not self.has_cap_sys_resource():
             raise PermissionDenied(
                 f"prlimit on pid {t.pid} (uid {t.uid}) would fail: EPERM — raising the hard "
