@@ -26,7 +26,8 @@ The fd look is bounded (issue 34 item 3): at most ``MAX_FDS_PER_PROCESS`` fd ent
 one process and ``MAX_FDS_PER_TICK`` of all together are read, a verdict is kept per
 process (pid and start time) so no fd table is listed again before it is due (a process
 holding no GPU is looked at again after 2, 4, 8, 16, 30 s), and the whole gathering runs
-in a worker thread, off the event loop; ``status`` reports its cost (``scan``).
+in a worker thread, off the event loop (without fd tables to read, the monitor's sample
+is read on the loop); ``status`` reports its cost (``scan``).
 
 A process found is placed when it is unbound, inside the daemon's scope, no system GPU
 service (``SYSTEM_SERVICES``, tunerd itself), no launcher or wrapper, no rank a launcher
@@ -260,10 +261,15 @@ class GpuUse:
                                 or self.rules.looked_at())
 
     async def tick_off_loop(self) -> None:
-        """One tick: GPU users gathered in a worker thread, decided on the loop."""
+        """One tick: GPU users gathered in a worker thread where fd tables may be read
+        (on the loop where only the monitor's sample is: a list copied under its lock
+        costs less than the hop), decided on the loop."""
         snap = self._begin()
-        if snap is not None:
-            self._decide(await asyncio.to_thread(self.gather, snap))
+        if snap is None:
+            return
+        users = await asyncio.to_thread(self.gather, snap) if snap.parents \
+            else self.gather(snap)
+        self._decide(users)
 
     def tick(self) -> None:
         """One tick, all on the caller's thread."""
