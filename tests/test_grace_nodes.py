@@ -1,0 +1,199 @@
+"""The newest training nodes on the map (issue 36): GB200 trays (with and without the
+GPUs' memory onlined as CPU-less NUMA nodes), DGX B200 and HGX H200 recordings.
+
+The node map against the table in docs/placement.md; no rank given CPUs (or, by
+default, memory) on a CPU-less node; a GPU's node from its PCI device, not NVML's NUMA
+id; a 4-rank torchrun on a GB200 tray split over the two Graces, each rank with its
+GPU's NIC (real ranks described from /proc, the replay daemon naming each rank's NIC);
+DGX B200 GPUs paired with the ConnectX-7 behind their own switch, never a BlueField."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_ctl, write_policy
+from tests.iotree import build
+from tests.launcher_helpers import spawn_rank
+from tests.leases_helpers import kill_tree
+from tests.topology_helpers import TOPOLOGIES, fixture, render_sysfs
+from tunerd.adapters import nvml
+from tunerd.base.cpulist import format_cpulist, parse_cpulist
+from tunerd.jobs.allocation import Allocation
+from tunerd.jobs.intake import Intake, JobContext, RankId, request
+from tunerd.jobs.placer import HostCapacity, Placer, Reservation
+from tunerd.policy.typed import IrqSection
+from tunerd.topology import read_system
+from tunerd.topology.iopath import gpu_nics
+from tunerd.topology.model import RdmaDevice, Topology
+from tunerd.topology.nodemap import node_map
+from tunerd.topology.nvml_replay import ReplayNvml
+from tunerd.tuners.irq import IrqContext, IrqTuner
+
+REPO = Path(__file__).resolve().parent.parent
+NEW = ["gb200.json", "gb200-hbm-numa.json", "dgx-b200.json", "hgx-h200.json"]
+GRACE = ["gb200.json", "gb200-hbm-numa.json", "gh200.json"]
+
+
+def _documented() -> dict[str, dict[int, tuple[str, str, str]]]:
+    """docs/placement.md's per-platform table: recording -> GPU -> (cpus, mem, NIC)."""
+    text = (REPO / "docs" / "placement.md").read_text()
+    out: dict[str, dict[int, tuple[str, str, str]]] = {}
+    for m in re.finditer(r"^\| ([\w.-]+\.json) \| (\d+) \| ([\d,-]+) \| (\d+) \| (\S+) \|",
+                         text, re.M):
+        out.setdefault(m[1], {})[int(m[2])] = (m[3], m[4], m[5])
+    return out
+
+
+def _placer(topo: Topology) -> Placer:
+    return Placer(topo, HostCapacity(topo.online_cpus(), frozenset(topo.numa_nodes)),
+                  frozenset)
+
+
+def _rank(pid: int, gpu: int) -> JobContext:
+    return JobContext(pid=pid, start_time=1, ppid=1, uid=0, comm="python",
+                      argv=("python", "train.py"), env={}, allocation=Allocation(),
+                      gpus=(gpu,), gpus_how="LOCAL_RANK",
+                      rank=RankId(0, 1, "LOCAL_RANK=0", f"torchrun:{pid}.1"), role="rank",
+                      why="LOCAL_RANK", visible=(gpu,))
+
+
+def _cpuless(topo: Topology) -> set[int]:
+    return {n.id for n in topo.numa_nodes.values() if not n.cpus}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_node_map_matches_the_documented_table(name: str) -> None:
+    rows = _documented().get(name)
+    assert rows, f"docs/placement.md has no rows for {name}"
+    m = node_map(fixture(name))
+    for g, (cpus, mem, nic) in rows.items():
+        s = m.slices[g]
+        assert (format_cpulist(s.cpus), format_cpulist(s.mems), ",".join(s.nics)) == \
+            (cpus, mem, nic), (name, g)
+
+
+@pytest.mark.parametrize("name", GRACE)
+def test_no_rank_gets_cpus_or_memory_on_a_cpuless_node(name: str) -> None:
+    topo = fixture(name)
+    cpuless = _cpuless(topo)
+    assert cpuless or name == "gb200.json"
+    placer = _placer(topo)
+    for g in topo.gpus:  # two ranks per GPU, held: the second takes what is left
+        for r in range(2):
+            ctx = _rank(1000 * (g.index + 1) + r, g.index)
+            p = placer.place(request(ctx, gpu_ids=(g.index,), ignore_busy_gpus=True))
+            assert p.cpus and p.mems, p.explanation
+            assert not {topo.cpus[c].numa_node for c in p.cpus} & cpuless
+            assert not p.mems & cpuless  # memory on the Grace's node by default
+            assert p.mems == {node_map(topo).slices[g.index].numa_node}
+            placer.reserve(Reservation(key=f"rule:{ctx.pid}", holder="t", gpus=p.gpus,
+                                       cpus=p.cpus, group=f"j{g.index}"))
+    assert all(not (s.mems & cpuless) for s in node_map(topo).slices.values())
+
+
+def test_a_gpus_node_comes_from_its_pci_device_not_nvmls_numa_id(tmp_path: Path) -> None:
+    """Non-CDMM GB200: NVML says node 2/10/18/26 (the HBM); sysfs's numa_node of the
+    GPU's PCI function, or where firmware gives -1 its local_cpulist, says the Grace."""
+    rec = fixture("gb200-hbm-numa.json")
+    no_node = Topology(**{**{f.name: getattr(rec, f.name)
+                             for f in dataclasses.fields(rec) if f.name != "_cache"},
+                          "gpus": [dataclasses.replace(g, numa_node=None) for g in rec.gpus]})
+    sysd, procd = render_sysfs(no_node, tmp_path)
+    with nvml.use_backend(ReplayNvml(rec)):
+        got = read_system(sysd, procd)
+    assert [(g.numa_node, g.memory_numa_nodes) for g in got.gpus] == [
+        (0, (2,)), (0, (10,)), (1, (18,)), (1, (26,))]
+    assert [format_cpulist(node_map(got).slices[i].cpus) for i in range(4)] == [
+        "0-35", "36-71", "72-107", "108-143"]
+
+
+def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_factory,
+                                                                    tmp_path: Path) -> None:
+    """Real rank processes (LOCAL_RANK under a torchrun agent) described from /proc on
+    the replayed tray and placed as the rule does (records only: these CPUs are not
+    here); the replay daemon names each rank's NIC."""
+    topo = fixture("gb200-hbm-numa.json")
+    intake = Intake(topo, frozenset(os.sched_getaffinity(0)), bound=lambda pid: None,
+                    lease=lambda pid: None)
+    placer = _placer(topo)
+    got = []
+    for r in range(4):
+        env = {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4"}
+        agent, pid = spawn_rank(["sleep", "30"], env)
+        try:
+            ctx = intake.describe(pid)
+            assert ctx.role == "rank" and ctx.gpus == (r,), (ctx.why, ctx.gpus)
+            p = placer.place(request(ctx, gpu_ids=ctx.gpus, ignore_busy_gpus=True))
+            assert p.cpus is not None, p.explanation
+            placer.reserve(Reservation(key=f"rule:{pid}", holder=f"rank {r}", gpus=p.gpus,
+                                       cpus=p.cpus, group="torchrun:1.1"))
+            got.append(({topo.cpus[c].numa_node for c in p.cpus}, p.mems, p.cpus))
+        finally:
+            kill_tree(agent)  # type: ignore[arg-type]
+    assert [(nodes, set(mems)) for nodes, mems, _ in got] == [
+        ({0}, {0}), ({0}, {0}), ({1}, {1}), ({1}, {1})]
+    assert not got[0][2] & got[1][2] and not got[2][2] & got[3][2]
+    pdir = tmp_path / "policies"
+    write_policy(pdir, "00-nic.toml", '[policy]\nname = "nic"\n\n[nccl]\nper_rank_nic = true\n')
+    d = daemon_factory(policy_dir=pdir, args=["--topology", str(TOPOLOGIES / "gb200-hbm-numa.json")]
+                       ).start()
+    clean = {k: "" for k in ("CUDA_VISIBLE_DEVICES", "NCCL_IB_HCA", "UCX_NET_DEVICES")}
+    for r in range(4):
+        out = run_ctl("--socket", str(d.socket), "env", "--local-rank", str(r), env=clean)
+        assert out.rc == 0, out.err
+        assert f"export NCCL_IB_HCA==mlx5_{r}:1" in out.out, out.out
+
+
+def test_dgx_b200_gpus_pair_with_their_switchs_cx7_never_a_bluefield() -> None:
+    topo = fixture("dgx-b200.json")
+    bluefield = {r.name for r in topo.rdma if r.link_layer == "Ethernet"}
+    assert bluefield == {"mlx5_8", "mlx5_9", "mlx5_10", "mlx5_11"}
+    pairs = gpu_nics(topo)
+    assert {g: [(p.nic.name, p.tier) for p in ps] for g, ps in pairs.items()} == {
+        g: [(f"mlx5_{g}", "switch")] for g in range(8)}
+    # a BlueField port moved behind GPU 0's switch, listed first: still never chosen
+    gpu0 = topo.gpu(0)
+    moved = dataclasses.replace(next(r for r in topo.rdma if r.name == "mlx5_8"),
+                                pcie_path=(*gpu0.pcie_path[:3], "0000:17:02.0"))
+    rdma: list[RdmaDevice] = [moved, *(r for r in topo.rdma if r.name != "mlx5_8")]
+    odd = dataclasses.replace(topo, rdma=rdma, _cache={})
+    assert [p.nic.name for p in gpu_nics(odd)[0]] == ["mlx5_0"]
+
+
+def test_gb200_pairs_each_gpu_with_a_compute_port_of_its_grace_whatever_the_order() -> None:
+    topo = fixture("gb200.json")
+    rdma = sorted(topo.rdma, key=lambda r: r.link_layer != "Ethernet")  # BlueField first
+    odd = dataclasses.replace(topo, rdma=rdma, _cache={})
+    assert {g: ps[0].nic.name for g, ps in gpu_nics(odd).items()} == {
+        0: "mlx5_0", 1: "mlx5_1", 2: "mlx5_2", 3: "mlx5_3"}
+
+
+def test_gb200_interrupts_go_to_their_graces_cpus(tmp_path: Path) -> None:
+    topo = fixture("gb200-hbm-numa.json")
+    build(tmp_path, topo)
+    ctx = IrqContext(online=frozenset(topo.cpus), held={}, housekeeping=frozenset(),
+                     gpus=[(g.index, g.pci_bus_id) for g in topo.gpus])
+    t = IrqTuner(tmp_path / "proc", tmp_path / "sys", tmp_path / "etc", lambda: ctx)
+    changes = t.plan(IrqSection(devices=("mlx5_*", "gpu")))
+    grace1 = {"mlx5_2", "mlx5_3", "gpu2", "gpu3"}
+    assert {c.key.split(":")[1] for c in changes} >= grace1 | {"mlx5_0", "gpu0"}
+    for c in changes:
+        want = "72-143" if c.key.split(":")[1] in grace1 else "0-71"
+        assert parse_cpulist(c.desired or "") == parse_cpulist(want), c.key
+
+
+def test_topology_text_names_cpuless_nodes_and_whose_memory_they_hold() -> None:
+    import json
+
+    from tunerd.topology.render import render
+
+    text = render(json.loads((TOPOLOGIES / "gb200-hbm-numa.json").read_text()))
+    for node, gpu in ((2, 0), (10, 1), (18, 2), (26, 3)):
+        assert f"NUMA node {node}: GPU{gpu} memory, no CPUs" in text
+    assert "NUMA nodes 3-9,11-17,19-25,27-33: no CPUs, no memory" in text
+    assert "NUMA node 0: CPUs 0-71 (72)" in text
