@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_ctl, write_policy
+from tests.helpers import run_ctl, wait_for, write_policy
 from tests.iotree import build
 from tests.launcher_helpers import spawn_rank
 from tests.leases_helpers import kill_tree
@@ -125,7 +125,10 @@ def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_facto
     for r in range(4):
         env = {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4"}
         agent, pid = spawn_rank(["sleep", "30"], env)
-        try:
+        try:  # the rank as it runs (past the launcher's fork, exec'd)
+            comm = Path(f"/proc/{pid}/comm")
+            wait_for(lambda c=comm: c.read_text().strip() == "sleep", 10,  # type: ignore[misc]
+                     "the rank's exec")
             ctx = intake.describe(pid)
             assert ctx.role == "rank" and ctx.gpus == (r,), (ctx.why, ctx.gpus)
             p = placer.place(request(ctx, gpu_ids=ctx.gpus, ignore_busy_gpus=True))
@@ -197,3 +200,17 @@ def test_topology_text_names_cpuless_nodes_and_whose_memory_they_hold() -> None:
         assert f"NUMA node {node}: GPU{gpu} memory, no CPUs" in text
     assert "NUMA nodes 3-9,11-17,19-25,27-33: no CPUs, no memory" in text
     assert "NUMA node 0: CPUs 0-71 (72)" in text
+
+
+def test_advise_on_grace_says_binding_was_not_measured_to_pay() -> None:
+    from tunerd.diagnose.advise import advise
+
+    job = {"pid": 7, "name": "train", "cpus": "0-35", "mems": "0", "gpus": [0]}
+    found = {f.id: f for f in advise({**job, "arch": "aarch64"}, {})}
+    f = found["grace-binding-unmeasured"]
+    assert f.severity == "info" and "tunerctl bench" in f.fix
+    assert "grace-binding-unmeasured" not in {x.id for x in advise({**job, "arch": "x86_64"}, {})}
+    assert "grace-binding-unmeasured" not in {
+        x.id for x in advise({**job, "arch": "aarch64", "binding_measured": True}, {})}
+    assert "grace-binding-unmeasured" not in {
+        x.id for x in advise({**job, "arch": "aarch64", "gpus": []}, {})}
