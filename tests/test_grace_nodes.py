@@ -94,6 +94,13 @@ def test_no_rank_gets_cpus_or_memory_on_a_cpuless_node(name: str) -> None:
             placer.reserve(Reservation(key=f"rule:{ctx.pid}", holder="t", gpus=p.gpus,
                                        cpus=p.cpus, group=f"j{g.index}"))
     assert all(not (s.mems & cpuless) for s in node_map(topo).slices.values())
+    for mode in ("node", "socket", "exclusive", "core-complex"):  # every placement mode
+        for g in [*(g.index for g in topo.gpus), None]:
+            ask = request(_rank(7, g or 0), gpus=0, mode=mode, ignore_busy_gpus=True) \
+                if g is None else request(_rank(7, g), gpu_ids=(g,), mode=mode,
+                                          ignore_busy_gpus=True)
+            p = _placer(topo).place(ask)
+            assert p.cpus and p.mems and not p.mems & cpuless, (mode, g, p.explanation)
 
 
 def test_a_gpus_node_comes_from_its_pci_device_not_nvmls_numa_id(tmp_path: Path) -> None:
@@ -214,3 +221,28 @@ def test_advise_on_grace_says_binding_was_not_measured_to_pay() -> None:
         x.id for x in advise({**job, "arch": "aarch64", "binding_measured": True}, {})}
     assert "grace-binding-unmeasured" not in {
         x.id for x in advise({**job, "arch": "aarch64", "gpus": []}, {})}
+
+
+def test_a_ranks_memory_goes_to_its_gpus_memory_node_only_if_a_policy_asks(
+        tmp_path: Path) -> None:
+    from tunerd.policy import load_policy_dir
+    from tunerd.policy.model import NodeFacts
+    from tunerd.topology.nodemap import rank_mems
+    from tunerd.watch.rules import JobRule
+
+    topo = fixture("gb200-hbm-numa.json")
+    grace0 = frozenset({0})
+    assert rank_mems(topo, grace0, (1,)) == grace0  # the default: its CPUs' node
+    assert rank_mems(topo, grace0, (1,), gpu_memory=True) == {0, 10}
+    assert rank_mems(fixture("gb200.json"), grace0, (1,), gpu_memory=True) == grace0  # CDMM
+    assert rank_mems(fixture("dgx-h100.json"), grace0, (1,), gpu_memory=True) == grace0
+    write_policy(tmp_path, "10-hbm.toml", '[policy]\nname = "hbm"\n\n[[job]]\n'
+                 'name = "offload"\nmatch.rank = true\ngpu_memory = true\n')
+    p = load_policy_dir(tmp_path, NodeFacts("gb200-01", ("NVIDIA GB200",) * 4))
+    assert [JobRule.from_policy(j).gpu_memory for j in p.model.jobs] == [True]
+    write_policy(tmp_path, "10-hbm.toml", '[policy]\nname = "hbm"\n\n[[job]]\n'
+                 'name = "offload"\ngpu_memory = "yes"\n')
+    from tunerd.base.errors import PolicyError
+
+    with pytest.raises(PolicyError, match=r"10-hbm.toml: job\[0\]\.gpu_memory: expected true"):
+        load_policy_dir(tmp_path, NodeFacts("gb200-01", ("NVIDIA GB200",) * 4))

@@ -194,6 +194,9 @@ JOB = Table({
                            max_len=1024),
     "workers": Int(0, 1024, description="DataLoader worker processes per rank; placement "
                                         "gives the rank room for them"),
+    "gpu_memory": Bool(description="also bind the rank's memory to its GPUs' memory NUMA "
+                                   "nodes (Grace with GPU memory onlined); default: the "
+                                   "node of its CPUs only"),
     "torch": TORCH,
 }, required=("name",))
 

@@ -170,6 +170,7 @@ class JobSpec:
     exclusive: bool = False
     exclusive_scope: str | None = None  # "cgroup:/PATH" | "pid:N"
     workers: int | None = None  # DataLoader worker processes per rank (placement room)
+    gpu_memory: bool = False  # memory also on the GPUs' own (CPU-less) NUMA nodes
     torch: TorchSettings = TorchSettings()
 
 
@@ -231,6 +232,7 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         exclusive=raw.get("exclusive", False),
         exclusive_scope=raw.get("exclusive_scope"),
         workers=raw.get("workers"),
+        gpu_memory=bool(raw.get("gpu_memory", False)),
         torch=TorchSettings(**raw.get("torch", {})),
     )
 

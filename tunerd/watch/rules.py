@@ -74,6 +74,7 @@ class JobRule:
     exclusive_scope: str | None = None
     uids: frozenset[int] = field(default=frozenset(), compare=False)
     workers: int | None = None  # DataLoader workers per rank: placement room
+    gpu_memory: bool = False  # memory also on the GPUs' own (CPU-less) NUMA nodes
     # what tunerd.torch applies in the processes this rule bound
     torch: TorchSettings = field(default_factory=TorchSettings)
 
@@ -94,7 +95,7 @@ class JobRule:
             name=spec.name, cmdline=spec.cmdline, env=env, users=spec.users, rank=spec.rank,
             placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
             exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
-            workers=spec.workers, torch=spec.torch,
+            workers=spec.workers, gpu_memory=spec.gpu_memory, torch=spec.torch,
             uids=frozenset(uids),
         )
 
