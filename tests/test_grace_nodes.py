@@ -157,6 +157,25 @@ def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_facto
         out = run_ctl("--socket", str(d.socket), "env", "--local-rank", str(r), env=clean)
         assert out.rc == 0, out.err
         assert f"export NCCL_IB_HCA==mlx5_{r}:1" in out.out, out.out
+    text = run_ctl("--socket", str(d.socket), "topology").out  # the CLI, from the daemon
+    assert "NUMA node 2: GPU0 memory, no CPUs" in text and "GPU3  108-143" in text, text
+
+
+@pytest.mark.parametrize("name", ["gb200.json", "gb200-hbm-numa.json"])
+@pytest.mark.parametrize("jobs", [[[(0,)], [(1,)], [(2,)], [(3,)]], [[(0,), (1,)], [(2,), (3,)]],
+                                  [[(0,)], [(1,), (2,)], [(3,)]]])
+def test_several_jobs_on_a_gb200_tray_share_no_cpu(name: str,
+                                                   jobs: list[list[tuple[int, ...]]]) -> None:
+    from tests.test_node_map import _no_core_shared_between_jobs, _run_jobs
+
+    topo = fixture(name)
+    got = _run_jobs(topo, jobs)
+    _no_core_shared_between_jobs(got)
+    m = node_map(topo)
+    for key, cpus in got.items():
+        j = int(key.split(":")[1].split(".")[0]) - 1000
+        for gpus, c in zip(jobs[j], cpus, strict=True):
+            assert c <= m.slice_cpus(gpus), (key, gpus, sorted(c))
 
 
 def test_dgx_b200_gpus_pair_with_their_switchs_cx7_never_a_bluefield() -> None:
