@@ -119,6 +119,26 @@ def test_a_gpus_node_comes_from_its_pci_device_not_nvmls_numa_id(tmp_path: Path)
         "0-35", "36-71", "72-107", "108-143"]
 
 
+def test_a_gpu_whose_pci_node_is_its_memory_node_gets_its_graces_cpus(tmp_path: Path) -> None:
+    """Firmware that gives the GPU's PCI function its memory node (2, a node without
+    CPUs, and so an empty local_cpulist): that node is its memory, its CPUs' node is the
+    Grace its CPU affinity says (NVML), and its NIC is that Grace's."""
+    rec = fixture("gb200-hbm-numa.json")
+    mem_node = Topology(**{**{f.name: getattr(rec, f.name)
+                              for f in dataclasses.fields(rec) if f.name != "_cache"},
+                           "gpus": [dataclasses.replace(g, numa_node=g.memory_numa_nodes[0],
+                                                        local_cpus=frozenset())
+                                    for g in rec.gpus]})
+    sysd, procd = render_sysfs(mem_node, tmp_path)
+    with nvml.use_backend(ReplayNvml(rec)):
+        got = read_system(sysd, procd)
+    assert [(g.numa_node, g.memory_numa_nodes) for g in got.gpus] == [
+        (0, (2,)), (0, (10,)), (1, (18,)), (1, (26,))]
+    m = node_map(got)
+    assert [(format_cpulist(m.slices[i].cpus), m.slices[i].nics) for i in (0, 3)] == [
+        ("0-35", ("mlx5_0:1",)), ("108-143", ("mlx5_3:1",))]
+
+
 def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_factory,
                                                                     tmp_path: Path) -> None:
     """Real rank processes (LOCAL_RANK under a torchrun agent) described from /proc on
