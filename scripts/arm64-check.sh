@@ -62,10 +62,14 @@ chmod 700 "$ROOT$D"
 ln -s "$ROOT$D" "$D"
 cp policies/*.toml "$ROOT$D/policies/"
 cp tests/fixtures/topologies/gb200-hbm-numa.json "$ROOT$D/"
-run -m tunerd.daemon.main --policy-dir "$D/policies" --runtime-dir "$D/run" \
-    --state-dir "$D/state" --metrics-listen off --dry-run --scope-pid $$ \
+# started directly (not through run(): $! must be qemu's own pid, to stop it below)
+PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$here:$WORK/site" \
+    qemu-aarch64 -L "$ROOT" "$ROOT/usr/bin/python3" -m tunerd.daemon.main \
+    --policy-dir "$D/policies" --runtime-dir "$D/run" --state-dir "$D/state" \
+    --metrics-listen off --dry-run --scope-pid $$ \
     --topology "$D/gb200-hbm-numa.json" >"$WORK/daemon.log" 2>&1 &
 pid=$!
+trap 'kill "$pid" 2>/dev/null || true; rm -f "$D"' EXIT
 i=0
 while [ ! -S "$D/run/tunerd.sock" ] && [ $i -lt 120 ]; do sleep 1; i=$((i + 1)); done
 ctl() { PYTHONPATH="$here" "$PY" -m tunerd.cli.main --socket "$D/run/tunerd.sock" "$@"; }
@@ -75,5 +79,5 @@ ctl topology | grep -E '^NUMA node|^  GPU[0-3]  [0-9]' || rc=1
 ctl policy show | grep -E 'governor|transparent_hugepage' || rc=1
 kill "$pid"
 wait "$pid" 2>/dev/null || true
-rm -f "$D"
+pgrep -f "runtime-dir $D/run" >/dev/null && echo "arm64-check.sh: the daemon did not stop" >&2
 exit $rc
