@@ -88,7 +88,7 @@ def test_policy_check_cli_exit_codes_and_json(tmp_path: Path) -> None:
     ok = run_ctl("policy", "check", str(REPO / "policies"))
     assert ok.rc == 0, ok.out + ok.err
     lines = ok.out.splitlines()
-    assert len(lines) == 4 and all(ln.startswith("ok   ") for ln in lines)
+    assert len(lines) == 6 and all(ln.startswith("ok   ") for ln in lines)
     assert any("00-h100-training.toml" in ln for ln in lines)
 
     good = write_policy(tmp_path, "good.toml", GOOD)
@@ -150,7 +150,8 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert show["policy"]["names"] == ["base", "default", "h100-training"]
     assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
     assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
-    assert [Path(s["file"]).name for s in show["skipped"]] == ["00-pcie-gpu.toml"]
+    assert [Path(s["file"]).name for s in show["skipped"]] == [
+        "00-grace-blackwell.toml", "00-hgx-training.toml", "00-pcie-gpu.toml"]
 
 
 H100_ONLY = ('[policy]\nname = "h100"\n[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'

@@ -72,6 +72,7 @@ from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
+from tunerd.topology.nodemap import rank_mems
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
@@ -683,7 +684,8 @@ class AutoBinder:
                      "elapsed_ms": round(out.elapsed_ms, 3)}
         assert rb.bound_at is not None
         notes = list(out.notes)
-        mems = self.placer.bindable_mems(placed.mems)
+        mems = self.placer.bindable_mems(rank_mems(self.placer.topo, placed.mems,
+                                                   placed.gpus, m.rule.gpu_memory))
         if mems:
             res2 = await self.pipeline.bind(BindRequest(
                 pid, self.peer, BindSource.RULE, placement=Placement(cpus=None, mems=mems),
