@@ -139,8 +139,8 @@ def test_a_gpu_whose_pci_node_is_its_memory_node_gets_its_graces_cpus(tmp_path: 
         ("0-35", ("mlx5_0:1",)), ("108-143", ("mlx5_3:1",))]
 
 
-def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_factory,
-                                                                    tmp_path: Path) -> None:
+def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(
+        daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real rank processes (LOCAL_RANK under a torchrun agent) described from /proc on
     the replayed tray and placed as the rule does (records only: these CPUs are not
     here); the replay daemon names each rank's NIC."""
@@ -172,7 +172,10 @@ def test_torchrun_4_ranks_on_a_gb200_tray_split_over_the_two_graces(daemon_facto
     write_policy(pdir, "00-nic.toml", '[policy]\nname = "nic"\n\n[nccl]\nper_rank_nic = true\n')
     d = daemon_factory(policy_dir=pdir, args=["--topology", str(TOPOLOGIES / "gb200-hbm-numa.json")]
                        ).start()
-    clean = {k: "" for k in ("CUDA_VISIBLE_DEVICES", "NCCL_IB_HCA", "UCX_NET_DEVICES")}
+    # an empty CUDA_VISIBLE_DEVICES hides every GPU (exit 2): the variable is removed
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        monkeypatch.delenv(var, raising=False)
+    clean = {k: "" for k in ("NCCL_IB_HCA", "UCX_NET_DEVICES")}
     for r in range(4):
         out = run_ctl("--socket", str(d.socket), "env", "--local-rank", str(r), env=clean)
         assert out.rc == 0, out.err

@@ -317,7 +317,8 @@ def test_check_keeps_the_other_files_notes_when_one_fails(tmp_path: Path) -> Non
     assert "applies" not in rows["50-bad.toml"]
     assert {n: r["applies"] for n, r in rows.items() if n != "50-bad.toml"} == {
         "00-base.toml": True, "00-default.toml": True, "00-h100-training.toml": True,
-        "00-pcie-gpu.toml": False}
+        "00-pcie-gpu.toml": False, "00-grace-blackwell.toml": False,
+        "00-hgx-training.toml": False}
     assert rows["00-pcie-gpu.toml"]["reason"]
     from tunerd.cli.cmd_policy import _human_check
 
