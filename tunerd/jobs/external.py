@@ -69,7 +69,7 @@ class ExternalHolds:
                 del self.state[key]
                 dropped += 1
                 continue
-            self.placer.reserve(res)
+            self.placer.hold_external(res)
             held += 1
         if dropped:
             self.save()
@@ -89,7 +89,7 @@ class ExternalHolds:
             return None  # gone already
         self.state[str(ctx.pid)] = _to_json(res)
         self.save()
-        old = self.placer.reserve(res)
+        old = self.placer.hold_external(res)
         if old is None or old.cpus != res.cpus:
             log.info("pid %d held as an external owner of CPU %s (%s)", ctx.pid,
                      format_cpulist(res.cpus), res.holder)

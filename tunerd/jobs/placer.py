@@ -275,6 +275,14 @@ class Placer:
             self._res_external += res.key.kind is ReservationKind.EXTERNAL
             return old
 
+    def hold_external(self, res: Reservation) -> Reservation | None:
+        """Note an outside owner's CPUs in the ledger (a process that pinned itself:
+        tunerd binds nothing of it, so this is no bind and needs no pipeline); only
+        holds of kind EXTERNAL are taken here."""
+        if res.key.kind is not ReservationKind.EXTERNAL:
+            raise ValueError(f"hold_external: {res.key} is not an external hold")
+        return self.reserve(res)
+
     def release(self, key: ReservationKey | str) -> Reservation | None:
         """Give up the reservation ``key`` (its text form, "lease:L3", is read too)."""
         if isinstance(key, str):
