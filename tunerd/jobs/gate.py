@@ -35,6 +35,7 @@ from typing import Protocol
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errors import PermissionDenied
 from tunerd.jobs.peer import Peer
+from tunerd.jobs.placement import is_exclusive
 
 __all__ = [
     "EXCLUSIVE_DENIED",
@@ -170,7 +171,7 @@ class RuleReach(Protocol):
 
 def rule_reaches_beyond(rule: RuleReach) -> bool:
     """Whether a rule moves or reserves more than the process it matched."""
-    return bool(rule.exclusive or rule.placement == "exclusive" or rule.exclusive_scope)
+    return is_exclusive(rule.exclusive, rule.placement) or bool(rule.exclusive_scope)
 
 
 def rule_reach_refused(rule: RuleReach, uid: int | None) -> str | None:

@@ -46,7 +46,7 @@ from tunerd.jobs.gate import ReservationGate, rule_reach_refused
 from tunerd.jobs.intake import Intake, JobContext, bounded_int, request
 from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.peer import Peer, require_owner
-from tunerd.jobs.placement import Placement
+from tunerd.jobs.placement import Placement, is_exclusive
 from tunerd.jobs.placer import (
     Placer,
     PlaceRequest,
@@ -472,7 +472,7 @@ class BindPipeline:
             self._reserve(run, Reservation(
                 key=key, holder=f"pid {req.pid} (rule {m.rule.name})", gpus=placed.gpus,
                 cpus=placed.cpus or frozenset(), pid=req.pid, group=run.group,
-                exclusive=m.rule.exclusive or m.rule.placement == "exclusive",
+                exclusive=is_exclusive(m.rule.exclusive, m.rule.placement),
                 job=ctx.job_key, uid=m.uid))
         if not placed.applicable:
             run.key = None  # held all the same: the ledger of a replayed node
@@ -667,7 +667,7 @@ class BindPipeline:
         self.placer.reserve(Reservation(
             key=ReservationKey.rule(ctx.pid), holder=f"pid {ctx.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), pid=ctx.pid, group=group,
-            exclusive=m.rule.exclusive or m.rule.placement == "exclusive",
+            exclusive=is_exclusive(m.rule.exclusive, m.rule.placement),
             job=ctx.job_key, uid=m.uid))
 
     def forget_rule_hold(self, pid: int) -> None:
@@ -741,7 +741,7 @@ def rule_request(m: RuleMatch, ctx: JobContext, group: str) -> PlaceRequest:
     return request(
         ctx, gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
         gpu_ids=gpu_ids or None, mode=rule.placement,
-        exclusive=rule.exclusive or rule.placement == "exclusive",
+        exclusive=is_exclusive(rule.exclusive, rule.placement),
         workers=rule_workers(m), group=group, ignore_busy_gpus=bool(gpu_ids), what=what)
 
 
