@@ -82,6 +82,13 @@ fi
 sys.exit(not (u.find_spec("deepspeed") and u.find_spec("accelerate")))' 2>/dev/null \
     || DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation deepspeed==0.19.8 \
         accelerate==1.16.0
+# the real Lightning and Ray Train launchers for tests/test_launchers_lightning_ray.py
+# (~26 s into a fresh venv that has torch, ~560 MB; ray[train]: Ray Train imports pandas,
+# pyarrow, fsspec and requests at import). Both are pure CPU wheels; lightning reuses torch.
+.venv/bin/python -c 'import importlib.util as u, sys
+sys.exit(not (u.find_spec("lightning") and u.find_spec("ray") and u.find_spec("pyarrow")))' \
+    2>/dev/null \
+    || .venv/bin/pip install -q lightning==2.6.6 'ray[train]==2.60.0'
 # the GPU check's offline wheels (.whl/, git-ignored, ~5 MB, a few seconds): its test then
 # installs and runs scripts/gpu-check.sh on a bare python3 from them, as on a GPU node
 [ -d .whl ] || sh scripts/gpu-check.sh --prepare >/dev/null \

@@ -124,6 +124,11 @@ class TelemetryReplay:
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
         return [SimpleNamespace(**p) for p in self._g(h)["processes"]]
 
+    # graphics processes (an X server's): the versioned name, as drivers since 2022 have
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=None) for pid in self._g(h)
+                .get("graphics_pids", [])]
+
     def nvmlEventSetCreate(self) -> str:
         return "event-set"
 

@@ -10,7 +10,8 @@ that may import its own modules and the layers its row names. Checked here:
 4. no import cycles between modules;
 5. `tunerctl bind`'s start-up path imports only a short list at module level;
 6. only tunerd/jobs/actuate.py writes to other processes;
-7. tunerd/jobs/ is typed: no function over 60 lines, no Any.
+7. tunerd/jobs/ is typed: no function over 60 lines, no Any;
+8. the composition root (daemon/wiring.py) only wires: short functions, none nested.
 
 The graph is read from the source with ast, so a new import that breaks a rule
 fails this test whether or not the code path runs.
@@ -587,3 +588,44 @@ def test_what_is_typed_passes(allowed: str) -> None:
     assert untyped({"tunerd/jobs/registry.py": allowed}) == []
     # outside tunerd/jobs/ the rule does not apply
     assert untyped({"tunerd/daemon/app.py": LONG + "from typing import Any\n"}) == []
+
+
+# -- rule 8: the composition root only wires ------------------------------------------
+ROOT = "tunerd/daemon/wiring.py"
+
+
+def wiring_faults(sources: dict[str, str]) -> list[str]:
+    """Rule 8 over ``sources``: every function of the composition root at most
+    MAX_FUNCTION_LINES lines, and none nested in another (a callback a service is
+    given is a named method, not a closure over ``_build``'s locals)."""
+    text = sources.get(ROOT)
+    if text is None:
+        return [f"{ROOT} is missing"]
+    out = []
+    tree = ast.parse(text, filename=ROOT)
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(tree):
+        if not isinstance(node, funcs):
+            continue
+        n = (node.end_lineno or node.lineno) - node.lineno + 1
+        if n > MAX_FUNCTION_LINES:
+            out.append(f"{ROOT}:{node.lineno}: {node.name} is {n} lines (docs/layers.md, "
+                       f"rule 8: at most {MAX_FUNCTION_LINES})")
+        for inner in ast.walk(node):
+            if inner is not node and isinstance(inner, (*funcs, ast.Lambda)):
+                out.append(f"{ROOT}:{inner.lineno}: a function nested in {node.name} "
+                           "(docs/layers.md, rule 8: a named method instead)")
+    return out
+
+
+def test_the_composition_root_only_wires() -> None:
+    assert wiring_faults(SOURCES) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "def _build(cfg: int) -> int:\n    def cb() -> int:\n        return cfg\n    return cb()\n",
+    "def _build(cfg: int) -> object:\n    return lambda: cfg\n",
+    "def _build(cfg: int) -> int:\n" + "    cfg += 1\n" * 60 + "    return cfg\n",
+])
+def test_a_nested_or_long_function_in_the_root_is_caught(planted: str) -> None:
+    assert wiring_faults({ROOT: planted}), planted

@@ -384,6 +384,17 @@ def test_gpu_sampler_on_replayed_telemetry(nvml_backend: None) -> None:
         {"gpu": 0, "pid": 4242, "used_memory_bytes": 70866960384.0},
         {"gpu": 1, "pid": 4243, "used_memory_bytes": 39728447488.0},
         {"gpu": 1, "pid": 4244, "used_memory_bytes": None}]
+    assert s["graphics_processes"] == []  # the recording lists none
+
+
+def test_graphics_processes_are_gpu_users_too(nvml_backend: None) -> None:
+    """The GPU sample keeps NVML's graphics-process lists beside the compute ones: the
+    GPU-use service (tunerd.jobs.gpuuse) takes both as evidence of GPU use."""
+    replay = TelemetryReplay()
+    replay.gpus[1]["graphics_pids"] = [5151]
+    nvml.set_backend(replay)
+    s = GpuSampler().sample()
+    assert s["graphics_processes"] == [[1, 5151]]
 
 
 @pytest.mark.parametrize("args, why", [

@@ -4,6 +4,7 @@ file under the runtime dir, from a real daemon (its /etc is a temp dir)."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -53,6 +54,12 @@ def test_tunerctl_env_prints_exports_a_shell_can_eval(daemon: NsDaemonProc) -> N
     assert stat.S_IMODE(conf.stat().st_mode) == 0o644
     lines = [ln for ln in conf.read_text().splitlines() if not ln.startswith("#")]
     assert lines == ["NCCL_BUFFSIZE=8388608", "NCCL_IB_DISABLE=1", "NCCL_SOCKET_IFNAME==ens1f0"]
+    # a rank on this node (GPU-less here, or with GPUs): the settings, exit 0
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run([sys.executable, "-m", "tunerd.cli.main", "--socket", str(daemon.socket),
+                        "env", "--local-rank", "0"], capture_output=True, text=True, cwd=REPO,
+                       timeout=60, env=env)
+    assert r.returncode == 0 and "export NCCL_IB_DISABLE=1\n" in r.stdout, r.stderr
 
 
 def test_torch_helper_exports_only_what_the_job_did_not_set(daemon: NsDaemonProc) -> None:

@@ -13,6 +13,7 @@ from tunerd.policy.typed import (
     BlockRule,
     CpuSection,
     GpuSection,
+    GpuUseSpec,
     JobSpec,
     LeasePolicy,
     Limits,
@@ -75,6 +76,7 @@ gpus = 2
 nofile = 2048
 exclusive = true
 exclusive_scope = "pid:1"
+gpu_use = { enabled = true, user = ["alice"], cmdline = ["*bench*"], env = { TEAM = "a*" } }
 [job.torch]
 persistent_workers = false
 prefetch_factor = 4
@@ -102,16 +104,18 @@ def test_every_section_typed(tmp_path: Path) -> None:
     assert m.apply_once == ("nic:*:mtu",)
     assert m.leases == LeasePolicy(user_exclusive=True, max_per_user=64, alloc_ttl=0)
     torch_rule, pinned = m.jobs
-    # the site file changed the bundled rule by name: match and placement stay base's
+    # the site file changed the bundled rule by name: match, placement, gpu_use stay base's
     assert torch_rule == JobSpec(
         name="torch-training", rank=True, placement="gpu-local", nofile=1048576, workers=8,
-        torch=TorchSettings(num_workers=8, pin_memory=True, amp="bf16"))
+        torch=TorchSettings(num_workers=8, pin_memory=True, amp="bf16"),
+        gpu_use=GpuUseSpec())
     assert pinned == JobSpec(
         name="pinned", cmdline=("*bench*",), env={"RANK": "[0-3]", "LOCAL_RANK": "*"},
         users=("root", "1234"), placement="exclusive", cpus=frozenset({4, 5, 6}), gpus=2,
         nofile=2048, exclusive=True, exclusive_scope="pid:1",
         torch=TorchSettings(persistent_workers=False, prefetch_factor=4, amp="off",
-                            compile=True))
+                            compile=True),
+        gpu_use=GpuUseSpec(cmdline=("*bench*",), env={"TEAM": "a*"}, users=("alice",)))
     # the wire form of a rule's torch table (the `report` reply): only keys that are set
     assert pinned.torch.to_dict() == {"persistent_workers": False, "prefetch_factor": 4,
                                       "amp": "off", "compile": True}

@@ -9,7 +9,9 @@ the user's own.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from tests.leases_helpers import (
 )
 from tests.security_helpers import ctl_as, spawn_as
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
-from tunerd.jobs.gate import LeaseLimits, ReservationGate
+from tunerd.jobs.gate import LeaseLimits, ReservationGate, device_gpus
 
 pytestmark = pytest.mark.root
 
@@ -149,3 +151,85 @@ def test_user_nofile_is_capped_at_the_hard_limit_or_the_policy(
         assert gate.cap_nofile(0, s.pid, 1 << 30, []) == 1 << 30  # root: as asked
     finally:
         kill(s)
+
+
+# holds an O_PATH handle on each node named (no permission on the node needed), then sleeps
+O_PATH_HOLDER = r"""
+import os, sys, time
+held = [os.open(p, os.O_PATH) for p in sys.argv[1:]]
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def _nvidia_nodes(tmp: Path, n: int = 8) -> list[Path]:
+    """Real character devices of major 195 (``/dev/nvidiaN``), root's, 0600: no other
+    user may open them for reading or writing."""
+    dev = tmp / "dev"
+    dev.mkdir()
+    nodes = [dev / f"nvidia{i}" for i in range(n)]
+    for i, node in enumerate(nodes):
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(195, i))
+    return nodes
+
+
+def test_o_path_handles_on_gpu_nodes_claim_no_gpu(daemon_factory, tmp_path: Path,
+                                                  unpriv_user: tuple[int, int]) -> None:
+    """Issue 34 item 4: a user who cannot open the GPUs holds an O_PATH fd on each of the
+    8 device nodes in 8 rule-matched fakes; root's `alloc --gpus 8` still gets all 8, and
+    the gate's look at her processes proves no GPU (it claimed all 8 before)."""
+    nodes = _nvidia_nodes(tmp_path)
+    script = tmp_path / f"o_path_fake_{os.getpid()}.py"
+    script.write_text(O_PATH_HOLDER)
+    script.chmod(0o644)
+    open_path_for_others(tmp_path)
+    pol = tmp_path / "pol"
+    write_policy(pol, "00.toml", f'[policy]\nname = "t"\n[[job]]\nname = "fake"\n'
+                                 f'match.cmdline = ["*{script.name}*"]\n'
+                                 'match.env = { LOCAL_RANK = "*" }\n')
+    d = daemon_factory(policy_dir=pol, args=["--topology", str(DGX_H100)]).start()
+    fakes = [spawn_as(unpriv_user, [sys.executable, str(script), *map(str, nodes)],
+                      {"CUDA_VISIBLE_DEVICES": str(r), "LOCAL_RANK": "0"}) for r in range(8)]
+    try:
+        wait_for(lambda: len(autobind_status(d)["bound"]) == 8, 20, "the 8 fakes bound",
+                 detail=d.log)
+        wait_for(lambda: all(_fds(p.pid) >= 8 for p in fakes), 10, "each holds 8 handles")
+        for p in fakes:
+            assert device_gpus(p.pid) == frozenset(), p.pid
+        r = d.ctl("--json", "alloc", "--gpus", "8")
+        assert r.rc == 0, r.err
+        assert sorted(r.json()["gpus"]) == list(range(8))
+    finally:
+        for p in fakes:
+            kill(p)
+
+
+def _fds(pid: int) -> int:
+    try:
+        return sum(1 for f in os.listdir(f"/proc/{pid}/fd")
+                   if os.readlink(f"/proc/{pid}/fd/{f}").endswith(tuple(
+                       f"nvidia{i}" for i in range(8))))
+    except OSError:
+        return 0
+
+
+def test_only_reads_and_writes_the_process_may_make_prove_gpu_use(tmp_path: Path,
+                                                                   unpriv_user: tuple[int, int]
+                                                                   ) -> None:
+    """The rule the gate, alloc and GPU-use placement share: an fd open for reading or
+    writing counts, an O_PATH one never; and only on a node the process may open."""
+    from tunerd.adapters.procfs import Creds, OpenDevice
+    from tunerd.jobs.gate import may_open
+
+    uid, gid = unpriv_user
+    her = Creds(uid, gid, frozenset())
+    node = (0o20660, 0, 44)  # crw-rw---- root:video, as /dev/nvidia0 on many nodes
+    rw = OpenDevice(3, os.makedev(195, 0), os.O_RDWR, *node)
+    assert may_open(rw, Creds(0, 0, frozenset()))
+    assert not may_open(rw, her)  # not in the group: a passed fd proves nothing
+    assert may_open(rw, Creds(uid, gid, frozenset({44})))
+    assert may_open(rw._replace(mode=0o20666), her)
+    assert not may_open(rw._replace(flags=os.O_PATH), Creds(0, 0, frozenset()))
+    assert not may_open(rw._replace(flags=os.O_PATH | os.O_RDWR), Creds(0, 0, frozenset()))
+    assert may_open(rw._replace(flags=os.O_RDONLY, mode=0o20664), her)
+    assert not may_open(rw._replace(flags=os.O_WRONLY, mode=0o20664), her)

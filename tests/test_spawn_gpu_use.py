@@ -42,8 +42,8 @@ held = []
 
 def rank(i, out):
     node = os.environ.get(f"TEST_NVIDIA_NODE_{i}")
-    if node:  # holds a /dev/nvidiaN open, as CUDA does (O_PATH: no driver needed here)
-        held.append(os.open(node, os.O_PATH))
+    if node:  # holds its GPU's device node open for reading and writing, as CUDA does
+        held.append(os.open(node, os.O_RDWR))
     # a DataLoader-style worker, forked before the rank is placed: it has the rank's
     # command line (spawn-marked), and must follow the rank, never be placed itself
     mp.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True).start()
@@ -108,11 +108,18 @@ def write_processes(path: Path, table: dict[int, list[int]]) -> None:
     tmp.replace(path)
 
 
+# the replayed GPUs' device nodes, as nodes that open without the NVIDIA driver (a real
+# major-195 node cannot be opened here) and that no other process holds open (not
+# /dev/null): GPU 0 as /dev/full's numbers, GPU 1 as /dev/random's
+TEST_NODES = ((1, 7), (1, 8))
+
+
 def _daemon(daemon_factory: Any, tmp: Path, snap: Path, token: str) -> tuple[DaemonProc, Path]:
     procs = tmp / "gpu-processes.json"
     write_processes(procs, {})
     cfg = tmp / "tunerd.toml"
-    cfg.write_text(f'debug_gpu_processes = "{procs}"\n')
+    nodes = ",".join(f"{a}:{b}" for a, b in TEST_NODES)
+    cfg.write_text(f'debug_gpu_processes = "{procs}"\ndebug_gpu_device_nodes = "{nodes}"\n')
     pdir = rule_policy(tmp / "policies", f'[[job]]\nname = "spawned"\n'
                                          f'match.cmdline = ["*spawn_parent_{token}*"]\n')
     d = daemon_factory(policy_dir=pdir, args=["--topology", str(snap), "--config", str(cfg)])
@@ -234,8 +241,8 @@ def test_mp_spawn_ranks_are_bound_near_the_gpu_each_opened(daemon_factory,
     snap, cpu0, cpu1 = snapshot_with_gpus_here(tmp_path / "snap.json")
     token = f"sh{os.getpid()}"
     d, procs = _daemon(daemon_factory, tmp_path, snap, token)
-    node = tmp_path / "nvidia0"  # the device node of GPU 0: major 195, minor 0
-    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
+    node = tmp_path / "nvidia0"  # the device node of GPU 0 (TEST_NODES)
+    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(*TEST_NODES[0]))
     parent, ranks = _spawn_job(tmp_path, token, env_extra={"TEST_NVIDIA_NODE_1": str(node)})
     stray = subprocess.Popen(["sleep", "120"])
     try:

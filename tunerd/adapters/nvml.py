@@ -298,6 +298,10 @@ class Device:
         """Compute processes on this GPU (``nvidia-smi --query-compute-apps=pid,used_memory``)."""
         return NA
 
+    def graphics_processes(self) -> NaOr[list[GpuProcess]]:
+        """Graphics processes on this GPU (``nvidia-smi`` lists them as type G)."""
+        return NA
+
     @property
     def minor_number(self) -> NaOr[int]:
         """The N of this GPU's ``/dev/nvidiaN`` (``--query-gpu=`` has none; ``nvidia-smi
@@ -656,6 +660,15 @@ class NvmlDevice(Device):
         plist = self._q("nvmlDeviceGetComputeRunningProcesses_v3",
                         "nvmlDeviceGetComputeRunningProcesses_v2",
                         "nvmlDeviceGetComputeRunningProcesses")
+        if plist is NA:
+            return NA
+        return [GpuProcess(int(p.pid), _int(getattr(p, "usedGpuMemory", None)))
+                for p in plist or []]
+
+    def graphics_processes(self) -> NaOr[list[GpuProcess]]:
+        plist = self._q("nvmlDeviceGetGraphicsRunningProcesses_v3",
+                        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+                        "nvmlDeviceGetGraphicsRunningProcesses")
         if plist is NA:
             return NA
         return [GpuProcess(int(p.pid), _int(getattr(p, "usedGpuMemory", None)))

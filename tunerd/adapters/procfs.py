@@ -38,6 +38,7 @@ import functools
 import os
 import re
 import resource
+import stat as _stat
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -46,12 +47,16 @@ from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdEr
 __all__ = [
     "ARG_READ_MAX",
     "CLK_TCK",
+    "O_ACCMODE",
+    "O_PATH",
     "PAGE_SIZE",
     "PF_KTHREAD",
     "PROC",
+    "Creds",
     "EnvPieces",
     "EnvironView",
     "IoCounters",
+    "OpenDevice",
     "Process",
     "Stat",
     "children_map",
@@ -61,6 +66,7 @@ __all__ = [
     "list_pids",
     "list_tids",
     "lock_holders",
+    "open_char_devices",
     "parse_io",
     "parse_limits_nofile",
     "parse_numa_maps",
@@ -71,6 +77,7 @@ __all__ = [
     "read_cmdline",
     "read_cmdline_prefix",
     "read_comm",
+    "read_creds",
     "read_environ",
     "read_environ_raw",
     "read_environ_view",
@@ -846,3 +853,96 @@ def in_initial_pid_namespace(proc: str = PROC) -> bool:
     """Whether we run in the host's own PID namespace (True when it cannot be read)."""
     ns = pid_namespace(proc)
     return ns is None or ns == PROC_PID_INIT_INO
+
+
+# -- open device nodes (GPU use proved from outside: tunerd.jobs.gate) ----------------
+O_PATH = 0o10000000  # include/uapi/asm-generic/fcntl.h: a handle that reads nothing
+O_ACCMODE = 0o3
+
+
+class OpenDevice(NamedTuple):
+    """One fd of a process on a character device of the major asked for."""
+
+    fd: int
+    rdev: int  # the device number (os.major / os.minor)
+    flags: int  # the open's flags as /proc/PID/fdinfo/FD says (octal there)
+    mode: int  # the device node's st_mode, uid and gid (its permissions)
+    uid: int
+    gid: int
+
+
+class Creds(NamedTuple):
+    """What the kernel checks an open against: fs uid, fs gid, supplementary groups."""
+
+    fsuid: int
+    fsgid: int
+    groups: frozenset[int]
+
+
+def open_char_devices(pid: int, majors: frozenset[int], proc: str = PROC,
+                      max_entries: int = 1024) -> tuple[list[OpenDevice], int, bool]:
+    """fds of ``pid`` on character devices of one of ``majors``: at most ``max_entries`` of its
+    fd table's entries are looked at (listed lazily, in the kernel's ascending order).
+    Returns (found, entries looked at, whether the table was cut there); an unreadable
+    or vanished process gives ([], 0, False)."""
+    found: list[OpenDevice] = []
+    seen = 0
+    try:
+        dfd = os.open(f"{proc}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return found, seen, False
+    try:  # names relative to the open directory: no path walk per fd
+        with os.scandir(dfd) as it:
+            for entry in it:
+                if seen >= max_entries:
+                    return found, seen, True
+                seen += 1
+                hit = _char_device(dfd, entry.name, majors)
+                if hit is not None:
+                    flags = _fd_flags(f"{proc}/{pid}/fdinfo/{entry.name}")
+                    if flags is not None:
+                        found.append(OpenDevice(int(entry.name), hit.st_rdev,
+                                                flags, hit.st_mode, hit.st_uid, hit.st_gid))
+    except OSError:
+        return found, seen, False
+    finally:
+        os.close(dfd)
+    return found, seen, False
+
+
+def _char_device(dfd: int, name: str, majors: frozenset[int]) -> os.stat_result | None:
+    try:
+        st = os.stat(name, dir_fd=dfd)
+    except OSError:
+        return None
+    if _stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:
+        return st
+    return None
+
+
+def _fd_flags(path: str) -> int | None:
+    """The ``flags:`` line of an fdinfo file (octal), or None."""
+    try:
+        raw = _read_once(path, 4096)
+    except OSError:
+        return None
+    i = raw.find(b"flags:")
+    if i < 0:
+        return None
+    field = raw[i + 6:raw.find(b"\n", i + 6)].strip()
+    try:
+        return int(field, 8)
+    except ValueError:
+        return None
+
+
+def read_creds(pid: int, proc: str = PROC) -> Creds | None:
+    """The fs uid/gid and supplementary groups of ``pid`` (/proc/PID/status), or None."""
+    try:
+        st = Process(pid, proc).status()
+        uid = int(st["Uid"].split()[3])
+        gid = int(st["Gid"].split()[3])
+        groups = frozenset(int(g) for g in st.get("Groups", "").split())
+    except (TunerdError, KeyError, IndexError, ValueError):
+        return None
+    return Creds(uid, gid, groups)

@@ -119,6 +119,13 @@ def _human_jobs(r: dict[str, Any]) -> str:
         out += ["", "taken as (by the daemon's intake):", *why]
     if alone:
         out += ["", "matched a rule but left alone:", *alone]
+    ext = r.get("external") or []
+    if ext:
+        erows = [("PID", "CPUS", "JOB", "PLACED BY")]
+        erows += [(str(x["pid"]), str(x.get("cpus") or "-"), str(x.get("job") or "-"),
+                   str(x.get("placed_by") or "-")) for x in ext]
+        out += ["", "external holders (ranks that pinned themselves; others avoid "
+                "their CPUs):", *_table(erows)]
     leases = r.get("leases") or []
     if leases:
         lrows = [("LEASE", "USER", "GPUS", "CPUS", "PID", "TAG", "EXCLUSIVE")]

@@ -57,6 +57,53 @@ def _env(result: dict[str, Any], uuids: bool) -> dict[str, str]:
     return env
 
 
+# launchers `run` may start, and the option that says how many ranks each starts here
+_RANK_COUNT = {"torchrun": ("--nproc-per-node", "--nproc_per_node"),
+               "torch.distributed.run": ("--nproc-per-node", "--nproc_per_node"),
+               "torch.distributed.launch": ("--nproc-per-node", "--nproc_per_node"),
+               "deepspeed": ("--num_gpus", "--num-gpus"),
+               "accelerate": ("--num_processes", "--num-processes"),
+               "mpirun": ("-np", "-n", "--np"), "mpiexec": ("-np", "-n", "--np")}
+
+
+def _launcher_ranks(argv: list[str]) -> tuple[str, int | None] | None:
+    """(launcher, ranks it starts on this node; None: not said as a number) when
+    ``argv`` is a launcher `run` knows (torchrun or ``python -m torch.distributed.run``,
+    deepspeed, accelerate, mpirun); None for anything else."""
+    name, rest = os.path.basename(argv[0]), argv[1:]
+    if name.startswith("python") and len(argv) > 2 and argv[1] == "-m":
+        name, rest = argv[2], argv[3:]
+    flags = _RANK_COUNT.get(name)
+    if flags is None:
+        return None
+    for i, arg in enumerate(rest):
+        key, eq, val = arg.partition("=")
+        if key in flags:
+            text = val if eq else (rest[i + 1] if i + 1 < len(rest) else "")
+            return name, int(text) if text.isdigit() and 0 < len(text) < 7 else None
+        if arg == "--" or arg.endswith(".py"):  # the training script: its options follow
+            break
+    return name, None
+
+
+def _rank_threads(env: dict[str, str], argv: list[str], ncpus: int) -> None:
+    """OMP_NUM_THREADS for the ranks a launcher will start, not for the whole lease.
+
+    The lease's share is per GPU; ``run -- torchrun --nproc-per-node N`` starts N ranks,
+    each bound to its part of the lease's CPUs (the bundled rule splits them), and
+    torchrun keeps an OMP_NUM_THREADS it finds: the lease's count would oversubscribe
+    every rank (issue 35 item 2). N said: the lease's CPUs // N (at least 1); not said
+    (``gpu``, ``auto``): left unset, to the launcher (torchrun then sets 1 per rank)."""
+    got = _launcher_ranks(argv) if argv else None
+    if got is None or "OMP_NUM_THREADS" not in env:
+        return
+    ranks = got[1]
+    if ranks is None:
+        del env["OMP_NUM_THREADS"]
+    else:
+        env["OMP_NUM_THREADS"] = str(max(1, ncpus // ranks))
+
+
 def _summary(r: dict[str, Any]) -> str:
     gpus = ",".join(str(g) for g in r["gpus"]) or "none"
     s = f"lease {r['id']}: GPUs {gpus}, CPUs {r['cpus']}, memory nodes {r['mems']}"
@@ -211,6 +258,7 @@ def run(gpus: int, ncpus: int | None, cpus: str | None, workers: int | None,
         nic_env = ctx.call("env", gpus=list(r["gpus"])).get("nic_env") or {}
     ctx.client().close()
     env = _env(r, uuids)
+    _rank_threads(env, argv, len(_parse_list(r["cpus"])) if r.get("cpus") else 0)
     # a value the job set itself is never overridden
     env.update({k: v for k, v in nic_env.items() if k not in os.environ and k not in env})
     os.environ.update(env)

@@ -7,6 +7,7 @@ from typing import Any
 
 from tunerd.base.cpulist import MAX_ID, CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.errors import UsageError
+from tunerd.base.jsontypes import JSONObject
 from tunerd.daemon.router import Request, Router
 from tunerd.daemon.visibility import ProcVisibility
 from tunerd.jobs.leases import LeaseService
@@ -38,11 +39,13 @@ class BindCommands:
     BindOutcome the reply (the binding itself is tunerd.jobs.pipeline's)."""
 
     def __init__(self, pipeline: BindPipeline, leases: LeaseService,
-                 left_alone: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 left_alone: Callable[[], list[dict[str, Any]]] = list,
+                 external: Callable[[], list[JSONObject]] = list) -> None:
         self.pipeline = pipeline
         self.jobs = pipeline.jobs
         self.leases = leases
         self._left_alone = left_alone
+        self._external = external  # self-pinned ranks held as outside owners of CPUs
         self.namespaces = PidNamespaces()  # a caller in its own PID namespace
 
     def register(self, router: Router) -> None:
@@ -70,7 +73,10 @@ class BindCommands:
         seen = ProcVisibility()  # hidepid: others' command lines stay hidden
         return {"jobs": seen.redact(req.peer, self.jobs.jobs()),
                 "leases": seen.redact(req.peer, self.leases.list_leases()),
-                "left_alone": seen.redact(req.peer, self._left_alone())}
+                "left_alone": seen.redact(req.peer, self._left_alone()),
+                "external": seen.redact(req.peer, [dict(x) for x in self._external()]),
+                # every CPU the ledger holds, by holder (the placer's held_cpus)
+                "held": self.pipeline.placer.held_listing()}
 
 
 def bind_reply(out: BindOutcome) -> dict[str, Any]:

@@ -48,7 +48,8 @@ def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
     return [f.to_dict() for f in found]
 
 
-def _self_affined(entry: dict[str, Any]) -> dict[str, Any]:
+def _self_affined(entry: dict[str, Any],
+                  more: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The advice for a rank a rule matched that set its own CPUs (numactl, taskset,
     torchrun --numa-binding): tunerd left it as it is, and says so."""
     pid = int(entry["pid"])
@@ -67,15 +68,19 @@ def _self_affined(entry: dict[str, Any]) -> dict[str, Any]:
                "rank near its GPU (and split the allocation between ranks), start it "
                "without numactl/taskset or --numa-binding.",
         "docs": []}
-    return {"pid": pid, "name": entry.get("comm"), "samples": 0, "findings": [finding]}
+    return {"pid": pid, "name": entry.get("comm"), "samples": 0,
+            "findings": [finding, *(more or [])]}
 
 
 class MonitorCommands:
     def __init__(self, monitor: Monitor,
                  settings_for: Callable[[int], dict[str, Any]] | None = None,
                  left_alone: Callable[[], list[dict[str, Any]]] = list,
-                 gpu_nics: Callable[[], dict[str, Any]] | None = None) -> None:
+                 gpu_nics: Callable[[], dict[str, Any]] | None = None,
+                 self_pinned: Callable[[int], list[dict[str, Any]]] | None = None) -> None:
         self.monitor = monitor
+        # a self-pinned rank's findings (outside its GPU's slice, remote memory)
+        self.self_pinned = self_pinned or (lambda pid: [])
         # each GPU's NIC as JSON (tunerd.topology.iopath.pairing_json): the nic-far rule
         self.gpu_nics = gpu_nics or (lambda: {})
         # processes a rule matched and left as they are (AutoBinder.left_alone_now)
@@ -136,7 +141,8 @@ class MonitorCommands:
             {**a, "uid": procfs.read_uid(a["pid"]), "comm": procfs.read_comm(a["pid"])}
             for a in self.left_alone() if a.get("self_affined")])}
         if pid is not None and pid not in latest and pid in own:
-            return {"jobs": [_self_affined(own[pid])], "interval": m.interval}
+            return {"jobs": [_self_affined(own[pid], self.self_pinned(pid))],
+                    "interval": m.interval}
         if pid is not None and pid not in latest:
             bound = ", ".join(str(p) for p in sorted(latest)) or "none"
             raise NoSuchProcess(f"process {pid} is not a bound job (bound jobs: {bound}); "
@@ -166,7 +172,8 @@ class MonitorCommands:
             out.append({"pid": p, "name": name,
                         "samples": len(cols.get("time", [])), "findings": findings})
         if pid is None:
-            out += [_self_affined(a) for p, a in sorted(own.items()) if p not in latest]
+            out += [_self_affined(a, self.self_pinned(p)) for p, a in sorted(own.items())
+                    if p not in latest]
         return {"jobs": out, "interval": m.interval}
 
     @staticmethod

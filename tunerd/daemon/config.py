@@ -7,6 +7,7 @@ the file and the key (or the flag) and the value it got.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -62,6 +63,9 @@ class DaemonConfig:
     # a JSON file {"<gpu index>": [pids]}: the replayed GPUs' compute processes, read
     # again when it changes (tests only, with --topology: tunerd.topology.nvml_replay)
     debug_gpu_processes: Path | None = None
+    # "MAJOR:MINOR,..." by GPU index: the replayed GPUs' device nodes, for nodes a test
+    # can open without the NVIDIA driver (tests only, with --topology: tunerd.jobs.gate)
+    debug_gpu_device_nodes: str | None = None
     # the kubelet's PodResources API: which GPUs and CPUs each pod got (tunerd.jobs.podresources)
     pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     # one daemon binds processes on a node: the node-wide claim every unscoped,
@@ -158,6 +162,21 @@ def _listen(v: Any) -> str:
     return v
 
 
+def _device_nodes(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"\d{1,4}:\d{1,7}(,\d{1,4}:\d{1,7}){0,63}", v):
+        raise _Bad(f"must be MAJOR:MINOR,... (one per GPU index), got {v!r}")
+    return v
+
+
+def device_nodes(text: str) -> dict[tuple[int, int], int]:
+    """``debug_gpu_device_nodes`` as (major, minor) -> GPU index."""
+    out: dict[tuple[int, int], int] = {}
+    for i, item in enumerate(text.split(",")):
+        major, minor = item.split(":")
+        out[(int(major), int(minor))] = i
+    return out
+
+
 # key -> (meaning shown by `tunerd --help`, check that returns the typed value)
 KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "policy_dir": ("directory of policy *.toml files (none there: the bundled default)",
@@ -201,6 +220,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "debug_gpu_processes": ("JSON {GPU: [pids]}: the replayed GPUs' processes "
                             "(tests, --topology)",
                             _abs_path),
+    "debug_gpu_device_nodes": ("MAJOR:MINOR,... by GPU index: replayed GPU device nodes "
+                               "(tests)", _device_nodes),
     "pod_resources_socket": ("the kubelet's PodResources gRPC socket (pod -> GPUs, CPUs)",
                              _abs_path),
     "node_lock": ("node-wide lock: one unscoped, non-dry-run tunerd per node",

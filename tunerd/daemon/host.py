@@ -27,6 +27,7 @@ from tunerd.policy import Policy
 from tunerd.policy.typed import PolicyModel
 from tunerd.tuners import SECTIONS, Change, SettingError, Tuner
 from tunerd.tuners.base import normalize
+from tunerd.tuners.irq import BALANCE_KEY, RewriteLimit
 
 log = logging.getLogger("tunerd.host")
 
@@ -73,6 +74,7 @@ class HostSettings:
         self.irq_reapplied = 0
         self._irq_written: dict[str, str] = {}
         self._irq_seen: set[str] = set()
+        self.irq_limit = RewriteLimit()  # each interrupt moved at most 4 times per 10 s
         self.irq_last_rewrite: dict[str, Any] | None = None
         self.irq_last_change: dict[str, Any] | None = None  # a new vector, a rank bound
         self._pending: set[asyncio.Task[Any]] = set()
@@ -372,6 +374,9 @@ class HostSettings:
             drift = [c for c in changes if c.needed and not self._once_done(c.key)]
             if not self.enforcing or not drift:
                 return {"changed": [], "errors": []}
+            drift = self._irq_limited(drift, seen)
+            if not drift:
+                return {"changed": [], "errors": []}
             rewritten = [c for c in drift if c.key in self._irq_written
                          and c.current != self._irq_written[c.key]]
             if rewritten:
@@ -400,6 +405,19 @@ class HostSettings:
             done = {x["key"] for x in result["changed"]}
             self.irq_reapplied += sum(1 for c in rewritten if c.key in done)
             return result
+
+    def _irq_limited(self, drift: list[Change], seen: set[str]) -> list[Change]:
+        """``drift`` within the rewrite rate limit (the rest waits: it stays drift)."""
+        self.irq_limit.forget(seen)
+        before = self.irq_limit.held_back
+        allowed = [c for c in drift if c.key == BALANCE_KEY or self.irq_limit.allow(c.key)]
+        now = self.irq_limit.held_back
+        if now > before and (before == 0 or now // 100 > before // 100):  # a few lines
+            log.warning("irq: %s moved more than %d times in %.0f s: held back (%d so far)",
+                        ", ".join(c.key for c in drift if c not in allowed),
+                        self.irq_limit.per_window, self.irq_limit.window,
+                        self.irq_limit.held_back)
+        return allowed
 
     def _irq_writer(self) -> str:
         """Who most likely moved a managed interrupt (read only when one was moved)."""
@@ -553,6 +571,7 @@ class HostSettings:
         managed = sorted(k for k in self._irq_seen if k.count(":") == 2
                          and k.split(":")[2].isdigit())
         return {"managed": len(managed), "reapplied_total": self.irq_reapplied,
+                "rate_limited_total": self.irq_limit.held_back,
                 "last_rewrite": self.irq_last_rewrite, "last_change": self.irq_last_change,
                 "not_placed": stuck,
                 "irqbalance": self._policy_model().irq.irqbalance}

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tunerd.base.cpulist import format_cpulist
+
 # Thresholds, with the reason for each number.
 GPU_IDLE_BELOW = 0.5  # a GPU busy less than half the time is waiting for something
 CPU_SATURATED_ABOVE = 0.9  # the job uses >90% of the CPUs it is bound to
@@ -314,6 +316,45 @@ RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
     data_loading, workers_crowded, io_bound, remote_numa, gpu_fragmentation, throttling,
     fd_limit, cpu_oversubscription, nic_far, slice_too_small,
 ]
+
+
+def self_pinned(cpus: frozenset[int], gpus: Sequence[int], slice_cpus: frozenset[int],
+                cpu_nodes: frozenset[int], pages: dict[int, int]) -> list[Finding]:
+    """A rank that pinned itself (numactl, taskset, torchrun --numa-binding), held by
+    tunerd as an external owner of ``cpus``: its CPUs outside its GPUs' slice
+    (``slice_cpus``), or most of its memory (``pages``: NUMA node -> pages) on nodes other
+    than its CPUs' (``cpu_nodes``)."""
+    out: list[Finding] = []
+    gpu_text = ",".join(str(g) for g in gpus)
+    outside = cpus - slice_cpus
+    if gpus and slice_cpus and outside:
+        out.append(Finding(
+            "self-pinned-outside-slice", "warning",
+            f"the rank pinned itself to CPUs outside GPU {gpu_text}'s slice",
+            {"cpus": _cpus(cpus), "outside": _cpus(outside), "gpus": list(gpus),
+             "slice": _cpus(slice_cpus)},
+            "Its launcher (numactl/taskset, torchrun --numa-binding) chose CPUs that are "
+            "not near its GPU: host-device copies cross the socket link, and the CPUs "
+            "may be another GPU's ranks' share.",
+            f"Pin it inside CPUs {_cpus(slice_cpus)} (tunerctl env --local-rank N prints "
+            "the slice), or start it without numactl/taskset and let tunerd place it."))
+    total = sum(pages.values())
+    local = sum(n for node, n in pages.items() if node in cpu_nodes)
+    if total and cpu_nodes and local / total < LOCALITY_BELOW:
+        out.append(Finding(
+            "self-pinned-remote-memory", "warning",
+            "most of the self-pinned rank's memory is on another NUMA node than its CPUs",
+            {"cpu_nodes": _cpus(cpu_nodes), "local_share": round(local / total, 3),
+             "pages": {str(k): v for k, v in sorted(pages.items())}},
+            "numactl --physcpubind (and torchrun --numa-binding) set CPUs only: memory "
+            "stays wherever it was first touched; remote accesses cost ~1.5-2x.",
+            "Keep [[job]] self_pinned_memory = \"bind\" (the default) so tunerd binds its "
+            "memory to its CPUs' node, or add --membind to the launcher's numactl."))
+    return out
+
+
+def _cpus(ids: frozenset[int]) -> str:
+    return format_cpulist(ids)
 
 
 def advise(job: dict[str, Any], cols: Columns) -> list[Finding]:

@@ -46,6 +46,7 @@ from tunerd.base.jsontypes import JSONObject
 from tunerd.base.logutil import acting_for
 from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.external import ExternalHolds
 from tunerd.jobs.gate import (
     LeaseLimits,
     ReservationGate,
@@ -72,7 +73,7 @@ from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
 from tunerd.watch.proc_connector import ExecWatcher
-from tunerd.watch.rules import RuleMatch, RuleSet
+from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
 __all__ = ["AutoBinder"]
 
@@ -117,7 +118,8 @@ class AutoBinder:
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
                  record_delay: float = 0.0,
-                 proc_root: str = procfs.PROC, scope: ProcessScope | None = None) -> None:
+                 proc_root: str = procfs.PROC, scope: ProcessScope | None = None,
+                 external: ExternalHolds | None = None) -> None:
         self.pipeline = pipeline  # every bind: tunerd.jobs.pipeline
         self.placer = pipeline.placer
         self.jobs = pipeline.jobs
@@ -136,10 +138,15 @@ class AutoBinder:
         self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
+        # ranks another source told (``place_rank``): never a rank's follower
+        self.told_ranks: set[int] = set()
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
         # what the rules remember of processes they looked at and did not bind
         self.memory = RuleMemory(pidwatch, errors, proc_root)
+        # ranks that pinned themselves: held in the ledger as outside owners of CPUs
+        self.external = external or ExternalHolds(self.placer, pidwatch)
+        self._memory_steps: set[asyncio.Future[None]] = set()  # their memory binds
         self._init_counters()
         self._init_watcher_thread(realtime)
 
@@ -179,6 +186,7 @@ class AutoBinder:
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
+        self.external.restore()  # self-pinned ranks held again before anything is placed
         self.restore_moves()
         self._recover()
 
@@ -294,10 +302,40 @@ class AutoBinder:
         """Processes a rule matched and left alone that still run, with why."""
         return self.memory.left_alone_now()
 
+    # -- what the GPU-use service asks (tunerd.jobs.gpuuse.RuleBinds) ------------
     def set_own_cpus(self, pid: int) -> bool:
         """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
         taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
         return pid in self.memory.self_affined
+
+    def rule_set(self) -> RuleSet:
+        """The rules in force."""
+        return self.rules
+
+    def rule_bound(self, pid: int) -> tuple[int, str] | None:
+        """(start time, rule name) of ``pid`` where a rule bound it."""
+        rb = self.bound.get(pid)
+        return None if rb is None else (rb.start_time, rb.rule)
+
+    def rule_bound_pids(self) -> list[int]:
+        return list(self.bound)
+
+    def looked_at(self) -> bool:
+        """Whether the rules bound or left alone a process (a dict's truth: nothing read)."""
+        return bool(self.bound or self.memory.left_alone)
+
+    def rules_peer(self) -> Peer:
+        """Who the rules act as (root)."""
+        return self.peer
+
+    def place_rank(self, rule: JobRule, ctx: JobContext) -> None:
+        """Bind ``ctx`` (a rank another source told: tunerd.jobs.gpuuse) under ``rule``:
+        the same gate, placer, ledger and registry as every rule bind."""
+        m = RuleMatch(rule=rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid, env=ctx.env)
+        if len(self.told_ranks) >= 4096:
+            self.told_ranks.clear()
+        self.told_ranks.add(ctx.pid)  # a parent rank's bind made meanwhile leaves it be
+        self.on_match(m, time.monotonic(), ctx)
 
     # -- events ----------------------------------------------------------------
     def match(self, pid: int) -> Found | None:
@@ -398,7 +436,8 @@ class AutoBinder:
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
             return None  # the same process exec'd again (sh -> python): keep its place
         rec = self.jobs.record(pid)
-        if ctx.self_affined and rec is not None and rec.start_time == ctx.start_time:
+        if ctx.self_affined and rec is not None and rec.start_time == ctx.start_time \
+                and rec.cpus:
             # the mask tunerd set itself (a daemon restarted mid-job): known from its
             # record, never taken for the rank's own choice; ``_adopt`` holds it again
             ctx = replace(ctx, self_affined=False,
@@ -407,11 +446,34 @@ class AutoBinder:
             self.memory.wrap(m, ctx)
             self.memory.leave_alone(ctx)
             self.memory.settle(ctx)
+            if self.external.hold(ctx, self.memory.placed_by(ctx)) is not None:
+                self._memory_steps.add(asyncio.ensure_future(self._self_pinned_memory(m, ctx)))
             return None
         if m.rule.rank and ctx.role not in ("rank", "descendant"):
             return None
         log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
         return ctx
+
+    async def _self_pinned_memory(self, m: RuleMatch, ctx: JobContext) -> None:
+        """A self-pinned rank's memory bound to its CPUs' NUMA node(s), as the rule's
+        ``self_pinned_memory`` says (default "bind": numactl --physcpubind, taskset and
+        torchrun --numa-binding set CPUs only). Its CPUs are never touched."""
+        task = asyncio.current_task()
+        try:
+            mems, why = self.external.memory_to_bind(ctx, m.rule.self_pinned_memory)
+            rec = self.jobs.record(ctx.pid)
+            if mems is None or (rec is not None and rec.start_time == ctx.start_time):
+                log.debug("pid %d: memory left as it is: %s", ctx.pid, why)
+                return
+            out = await self.pipeline.bind(BindRequest(
+                ctx.pid, self.peer, BindSource.RULE, placement=Placement(cpus=None, mems=mems),
+                match=m, context=ctx, why=ctx.why))
+            log.info("rule %s: self-pinned pid %d: memory bound to node(s) %s (%s)",
+                     m.rule.name, ctx.pid, format_cpulist(mems), out.verdict.value)
+        except TunerdError as err:
+            log.info("pid %d: its memory not bound: %s", ctx.pid, err.message)
+        finally:
+            self._memory_steps.discard(task)
 
     async def _after_parent(self, m: RuleMatch, ctx: JobContext) -> JobContext:
         """A descendant whose rank is being bound right now (a /proc rescan finds both):
@@ -653,6 +715,8 @@ class AutoBinder:
                 continue
             for kid in kids[:FOLLOWERS_MAX]:
                 seen += 1
+                if kid in self.told_ranks:
+                    continue  # a rank of its own (Lightning's rank 1): not a follower
                 if depth + 1 < FOLLOWERS_DEPTH:
                     todo.append((kid, depth + 1))
                 held, rec = self.bound.get(kid), self.jobs.record(kid)

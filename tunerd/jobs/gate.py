@@ -18,20 +18,23 @@ Rules: a rule that moves or reserves beyond the matched process (``exclusive``,
 
 GPUs a rule-bound process "uses" count as busy for other placements only when that
 is seen from outside the process (``verified_gpus``): it holds the GPU's device node
-open (``/proc/PID/fd`` -> a character device of major 195, ``/dev/nvidiaN``), or NVML
-lists it among the GPU's processes. Its environment and command line are its own to
+open for reading or writing (``/proc/PID/fd`` -> a character device of major 195,
+``/dev/nvidiaN``; ``/proc/PID/fdinfo`` flags without ``O_PATH``, which needs no
+permission on the node) and the node's permissions let it open it so, or NVML lists it
+among the GPU's processes. Its environment and command line are its own to
 write, so ``CUDA_VISIBLE_DEVICES``/``LOCAL_RANK`` alone only choose where it is placed.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from tunerd.adapters import procfs
+from tunerd.adapters.procfs import Creds, OpenDevice
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errors import PermissionDenied
 from tunerd.jobs.peer import Peer
@@ -39,17 +42,23 @@ from tunerd.jobs.placement import is_exclusive
 
 __all__ = [
     "EXCLUSIVE_DENIED",
+    "FdEvidence",
     "LeaseLimits",
     "ReservationGate",
     "device_gpus",
+    "gpu_fds",
+    "may_open",
     "rule_reach_refused",
     "rule_reaches_beyond",
+    "set_test_device_nodes",
     "verified_gpus",
 ]
 
 NVIDIA_MAJOR = 195  # /dev/nvidia0..N (minor = the GPU's minor number), nvidiactl = 255
 NVIDIACTL_MINOR = 255
-MAX_FDS_SCANNED = 65536  # a process with more open files is looked at up to here
+# fd entries of one process looked at in one look (its table listed lazily, in fd
+# order: CUDA opens its nodes at initialisation, among a process's first files)
+MAX_FDS_SCANNED = 1024
 
 # one wording for alloc, run and bind alike
 EXCLUSIVE_DENIED = (
@@ -185,24 +194,78 @@ def rule_reach_refused(rule: RuleReach, uid: int | None) -> str | None:
 
 
 # -- GPUs a process really uses --------------------------------------------------
-def device_gpus(pid: int, proc_root: str = "/proc") -> frozenset[int] | None:
-    """Minor numbers of the ``/dev/nvidiaN`` nodes ``pid`` holds open (read from its
-    fds' targets, as the kernel sees them: st_rdev, not the name); None if unreadable."""
-    fd_dir = f"{proc_root}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
+# (major, minor) of a device node -> the NVIDIA minor it stands for: empty on a real
+# node; a test daemon on a replayed node (``debug_gpu_device_nodes``) names nodes that
+# open without the NVIDIA driver (a test cannot open a real major-195 node here)
+_TEST_NODES: dict[tuple[int, int], int] = {}
+_READ, _WRITE = 4, 2
+_NEED = {0: _READ, 1: _WRITE, 2: _READ | _WRITE}  # O_RDONLY, O_WRONLY, O_RDWR
+
+
+@dataclass(frozen=True)
+class FdEvidence:
+    """What one look at a process's fd table proved: the NVIDIA minors it holds open
+    for reading or writing, how many fd entries were looked at, whether it was cut."""
+
+    minors: frozenset[int]
+    looked: int
+    cut: bool
+
+
+def set_test_device_nodes(nodes: dict[tuple[int, int], int]) -> None:
+    """A replayed node's stand-in device nodes (test daemons only)."""
+    _TEST_NODES.clear()
+    _TEST_NODES.update(nodes)
+
+
+def may_open(dev: OpenDevice, creds: Creds) -> bool:
+    """Whether ``dev``'s fd proves GPU use: opened for reading or writing (an
+    ``O_PATH`` handle needs no permission on the node and reads nothing), on a node
+    whose permissions let the process's fs uid/gid/groups open it that way (an fd
+    another process passed it does not count)."""
+    if dev.flags & procfs.O_PATH:
+        return False
+    need = _NEED.get(dev.flags & procfs.O_ACCMODE)
+    if need is None:
+        return False
+    if creds.fsuid == 0:
+        return True  # CAP_DAC_OVERRIDE
+    if creds.fsuid == dev.uid:
+        bits = dev.mode >> 6
+    elif dev.gid == creds.fsgid or dev.gid in creds.groups:
+        bits = dev.mode >> 3
+    else:
+        bits = dev.mode
+    return bits & need == need
+
+
+def gpu_fds(pid: int, proc_root: str = "/proc",
+            max_fds: int = MAX_FDS_SCANNED) -> FdEvidence | None:
+    """The ``/dev/nvidiaN`` nodes ``pid`` proves it uses (``may_open``), read from its
+    fds' targets as the kernel sees them (st_rdev, not the name) and their fdinfo
+    flags; at most ``max_fds`` fd entries are looked at. None if unreadable."""
+    creds = procfs.read_creds(pid, proc_root)
+    if creds is None:
         return None
+    majors = frozenset({NVIDIA_MAJOR, *(m for m, _ in _TEST_NODES)})
+    found, looked, cut = procfs.open_char_devices(pid, majors, proc_root, max_fds)
     out: set[int] = set()
-    for name in names[:MAX_FDS_SCANNED]:
-        try:
-            st = os.stat(f"{fd_dir}/{name}")
-        except OSError:
+    for dev in found:
+        major, minor = os.major(dev.rdev), os.minor(dev.rdev)
+        if (major, minor) in _TEST_NODES:
+            minor = _TEST_NODES[(major, minor)]
+        elif major != NVIDIA_MAJOR or minor == NVIDIACTL_MINOR:
             continue
-        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR \
-                and os.minor(st.st_rdev) != NVIDIACTL_MINOR:
-            out.add(os.minor(st.st_rdev))
-    return frozenset(out)
+        if may_open(dev, creds):
+            out.add(minor)
+    return FdEvidence(frozenset(out), looked, cut)
+
+
+def device_gpus(pid: int, proc_root: str = "/proc") -> frozenset[int] | None:
+    """Minor numbers of the ``/dev/nvidiaN`` nodes ``pid`` proves it uses (``gpu_fds``:
+    open for reading or writing, by a process that may open them); None if unreadable."""
+    ev = gpu_fds(pid, proc_root)
+    return None if ev is None else ev.minors
 
 
 def verified_gpus(pid: int, claimed: Iterable[int],

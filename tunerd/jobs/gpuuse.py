@@ -1,38 +1,53 @@
-"""Placed at first GPU use: processes a launch started that carry no rank variable.
+"""Placed at first GPU use: a process that uses a GPU is a rank of that GPU's slice,
+however it was launched (issue 33 item 1).
 
-``torch.multiprocessing.spawn`` gives each rank its number as an argument, not in its
-environment, and a launcher tunerd does not know sets none of the variables the
-intake reads (``LOCAL_RANK`` ...): such processes are no ranks to the exec watcher. They
-are placed here instead, once they use a GPU, as ranks of the job their parent keys
-(its pid and start time), in the slice of the GPU they use (ranks of one job that share
-a GPU split it), with their memory on the slice's node.
+``torch.multiprocessing.spawn`` gives each rank its number as an argument, Lightning's
+``python train.py`` starts rank 1 itself (``LOCAL_RANK=1`` under no launcher), Ray Train
+workers are children of a raylet, a notebook kernel of a Jupyter server: none of them is
+a rank to the exec watcher. They are placed here instead, once they use a GPU, in the
+slice of the GPU they use (ranks of one job that share a GPU split it), with their
+memory on the slice's node; their DataLoader workers follow them as a rank's do.
 
-Every ``TICK_S`` on the daemon's loop, while ``[[job]]`` rules are in force and a rule
-has bound or left alone a process (else there is no launch to follow and nothing is
-read), the service asks who uses a GPU:
+Every ``TICK_S``, while a ``[[job]]`` rule places GPU users (``gpu_use.enabled``, the
+bundled ``torch-training`` rule) or a rule bound or left alone a process, the service
+asks who uses a GPU. The evidence, in order:
 
-* NVML's compute-process list of every GPU (``Device.compute_processes``), as the
-  monitor's last GPU sample has it (``listing``: it reads every GPU's list each cycle
-  anyway), or read here where that sample is missing or stale;
-* for mp.spawn children of processes a rule bound, their open ``/dev/nvidiaN`` (read
-  for at most ``MAX_FD_SCANS`` processes a tick: a process NVML cannot see, as from
-  inside another PID namespace).
+1. NVML's compute and graphics process lists of every GPU, as the monitor's last sample
+   has them (``listing``: no NVML call of its own);
+2. for processes inside a job tunerd knows (mp.spawn children of rule-bound processes,
+   which NVML cannot see from inside another PID namespace), an fd open for reading or
+   writing on ``/dev/nvidiaN`` (``tunerd.jobs.gate.gpu_fds``: never an ``O_PATH``
+   handle, and only on a node the process may open);
+3. the process's ``CUDA_VISIBLE_DEVICES``/``LOCAL_RANK``, resolved (``_env_gpus``, the
+   one call to the GPU resolver), which picks among the nodes an fd look found (CUDA
+   opens every visible GPU's node) -- never evidence of use on its own.
 
-A process found is placed when it is unbound, inside the daemon's scope, has no rank
-variable of its own (those are the rules'), did not narrow its own CPUs (nor did its
-parent: numactl, taskset), and a launch tunerd knows started it:
+The fd look is bounded (issue 34 item 3): at most ``MAX_FDS_PER_PROCESS`` fd entries of
+one process and ``MAX_FDS_PER_TICK`` of all together are read, a verdict is kept per
+process (pid and start time) so no fd table is listed again before it is due (a process
+holding no GPU is looked at again after 2, 4, 8, 16, 30 s), and the whole gathering runs
+in a worker thread, off the event loop; ``status`` reports its cost (``scan``).
 
-* a child of a process a rule bound or matched (any child; of a rank, only an mp.spawn
-  child: a rank's other children are its workers, kept in its CPUs);
-* a child of a launcher (torchrun, mpirun ... ``tunerd.watch.launchers``);
+A process found is placed when it is unbound, inside the daemon's scope, no system GPU
+service (``SYSTEM_SERVICES``, tunerd itself), no launcher or wrapper, no rank a launcher
+told (those are the exec-time rules'), no worker of a bound rank, and did not narrow its
+own CPUs (nor did its parent: numactl, taskset). Its job and rule:
 
-under that rule (for a launcher's child, the launcher's own match, else the first
-``match.rank`` rule whose other keys match the child). It is handed to the rule's
-bind (``AutoBinder.on_match``, with the intake's look made a rank): the same gate,
-placer, ledger and registry as every rule bind, recorded with why ("uses GPU 2
-(NVML) ..."); its DataLoader workers are narrowed into its CPUs as a rank's are.
-A verdict is kept per pid while the process stays listed (a left-alone one is looked
-at again after ``RECHECK_S``), so a tick over known processes reads nothing of them.
+* a launch tunerd knows (``launch``): an mp.spawn child of a process a rule bound or
+  matched, any child of a process such a rule bound, a child of a launcher (torchrun,
+  mpirun ...) -- under that rule, keyed by the parent;
+* else its launch tree (``tree_launch``), under the first rule with ``gpu_use`` whose
+  keys match: keyed by its highest ancestor below a shell, a session, a launcher, a
+  system service, init or another user (Lightning's rank 0 and the rank 1 it starts
+  are one job; a Ray run is keyed by its driver, or by its raylet when that runs on its
+  own; a notebook kernel is its own job).
+
+It is handed to the rules' bind through a narrow interface (``RuleBinds``): the same
+gate, placer, ledger and registry as every rule bind, recorded with why ("uses GPU 2
+(NVML) ..."). A verdict is kept per pid while the process stays listed (a left-alone
+one is looked at again after ``RECHECK_S``), so a tick over known processes reads
+nothing of them; after that, one stat read tells whether what the verdict rested on
+(the process, its parent's binding, the rules) is still so.
 """
 
 from __future__ import annotations
@@ -42,19 +57,22 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Protocol
 
 from tunerd.adapters import nvml, procfs
 from tunerd.base.errors import TunerdError
-from tunerd.jobs.autobind import AutoBinder
-from tunerd.jobs.gate import device_gpus
-from tunerd.jobs.intake import Intake, JobContext, RankId
+from tunerd.base.jsontypes import JSONObject
+from tunerd.jobs.gate import gpu_fds
+from tunerd.jobs.intake import Intake, JobContext, RankId, seen_rank
+from tunerd.jobs.peer import Peer
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
-from tunerd.watch.launchers import launcher_comm
-from tunerd.watch.rules import JobRule, RuleMatch
+from tunerd.topology.visible import gpus_from_env, nvml_users
+from tunerd.watch.launchers import is_launcher, launcher_comm
+from tunerd.watch.rules import JobRule, RuleSet
 
-__all__ = ["GpuUse", "Launch", "is_spawn_child"]
+__all__ = ["GpuUse", "Launch", "RuleBinds", "is_spawn_child", "is_system_service"]
 
 log = logging.getLogger("tunerd.gpuuse")
 
@@ -63,9 +81,36 @@ RECHECK_S = 30.0  # a process left alone is looked at again after this
 MAX_LISTED = 1024  # GPU users taken per tick (NVML's lists together)
 MAX_NEW = 32  # processes not seen before looked at per tick
 MAX_FD_PARENTS = 16  # rule-bound processes whose children are looked at per tick
-MAX_FD_SCANS = 8  # ... and of those children, whose open fds are read
+MAX_FD_KIDS = 256  # ... their children looked at per tick
+MAX_FD_SCANS = 8  # ... and of those children, whose fd tables are read
+# fd entries one look reads: CUDA opens its nodes when it initialises, among a spawn
+# rank's first files (the gate's look at a rule-bound rank reads up to MAX_FDS_SCANNED)
+MAX_FDS_PER_PROCESS = 512
+MAX_FDS_PER_TICK = 512  # ... all looks of one tick together: ~4 ms of CPU at most
+FD_BACKOFF_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # a process holding no GPU: looked at again
 MAX_KNOWN = 4096  # verdicts kept (dropped whole when full)
+TREE_DEPTH = 16  # how far up a launch tree is walked
 SPAWN_MARKS = ("--multiprocessing-fork", "multiprocessing.spawn")
+NVML = "NVML"
+FD = "an open /dev/nvidiaN"
+
+# never ranks, whatever NVML lists (the comm, 15 characters, or the program's name)
+SYSTEM_SERVICES = frozenset({
+    "nvidia-persistenced", "nv-hostengine", "dcgm-exporter", "dcgmi", "nvidia-smi",
+    "nvidia-cuda-mps-control", "nvidia-cuda-mps-server", "nv-fabricmanager",
+    "nvidia-fabricmanager", "nvidia-device-plugin", "gpu-feature-discovery",
+    "nvidia_gpu_exporter", "Xorg", "Xwayland", "gnome-shell", "kwin_wayland", "kwin_x11",
+    "tunerd", "tunerctl",
+})
+_SERVICES_15 = frozenset(n[:15] for n in SYSTEM_SERVICES)
+# a launch tree stops below these (the user's shell, session, terminal, init, container)
+SESSION_COMMS = frozenset({
+    "bash", "sh", "dash", "zsh", "fish", "ksh", "tcsh", "csh", "ash", "busybox",
+    "sshd", "sshd-session", "login", "su", "sudo", "tmux: server", "tmux", "screen",
+    "SCREEN", "systemd", "init", "containerd-shim", "conmon", "runc", "docker-init",
+    "tini", "dumb-init", "cron", "atd", "srun", "sbatch", "salloc",
+})
+JOB_ROOT_MARKS = ("ipykernel_launcher", "ipykernel")  # a notebook kernel: a job of its own
 
 
 def is_spawn_child(argv: list[str] | tuple[str, ...],
@@ -80,22 +125,73 @@ def is_spawn_child(argv: list[str] | tuple[str, ...],
     return any(mark in a for a in argv[1:8] for mark in SPAWN_MARKS)
 
 
+def is_system_service(comm: str, argv: tuple[str, ...] | list[str]) -> bool:
+    """A GPU service of the node (nvidia-persistenced, nv-hostengine, dcgm-exporter,
+    tunerd ...): it uses the GPUs for everyone and is never a rank."""
+    prog = os.path.basename(argv[0]) if argv else ""
+    if comm[:15] in _SERVICES_15 or prog in SYSTEM_SERVICES:
+        return True
+    return any(a in ("tunerd", "tunerd.daemon.main") for a in argv[1:4])
+
+
 @dataclass(frozen=True)
 class Launch:
-    """What started a GPU user: its parent, the rule it is placed under, the job key."""
+    """What started a GPU user: its parent (or its launch tree's root), the rule it is
+    placed under, the job key."""
 
     parent: int
     parent_start: int
     rule: JobRule
-    kind: str  # "mp.spawn parent", "launcher torchrun", "process rule x bound" ...
-    group: str  # the job: "mp.spawn:4242.1234"
+    kind: str  # "mp.spawn parent", "launcher torchrun", "launch tree train.py" ...
+    group: str  # the job: "mp.spawn:4242.1234", "train.py:4242.1234"
     parent_bound: bool  # the parent's CPUs are tunerd's (its children inherited them)
 
 
+class RuleBinds(Protocol):
+    """What the GPU-use service asks of the rules' binder (``AutoBinder``), and all."""
+
+    def rule_set(self) -> RuleSet: ...
+    def rule_bound(self, pid: int) -> tuple[int, str] | None: ...
+    def rule_bound_pids(self) -> list[int]: ...
+    def looked_at(self) -> bool: ...
+    def set_own_cpus(self, pid: int) -> bool: ...
+    def rules_peer(self) -> Peer: ...
+    def place_rank(self, rule: JobRule, ctx: JobContext) -> None: ...
+
+
 Users = dict[int, tuple[tuple[int, ...], str]]  # pid -> (GPU indices, how seen)
-# (GPU index, pid) of every compute process, as another reader of NVML last saw them
-# (the monitor's sample), or None where it has no fresh list
+Basis = tuple[int, int, int, bool, bool]  # what a verdict rests on (GpuUse._basis)
+# (GPU index, pid) of every compute and graphics process, as another reader of NVML
+# last saw them (the monitor's sample), or None where it has no fresh list
 Listing = Callable[[], "list[tuple[int, int]] | None"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a tick's gathering (in a worker thread) needs from the loop's state."""
+
+    parents: tuple[int, ...]  # rule-bound processes whose children may be spawn ranks
+    skip: frozenset[int]  # processes with a verdict already
+    placed: frozenset[int]  # processes this service placed (their children: workers)
+
+
+@dataclass
+class ScanCost:
+    """What gathering GPU users cost (``status``'s ``scan``)."""
+
+    cpu_s: float = 0.0  # thread CPU time of every gathering
+    fd_entries: int = 0  # fd entries read
+    fd_tables: int = 0  # fd tables listed
+    cut: int = 0  # ... of which cut at MAX_FDS_PER_PROCESS or the tick's budget
+    since: float = 0.0  # time.monotonic() of the first tick
+
+    def json(self) -> JSONObject:
+        up = time.monotonic() - self.since if self.since else 0.0
+        return {"cpu_ms": round(self.cpu_s * 1000, 3), "fd_entries_read": self.fd_entries,
+                "fd_tables_listed": self.fd_tables, "fd_tables_cut": self.cut,
+                "cpu_ms_per_s": round(self.cpu_s * 1000 / up, 4) if up > 0 else 0.0,
+                "max_fds_per_process": MAX_FDS_PER_PROCESS,
+                "max_fds_per_tick": MAX_FDS_PER_TICK}
 
 
 class GpuUse:
@@ -103,10 +199,10 @@ class GpuUse:
 
     name = "gpuuse"
 
-    def __init__(self, autobind: AutoBinder, intake: Intake, jobs: JobRegistry, *,
+    def __init__(self, rules: RuleBinds, intake: Intake, jobs: JobRegistry, *,
                  scope: ProcessScope | None = None, tick_s: float = TICK_S,
                  listing: Listing | None = None, proc_root: str = procfs.PROC) -> None:
-        self.autobind = autobind
+        self.rules = rules
         self.intake = intake
         self.jobs = jobs
         self.scope = scope
@@ -116,9 +212,14 @@ class GpuUse:
         self.placed = 0
         self.ticks = 0  # ticks that looked (armed)
         self.left_alone: dict[str, int] = {}  # why -> how many (first verdicts)
-        self.last: list[dict[str, object]] = []  # the last placements handed over
-        self._known: dict[int, tuple[str, float]] = {}  # pid -> (verdict, when)
-        self._spawn: dict[int, bool] = {}  # child of a rule-bound process -> spawn child?
+        self.last: list[JSONObject] = []  # the last placements handed over
+        self.cost = ScanCost()
+        # pid -> (verdict, when, what it rests on: ``_basis``)
+        self._known: dict[int, tuple[str, float, Basis | None]] = {}
+        # worker thread only: child of a rule-bound process -> spawn child?; an fd
+        # look's verdict per (pid, start time) -> (due again at, looks so far)
+        self._spawn: dict[int, bool] = {}
+        self._fd_due: dict[tuple[int, int], tuple[float, int]] = {}
         self._fd_cursor = 0
         self._minors: dict[int, int] = {}
         self._ranks: dict[str, set[int]] = {}  # job group -> pids placed in it
@@ -136,99 +237,189 @@ class GpuUse:
         for t in list(self._tasks):
             t.cancel()
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> JSONObject:
         return {"summary": f"placed at first GPU use: {self.placed} process(es)",
                 "placed": self.placed, "ticks": self.ticks,
-                "left_alone": dict(self.left_alone), "last": list(self.last)}
+                "left_alone": {**self.left_alone}, "last": [*self.last],
+                "scan": self.cost.json()}
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
             try:
-                self.tick()
+                await self.tick_off_loop()
             except Exception:  # one bad tick must not end the service
                 log.exception("placing GPU users failed")
 
     # -- one tick ---------------------------------------------------------------
     def armed(self) -> bool:
-        """Whether there is a launch to follow: rules in force that bound or left alone
-        a process (a dict's truth: nothing read)."""
-        ab = self.autobind
-        return bool(ab.rules) and bool(ab.bound or ab.memory.left_alone)
+        """Whether there is anything to follow: a rule that places GPU users, or rules
+        that bound or left alone a process."""
+        rules = self.rules.rule_set()
+        return bool(rules) and (any(r.gpu_use is not None for r in rules.rules)
+                                or self.rules.looked_at())
+
+    async def tick_off_loop(self) -> None:
+        """One tick: GPU users gathered in a worker thread, decided on the loop."""
+        snap = self._begin()
+        if snap is not None:
+            self._decide(await asyncio.to_thread(self.gather, snap))
 
     def tick(self) -> None:
+        """One tick, all on the caller's thread."""
+        snap = self._begin()
+        if snap is not None:
+            self._decide(self.gather(snap))
+
+    def _begin(self) -> Snapshot | None:
         if not self.armed():
             if self._known:
                 self._known.clear()
-            return
+            return None
         self.ticks += 1
-        users = self.gpu_users()
+        if not self.cost.since:
+            self.cost.since = time.monotonic()
+        now = time.monotonic()
+        skip = frozenset(p for p, (v, at, _) in self._known.items()
+                         if v == "placed" or now - at < RECHECK_S)
+        placed = frozenset(p for ranks in self._ranks.values() for p in ranks)
+        return Snapshot(tuple(self.rules.rule_bound_pids()), skip, placed)
+
+    def _decide(self, users: Users) -> None:
         now = time.monotonic()
         new = 0
         for pid in sorted(users):
             seen = self._known.get(pid)
-            if seen is not None and (seen[0] == "placed" or now - seen[1] < RECHECK_S):
+            if seen is not None and self._still(pid, seen, now):
                 continue
             if new >= MAX_NEW:
                 break
             new += 1
+            basis = self._basis(pid)
             verdict = self.consider(pid, *users[pid], users)
             if seen is None and verdict != "placed":
                 self.left_alone[verdict] = self.left_alone.get(verdict, 0) + 1
             if len(self._known) >= MAX_KNOWN:
                 self._known.clear()
-            self._known[pid] = (verdict, now)
+            self._known[pid] = (verdict, now, basis)
         for pid in [p for p in self._known if p not in users]:
             del self._known[pid]  # gone from the lists: a reused pid is looked at afresh
 
-    def gpu_users(self) -> Users:
-        """pid -> (GPUs, how seen): NVML's lists, then open device nodes (bounded)."""
+    def _still(self, pid: int, seen: tuple[str, float, Basis | None], now: float) -> bool:
+        """Whether ``pid``'s verdict stands: placed, younger than RECHECK_S, or older
+        but resting on what is still so (one stat read: a left-alone process costs
+        nothing more while it, its parent's binding and the rules stay as they were)."""
+        verdict, at, basis = seen
+        if verdict == "placed" or now - at < RECHECK_S:
+            return True
+        if basis is not None and self._basis(pid) == basis:
+            self._known[pid] = (verdict, now, basis)
+            return True
+        return False
+
+    def _basis(self, pid: int) -> Basis | None:
+        """What a verdict on ``pid`` rests on: its start time and parent, the rules in
+        force, whether a rule or anyone bound its parent."""
+        st = _stat(pid, self.proc)
+        if st is None:
+            return None
+        return (st.start_time, st.ppid, id(self.rules.rule_set()),
+                self.rules.rule_bound(st.ppid) is not None, self.jobs.is_bound(st.ppid))
+
+    def gather(self, snap: Snapshot) -> Users:
+        """pid -> (GPUs, how seen): NVML's lists, then open device nodes (bounded).
+        Runs in a worker thread: reads /proc and the monitor's sample, never the loop's
+        state beyond ``snap``."""
+        t0 = time.thread_time()
+        try:
+            out = self._listed()
+            out.update(self._fd_users(snap, out))
+        finally:
+            self.cost.cpu_s += time.thread_time() - t0
+        return out
+
+    def _listed(self) -> Users:
         out: Users = {}
-        seen = self.listing() if self.listing is not None else None
-        devs = nvml.devices() if seen is None or self.autobind.bound else []
-        if seen is None:
-            seen = [(dev.index, p.pid) for dev in devs
-                    if (procs := dev.compute_processes()) is not nvml.NA for p in procs]
+        # no monitor (a test's service): NVML asked here
+        seen = ((self.listing() or []) if self.listing is not None
+                else nvml_users(nvml.devices()))
         for gpu, pid in seen:
             if len(out) >= MAX_LISTED and pid not in out:
                 continue
             gpus = out.get(pid, ((), ""))[0]
-            out[pid] = ((*gpus, gpu), "NVML")
-        out.update(self._fd_users(out, devs))
+            if gpu not in gpus:
+                out[pid] = ((*gpus, gpu), NVML)
         return out
 
-    def _fd_users(self, listed: Users, devs: list[nvml.Device]) -> Users:
+    def _fd_users(self, snap: Snapshot, listed: Users) -> Users:
         """mp.spawn children of rule-bound processes holding ``/dev/nvidiaN`` open that
-        NVML did not list: ``MAX_FD_PARENTS`` parents a tick, in turn, and at most
-        ``MAX_FD_SCANS`` children's fds read."""
-        parents = list(self.autobind.bound)
+        NVML did not list: ``MAX_FD_PARENTS`` parents a tick, in turn; at most
+        ``MAX_FD_SCANS`` fd tables and ``MAX_FDS_PER_TICK`` entries read, each table
+        only when its verdict is due."""
+        parents = list(snap.parents)
         if not parents:
             self._spawn.clear()
+            self._fd_due.clear()
             return {}
-        if not self._minors:  # the N of /dev/nvidiaN -> GPU index, asked once
-            self._minors = {m if isinstance(m := d.minor_number, int) else d.index: d.index
-                            for d in devs}
-        minors = self._minors
         start = self._fd_cursor % len(parents)
         turn = (parents[start:] + parents[:start])[:MAX_FD_PARENTS]
         self._fd_cursor = start + len(turn)
+        now = time.monotonic()
         out: Users = {}
-        scans = 0
+        budget, scans, kids = MAX_FDS_PER_TICK, 0, 0
         kids_now: set[int] = set()
         for ppid in turn:
             for kid in self._children(ppid):
                 kids_now.add(kid)
-                if kid in listed or kid in self._known or scans >= MAX_FD_SCANS \
-                        or not self._spawn_child(kid, ppid):
+                kids += 1
+                if kid in listed or kid in snap.skip or scans >= MAX_FD_SCANS \
+                        or budget <= 0 or kids > MAX_FD_KIDS \
+                        or not self._spawn_child(kid, ppid, snap.placed):
                     continue
-                scans += 1
-                held = device_gpus(kid, self.proc) or frozenset()
-                gpus = tuple(sorted(minors[m] for m in held if m in minors))
-                if gpus:
-                    out[kid] = (gpus, "an open /dev/nvidiaN")
+                looked = self._fd_look(kid, now, budget, out)
+                if looked is not None:
+                    scans += 1
+                    budget -= looked
+        self._prune(kids_now)
+        return out
+
+    def _fd_look(self, pid: int, now: float, budget: int, out: Users) -> int | None:
+        """One fd look at ``pid`` where its verdict is due: the entries read (None: not
+        due, or gone); a GPU found goes into ``out``."""
+        start = procfs.read_start_time(pid, self.proc)
+        if start is None:
+            return None
+        key = (pid, start)
+        due = self._fd_due.get(key)
+        if due is not None and now < due[0]:
+            return None
+        ev = gpu_fds(pid, self.proc, min(MAX_FDS_PER_PROCESS, budget))
+        looks = due[1] + 1 if due is not None else 0
+        self._fd_due[key] = (now + FD_BACKOFF_S[min(looks, len(FD_BACKOFF_S) - 1)], looks)
+        if ev is None:
+            return 0
+        self.cost.fd_tables += 1
+        self.cost.fd_entries += ev.looked
+        self.cost.cut += ev.cut
+        minors = self._minor_map()
+        gpus = tuple(sorted(minors[m] for m in ev.minors if m in minors))
+        if gpus:
+            out[pid] = (gpus, FD)
+            self._fd_due[key] = (now + RECHECK_S, looks)
+        return ev.looked
+
+    def _minor_map(self) -> dict[int, int]:
+        """The N of /dev/nvidiaN -> GPU index (asked of NVML once)."""
+        if not self._minors:
+            self._minors = {m if isinstance(m := d.minor_number, int) else d.index: d.index
+                            for d in nvml.devices()}
+        return self._minors
+
+    def _prune(self, kids_now: set[int]) -> None:
         if len(self._spawn) > MAX_KNOWN:
             self._spawn = {k: v for k, v in self._spawn.items() if k in kids_now}
-        return out
+        if len(self._fd_due) > MAX_KNOWN:
+            self._fd_due = {k: v for k, v in self._fd_due.items() if k[0] in kids_now}
 
     def _children(self, pid: int) -> list[int]:
         """Children of ``pid``'s main thread (mp.spawn starts them there): one read."""
@@ -238,7 +429,7 @@ class GpuUse:
             return []
         return [int(x) for x in raw.split()]
 
-    def _spawn_child(self, pid: int, ppid: int) -> bool:
+    def _spawn_child(self, pid: int, ppid: int, placed: frozenset[int]) -> bool:
         """Whether ``pid``, a child of ``ppid`` (rule-bound), is a spawn child, not a
         rank's worker (read once per pid)."""
         hit = self._spawn.get(pid)
@@ -246,7 +437,7 @@ class GpuUse:
             try:
                 argv = procfs.Process(pid, self.proc).cmdline(1024)
                 hit = is_spawn_child(argv, procfs.Process(ppid, self.proc).cmdline(1024)) \
-                    and not self._placed_here(ppid)
+                    and ppid not in placed
             except TunerdError:
                 hit = False
             self._spawn[pid] = hit
@@ -262,8 +453,10 @@ class GpuUse:
         mp.spawn child that inherited its rank variable was narrowed into the rank's
         CPUs as a worker at its exec: it is placed all the same (that binding undone)."""
         rec = self.jobs.record(pid)
-        if pid in self.autobind.bound or (rec is not None and rec.origin != "worker"):
+        if self.rules.rule_bound(pid) is not None or (rec is not None and rec.origin != "worker"):
             return "bound already"
+        if pid == os.getpid():
+            return "a system GPU service: never a rank"
         if self.scope is not None and not self.scope.contains(pid):
             return "outside this daemon's scope"
         try:
@@ -271,25 +464,53 @@ class GpuUse:
         except TunerdError as err:
             log.debug("pid %d (uses GPU %s): %s", pid, gpus, err.message)
             return "gone"
-        inherited = ctx.rank is not None and ctx.role == "descendant"
-        if ctx.role in ("launcher", "wrapper") or (ctx.rank is not None and not inherited):
-            return f"a {ctx.role}: the rules' own"
-        launch = self.launch(ctx)
-        if (inherited or rec is not None) and \
-                (launch is None or not launch.group.startswith("mp.spawn:")):
-            return "a rank's worker: kept in its CPUs"
+        if is_system_service(ctx.comm, ctx.argv):
+            return "a system GPU service: never a rank"
+        why, launch = self._launch_of(ctx)
         if launch is None:
-            return "no launch tunerd knows started it"
-        if rec is None and self._own_cpus(ctx, launch):
+            return why
+        if rec is None and self._own_cpus(ctx):
             return "it or its parent set its own CPUs (numactl, taskset)"
-        siblings = sorted(p for p, (_, h) in users.items() if h and p != pid
-                          and procfs.read_ppid(p, self.proc) == launch.parent)
-        ranked = self._as_rank(ctx, gpus, how, launch, siblings, users)
+        ranked = self._as_rank(ctx, self._narrowed(ctx, gpus, how), how, launch, users)
         if rec is None:
             self._hand_over(ranked, launch)
         else:
             self._spawn_task(self._unnarrow_then_place(ranked, launch))
         return "placed"
+
+    def _launch_of(self, ctx: JobContext) -> tuple[str, Launch | None]:
+        """The launch ``ctx`` is placed under, or why there is none. One a rank's bind
+        narrowed as its follower but that is no descendant of the rank (it has a rank
+        variable of its own: Lightning's rank 1, started by rank 0) is placed all the
+        same."""
+        if ctx.role in ("launcher", "wrapper", "rank"):
+            return f"a {ctx.role}: the rules' own", None
+        launch = self.launch(ctx)
+        spawn = launch is not None and launch.group.startswith("mp.spawn:")
+        if ctx.role == "descendant" and not spawn:
+            return "a rank's worker: kept in its CPUs", None
+        if launch is None:
+            launch = self.tree_launch(ctx)
+        if launch is None:
+            some = any(r.gpu_use is not None for r in self.rules.rule_set().rules)
+            return ("no launch tunerd knows started it"
+                    + (", and no rule's gpu_use matches it" if some else "")), None
+        return "", launch
+
+    def _narrowed(self, ctx: JobContext, gpus: tuple[int, ...], how: str) -> tuple[int, ...]:
+        """Open device nodes name every GPU CUDA made visible: where the process's own
+        CUDA_VISIBLE_DEVICES/LOCAL_RANK picks some of them, those (NVML's lists are per
+        GPU already)."""
+        if how == NVML:
+            return gpus
+        said = self._env_gpus(ctx)
+        picked = tuple(g for g in gpus if said and g in said)
+        return picked or gpus
+
+    def _env_gpus(self, ctx: JobContext) -> tuple[int, ...]:
+        """The GPUs the process's environment names, through its scheduler's grant: the
+        one call to the GPU resolver (tunerd.topology.visible)."""
+        return gpus_from_env(self.intake.topo, ctx.env, allowed=ctx.allocation.granted) or ()
 
     def _spawn_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -299,7 +520,7 @@ class GpuUse:
     async def _unnarrow_then_place(self, ctx: JobContext, launch: Launch) -> None:
         """A spawn rank narrowed as a worker: its CPUs back as they were, then placed."""
         try:
-            await self.jobs.unbind(ctx.pid, peer=self.autobind.peer)
+            await self.jobs.unbind(ctx.pid, peer=self.rules.rules_peer())
         except TunerdError as err:
             log.debug("pid %d: worker binding not undone: %s", ctx.pid, err.message)
             return
@@ -311,23 +532,23 @@ class GpuUse:
         pst = _stat(ppid, self.proc)
         if pst is None or ppid <= 1:
             return None
-        rb = self.autobind.bound.get(ppid)
+        rb = self.rules.rule_bound(ppid)
         try:
             parent = self.intake.describe(ppid)
         except TunerdError:
             return None
         spawn = is_spawn_child(ctx.argv, parent.argv)
         key = f"{ppid}.{pst.start_time}"
-        if rb is not None and rb.start_time == pst.start_time:
-            rule = self._rule(rb.rule)
+        if rb is not None and rb[0] == pst.start_time:
+            rule = self._rule(rb[1])
             if rule is None or self._placed_here(ppid) or (parent.role == "rank" and not spawn):
                 return None  # a rank's other children are its workers
             kind = "mp.spawn parent" if spawn else f"process rule {rule.name} bound"
             return Launch(ppid, pst.start_time, rule, kind,
                           f"{'mp.spawn' if spawn else 'children'}:{key}", True)
-        if self.autobind.set_own_cpus(ppid):
+        if self.rules.set_own_cpus(ppid):
             return None
-        m = self.autobind.rules.match(ppid)
+        m = self.rules.rule_set().match(ppid)
         if parent.role == "launcher":
             rule = m.rule if m is not None else self._rank_rule(ctx)
             name = _launcher_name(parent)
@@ -341,60 +562,92 @@ class GpuUse:
                       "mp.spawn parent" if spawn else f"process rule {m.rule.name} matched",
                       f"{'mp.spawn' if spawn else 'children'}:{key}", False)
 
+    def tree_launch(self, ctx: JobContext) -> Launch | None:
+        """``ctx``'s launch tree, under the first rule that places GPU users and whose
+        keys match it (module docstring); None where none does."""
+        rule = next((r for r in self.rules.rule_set().rules
+                     if r.places_gpu_user(ctx.cmdline, ctx.uid, ctx.env)), None)
+        if rule is None:
+            return None
+        pid, start, name = self._tree_root(ctx)
+        return Launch(pid, start, rule, f"launch tree {name}", f"{name}:{pid}.{start}",
+                      self.jobs.is_bound(ctx.ppid))
+
+    def _tree_root(self, ctx: JobContext) -> tuple[int, int, str]:
+        """(pid, start time, name) of the highest ancestor of ``ctx`` (itself included)
+        below a shell, session, launcher, system service, init or another user's
+        process; a notebook kernel is a root itself."""
+        root = (ctx.pid, ctx.start_time, _program(ctx.argv, ctx.comm))
+        if _job_root(ctx.argv):
+            return root
+        ppid = ctx.ppid
+        for _ in range(TREE_DEPTH):
+            if ppid <= 1 or ppid == os.getpid():
+                break
+            p = procfs.Process(ppid, self.proc)
+            try:
+                st, argv, uid = p.stat(), p.cmdline(1024), p.uids()[0]
+            except TunerdError:
+                break
+            if uid != ctx.uid or _ends_tree(st.comm, argv):
+                break
+            root = (ppid, st.start_time, _program(argv, st.comm))
+            if _job_root(argv):
+                break
+            ppid = st.ppid
+        return root
+
     def _rule(self, name: str) -> JobRule | None:
-        return next((r for r in self.autobind.rules.rules if r.name == name), None)
+        return next((r for r in self.rules.rule_set().rules if r.name == name), None)
 
     def _rank_rule(self, ctx: JobContext) -> JobRule | None:
         """A launcher's child under no rule of its launcher's: the first ``match.rank``
         rule whose other keys match the child."""
-        for r in self.autobind.rules.rules:
+        for r in self.rules.rule_set().rules:
             if r.rank and r.matches(ctx.cmdline, ctx.uid, dict(ctx.env)):
                 return r
         return None
 
-    def _own_cpus(self, ctx: JobContext, launch: Launch) -> bool:
+    def _own_cpus(self, ctx: JobContext) -> bool:
         """``ctx`` runs on fewer CPUs than its parent: it (or a numactl/taskset it was
         started through) chose them."""
         try:
-            pmask = frozenset(os.sched_getaffinity(launch.parent))
+            pmask = frozenset(os.sched_getaffinity(ctx.ppid))
         except OSError:
             return True
         mask = ctx.allocation.mask
         return mask is not None and mask < pmask
 
     def _as_rank(self, ctx: JobContext, gpus: tuple[int, ...], how: str, launch: Launch,
-                 siblings: list[int], users: Users) -> JobContext:
+                 users: Users) -> JobContext:
         """The intake's look at ``ctx`` made a rank of ``launch``'s job near ``gpus``."""
         mine = self._ranks.setdefault(launch.group, set())
         mine.intersection_update(p for p in mine if procfs.read_start_time(p, self.proc))
-        job = sorted(mine | set(siblings) | {ctx.pid})
+        near = {launch.parent, ctx.ppid}
+        siblings = {p for p, (_, h) in users.items() if h and p != ctx.pid
+                    and (p == launch.parent or procfs.read_ppid(p, self.proc) in near)}
+        job = sorted(mine | siblings | {ctx.pid})
         visible = tuple(sorted({g for p in job for g in users.get(p, ((), ""))[0]} | set(gpus)))
         rank = RankId(len(mine), len(job), f"uses GPU {','.join(map(str, gpus))} ({how})",
                       launch.group, var="GPU use")
-        alloc = ctx.allocation
-        if launch.parent_bound:  # its mask is the one tunerd gave its parent
-            alloc = replace(alloc, current=None)
         why = (f"{rank.source}; started by {launch.kind} {launch.parent}, "
                f"placed as a rank of job {launch.group}")
-        return replace(ctx, role="rank", rank=rank, gpus=gpus, gpus_how=how, why=why,
-                       visible=visible, allocation=alloc, parent_rank=None,
-                       parent_cpus=None, self_affined=False,
-                       launcher=f"{launch.kind} {launch.parent}")
+        return seen_rank(ctx, rank, gpus=gpus, how=how, why=why, visible=visible,
+                         launcher=f"{launch.kind} {launch.parent}",
+                         mask_is_tunerds=launch.parent_bound)
 
     def _hand_over(self, ctx: JobContext, launch: Launch) -> None:
-        """To the rule's bind: gate, place, hold, apply, record (``AutoBinder``)."""
-        assert ctx.rank is not None
+        """To the rules' bind: gate, place, hold, apply, record."""
         self._ranks[launch.group].add(ctx.pid)
         if len(self._ranks) > MAX_KNOWN:
             self._ranks = {launch.group: self._ranks[launch.group]}
-        m = RuleMatch(rule=launch.rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid,
-                      env=ctx.env)
         log.info("pid %d (%s) %s: rule %s places it", ctx.pid, ctx.comm, ctx.why,
                  launch.rule.name)
         self.placed += 1
-        self.last = [*self.last[-9:], {"pid": ctx.pid, "gpus": list(ctx.gpus),
-                                       "rule": launch.rule.name, "why": ctx.why}]
-        self.autobind.on_match(m, time.monotonic(), ctx)
+        self.last = [*self.last[-9:], {"pid": ctx.pid, "gpus": [*ctx.gpus],
+                                       "rule": launch.rule.name, "job": launch.group,
+                                       "why": ctx.why, "at": round(time.monotonic(), 3)}]
+        self.rules.place_rank(launch.rule, ctx)
 
 
 def _stat(pid: int, proc: str) -> procfs.Stat | None:
@@ -402,6 +655,33 @@ def _stat(pid: int, proc: str) -> procfs.Stat | None:
         return procfs.Process(pid, proc).stat()
     except TunerdError:
         return None
+
+
+def _ends_tree(comm: str, argv: list[str]) -> bool:
+    """A launch tree stops below this process: a shell, a session, a launcher, init, a
+    container's shim, a system GPU service."""
+    return (comm in SESSION_COMMS or comm.startswith("containerd-shim")
+            or launcher_comm(comm) is not None or is_launcher(argv, comm)
+            or is_system_service(comm, argv))
+
+
+def _job_root(argv: list[str] | tuple[str, ...]) -> bool:
+    return any(mark in a for a in argv[1:4] for mark in JOB_ROOT_MARKS)
+
+
+def _program(argv: list[str] | tuple[str, ...], comm: str) -> str:
+    """A job's name from its root's command line: ``-m MODULE``, a Python script's name,
+    else its program (``torchrun``, ``train.py``, ``ipykernel_launcher``)."""
+    named = launcher_comm(comm)
+    if named is not None:
+        return named
+    for i, a in enumerate(argv[1:6], 1):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[i + 1][:48]
+    prog = os.path.basename(argv[0]) if argv else comm
+    if prog.startswith("python") and len(argv) > 1 and not argv[1].startswith("-"):
+        return os.path.basename(argv[1])[:48]
+    return prog[:48]
 
 
 def _launcher_name(parent: JobContext) -> str:

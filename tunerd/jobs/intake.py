@@ -33,14 +33,14 @@ from tunerd.base.errors import NoSuchProcess, TunerdError
 from tunerd.jobs.allocation import Allocation, read_allocation, scheduler_gpus
 from tunerd.jobs.placer import PlaceRequest
 from tunerd.topology.model import Topology
-from tunerd.topology.visible import gpus_from_env, visible_list
+from tunerd.topology.visible import resolve_gpus, visible_list
 from tunerd.watch.launchers import WRAPPERS, is_launcher, launcher_comm, wrapper_name
 from tunerd.watch.launchers import _base as _base
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request"]
+__all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request", "seen_rank"]
 
 ANCESTOR_DEPTH = 8  # how far up the tree to look for a rank, a lease, a launcher
 # a quick look (a rule's bind in the exec watcher) takes a parent's ancestry, command
@@ -221,10 +221,10 @@ class Intake:
         seen = visible_list(self.topo, env, granted)
         visible = tuple(seen) if seen is not None else tuple(g.index for g in self.topo.gpus)
         if rank is not None:
-            gpus = gpus_from_env(self.topo, env, allowed=granted, local_rank=rank.local_rank)
+            gpus = resolve_gpus(self.topo, env, granted=granted, local_rank=rank.local_rank)
             how = f"its CUDA_VISIBLE_DEVICES/{rank.var}"
         else:
-            gpus = gpus_from_env(self.topo, env, allowed=granted)
+            gpus = resolve_gpus(self.topo, env, granted=granted)
             how = "its CUDA_VISIBLE_DEVICES/LOCAL_RANK"
         return tuple(gpus or ()), how, visible
 
@@ -440,6 +440,19 @@ def _readable(pidfd: int) -> bool:
 def _close_chain(entry: tuple[int, float, list[Up], int] | None) -> None:
     if entry is not None:
         os.close(entry[3])
+
+
+def seen_rank(ctx: JobContext, rank: RankId, *, gpus: tuple[int, ...], how: str, why: str,
+              visible: tuple[int, ...], launcher: str, mask_is_tunerds: bool) -> JobContext:
+    """``ctx`` as a rank that its use of ``gpus`` told, not its environment (the GPU-use
+    service, tunerd.jobs.gpuuse): no longer another rank's worker, nor enclosed by a
+    rank tunerd bound above it (a lease still encloses it). ``mask_is_tunerds``: its
+    CPU mask is the one tunerd gave its parent, which it inherited, not its own choice."""
+    alloc = replace(ctx.allocation, current=None) if mask_is_tunerds else ctx.allocation
+    return replace(ctx, role="rank", rank=rank, gpus=gpus, gpus_how=how, why=why,
+                   visible=visible, allocation=alloc, parent_rank=None, parent_cpus=None,
+                   enclosing=ctx.enclosing if ctx.lease is not None else None,
+                   self_affined=False, launcher=launcher)
 
 
 class PlaceAsk(TypedDict, total=False):

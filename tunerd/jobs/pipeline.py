@@ -445,10 +445,13 @@ class BindPipeline:
         CPUs against the other ranks/tasks of its job (they split the allocation)."""
         req, ctx = run.req, run.ctx
         group = request(ctx).group if ctx is not None else None
-        if not req.exclusive and group is None:
+        # root's binds are held too (nothing avoids them: they only steer [irq])
+        if not req.exclusive and group is None and not req.peer.is_root:
             return
+        ranked = ctx is not None and ctx.rank is not None \
+            and (ctx.launcher is not None or ctx.rank.slurm_task)
         run.hold = Hold(group=group, job=ctx.job_key if ctx is not None else None,
-                        exclusive=req.exclusive, uid=req.peer.uid)
+                        exclusive=req.exclusive, uid=req.peer.uid, ranked=ranked)
         self._reserve(run, _bind_reservation(req.pid, cpus, gpus if ctx else (), run.hold))
 
     def _decide_rule(self, run: _Run) -> None:
@@ -771,7 +774,7 @@ def _bind_reservation(pid: int, cpus: frozenset[int], gpus: tuple[int, ...],
         # a rank's bind holds its CPUs against its siblings, never its GPU (a lease
         # inside the job may take that GPU: the job's own processes use it)
         gpus=gpus if hold.exclusive else (), cpus=cpus, exclusive=hold.exclusive, pid=pid,
-        group=hold.group, job=hold.job, uid=hold.uid)
+        group=hold.group, job=hold.job, uid=hold.uid, ranked=hold.ranked)
 
 
 def _stamps(stamps: tuple[int, ...]) -> dict[str, int]:

@@ -115,6 +115,9 @@ class ReservationKind(enum.Enum):
     BIND = "bind"  # tunerctl bind: an exclusive bind, a rank's or Slurm task's CPUs
     RULE = "rule"  # a [[job]] rule's rank
     LEASE = "lease"  # alloc / run
+    # a rank that pinned itself (numactl/taskset wrapper, in-app binding, torchrun
+    # --numa-binding): left as it is, held as an outside owner of the CPUs it runs on
+    EXTERNAL = "external"
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ class ReservationKey:
         return cls(ReservationKind.LEASE, lid)
 
     @classmethod
+    def external(cls, pid: int) -> ReservationKey:
+        return cls(ReservationKind.EXTERNAL, str(pid))
+
+    @classmethod
     def parse(cls, text: str) -> ReservationKey | None:
         """The text form ("lease:L3", "rule:PID", "rule:PID:START" of a rule's exclusive
         move); None for any other text."""
@@ -162,6 +169,10 @@ class Reservation:
     group: str | None = None
     job: str | None = None  # scheduler job it was made in ("slurm:12")
     uid: int | None = None  # whose it is (None: not known, counts as someone else's)
+    ranked: bool = False  # a rank (a rule's, a launcher's or scheduler's): steers [irq]
+    start_time: int | None = None  # the holding process's (an external hold's identity)
+    placed_by: str | None = None  # an external hold: who chose its CPUs (numactl, self)
+    uses_gpus: tuple[int, ...] = ()  # an external hold: the GPUs it uses (shown, not held)
 
     def __post_init__(self) -> None:
         key: object = self.key
@@ -170,6 +181,17 @@ class Reservation:
             if parsed is None:
                 raise ValueError(f"reservation key {key!r}: expected KIND:ID")
             object.__setattr__(self, "key", parsed)
+
+
+def steers_irq(r: Reservation) -> bool:
+    """Whether ``r``'s CPUs keep ``[irq]``'s interrupts off them: a rule's rank, a
+    self-pinned rank, a rank its launcher or scheduler identified, root's binds and
+    leases, a lease inside a scheduler's job. Never a user's plain ``tunerctl bind``."""
+    if r.key.kind in (ReservationKind.RULE, ReservationKind.EXTERNAL):
+        return True
+    if r.key.kind is ReservationKind.LEASE and r.job is not None:
+        return True
+    return r.ranked or r.uid == 0
 
 
 def held_exclusively(taken: Mapping[int, str]) -> PlacementError:
@@ -215,6 +237,7 @@ class Placer:
         self._memo_for: tuple[Topology, HostCapacity] = (topology, host)
         self._res_digest = 0
         self._res_gpus = 0  # reservations holding GPUs (busy GPUs are read live then)
+        self._res_external = 0  # external holds (none: the placement path skips them)
 
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
@@ -226,10 +249,12 @@ class Placer:
     def status(self) -> JSONObject:
         gpus = sorted({g for r in self._held() for g in r.gpus})
         excl = format_cpulist(frozenset(self.exclusive_cpus()))
+        ext = self._res_external
         return {"summary": f"{len(self._res)} reservation(s)"
+                           + (f" ({ext} external: self-pinned ranks)" if ext else "")
                            + (f", GPUs {format_cpulist(gpus)} held" if gpus else "")
                            + (f", CPUs {excl} exclusive" if excl else ""),
-                "reservations": len(self._res), "busy_gpus": list(gpus),
+                "reservations": len(self._res), "external": ext, "busy_gpus": list(gpus),
                 "exclusive_cpus": excl, "housekeeping": format_cpulist(self.housekeeping())}
 
     def warm_up(self) -> None:
@@ -248,6 +273,7 @@ class Placer:
             self._res[res.key] = res
             self._res_digest ^= hash(res)
             self._res_gpus += bool(res.gpus)
+            self._res_external += res.key.kind is ReservationKind.EXTERNAL
             return old
 
     def release(self, key: ReservationKey | str) -> Reservation | None:
@@ -266,6 +292,7 @@ class Placer:
         if res is not None:
             self._res_digest ^= hash(res)
             self._res_gpus -= bool(res.gpus)
+            self._res_external -= res.key.kind is ReservationKind.EXTERNAL
 
     def _held(self) -> list[Reservation]:
         """The reservations now (a copy: another thread may reserve meanwhile)."""
@@ -294,14 +321,53 @@ class Placer:
         ``job``: what that scheduler job holds itself (its own exclusive lease) does
         not count against it.
         """
+        def counts(r: Reservation) -> bool:
+            if job is not None and r.job == job and (group is None or r.group != group):
+                return False
+            return r.exclusive or (soft and r.soft) or (group is not None and r.group == group)
+
+        return self.held_cpus(where=counts)
+
+    def held_cpus(self, *, steering: bool = False,
+                  where: Callable[[Reservation], bool] | None = None) -> dict[int, str]:
+        """Every CPU a reservation holds -> its holder (the first one): the one source
+        of held CPUs for placement (``exclusive_cpus``, ``external_cpus``), ``[irq]``
+        and ``jobs``.
+
+        ``steering``: only the holds that steer ``[irq]`` (``steers_irq``): ranks (a
+        rule's, a launcher's or scheduler's, a self-pinned one) and root's binds and
+        leases; a user's plain bind of her own process never moves host interrupts.
+        ``where``: only the reservations it accepts."""
         out: dict[int, str] = {}
         for r in self._held():
-            if job is not None and r.job == job and (group is None or r.group != group):
+            if (steering and not steers_irq(r)) or (where is not None and not where(r)):
                 continue
-            if r.exclusive or (soft and r.soft) or (group is not None and r.group == group):
-                for c in r.cpus:
-                    out.setdefault(c, r.holder)
+            for c in r.cpus:
+                out.setdefault(c, r.holder)
         return out
+
+    def held_listing(self) -> list[JSONObject]:
+        """``held_cpus`` by holder, for ``tunerctl jobs``: who holds which CPUs, and
+        whether that steers ``[irq]``."""
+        by: dict[str, set[int]] = {}
+        steer: dict[str, bool] = {}
+        for r in self._held():
+            by.setdefault(r.holder, set()).update(r.cpus)
+            steer[r.holder] = steer.get(r.holder, False) or steers_irq(r)
+        return [{"holder": h, "cpus": format_cpulist(c), "steers_irq": steer[h]}
+                for h, c in sorted(by.items()) if c]
+
+    def external_holds(self) -> list[Reservation]:
+        """Ranks that pinned themselves, held as outside owners of their CPUs."""
+        if not self._res_external:  # the usual case, on the exec path: no walk
+            return []
+        return [r for r in self._held() if r.key.kind is ReservationKind.EXTERNAL]
+
+    def external_cpus(self) -> dict[int, str]:
+        """CPU -> the self-pinned rank holding it (later placements avoid them)."""
+        if not self._res_external:
+            return {}
+        return self.held_cpus(where=lambda r: r.key.kind is ReservationKind.EXTERNAL)
 
     def held_by_others(self, cpus: frozenset[int], uid: int,
                        key: ReservationKey) -> dict[int, str]:
@@ -426,18 +492,20 @@ class Placer:
         (a rank) the CPUs of the job's other ranks too, with a note."""
         held = self.exclusive_cpus(group=req.group, job=req.job)
         soft = {**self.exclusive_cpus(soft=True, job=req.job), **held}
-        try:
-            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=soft,
-                                     housekeeping=hk, allowed_cpus=allowed)
-        except PlacementError:
-            if soft == held and not req.group:
-                raise
-        try:  # other leases' CPUs may be shared when nothing else is left
-            return place_on_topology(self.topo, preq, busy_gpus=busy, exclusive_cpus=held,
-                                     housekeeping=hk, allowed_cpus=allowed)
-        except PlacementError:
-            if not req.group:
-                raise
+        ext = self.external_cpus()
+        # self-pinned ranks' CPUs are avoided first (as leases' are), then shared with
+        # a note naming them (``_clash``); other leases' CPUs may be shared last
+        tiers = [{**ext, **soft}, {**ext, **held}, soft, held]
+        for i, tier in enumerate(tiers):
+            if tier in tiers[:i]:
+                continue
+            try:
+                return place_on_topology(self.topo, preq, busy_gpus=busy,
+                                         exclusive_cpus=tier, housekeeping=hk,
+                                         allowed_cpus=allowed)
+            except PlacementError:
+                if tier is tiers[-1] and not req.group:
+                    raise
         # more ranks than CPUs to split: share with the job's other ranks
         p = place_on_topology(self.topo, preq, busy_gpus=busy,
                               exclusive_cpus=self.exclusive_cpus(job=req.job),
@@ -467,7 +535,9 @@ class Placer:
     def _usable(self, allowed: frozenset[int] | None, hk: frozenset[int]) -> frozenset[int]:
         online = self.topo.online_cpus()
         base = online & allowed if allowed is not None else online
-        return (base - hk) or base
+        # a self-pinned rank's CPUs are no one's share while others are left: a rank of
+        # that slice gets fewer CPUs rather than some of its neighbour's
+        return (base - hk - self.external_cpus().keys()) or (base - hk) or base
 
     def _count(self, req: PlaceRequest, allowed: frozenset[int] | None, hk: frozenset[int],
                notes: list[str]) -> tuple[int | None, frozenset[int] | None]:
@@ -673,7 +743,19 @@ class Placer:
         return self._finish(Placement(cpus=cpus, mems=mems, gpus=gpus, gpu_uuids=uuids,
                                       explanation=expl), notes)
 
+    def _clash(self, p: Placement) -> str | None:
+        """A note naming the self-pinned ranks whose CPUs ``p`` shares, if any."""
+        ext = self.external_cpus()
+        shared = {c: ext[c] for c in (p.cpus or ()) if c in ext}
+        if not shared:
+            return None
+        return (f"CPU {format_cpulist(shared)} shared with "
+                f"{'; '.join(sorted(set(shared.values())))}: no free CPU was left")
+
     def _finish(self, p: Placement, notes: list[str]) -> Placement:
+        clash = self._clash(p)
+        if clash is not None:
+            notes = [*notes, clash]
         if notes:
             p = replace(p, explanation="; ".join([p.explanation, *notes]) if p.explanation
                         else "; ".join(notes))

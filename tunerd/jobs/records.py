@@ -134,10 +134,14 @@ class Hold:
     job: str | None = None  # scheduler job ("slurm:12")
     exclusive: bool = False
     uid: int | None = None  # who bound it (an exclusive bind counts against them)
+    ranked: bool = False  # a rank its launcher or scheduler identified (steers [irq])
 
     def to_json(self) -> JSONObject:
-        return {"group": self.group, "job": self.job, "exclusive": self.exclusive,
-                "uid": self.uid}
+        d: JSONObject = {"group": self.group, "job": self.job, "exclusive": self.exclusive,
+                         "uid": self.uid}
+        if self.ranked:  # written only when set: older daemons' layout otherwise
+            d["ranked"] = True
+        return d
 
     @classmethod
     def from_json(cls, raw: JSONValue | None) -> Hold | None:
@@ -147,10 +151,12 @@ class Hold:
         if d is None:
             return None
         group, job, excl, uid = d.get("group"), d.get("job"), d.get("exclusive"), d.get("uid")
+        ranked = d.get("ranked", False)
         if not (isinstance(group, str | None) and isinstance(job, str | None)
-                and isinstance(excl, bool) and (uid is None or type(uid) is int)):
+                and isinstance(excl, bool) and (uid is None or type(uid) is int)
+                and isinstance(ranked, bool)):
             return None
-        return cls(group=group, job=job, exclusive=excl, uid=uid)
+        return cls(group=group, job=job, exclusive=excl, uid=uid, ranked=ranked)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from tunerd.base.errorlog import ErrorLog
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.intake import JobContext
 from tunerd.jobs.pidwatch import PidWatch
+from tunerd.watch.launchers import AFFINITY_WRAPPERS, wrapper_name
 from tunerd.watch.rules import RuleMatch
 
 __all__ = ["WRAPPED_MAX", "RuleMemory"]
@@ -43,6 +44,9 @@ class RuleMemory:
         # wrappers an explicit rule matched: pid -> (start time, the match); what they
         # run matches that rule (``wrapped_match``)
         self.wrapped: dict[int, tuple[int, RuleMatch]] = {}
+        # pid -> (start time, wrapper name) of wrappers left alone: the rank the same
+        # process becomes once it execs was pinned by that wrapper (numactl, taskset)
+        self.wrappers: dict[int, tuple[int, str]] = {}
 
     def left_alone_now(self) -> list[JSONObject]:
         """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
@@ -94,11 +98,35 @@ class RuleMemory:
         self.settled.discard(pid)
         self.left_alone.pop(pid, None)
         self.self_affined.discard(pid)
+        self.wrappers.pop(pid, None)
+
+    def placed_by(self, ctx: JobContext) -> str:
+        """Who chose a self-pinned rank's CPUs: the wrapper this very process exec'd
+        through where a rule saw it, else the one its parent's command line runs it
+        through (``torchrun --no-python numactl ...``; torchrun ``--numa-binding``),
+        else "self" (the rank, or a launcher that binds before exec: not told apart).
+        A rank rule never matches a wrapper's own exec, and numactl execs at once: the
+        parent's command line is what tells it."""
+        hit = self.wrappers.get(ctx.pid)
+        if hit is not None and hit[0] == ctx.start_time:
+            return hit[1]
+        got = procfs.read_cmdline_prefix(ctx.ppid, self.proc)
+        words = [w.rsplit("/", 1)[-1] for w in got[0].split(" ")] if got else []
+        named = next((w for w in words if w in AFFINITY_WRAPPERS), None)
+        if named is not None:
+            return named
+        if any(w.startswith(("--numa-binding", "--numa_binding")) for w in words):
+            return "torchrun --numa-binding"
+        return "self"
 
     def leave_alone(self, ctx: JobContext) -> None:
         if len(self.left_alone) > 1000:
             self.left_alone.clear()
             self.self_affined.clear()
+        if ctx.role == "wrapper":
+            if len(self.wrappers) > 1000:
+                self.wrappers.clear()
+            self.wrappers[ctx.pid] = (ctx.start_time, wrapper_name(list(ctx.argv)) or "wrapper")
         if ctx.self_affined:
             self.self_affined.add(ctx.pid)
         else:

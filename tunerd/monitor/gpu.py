@@ -70,12 +70,16 @@ class GpuSampler:
         self._drain_xids()
         gpus: list[dict[str, Any]] = []
         procs: list[dict[str, Any]] = []
+        graphics: list[list[int]] = []  # [GPU, pid]
         for i, d in enumerate(devices):
             gpus.append(self._one(i, d))
             plist = d.compute_processes()
             for p in [] if plist is NA else plist:
                 procs.append({"gpu": i, "pid": p.pid, "used_memory_bytes": _num(p.used_memory)})
-        return {"available": True, "reason": None, "gpus": gpus, "processes": procs}
+            glist = d.graphics_processes()  # for tunerd.jobs.gpuuse: who uses a GPU
+            graphics.extend([i, p.pid] for p in ([] if glist is NA else glist))
+        return {"available": True, "reason": None, "gpus": gpus, "processes": procs,
+                "graphics_processes": graphics}
 
     def _one(self, i: int, d: nvml.Device) -> dict[str, Any]:
         util = d.utilization

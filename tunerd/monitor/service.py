@@ -379,15 +379,16 @@ class Monitor:
         return sample
 
     def gpu_processes(self) -> list[tuple[int, int]] | None:
-        """(GPU, pid) of every compute process in the last sample, or None where GPUs
-        were not sampled within the last three intervals (tunerd.jobs.gpuuse then asks
-        NVML itself)."""
+        """(GPU, pid) of every compute and graphics process in the last sample, or None
+        where GPUs were not sampled within the last three intervals (tunerd.jobs.gpuuse
+        then has no NVML evidence that tick: it makes no NVML call of its own)."""
         with self.lock:
             s, at = self.latest, self.last_cycle_at
         gpu = (s or {}).get("gpu") or {}
         if not gpu.get("available") or time.monotonic() - at > 3 * self.interval:
             return None
-        return [(int(p["gpu"]), int(p["pid"])) for p in gpu.get("processes") or []]
+        return [*((int(p["gpu"]), int(p["pid"])) for p in gpu.get("processes") or []),
+                *((int(g), int(p)) for g, p in gpu.get("graphics_processes") or [])]
 
     def _publish(self, sample: dict[str, Any]) -> dict[int, Report]:
         """Store a finished sample (either thread); returns the ended reports."""

@@ -153,6 +153,20 @@ JOB_MATCH = Table({
                              "mpirun, deepspeed, accelerate), by its environment and tree"),
 }, description="every key given must match the process")
 
+GPU_USE = Table({
+    "enabled": Bool(description="place processes seen using a GPU (NVML's process lists, "
+                                "an open /dev/nvidiaN) that carry no rank variable, "
+                                "whatever launched them, as ranks of their launch tree's "
+                                "job (default false; the bundled torch-training rule: true)"),
+    "cmdline": StrList(Str(what="a glob over the joined command line", max_len=1024),
+                       description="only GPU users whose command line matches one"),
+    "env": Table(values=Str(what="a glob over the variable's value", allow_empty=True,
+                            max_len=1024), key=_ENV_NAME,
+                 description="only GPU users with every variable set and matching"),
+    "user": StrList(Str(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?", what="a user name", max_len=64),
+                    description="only GPU users of these users"),
+}, description="processes placed at their first GPU use under this rule (tunerd.jobs.gpuuse)")
+
 # training-side settings of the processes a rule bound (tunerd.torch applies them); their
 # keys, ranges and AMP modes are tunerd.torch's, so the policy and the helpers agree
 _TORCH_DOC = {
@@ -194,7 +208,12 @@ JOB = Table({
                            max_len=1024),
     "workers": Int(0, 1024, description="DataLoader worker processes per rank; placement "
                                         "gives the rank room for them"),
+    "self_pinned_memory": Enum(("bind", "leave"),
+                               description="a rank that pinned its own CPUs (numactl, "
+                                           "taskset): bind its memory to their NUMA "
+                                           "node(s) (default bind) or leave it"),
     "torch": TORCH,
+    "gpu_use": GPU_USE,
 }, required=("name",))
 
 IRQ = Table({

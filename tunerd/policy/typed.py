@@ -27,6 +27,7 @@ __all__ = [
     "BlockRule",
     "CpuSection",
     "GpuSection",
+    "GpuUseSpec",
     "IrqSection",
     "JobSpec",
     "LeasePolicy",
@@ -170,7 +171,19 @@ class JobSpec:
     exclusive: bool = False
     exclusive_scope: str | None = None  # "cgroup:/PATH" | "pid:N"
     workers: int | None = None  # DataLoader worker processes per rank (placement room)
+    self_pinned_memory: str = "bind"  # bind | leave: a self-pinned rank's memory
     torch: TorchSettings = TorchSettings()
+    gpu_use: GpuUseSpec | None = None  # [job.gpu_use] with enabled = true: GPU users too
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUseSpec:
+    """``[job.gpu_use]``: processes seen using a GPU are placed under the rule when its
+    ``match`` keys (``match.rank`` aside) and these narrowing keys all match."""
+
+    cmdline: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=_no_map)
+    users: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,8 +244,17 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         exclusive=raw.get("exclusive", False),
         exclusive_scope=raw.get("exclusive_scope"),
         workers=raw.get("workers"),
+        self_pinned_memory=raw.get("self_pinned_memory", "bind"),
         torch=TorchSettings(**raw.get("torch", {})),
+        gpu_use=_gpu_use(raw.get("gpu_use") or {}),
     )
+
+
+def _gpu_use(raw: Mapping[str, Any]) -> GpuUseSpec | None:
+    if not raw.get("enabled", False):
+        return None
+    return GpuUseSpec(cmdline=tuple(raw.get("cmdline", ())), env=_frozen_map(raw.get("env")),
+                      users=tuple(raw.get("user", ())))
 
 
 def build_model(data: Mapping[str, Any], sources: Sequence[str]) -> PolicyModel:

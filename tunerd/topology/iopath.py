@@ -18,7 +18,6 @@ management port is never a GPU's NIC next to a 100 Gb/s one).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 from tunerd.topology.model import Gpu, Topology
 
 __all__ = ["TIERS", "FabricNic", "GpuNic", "fabric_nics", "gpu_nics", "nic_env",
-           "pairing_json", "rank_gpus"]
+           "pairing_json"]
 
 TIERS = ("switch", "host-bridge", "numa", "remote")  # nearest first
 # nvidia-smi topo -m's word for each tier
@@ -170,14 +169,3 @@ def nic_env(pairs: Sequence[GpuNic]) -> dict[str, str]:
 def pairing_json(pairs: Mapping[int, Sequence[GpuNic]]) -> dict[str, list[dict[str, Any]]]:
     """``{"0": [{...}], ...}``: the pairing as `tunerctl topology --json` shows it."""
     return {str(g): [p.to_json() for p in ps] for g, ps in pairs.items()}
-
-
-def rank_gpus(local_rank: int, environ: Mapping[str, str] | None = None) -> list[int] | None:
-    """The GPU index local rank N uses: the Nth of a numeric CUDA_VISIBLE_DEVICES, else
-    None (the daemon takes GPU N)."""
-    cvd = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
-    if cvd:
-        ids = [x.strip() for x in cvd.split(",") if x.strip()]
-        if all(x.isdigit() for x in ids) and local_rank < len(ids):
-            return [int(ids[local_rank])]
-    return None

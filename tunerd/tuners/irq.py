@@ -25,6 +25,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ from tunerd.policy.typed import IrqSection
 from tunerd.tuners.base import Change, SettingError, write_text
 from tunerd.tuners.nccl import NcclTuner
 
-__all__ = ["IrqContext", "IrqTuner", "ManagedDevice", "format_mask", "parse_mask"]
+__all__ = ["IrqContext", "IrqTuner", "ManagedDevice", "RewriteLimit", "format_mask",
+           "parse_mask"]
 
 _PCI_ADDR = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 BALANCE_KEY = "irq:irqbalance:IRQBALANCE_ARGS"
@@ -70,6 +73,44 @@ def format_mask(cpus: Iterable[int], like: str | None = None) -> str:
         if len(parts[0].lstrip("0")) <= w:
             parts[0] = parts[0][-w:]
     return ",".join(parts)
+
+
+# each interrupt's affinity is rewritten at most this often by the quick check: binds
+# and unbinds that move it faster (a user rebinding between two CPUs) are not followed
+# move by move, and an outside writer fighting tunerd (irqbalance) gets a bounded answer
+REWRITES_PER_WINDOW = 4
+REWRITE_WINDOW_S = 10.0
+
+
+class RewriteLimit:
+    """At most ``per_window`` rewrites of one interrupt per ``window`` seconds; what is
+    held back stays drift and is written when the window allows."""
+
+    def __init__(self, per_window: int = REWRITES_PER_WINDOW,
+                 window: float = REWRITE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_window = per_window
+        self.window = window
+        self.clock = clock
+        self._times: dict[str, deque[float]] = {}  # one entry per managed interrupt
+        self.held_back = 0  # rewrites deferred so far (status)
+
+    def allow(self, key: str) -> bool:
+        """Whether ``key`` may be rewritten now (counted when it may)."""
+        now = self.clock()
+        times = self._times.setdefault(key, deque())
+        while times and now - times[0] >= self.window:
+            times.popleft()
+        if len(times) >= self.per_window:
+            self.held_back += 1
+            return False
+        times.append(now)
+        return True
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the interrupts no longer managed (the table stays bounded)."""
+        for key in [k for k in self._times if k not in keep]:
+            del self._times[key]
 
 
 @dataclass(frozen=True)

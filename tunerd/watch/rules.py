@@ -51,7 +51,8 @@ from tunerd.policy.typed import JobSpec, TorchSettings
 from tunerd.watch.globs import Glob, GlobSet
 from tunerd.watch.launchers import RANK_VARS, is_launcher, wrapper_name
 
-__all__ = ["CMDLINE_MATCH_BYTES", "ENVIRON_MATCH_BYTES", "JobRule", "RuleMatch", "RuleSet"]
+__all__ = ["CMDLINE_MATCH_BYTES", "ENVIRON_MATCH_BYTES", "GpuUseMatch", "JobRule", "RuleMatch",
+           "RuleSet"]
 
 CMDLINE_MATCH_BYTES = 4 << 10
 ENVIRON_MATCH_BYTES = 64 << 10
@@ -74,28 +75,24 @@ class JobRule:
     exclusive_scope: str | None = None
     uids: frozenset[int] = field(default=frozenset(), compare=False)
     workers: int | None = None  # DataLoader workers per rank: placement room
+    self_pinned_memory: str = "bind"  # a self-pinned rank's memory: bind | leave
     # what tunerd.torch applies in the processes this rule bound
     torch: TorchSettings = field(default_factory=TorchSettings)
+    # [job.gpu_use]: processes seen using a GPU are placed under this rule too (None: off)
+    gpu_use: GpuUseMatch | None = None
 
     @classmethod
     def from_policy(cls, spec: JobSpec) -> JobRule:
         """Build from one typed ``[[job]]`` rule of the policy in force."""
-        uids: set[int] = set()
-        for u in spec.users:
-            if u.isdigit():
-                uids.add(int(u))
-                continue
-            try:
-                uids.add(pwd.getpwnam(u).pw_uid)
-            except KeyError:
-                log.warning("job rule %r: user %r does not exist on this node", spec.name, u)
+        uids = _uids(spec.name, spec.users)
         env = tuple(sorted(spec.env.items()))
         return cls(
             name=spec.name, cmdline=spec.cmdline, env=env, users=spec.users, rank=spec.rank,
             placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
             exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
-            workers=spec.workers, torch=spec.torch,
-            uids=frozenset(uids),
+            workers=spec.workers, self_pinned_memory=spec.self_pinned_memory,
+            torch=spec.torch,
+            uids=frozenset(uids), gpu_use=GpuUseMatch.from_policy(spec),
         )
 
     def matches(self, cmdline: str, uid: int | None, env: dict[str, str] | None) -> bool:
@@ -112,6 +109,55 @@ class JobRule:
                 if val is None or not Glob(g).match(val):
                     return False
         return True
+
+
+    def places_gpu_user(self, cmdline: str, uid: int | None, env: Mapping[str, str]) -> bool:
+        """Whether a process seen using a GPU is placed under this rule: ``gpu_use`` on,
+        the rule's own keys (``match.rank`` aside: such a process has no rank variable)
+        and ``gpu_use``'s narrowing keys all match."""
+        g = self.gpu_use
+        return g is not None and self.matches(cmdline, uid, dict(env)) and g.matches(
+            cmdline, uid, env)
+
+
+@dataclass(frozen=True)
+class GpuUseMatch:
+    """``[job.gpu_use]``'s narrowing keys, as ``match``'s: every one given must match."""
+
+    cmdline: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    users: tuple[str, ...] = ()
+    uids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_policy(cls, spec: JobSpec) -> GpuUseMatch | None:
+        g = spec.gpu_use
+        if g is None:
+            return None
+        return cls(g.cmdline, tuple(sorted(g.env.items())), g.users,
+                   frozenset(_uids(spec.name, g.users)))
+
+    def matches(self, cmdline: str, uid: int | None, env: Mapping[str, str]) -> bool:
+        if self.cmdline and not GlobSet(self.cmdline).match(cmdline, False):
+            return False
+        if self.users and uid not in self.uids:
+            return False
+        return all((val := env.get(var)) is not None and Glob(g).match(val)
+                   for var, g in self.env)
+
+
+def _uids(rule: str, users: Iterable[str]) -> set[int]:
+    """Uids of user names (or numbers); a name this node lacks is warned about."""
+    uids: set[int] = set()
+    for u in users:
+        if u.isdigit():
+            uids.add(int(u))
+            continue
+        try:
+            uids.add(pwd.getpwnam(u).pw_uid)
+        except KeyError:
+            log.warning("job rule %r: user %r does not exist on this node", rule, u)
+    return uids
 
 
 @dataclass(frozen=True)
