@@ -43,7 +43,7 @@ from tunerd.base.errors import (
 from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.gate import ReservationGate, rule_reach_refused
-from tunerd.jobs.intake import Intake, JobContext, bounded_int, request
+from tunerd.jobs.intake import Intake, JobContext, Role, bounded_int, request
 from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.peer import Peer, require_owner
 from tunerd.jobs.placement import Placement, is_exclusive
@@ -347,8 +347,8 @@ class BindPipeline:
         run.ns["intake"] = time.perf_counter_ns()
         ctx = run.ctx
         t.start_time, t.uid = ctx.start_time, ctx.uid if ctx.uid is not None else -1
-        if ctx.role not in ("rank", "process") or ctx.self_affined \
-                or (m.rule.rank and ctx.role != "rank"):
+        if ctx.role not in (Role.RANK, Role.PROCESS) or ctx.self_affined \
+                or (m.rule.rank and ctx.role != Role.RANK):
             raise _Stop(self._left(run, ctx.role, keep_ctx=True))
 
     # -- decide: gate, place, hold, under the ledger's lock ---------------------------

@@ -84,6 +84,9 @@ class Mode(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __hash__(self) -> int:  # equal to its string, so hashes the same
+        return str.__hash__(self)
+
 
 MODES = tuple(m.value for m in Mode)
 
@@ -492,7 +495,7 @@ def _gpu_notes(topo: Topology, gpu_ids: tuple[int, ...], gpus: list[Gpu],
 
 def _domain(job: _Job) -> _Domain:
     """Which nodes (and which CPUs inside them) count as local."""
-    if job.req.mode == "none":
+    if job.req.mode == Mode.NONE:
         return _Domain(sorted(job.idx.node_cores))
     if job.gpus:
         return _gpu_domain(job)
@@ -556,7 +559,7 @@ def _candidates(job: _Job, dom: _Domain) -> _Candidates:
         w2, s2 = job.picker.cores_in(
             dom.home, frozenset(c for c in job.eligible if c not in dom.within))
         whole, split = whole + w2, split + s2
-    if job.req.mode == "core-complex" and job.req.cpus is None:
+    if job.req.mode == Mode.CORE_COMPLEX and job.req.cpus is None:
         whole, split = _core_complex(job.topo, job.idx, job.gpus, whole, split, dom.within)
     return _Candidates(whole, split, inner)
 
@@ -582,7 +585,7 @@ def _exclusive_count(job: _Job, cand: _Candidates, smt: int) -> int:
         count = _fair_share_cores(job.topo, job.idx, job.gpus, job.usable) * smt
     else:
         count = smt
-    if mode == "core-complex":
+    if mode == Mode.CORE_COMPLEX:
         count = min(count, sum(len(c) for c in cand.whole)) or smt
     return count
 
