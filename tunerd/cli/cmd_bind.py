@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from tunerd.base.procpath import pid_path
 from tunerd.cli.context import get_ctx
 from tunerd.cli.types import CPULIST, PID, Command, CountType, plural
 
@@ -87,7 +88,7 @@ def live_name(pid: int, cmdline: str = "") -> str:
     """The process's name as ps shows it now (/proc/PID/comm), else its argv[0]'s; printable
     characters only (a process chooses its own name)."""
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+        with open(pid_path(pid, "comm"), encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
     except OSError:
         name = os.path.basename(cmdline.split(" ", 1)[0]) if cmdline else ""
