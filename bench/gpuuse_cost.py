@@ -97,6 +97,7 @@ def main() -> int:
     try:
         with Daemon(policy, topology=DGX, config=cfg) as on, \
                 Daemon(off_policy, topology=DGX, config=cfg) as off:
+            time.sleep(2 * args.settle)  # warm-up: the start's own work is no baseline
             for r in range(args.rounds):
                 row: dict[str, Any] = {}
                 for phase, table in (("baseline", {}), ("listed", listed)):

@@ -65,6 +65,10 @@ fi
 
 [ -d "$WHEELS" ] || { echo "gpu-check: no $WHEELS/ here: run scripts/gpu-check.sh --prepare" \
     "where there is network, and carry $WHEELS along" >&2; exit 2; }
+# pyproject.toml's build backend requirement (setuptools>=N): read, not repeated here
+build_backend() {
+    sed -n 's/^requires = \[.*"\(setuptools[^"]*\)".*/\1/p' pyproject.toml
+}
 t0=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
     # --without-pip: a python3 without ensurepip (Debian's without python3-venv) makes it too
@@ -80,10 +84,14 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 "$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
     > "$site/zz-gpu-check-image-site.pth"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/$WHEELS"
-$pip install -q --no-compile setuptools
+# the build backend pyproject.toml asks for, from .whl/: a bare `setuptools` would be
+# satisfied by an older one that python3's own site-packages carries (the venv sees it
+# through the .pth: setuptools 65 on Debian 12 and many GPU images), which rejects
+# pyproject's PEP 639 `license = "Apache-2.0"`; the venv's own copy comes first
+$pip install -q --no-compile "$(build_backend)"
 # the project with its runtime dependencies as pyproject.toml names them, from .whl/ only
 $pip install -q --no-compile --no-build-isolation .
 echo "gpu-check: installed tunerd into $VENV in $(( $(date +%s) - t0 )) s" \
     "(torch from $("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))' \
-    2>/dev/null || echo 'nowhere: no torch in python3')"
+    2>/dev/null || echo 'nowhere: no torch in python3'))"
 exec "$VENV/bin/python" bench/gpu_check.py "$@"

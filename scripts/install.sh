@@ -88,11 +88,15 @@ fi
 new_version=$(installed_version)
 [ -n "$new_version" ] || { echo "install.sh: $PREFIX/bin/python cannot import tunerd" >&2; exit 1; }
 
-# the directories this install creates (and the ones an earlier install created): an
-# uninstall removes them again once empty
+# the directories this install creates, their missing parents too (install -d makes
+# /usr/local/share/zsh for zsh's site-functions), and the ones an earlier install
+# created: an uninstall removes them again once empty
 created=$(manifest_value CREATED_DIRS)
 for d in "$BIN_DIR" "$ETC_DIR" "$UNIT_DIR" "$BASH_COMPLETION_DIR" "$ZSH_COMPLETION_DIR"; do
-    [ -d "$d" ] || created="$created $d"
+    while [ ! -d "$d" ] && [ "$d" != / ] && [ "$d" != . ]; do
+        created="$created $d"
+        d=$(dirname "$d")
+    done
 done
 created=$(printf '%s\n' $created | awk 'NF && !seen[$0]++' | tr '\n' ' ' | sed 's/ $//')
 install -d -m 0755 "$BIN_DIR" "$ETC_DIR" "$ETC_DIR/policies" "$UNIT_DIR" \

@@ -181,3 +181,14 @@ wait_ready() {
         sleep 0.1
     done
 }
+
+# rmdir each of the directories "$@" that is empty, the deepest first (a parent install.sh
+# created, /usr/local/share/zsh, after its site-functions), saying which
+remove_empty_dirs() {
+    for _empty_dir in $(printf '%s\n' "$@" | awk 'NF { print length($0), $0 }' |
+                        sort -rn | cut -d' ' -f2-); do
+        if [ -d "$_empty_dir" ] && rmdir "$_empty_dir" 2>/dev/null; then
+            echo "removed $_empty_dir (empty)"
+        fi
+    done
+}

@@ -48,9 +48,8 @@ if [ ! -f "$PREFIX/share/tunerd/install.env" ] && [ ! -f "$PREFIX/pyvenv.cfg" ];
             rm -f "$record"
             echo "kept $STATE_DIR: it holds the originals of host settings not reverted"
         fi
-        for d in ${CREATED_DIRS:-}; do
-            if [ -d "$d" ] && rmdir "$d" 2>/dev/null; then echo "removed $d (empty)"; fi
-        done
+        # shellcheck disable=SC2086
+        remove_empty_dirs ${CREATED_DIRS:-}
         echo "tunerd is purged"
         exit 0
     fi
@@ -149,7 +148,6 @@ else
     echo "kept $ETC_DIR, $STATE_DIR and $LOG_FILE (--purge removes them, also later)"
 fi
 # the directories install.sh created, once empty (ETC_DIR after --purge)
-for d in $created_dirs; do
-    if [ -d "$d" ] && rmdir "$d" 2>/dev/null; then echo "removed $d (empty)"; fi
-done
+# shellcheck disable=SC2086
+remove_empty_dirs $created_dirs
 echo "tunerd is uninstalled"

@@ -104,9 +104,35 @@ def test_process_running_before_the_rule_is_bound_at_start(tmp_path: Path,
     early = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
     try:
         pol = rule_policy(tmp_path / "pol", _rule("early", exe, f'cpus = "{target}"'))
-        daemon_factory(policy_dir=pol).start()
+        d = daemon_factory(policy_dir=pol).start()
         wait_for(lambda: cpus_allowed(early.pid) == str(target), 10,
                  "the process that ran before the daemon to be bound")
+        summary = autobind_status(d)["summary"]
+        assert "(1 already running at start, of user(s) root)" in summary, summary
+    finally:
+        kill(early)
+
+
+@needs_two_cpus
+def test_a_process_a_reload_binds_is_not_said_to_run_at_start(tmp_path: Path,
+                                                               daemon_factory) -> None:
+    """A rule added by a reload binds a process already running: status says it was
+    running at a reload, not "at start" (the daemon was up before it)."""
+    exe = unique_sleeper(tmp_path, f"ab_reload_{os.getpid()}")
+    target = min(HOST_CPUS)
+    pol = rule_policy(tmp_path / "pol", "")
+    d = daemon_factory(policy_dir=pol).start()
+    early = spawn([str(exe), "30"], {"LOCAL_RANK": "0"})
+    try:
+        rule_policy(pol, _rule("late", exe, f'cpus = "{target}"'))
+        assert d.ctl("reload").rc == 0
+        wait_for(lambda: cpus_allowed(early.pid) == str(target), 10,
+                 "the rule of the reload to bind it", detail=d.log)
+        summary = wait_for(lambda: (s := autobind_status(d)["summary"]) and
+                           "already running" in s and s, 10, "the summary", detail=d.log)
+        assert "at start" not in summary, summary
+        assert "(1 already running at a reload, of user(s) root)" in summary, summary
+        assert "already running at start" not in d.log()
     finally:
         kill(early)
 

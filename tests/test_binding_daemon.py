@@ -115,14 +115,19 @@ def _free_pid() -> int:
     return p.pid
 
 
+# above the largest fs.nr_open any kernel takes (INT_MAX rounded down to 64: 2147483584),
+# not only above the default 1048576: a host may have raised it
+NOFILE_ABOVE_ANY_NR_OPEN = "2147483647"
+
+
 @pytest.mark.parametrize("args, rc, message", [
     (["--cpus", "9999"], 2, "CPU 9999 is not online (online: "),
     (["--cpus", "1-x"], 2, "malformed cpulist '1-x'"),
     (["--cpus", "3-1"], 2, "runs backwards"),
     (["--mems", "1"], 2, "NUMA node 1 is not online (online: 0)"),
-    (["--nofile", "999999999"], 2, "is above the kernel maximum fs.nr_open = "),
+    (["--nofile", NOFILE_ABOVE_ANY_NR_OPEN], 2, "is above the kernel maximum fs.nr_open = "),
     (["--nofile", "0"], 2, "0"),
-    (["--cpus", ONE, "--nofile", "999999999"], 2, "fs.nr_open"),  # nothing half-applied
+    (["--cpus", ONE, "--nofile", NOFILE_ABOVE_ANY_NR_OPEN], 2, "fs.nr_open"),  # nothing half-set
     (["--cpus", ONE, "--mems", "5"], 2, "NUMA node 5 is not online"),
     ([], 2, "no --cpus/--mems given and GPU placement is not available"),
     (["--gpus", "0"], 2, "no --cpus/--mems given and GPU placement is not available"),

@@ -142,6 +142,19 @@ def test_plurals_in_human_output() -> None:
     assert "LEASE" in leases and "L1" in leases and "alice" in leases
 
 
+def test_jobs_past_hidepid_shows_hidden_not_a_cut_marker() -> None:
+    """Past hidepid=2 another user's /proc/PID/comm is unreadable and the daemon sends
+    its command line as "(hidden: /proc is mounted hidepid)": NAME was "(hidden:"."""
+    from tunerd.cli.cmd_bind import _human_jobs
+
+    gone = 2**22 + 12345  # above any pid_max: no /proc/PID/comm to read, as past hidepid
+    out = _human_jobs({"jobs": [{"pid": gone, "cmdline": "(hidden: /proc is mounted hidepid)",
+                                 "origin": "bind", "cpus": "0"}]})
+    row = next(ln for ln in out.splitlines() if ln.startswith(str(gone)))
+    assert row.split()[1] == "(hidden)", out
+    assert "(hidden:" not in out, out
+
+
 def test_top_never_wraps_inside_a_command() -> None:
     from io import StringIO
 
@@ -219,7 +232,7 @@ def test_completion_scripts_are_produced_and_complete_command_names(tmp_path: Pa
 def test_an_unreachable_prometheus_is_not_blamed_on_tunerd() -> None:
     """fleet check names Prometheus and never suggests starting tunerd (issue 29)."""
     r = run_ctl("fleet", "check", "--prometheus", "http://127.0.0.1:1")
-    assert r.rc == 3, r
+    assert r.rc == 1, r  # 3 is "daemon not reachable" (tunerd's): not this
     assert "cannot reach Prometheus at http://127.0.0.1:1" in r.err
     assert "is Prometheus running there?" in r.err
     assert "start it with" not in r.err and "tunerd is not run" not in r.err, r.err

@@ -203,3 +203,33 @@ def test_bundled_policy_comments_say_which_binds_take_the_fd_limit() -> None:
     assert "`tunerctl bind` / `tunerctl run` use" not in text
     assert "`tunerctl run` leases and [[job]] rule binds apply" in text
     assert "a plain `tunerctl bind` changes a limit only when given --nofile" in text
+
+
+def test_readme_commands_run_in_the_root_shell_the_quick_start_assumes() -> None:
+    """The Quick start puts the reader in a root shell ("no sudo needed"): a `sudo` in a
+    README command fails there (`sudo: command not found` on a bare image)."""
+    readme = REPO / "README.md"
+    assert "in a root shell" in readme.read_text()
+    bad = []
+    for first, lines in shell_blocks(readme.read_text()):
+        for i, line in enumerate(lines):
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                words = line.split()
+            if "sudo" in words:
+                bad.append(f"README.md:{first + i}: {line}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.root
+def test_the_readme_status_sample_has_every_line_a_fresh_daemon_prints(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The tour's `tunerctl status` sample names the same sections, in the same order, as
+    a real daemon's status (a service added later, `gpuuse`, was missing)."""
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"```sh\ntunerctl status\n```\n```text\n(.*?)```", text, re.S)
+    assert m, "README.md: no `tunerctl status` sample"
+    sample = [ln.split(":")[0] for ln in m.group(1).splitlines()[1:]]
+    d = daemon_factory().start()
+    real = [ln.split(":")[0] for ln in d.ctl("status").out.splitlines()[1:] if ln.strip()]
+    assert sample == real, (sample, real)

@@ -135,9 +135,9 @@ def test_a_consistent_fleet_passes_though_nic_names_differ(fleet: Fleet) -> None
     assert bad.rc == 2 and "--match: not a list of PromQL label matchers" in bad.err, bad
 
 
-def test_unreachable_prometheus_exits_3(fleet: Fleet) -> None:
+def test_unreachable_prometheus_exits_1_not_the_daemons_3(fleet: Fleet) -> None:
     r = fleet.tunerctl("fleet", "check", "--prometheus", "http://127.0.0.1:1")
-    assert r.rc == 3 and "cannot reach Prometheus at http://127.0.0.1:1" in r.err, r
+    assert r.rc == 1 and "cannot reach Prometheus at http://127.0.0.1:1" in r.err, r
 
 
 def _report(fleet: Fleet, node: int, pid: int, rank: int, step: float,
@@ -266,6 +266,47 @@ def test_every_dashboard_query_parses_and_returns_data(fleet: Fleet, tmp_path: P
     finally:
         for pr in procs:
             kill(pr)
+
+
+def test_a_single_process_job_reporting_steps_is_in_the_job_variable_and_panels(
+        fleet: Fleet) -> None:
+    """A plain `python train.py` bound on a node and reporting steps through StepReporter
+    (no launcher: no job id, no rank) is a job of the dashboard too: the `job`
+    variable lists it under the default scrape config, and with it selected the job
+    panels have its series."""
+    from tunerd.wire.client import Client
+
+    node = fleet.nodes[2]
+    p = spawn(["sleep", "120"])
+    try:
+        r = node.daemon.ctl("bind", str(p.pid), "--cpus", "0")
+        assert r.rc == 0, r
+        Client(str(node.daemon.socket), timeout=10).call(
+            "report", pid=p.pid, steps=10, step_time_s=0.25, samples_per_s=128.0)
+        selector, label = _dashboard_variables()["job"]
+
+        def listed() -> set[str]:
+            [ans] = fleet.query(selector)
+            return {a["metric"].get(label) for a in ans["data"]["result"]
+                    if a["metric"].get("instance") == node.instance} - {None}
+
+        [name] = wait_for(listed, 30, "the single-process job in the job variable",
+                          interval=1.0)
+        dash = json.loads(DASHBOARD.read_text())
+        panels = {t["expr"].replace("$job", re.escape(name)): p["title"]
+                  for p in dash["panels"] for t in p.get("targets", [])
+                  if "$job" in t["expr"] and "tunerd_rank_bound" not in t["expr"]}
+        assert len(panels) >= 3, panels
+
+        def empty() -> list[str]:
+            return [title for (expr, title), a in zip(panels.items(),
+                                                     fleet.query(*panels), strict=True)
+                    if a["status"] != "success" or not a["data"]["result"]]
+
+        wait_for(lambda: not empty(), 30, f"the job panels to show job {name!r}",
+                 interval=1.0, detail=lambda: repr(empty()))
+    finally:
+        kill(p)
 
 
 def test_a_fixed_node_drops_out_after_its_reload(fleet: Fleet) -> None:

@@ -424,3 +424,26 @@ def test_the_gpu_use_service_reads_only_its_narrow_interface_of_the_rules_binder
     protocol = {m for m in vars(RuleBinds) if not m.startswith("_")}
     assert asked and asked <= protocol, asked - protocol
     assert all(callable(getattr(AutoBinder, m, None)) for m in protocol), protocol
+
+
+def test_gpu_use_is_narrowed_by_the_rules_keys_and_its_own() -> None:
+    """A rule places a GPU user when gpu_use is on, its match keys (match.rank aside)
+    and gpu_use's own cmdline/env/user all match."""
+    from tunerd.policy.typed import GpuUseSpec, JobSpec
+    from tunerd.watch.rules import JobRule
+
+    def rule(**gpu_use: Any) -> JobRule:
+        spec = JobSpec(name="t", rank=True, env={"TEAM": "vision"},
+                       gpu_use=GpuUseSpec(**gpu_use) if gpu_use.pop("on", True) else None)
+        return JobRule.from_policy(spec)
+
+    env = {"TEAM": "vision", "PROJ": "llm-7b"}
+    assert rule().places_gpu_user("python train.py", 1000, env)  # no rank variable needed
+    assert not rule().places_gpu_user("python train.py", 1000, {"TEAM": "audio"})
+    assert not rule(on=False).places_gpu_user("python train.py", 1000, env)
+    assert rule(cmdline=("*train.py*",)).places_gpu_user("python train.py", 0, env)
+    assert not rule(cmdline=("*train.py*",)).places_gpu_user("python eval.py", 0, env)
+    assert rule(env={"PROJ": "llm-*"}).places_gpu_user("python x.py", 0, env)
+    assert not rule(env={"PROJ": "llm-*"}).places_gpu_user("python x.py", 0, {"TEAM": "vision"})
+    assert rule(users=("0",)).places_gpu_user("python x.py", 0, env)
+    assert not rule(users=("0",)).places_gpu_user("python x.py", 1000, env)

@@ -6,6 +6,7 @@ Policies here hold only per-namespace settings (veth MTU, net.* sysctls) and an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_as, wait_for, write_policy
+from tests.helpers import REPO, run_as, wait_for, write_policy
 from tests.host_helpers import (
     NsDaemonProc,
     add_veth,
@@ -48,10 +49,33 @@ NCCL_SOCKET_IFNAME = "=veth0"
 """
 
 
-@pytest.fixture
-def ns() -> Iterator[str]:
+# A fresh namespace copies tcp_rmem/tcp_wmem from the host (Linux >= 4.15): a host tuned
+# by 00-h100-training.toml already holds POLICY's tcp_rmem. Values a test must change
+# are chosen against what the namespace holds (the first that differs), never assumed.
+RMEM = ("4096 87380 268435456", "4096 131072 33554432")
+
+
+def other_than(current: str, *choices: str) -> str:
+    """The first of ``choices`` that differs from ``current``."""
+    return next(c for c in choices if c != current)
+
+
+def policy_for(ns: str) -> tuple[str, str]:
+    """POLICY with a tcp_rmem the namespace does not hold yet, and that value."""
+    rmem = other_than(ns_sysctl(ns, "net.ipv4.tcp_rmem"), *RMEM)
+    return POLICY.replace(RMEM[0], rmem), rmem
+
+
+@contextlib.contextmanager
+def fresh_ns() -> Iterator[str]:
     with netns() as name:
         add_veth(name, "veth0", "veth1")
+        yield name
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    with fresh_ns() as name:
         yield name
 
 
@@ -71,12 +95,17 @@ def start(daemons: list[NsDaemonProc], tmp: Path, policy: str, ns: str,
 
 def test_apply_at_start_plan_verify_revert(tmp_path: Path, ns: str,
                                            daemons: list[NsDaemonProc]) -> None:
+    apply_plan_verify_revert(tmp_path, ns, daemons)
+
+
+def apply_plan_verify_revert(tmp_path: Path, ns: str, daemons: list[NsDaemonProc]) -> None:
     orig = originals(ns)
     assert orig["somaxconn"] != "1024" and orig["veth0"] != (9000, 4321)
-    d = start(daemons, tmp_path / "d", POLICY, ns)
+    policy, rmem = policy_for(ns)
+    d = start(daemons, tmp_path / "d", policy, ns)
     wait_for(lambda: ns_mtu(ns, "veth1") == 9000, 10, "veth1 MTU 9000", detail=d.log)
     assert ns_sysctl(ns, "net.core.somaxconn") == "1024"
-    assert ns_sysctl(ns, "net.ipv4.tcp_rmem") == "4096 87380 268435456"
+    assert ns_sysctl(ns, "net.ipv4.tcp_rmem") == rmem
     assert ns_link(ns, "veth0")["txqlen"] == 4321
     conf = (tmp_path / "d/etc/nccl.conf").read_text()
     assert "NCCL_SOCKET_IFNAME==veth0" in conf
@@ -97,11 +126,13 @@ def test_apply_at_start_plan_verify_revert(tmp_path: Path, ns: str,
     assert r.rc == 0, r
     assert f"restored nic:veth0:mtu: 9000 -> {orig['veth0'][0]}" in r.out  # type: ignore[index]
     assert "restored sysctl:net.core.somaxconn: 1024 -> " in r.out
+    assert f"restored sysctl:net.ipv4.tcp_rmem: {rmem} -> {orig['tcp_rmem']}" in r.out
     assert originals(ns) == orig
     assert not (tmp_path / "d/etc/nccl.conf").exists()  # tunerd created it: removed
     # after a revert the daemon no longer enforces: verify reports, plan shows the way back
     r = d.ctl("verify")
-    assert r.rc == 1 and "drift: sysctl:net.core.somaxconn: current 4096" in r.out, r
+    assert r.rc == 1 and f"drift: sysctl:net.core.somaxconn: current {orig['somaxconn']}" \
+        in r.out, r
     r = d.ctl("--json", "plan")
     assert {c["key"] for c in r.json()["changes"]} >= {"nic:veth0:mtu", "nccl:NCCL_SOCKET_IFNAME"}
     r = d.ctl("apply")
@@ -127,16 +158,29 @@ def test_new_veth_gets_its_mtu_from_the_uevent(tmp_path: Path, ns: str,
     assert elapsed < 5.0
 
 
+# sysctl -> values to choose from: the first the namespace does not hold is written
+KILL9_CHOICES = {
+    "net.core.somaxconn": ("1111", "1112"),
+    "net.ipv4.tcp_rmem": RMEM,
+    "net.ipv4.tcp_wmem": ("4096 65536 268435456", "4096 65536 33554432"),
+    "net.ipv4.tcp_fin_timeout": ("17", "18"), "net.ipv4.tcp_keepalive_time": ("333", "334"),
+    "net.ipv4.tcp_max_syn_backlog": ("2222", "2223"),
+    "net.ipv4.ip_local_port_range": ("20000 60000", "20001 60000"),
+    "net.ipv4.tcp_mtu_probing": ("1", "2")}
+
+
 def test_kill9_mid_apply_then_revert_restores_originals(tmp_path: Path, ns: str,
                                                         daemons: list[NsDaemonProc]) -> None:
+    kill9_mid_apply_then_revert(tmp_path, ns, daemons)
+
+
+def kill9_mid_apply_then_revert(tmp_path: Path, ns: str,
+                                daemons: list[NsDaemonProc]) -> None:
     for i in range(2, 8):
         add_veth(ns, f"veth{i}a", f"veth{i}b")
-    wanted = {"net.core.somaxconn": "1111", "net.ipv4.tcp_rmem": "4096 87380 268435456",
-              "net.ipv4.tcp_wmem": "4096 65536 268435456", "net.ipv4.tcp_fin_timeout": "17",
-              "net.ipv4.tcp_keepalive_time": "333", "net.ipv4.tcp_max_syn_backlog": "2222",
-              "net.ipv4.ip_local_port_range": "20000 60000", "net.ipv4.tcp_mtu_probing": "1"}
-    names = list(wanted)
+    names = list(KILL9_CHOICES)
     before = {n: ns_sysctl(ns, n) for n in names}
+    wanted = {n: other_than(before[n], *KILL9_CHOICES[n]) for n in names}
     links = ["veth0", "veth1"] + [f"veth{i}{s}" for i in range(2, 8) for s in "ab"]
     mtus = {ifname: ns_mtu(ns, ifname) for ifname in links}
     assert all(before[n] != v for n, v in wanted.items())
@@ -173,10 +217,19 @@ def test_kill9_mid_apply_then_revert_restores_originals(tmp_path: Path, ns: str,
 
 def test_reload_reverts_a_removed_setting(tmp_path: Path, ns: str,
                                           daemons: list[NsDaemonProc]) -> None:
+    reload_reverts_a_removed_setting(tmp_path, ns, daemons)
+
+
+def reload_reverts_a_removed_setting(tmp_path: Path, ns: str,
+                                     daemons: list[NsDaemonProc]) -> None:
     orig = originals(ns)
-    d = start(daemons, tmp_path / "d", POLICY, ns)
+    policy, rmem = policy_for(ns)
+    d = start(daemons, tmp_path / "d", policy, ns)
+    wait_for(lambda: ns_sysctl(ns, "net.ipv4.tcp_rmem") == rmem, 10, "tcp_rmem applied",
+             detail=d.log)
     wait_for(lambda: ns_mtu(ns, "veth0") == 9000, 10, "veth0 MTU 9000", detail=d.log)
-    smaller = POLICY.replace('"net.ipv4.tcp_rmem" = "4096 87380 268435456"\n', "")
+    smaller = policy.replace(f'"net.ipv4.tcp_rmem" = "{rmem}"\n', "")
+    assert smaller != policy
     smaller = smaller[: smaller.index("[[nic]]")]  # no NIC settings any more
     write_policy(d.policy_dir, "50-host.toml", smaller)
     d.signal(signal.SIGHUP)
@@ -296,3 +349,36 @@ def test_unprivileged_user_may_plan_but_not_apply_or_revert(
     assert run_as(uid, gid, ctl, "apply") == 4
     assert run_as(uid, gid, ctl, "revert") == 4
     assert ns_mtu(ns, "veth0") == 9000  # the refused revert changed nothing
+
+
+def test_the_netns_checks_pass_on_a_host_tuned_by_the_h100_policy(tmp_path: Path) -> None:
+    """The guard: the host carries 00-h100-training.toml's tcp_rmem/tcp_wmem (restored in
+    the finally, whatever happens), and the checks above run in namespaces made then
+    (which copy those values from the host)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    sysctl = tomllib.loads((REPO / "policies/00-h100-training.toml").read_text())["sysctl"]
+    wanted = {n: " ".join(str(sysctl[n]).split())
+              for n in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")}
+    paths = {n: Path("/proc/sys", n.replace(".", "/")) for n in wanted}
+    saved = {n: p.read_text() for n, p in paths.items()}
+    try:
+        for n, p in paths.items():
+            p.write_text(wanted[n] + "\n")
+        checks = (apply_plan_verify_revert, kill9_mid_apply_then_revert,
+                  reload_reverts_a_removed_setting)
+        for i, check in enumerate(checks):
+            with fresh_ns() as name:
+                assert {n: ns_sysctl(name, n) for n in wanted} == wanted  # copied
+                made: list[NsDaemonProc] = []
+                try:
+                    check(tmp_path / str(i), name, made)
+                finally:
+                    for d in made:
+                        d.cleanup()
+    finally:
+        for n, p in paths.items():
+            p.write_text(saved[n])
+    assert {n: p.read_text() for n, p in paths.items()} == saved

@@ -380,6 +380,11 @@ def test_uninstall_reverts_stops_and_removes(tree: Tree) -> None:
     for gone in (env["ETC_DIR"], env["STATE_DIR"], env["LOG_FILE"], env["ZSH_COMPLETION_DIR"],
                  env["BASH_COMPLETION_DIR"], env["UNIT_DIR"], env["BIN_DIR"]):
         assert not os.path.lexists(gone), (gone, r.stdout)
+    # ... and the parents install -d made for them (usr/local/share/zsh was left once):
+    # this tree had no usr/ nor etc/ before the install
+    for gone in ("usr/local/share/zsh", "usr/share/bash-completion", "etc/systemd", "usr",
+                 "etc"):
+        assert not (tree.root / gone).exists(), (gone, r.stdout)
     assert "tunerd is purged" in r.stdout
     r = tree.script("uninstall.sh", "--purge")  # nothing left: says so
     assert r.returncode == 1 and "no tunerd install" in r.stderr

@@ -95,3 +95,20 @@ def test_acs_is_never_cleared_inside_a_vm(tmp_path: Path) -> None:
     t = PcieTuner(tmp_path / "proc", tmp_path / "sys", lambda: topo)
     (c,) = [c for c in t.plan(PcieSection(clear_acs=True)) if c.key == "pcie:0000:4e:00.0:acs"]
     assert not c.available and "virtual machine" in (c.reason or "")
+
+
+def test_tunerctl_doctor_checks_a_recorded_tree(tmp_path: Path) -> None:
+    """`tunerctl doctor --sysfs-root DIR --topology SNAPSHOT`: the ACS finding on a
+    recording, from the command line (it was reachable only through the Python API)."""
+    from tests.helpers import run_ctl
+
+    build(tmp_path, read_snapshot(DGX), acs_on=frozenset({"0000:4e:00.0"}))
+    r = run_ctl("--json", "doctor", "--sysfs-root", str(tmp_path / "sys"),
+                "--topology", str(DGX), "--python", "/nonexistent/python3")
+    assert r.rc in (0, 1), r
+    checks = {c["id"]: c for c in r.json()["checks"]}
+    assert checks["io-acs"]["status"] == WARN, checks["io-acs"]
+    assert "GPU2-mlx5_2:1: 0000:4e:00.0" in checks["io-acs"]["evidence"]
+    human = run_ctl("doctor", "--sysfs-root", str(tmp_path / "sys"), "--topology", str(DGX),
+                    "--python", "/nonexistent/python3")
+    assert "0000:4e:00.0" in human.out, human

@@ -450,15 +450,19 @@ def test_a_report_reaches_the_history_and_advise(child: subprocess.Popen[str]) -
 FORKER = """
 import subprocess, sys, threading, time
 kids = []
+started, end = threading.Event(), threading.Event()
 def spawn():
     kids.append(subprocess.Popen(["sleep", "60"]))
+def spawn_and_stay():  # the worker stays this live thread's child until "reap"
+    spawn(); started.set(); end.wait()
 print("ready", flush=True)
 for line in sys.stdin:
     if line.startswith("thread"):
-        t = threading.Thread(target=spawn); t.start(); t.join()
+        threading.Thread(target=spawn_and_stay, daemon=True).start(); started.wait()
     elif line.startswith("main"):
         spawn()
     elif line.startswith("reap"):
+        end.set()
         for k in kids: k.kill(); k.wait()
         kids.clear()
     print("done", flush=True)
@@ -469,9 +473,22 @@ def test_job_sampler_keeps_files_open_and_follows_workers_of_any_thread() -> Non
     """The per-cycle files stay open between cycles (no new fd per read) and are closed
     when the job ends; a worker that a non-main thread started is found at the job's
     next slow read and followed after it, one the main thread started at the next
-    cycle; workers that exited are no longer counted."""
-    p = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    cycle; workers that exited are no longer counted.
+
+    The thread stays alive (its worker stays its child, not the main thread's), and the
+    process is idle between the reads: the stat of the reads after the worker started
+    does not change, which once made a slow read carry the children listed at a
+    full read that was not slow, and miss the worker under load (when the thread
+    had not exited yet). A pid whose first slow read after the worker is the first
+    read would list every thread anyway: another forker is started then, so each run
+    takes the case that failed."""
+    for _ in range(12):
+        p = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        if p.pid % 3 != 2:  # slow_every 3: the slow read falls on the 2nd or 3rd read
+            break
+        p.kill()
+        p.wait()
     assert p.stdin is not None and p.stdout is not None
 
     def ask(what: str) -> None:

@@ -14,6 +14,7 @@ tree, never to this host.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -267,3 +268,59 @@ def test_run_without_cap_sys_nice_binds_itself_and_says_why(
         assert b.rc == 4 and "CAP_SYS_NICE" in b.err, (b.rc, b.err)
     finally:
         kill(p)
+
+
+def test_a_users_nofile_below_her_hard_limit_is_not_called_a_raise(
+        docker_caps_daemon: NoCapDaemon, unpriv_user: tuple[int, int]) -> None:
+    """A user binds her own process with --nofile below its hard limit; the daemon
+    (root without CAP_SYS_RESOURCE) may not touch another uid's limits at all: exit 4,
+    saying that, and how she sets it herself, not "raising another user's limit"."""
+    d = docker_caps_daemon
+    uid, gid = unpriv_user
+
+    def as_user() -> None:
+        low_nofile()
+        os.setgid(gid)
+        os.setgroups([])
+        os.setuid(uid)
+
+    p = subprocess.Popen(["sleep", "300"], preexec_fn=as_user)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "tunerd.cli.main", "--socket", str(d.socket), "bind",
+             str(p.pid), "--nofile", "2048"],
+            capture_output=True, text=True, timeout=60, cwd=REPO, preexec_fn=as_user)
+        assert r.returncode == 4, (r.returncode, r.stderr)
+        assert "raising" not in r.stderr and "another user's" not in r.stderr, r.stderr
+        assert "CAP_SYS_RESOURCE" in r.stderr, r.stderr
+        assert f"prlimit --pid {p.pid} --nofile=2048:" in r.stderr, r.stderr
+        limits = Path(f"/proc/{p.pid}/limits").read_text()  # (root lacks the cap here)
+        assert re.search(r"Max open files\s+1024\s+4096", limits), limits
+    finally:
+        kill(p)
+
+
+def test_the_capability_warning_of_a_rule_without_nofile_points_at_limits(
+        tmp_path: Path, nocap_daemon: tuple[NoCapDaemon, str]) -> None:
+    """A rule that sets no nofile gets [limits] nofile: the warning says to lower that,
+    not "the rule's value" (the rule has none)."""
+    d, token = nocap_daemon
+    base = d.policy_dir / "00-base.toml"
+    text = base.read_text()
+    rule_at = text.index('name = "torch-training"')
+    rule_nofile = text.index("nofile = 1048576", rule_at)
+    base.write_text(text[:rule_nofile] + text[rule_nofile:].replace("nofile = 1048576\n", "", 1))
+    assert d.ctl("reload").rc == 0
+    rule = next(j for j in d.ctl("--json", "policy", "show").json()["job"]
+                if j["name"] == "torch-training")
+    assert rule.get("nofile") in (None, 1048576), rule  # from [limits], if shown
+    rank = start_rank(tmp_path, token)
+    try:
+        wait_for(lambda: job_of(d, rank.pid), 15, "the rank bound by the rule")
+        st = wait_for(lambda: next((s for s in [d.ctl("--json", "status").json()]
+                                    if s.get("warnings")), None), 15, "the warning")
+        [w] = [w for w in st["warnings"] if "CAP_SYS_RESOURCE" in w["message"]]
+        assert "lower [limits] nofile" in w["message"], w
+        assert "the rule's value" not in w["message"], w
+    finally:
+        rank.kill()

@@ -36,6 +36,9 @@ from tunerd.topology.visible import gpus_from_env
 REPO = Path(__file__).resolve().parent.parent
 PCIE_8GPU = REPO / "tests" / "fixtures" / "topologies" / "pcie-8gpu.json"
 EPYC = REPO / "tests" / "fixtures" / "topologies" / "epyc-nps4.json"
+# issue 36's recordings (GB200 trays, DGX B200, HGX H200)
+NEW = {n: REPO / "tests" / "fixtures" / "topologies" / f"{n}.json"
+       for n in ("gb200", "gb200-hbm-numa", "dgx-b200", "hgx-h200")}
 HOST_CPUS = frozenset(os.sched_getaffinity(0))
 
 
@@ -46,7 +49,7 @@ def _placer(topo: Topology) -> Placer:
 
 # -- the map itself --------------------------------------------------------------------
 
-@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU, EPYC])
+@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU, EPYC, *NEW.values()])
 def test_each_gpu_owns_a_disjoint_slice_of_whole_cores_on_its_node(snap: Path) -> None:
     topo = load_topology(snap)
     m = node_map(topo)
@@ -121,7 +124,7 @@ def _no_core_shared_between_jobs(got: dict[str, list[frozenset[int]]]) -> None:
                     assert not x & y, f"{a} and {b} share CPUs {sorted(x & y)}"
 
 
-@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU])
+@pytest.mark.parametrize("snap", [DGX_H100, PCIE_8GPU, NEW["dgx-b200"]])
 @pytest.mark.parametrize("shape", ["eight 1-GPU jobs", "two 4-GPU jobs", "four 2-GPU jobs",
                                    "mixed"])
 def test_ranks_of_different_jobs_on_different_gpus_share_no_cpu(snap: Path,

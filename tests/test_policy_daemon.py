@@ -50,12 +50,20 @@ def test_sighup_onto_a_bad_policy_keeps_the_old_one(tmp_path: Path, daemon_facto
     assert show.json()["limits"] == {"nofile": 65536}  # old policy still in force
     assert show.json()["nic"] == []
     assert "policy rejected" in d.log()
+    # plan says its policy is the old one, and that the files were rejected: exit 1
+    plan = d.ctl("plan")
+    assert plan.rc == 1, plan
+    assert "the policy files were rejected, this plan is of the last good policy" in plan.out
+    assert f"{site}: nic[0].mtu" in plan.out, plan.out
+    assert f"{site}: nic[0].mtu" in d.ctl("--json", "plan").json()["policy_error"]
 
     site.write_text(GOOD.replace("65536", "131072"))
     d.signal(signal.SIGHUP)
     wait_for(lambda: d.ctl("--json", "status").json()["policy"]["error"] is None, 20,
              "the fixed policy to load", detail=d.log)
     assert d.ctl("status").rc == 0
+    plan = d.ctl("plan")
+    assert plan.rc == 0 and "rejected" not in plan.out, plan
     show = d.ctl("policy", "show")
     assert show.rc == 0
     assert f"#   {site}" in show.out
@@ -80,7 +88,7 @@ def test_policy_check_cli_exit_codes_and_json(tmp_path: Path) -> None:
     ok = run_ctl("policy", "check", str(REPO / "policies"))
     assert ok.rc == 0, ok.out + ok.err
     lines = ok.out.splitlines()
-    assert len(lines) == 4 and all(ln.startswith("ok   ") for ln in lines)
+    assert len(lines) == 6 and all(ln.startswith("ok   ") for ln in lines)
     assert any("00-h100-training.toml" in ln for ln in lines)
 
     good = write_policy(tmp_path, "good.toml", GOOD)
@@ -142,7 +150,8 @@ def test_daemon_replaying_a_dgx_h100_applies_the_h100_policy(daemon_factory) -> 
     assert show["policy"]["names"] == ["base", "default", "h100-training"]
     assert show["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
     assert show["nic"] == [{"match": "en*np*", "mtu": 9000}]
-    assert [Path(s["file"]).name for s in show["skipped"]] == ["00-pcie-gpu.toml"]
+    assert [Path(s["file"]).name for s in show["skipped"]] == [
+        "00-grace-blackwell.toml", "00-hgx-training.toml", "00-pcie-gpu.toml"]
 
 
 H100_ONLY = ('[policy]\nname = "h100"\n[policy.match]\ngpu_model = "*H100*"\nmin_gpus = 8\n'

@@ -241,6 +241,12 @@ NODE_TYPES = {
                  ["base", "default", "h100-training"]),
     "l40s-pcie": (NodeFacts("l40s-02", ("NVIDIA L40S",) * 8), ["base", "default", "pcie-gpu"]),
     "grace-hopper": (NodeFacts("gh200-01", ("NVIDIA GH200 480GB",)), ["base", "default"]),
+    "gb200-tray": (NodeFacts("gb200-01", ("NVIDIA GB200",) * 4),
+                   ["base", "default", "grace-blackwell"]),
+    "dgx-b200": (NodeFacts("dgx-b200-01", ("NVIDIA B200",) * 8),
+                 ["base", "default", "hgx-training"]),
+    "hgx-h200": (NodeFacts("hgx-h200-01", ("NVIDIA H200",) * 8),
+                 ["base", "default", "hgx-training"]),
     "epyc-nps4-a100": (NodeFacts("epyc-a100-03", ("NVIDIA A100-SXM4-80GB",) * 8),
                        ["base", "default"]),
     "workstation": (NodeFacts("ws-1", ("NVIDIA RTX 6000 Ada Generation",)),
@@ -257,12 +263,16 @@ def test_bundled_policies_per_node_type(node: str) -> None:
     assert p.data["limits"]["nofile"] == 1048576
     assert p.data["vm"]["numa_balancing"] is False
     assert p.data["job"][0]["name"] == "torch-training"
-    if "h100-training" in names:
+    if "h100-training" in names or "hgx-training" in names:
         assert p.data["sysctl"]["net.core.rmem_max"] == 536870912
         assert p.data["sysctl"]["net.ipv4.tcp_rmem"] == "4096 87380 268435456"
         assert p.data["sysctl"]["net.core.default_qdisc"] == "fq"
         assert p.data["nic"] == [{"match": "en*np*", "mtu": 9000}]
         assert p.data["nccl"]["NCCL_IB_DISABLE"] == 0
+    elif "grace-blackwell" in names:  # NVIDIA's Grace guidance (each with its source)
+        assert p.data["vm"]["transparent_hugepage"] == "madvise"
+        assert p.data["cpu"]["governor"] == "performance"
+        assert p.data["nic"] == [{"match": "en*np*", "mtu": 9000}]
     else:
         assert p.data["sysctl"] == {} and p.data["nic"] == []
     if "pcie-gpu" in names:
@@ -281,7 +291,9 @@ def test_check_paths_report(tmp_path: Path) -> None:
     rep = check_paths([BUNDLED], NodeFacts("dgx-h100-01", ("NVIDIA H100 80GB HBM3",) * 8))
     assert [(Path(f["file"]).name, f["name"], f["errors"], f["applies"]) for f in rep["files"]] \
         == [("00-base.toml", "base", [], True), ("00-default.toml", "default", [], True),
+            ("00-grace-blackwell.toml", "grace-blackwell", [], False),
             ("00-h100-training.toml", "h100-training", [], True),
+            ("00-hgx-training.toml", "hgx-training", [], False),
             ("00-pcie-gpu.toml", "pcie-gpu", [], False)]
     assert rep["effective"]["policy"]["name"] == "h100-training"
     bad = write_policy(tmp_path, "bad.toml", "[limits]\nnofile = 0\n")
@@ -289,6 +301,30 @@ def test_check_paths_report(tmp_path: Path) -> None:
     assert rep["effective"] is None
     assert "limits.nofile" in rep["files"][0]["errors"][0]
     assert "cannot read" in rep["files"][1]["errors"][0]
+
+
+def test_check_keeps_the_other_files_notes_when_one_fails(tmp_path: Path) -> None:
+    """One bad file in a directory: the good ones still say whether they apply to this
+    node (and why not), as without it; the bad one has its error and no note."""
+    import shutil
+
+    d = tmp_path / "pol"
+    shutil.copytree(BUNDLED, d)
+    write_policy(d, "50-bad.toml", "[limits]\nnofile = 0\n")
+    facts = NodeFacts("dgx-h100-01", ("NVIDIA H100 80GB HBM3",) * 8)
+    rows = {Path(f["file"]).name: f for f in check_paths([d], facts)["files"]}
+    assert "limits.nofile" in rows["50-bad.toml"]["errors"][0]
+    assert "applies" not in rows["50-bad.toml"]
+    assert {n: r["applies"] for n, r in rows.items() if n != "50-bad.toml"} == {
+        "00-base.toml": True, "00-default.toml": True, "00-h100-training.toml": True,
+        "00-pcie-gpu.toml": False, "00-grace-blackwell.toml": False,
+        "00-hgx-training.toml": False}
+    assert rows["00-pcie-gpu.toml"]["reason"]
+    from tunerd.cli.cmd_policy import _human_check
+
+    text = _human_check(check_paths([d], facts))
+    assert "00-base.toml (policy 'base', applies to this node)" in text, text
+    assert "FAIL" in text
 
 
 def test_render_toml_round_trips_odd_keys_and_values() -> None:
@@ -328,6 +364,10 @@ SNAPSHOT_POLICIES = {
     "dgx-h100": ["base", "default", "h100-training"],
     "epyc-nps4": ["base", "default"],
     "gh200": ["base", "default"],
+    "gb200": ["base", "default", "grace-blackwell"],
+    "gb200-hbm-numa": ["base", "default", "grace-blackwell"],
+    "dgx-b200": ["base", "default", "hgx-training"],
+    "hgx-h200": ["base", "default", "hgx-training"],
     "pcie-8gpu": ["base", "default", "pcie-gpu"],
     "this-machine": ["base", "default"],
     "workstation": ["base", "default"],

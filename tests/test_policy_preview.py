@@ -134,6 +134,8 @@ def test_a_staged_dir_waits_for_reload_policy_dir_and_a_refusal_installs_nothing
         assert r.out.startswith(f"refused: nothing installed from {cand}; still in force: "
                                 f"{', '.join(in_force)}, loaded "), r.out
         assert f"pid {p.pid} (tunerd-test, rule staged)" in r.out
+        # the hint names the candidate dir, where plan finds what it would bind
+        assert f"`tunerctl plan --policy-dir {cand}` lists them" in r.out, r.out
         assert sorted(x.name for x in pdir.glob("*.toml")) == ["00-test.toml", "05-old.toml"]
         assert d.ctl("--json", "policy", "show").json()["sources"] == in_force
         assert cpus_allowed(p.pid) == before

@@ -60,7 +60,8 @@ def test_site_file_wins_over_the_bundled_ones_and_explain_says_so(
 def test_check_warns_when_a_bundled_file_sorts_after_a_site_file(tmp_path: Path) -> None:
     """The layout of the old recipe: base.toml and default.toml sort after 10-site.toml."""
     pdir = tmp_path / "pol"
-    _install_bundled(pdir, ["base.toml", "default.toml", "h100-training.toml", "pcie-gpu.toml"])
+    _install_bundled(pdir, ["base.toml", "default.toml", "grace-blackwell.toml",
+                            "h100-training.toml", "hgx-training.toml", "pcie-gpu.toml"])
     write_policy(pdir, "10-site.toml", SITE)
     r = run_ctl("--json", "policy", "check", str(pdir))
     assert r.rc == 0, r.err

@@ -18,10 +18,11 @@ POLICY = ('[policy]\nname = "nic"\n\n[nccl]\nper_rank_nic = true\n'
           'NCCL_IB_TIMEOUT = 22\n')
 
 
-def _daemon(daemon_factory, tmp_path: Path, policy: str = POLICY):  # type: ignore[no-untyped-def]
+def _daemon(daemon_factory, tmp_path: Path, policy: str = POLICY,  # type: ignore[no-untyped-def]
+            snap: Path = DGX):
     pdir = tmp_path / "policies"
     write_policy(pdir, "00-nic.toml", policy)
-    return daemon_factory(policy_dir=pdir, args=["--topology", str(DGX)]).start()
+    return daemon_factory(policy_dir=pdir, args=["--topology", str(snap)]).start()
 
 
 def _clean_env() -> dict[str, str]:
@@ -36,8 +37,10 @@ def _no_cvd(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-def test_env_local_rank_exports_each_ranks_nic(daemon_factory, tmp_path: Path) -> None:
-    d = _daemon(daemon_factory, tmp_path)
+@pytest.mark.parametrize("snap", ["dgx-h100.json", "dgx-b200.json"])  # hgx-h200: dgx-h100's NICs
+def test_env_local_rank_exports_each_ranks_nic(daemon_factory, tmp_path: Path,
+                                               snap: str) -> None:
+    d = _daemon(daemon_factory, tmp_path, snap=DGX.parent / snap)
     for rank in range(8):
         r = run_ctl("--socket", str(d.socket), "env", "--local-rank", str(rank),
                     env=_clean_env())

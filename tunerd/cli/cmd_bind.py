@@ -90,7 +90,9 @@ def live_name(pid: int, cmdline: str = "") -> str:
     try:
         with open(pid_path(pid, "comm"), encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
-    except OSError:
+    except OSError:  # past hidepid=2 another user's comm is not readable either
+        if cmdline.startswith("(hidden:"):  # the daemon's mark: "(hidden: /proc is ...)"
+            return "(hidden)"
         name = os.path.basename(cmdline.split(" ", 1)[0]) if cmdline else ""
     return "".join(c if c.isprintable() else "?" for c in name)[:16] or "-"
 

@@ -37,8 +37,8 @@ def check(url: str, class_label: str, match: str, window: str, threshold: float,
     """Every node against its class majority: NCCL-interface MTU and subnet, NCCL
     settings, driver/CUDA/NCCL versions, policy hash; and stragglers of multi-node jobs.
 
-    Exit 0 when consistent, 1 with findings (one line each) or a bad answer (one
-    line), 3 when Prometheus cannot be reached.
+    Exit 0 when consistent, 1 with findings (one line each), a bad answer or
+    Prometheus not reachable (one line; 3 is kept for tunerd's own daemon).
     """
     from tunerd.cli.fleet import Prometheus, check_fleet, format_findings
 

@@ -41,7 +41,16 @@ def _human_plan(res: dict[str, Any]) -> str:
     lines = [f"{c['key']}: {_v(c['current'])} -> {c['desired']}" for c in res["changes"]]
     if not lines:
         lines.append("nothing to change")
-    return "\n".join(lines + _skipped(res) + _unavailable(res) + _plan_only(res))
+    return "\n".join(lines + _skipped(res) + _unavailable(res) + _plan_only(res)
+                     + _rejected(res))
+
+
+def _rejected(res: dict[str, Any]) -> list[str]:
+    err = res.get("policy_error")
+    if not err:
+        return []
+    return [f"error: the policy files were rejected, this plan is of the last good policy "
+            f"still in force: {err}", "  (`tunerctl policy check` lists the problems)"]
 
 
 def _human_apply(res: dict[str, Any]) -> str:
@@ -101,13 +110,17 @@ def _human_preview(res: dict[str, Any]) -> str:
               help="Preview a candidate policy directory (root): its host changes and the "
                    "running processes its rules would bind. Nothing is changed.")
 def plan(policy_dir: Path | None) -> int:
-    """Show the host settings the policy would change (current -> desired)."""
+    """Show the host settings the policy would change (current -> desired).
+
+    Exit 1 when the policy files on disk were rejected (a bad edit): the plan is then of
+    the last good policy, which is still in force, and the error is shown."""
     ctx = get_ctx()
     if policy_dir is not None:
         ctx.emit(ctx.call("plan.preview", policy_dir=str(policy_dir.resolve())), _human_preview)
         return 0
-    ctx.emit(ctx.call("plan"), _human_plan)
-    return 0
+    res = ctx.call("plan")
+    ctx.emit(res, _human_plan)
+    return 1 if res.get("policy_error") else 0
 
 
 @click.command(cls=Command)

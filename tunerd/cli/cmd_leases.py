@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import errno
 import os
-import platform
 import shlex
 import sys
 from typing import Any
 
 import click
 
+from tunerd.base.syscalls import syscall_nr
 from tunerd.cli.context import get_ctx
 from tunerd.cli.types import CPULIST, Command, CountType, cpu_args
 
-# set_mempolicy(2) syscall numbers; glibc has no wrapper (libnuma does)
-_NR_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
+# set_mempolicy(2): glibc has no wrapper (libnuma does); numbers in tunerd.base.syscalls
 MPOL_BIND = 2
 
 _COMMON = [
@@ -209,7 +208,7 @@ def set_mempolicy_bind(nodes: set[int]) -> None:
     """MPOL_BIND this process to ``nodes`` (kept across exec and inherited by children)."""
     import ctypes
 
-    nr = _NR_SET_MEMPOLICY.get(platform.machine())
+    nr = syscall_nr("set_mempolicy")
     if nr is None or not nodes:
         return
     bits = max(nodes) + 1

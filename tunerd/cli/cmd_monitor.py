@@ -120,10 +120,22 @@ def metrics() -> int:
 @click.option("--config", "config", type=click.Path(dir_okay=False, path_type=Path),
               default=None, metavar="FILE",
               help="The daemon's config file, for job_python (default /etc/tunerd/tunerd.toml).")
-def doctor(data_dir: Path | None, python: str | None, config: Path | None) -> int:
+@click.option("--sysfs-root", "sysfs_root", type=click.Path(file_okay=False, exists=True,
+                                                              path_type=Path),
+              default=None, metavar="DIR",
+              help="Read the node from this recorded tree's sys/ instead of /sys (PCIe "
+                   "bridges' ACS, links, IOMMU, NUMA), e.g. a copy from another node.")
+@click.option("--topology", "snapshot", type=click.Path(dir_okay=False, exists=True,
+                                                        path_type=Path),
+              default=None, metavar="SNAPSHOT.json",
+              help="The node's GPUs and NICs from this snapshot (tunerctl topology --save) "
+                   "for the GPU/NIC path checks, instead of this machine's.")
+def doctor(data_dir: Path | None, python: str | None, config: Path | None,
+           sysfs_root: Path | None, snapshot: Path | None) -> int:
     """Environment self-check: driver, CUDA, torch, NCCL, PCIe, filesystems, limits.
 
-    Says which Python it checked torch in, and how it found it.
+    Says which Python it checked torch in, and how it found it. With --sysfs-root and
+    --topology it checks a recorded node (its PCIe ACS, GPU/NIC pairs) from here.
     """
     import os
 
@@ -132,6 +144,12 @@ def doctor(data_dir: Path | None, python: str | None, config: Path | None) -> in
     ctx = get_ctx()
     found = find_training_python(python, os.environ, config)
     env = Env(python=found.path, python_how=found.how, python_notes=found.notes)
+    if sysfs_root is not None:
+        env.sys_root = sysfs_root
+    if snapshot is not None:
+        from tunerd.topology import read_snapshot
+
+        env.topology = read_snapshot(snapshot)
     results = run_checks(data_dir=data_dir or Path.cwd(), env=env)
     summary = {s: sum(1 for r in results if r.status == s)
                for s in ("PASS", "WARN", "FAIL", "SKIP")}

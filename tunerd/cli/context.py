@@ -73,10 +73,11 @@ def report_error(err: TunerdError, as_json: bool) -> None:
         import json
 
         click.echo(json.dumps({"ok": False, "error": error_to_wire(err)}, indent=2, default=str))
-    if isinstance(err, DaemonUnreachable) and err.details.get("url"):
+    if err.details.get("prometheus_unreachable"):
         # another service (fleet check's Prometheus), not tunerd: no hint to start tunerd
         click.echo(f"tunerctl: error: {err.message}\n  is Prometheus running there? "
-                   f"check the URL and `curl {err.details['url']}/-/ready`", err=True)
+                   f"check the URL and `curl {err.details['prometheus_unreachable']}/-/ready`",
+                   err=True)
     elif isinstance(err, DaemonUnreachable):
         from tunerd.cli.service_hint import unreachable_message
 

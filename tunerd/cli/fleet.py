@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tunerd.base.errors import DaemonUnreachable, Failed, UsageError
+from tunerd.base.errors import Failed, UsageError
 
 __all__ = ["Finding", "Prometheus", "check_fleet", "format_findings"]
 
@@ -67,8 +67,8 @@ class Prometheus:
     overall deadline for every query of a check (``deadline`` seconds; ``timeout`` for
     each read), answers of at most ``max_bytes``, redirects followed only to the same
     scheme, host and port, and every answer checked for shape and finite numbers
-    before it is used. Whatever goes wrong is one ``Failed`` (exit 1) or, for a server
-    that cannot be reached, ``DaemonUnreachable`` (exit 3); never a traceback."""
+    before it is used. Whatever goes wrong is one ``Failed`` (exit 1), a server that
+    cannot be reached too (exit 3 means tunerd's daemon); never a traceback."""
 
     def __init__(self, url: str, timeout: float = 10.0, deadline: float = DEADLINE,
                  max_bytes: int = MAX_RESPONSE) -> None:
@@ -207,8 +207,9 @@ class Prometheus:
                 raise Failed(f"Prometheus at {self.base}: not an HTTP answer "
                              f"({type(err).__name__}: {str(err)[:200]})") from None
             reason = getattr(err, "reason", None) or err.strerror or err
-            raise DaemonUnreachable(f"cannot reach Prometheus at {self.base}: {reason}",
-                                    url=self.base) from None
+            # exit 1, not 3: 3 is "tunerd's daemon not reachable" (docs/install.md)
+            raise Failed(f"cannot reach Prometheus at {self.base}: {reason}",
+                         prometheus_unreachable=self.base) from None
         finally:
             watchdog.cancel()
             conn.close()

@@ -23,7 +23,8 @@ class CoreCommands:
     def __init__(self, status: Callable[[], dict[str, Any]],
                  reload: Callable[[Guard | None, Path | None], Awaitable[dict[str, Any]]],
                  policy: PolicyHolder,
-                 refuse_rebind: Callable[[Policy, int], str | None] | None = None) -> None:
+                 refuse_rebind: Callable[[Policy, int, Path | None], str | None] | None = None
+                 ) -> None:
         self._status = status
         self._reload = reload
         self.policy = policy
@@ -43,13 +44,6 @@ class CoreCommands:
 
     async def reload(self, req: Request) -> dict[str, Any]:
         req.require_root("reload")
-        guard: Guard | None = None
-        refuse = self._refuse_rebind
-        if req.arg("no_rebind_running", bool, False) and refuse is not None:
-            uid = req.peer.uid
-
-            def guard(p: Policy) -> str | None:
-                return refuse(p, uid)
         staged: Path | None = None
         if req.arg("policy_dir", str, None) is not None:
             staged = Path(req.arg("policy_dir", str))
@@ -59,6 +53,13 @@ class CoreCommands:
                     staged.resolve() == self.policy.policy_dir.resolve():
                 raise UsageError(f"--policy-dir {staged} is the policy dir itself: stage the "
                                  f"new files in another directory")
+        guard: Guard | None = None
+        refuse = self._refuse_rebind
+        if req.arg("no_rebind_running", bool, False) and refuse is not None:
+            uid = req.peer.uid
+
+            def guard(p: Policy) -> str | None:
+                return refuse(p, uid, staged)  # the hint names the candidate's dir
         return await self._reload(guard, staged)
 
     async def policy_show(self, req: Request) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +162,8 @@ class MonitorCommands:
             # the placer's notes (a slice too small for the rank's workers) are the record's
             expl = (records.get(p) or {}).get("explanation")
             findings = [f.to_dict() for f in run_rules(
-                {**job, "gpu_nics": nics, "explanation": expl}, cols)]
+                {**job, "gpu_nics": nics, "explanation": expl,
+                 "arch": platform.machine()}, cols)]
             name = job.get("name")
             if hidden(p, job.get("uid")):
                 name = name if origin.get(p) in ("rule", "worker") else HIDDEN

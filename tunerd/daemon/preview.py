@@ -97,8 +97,11 @@ class PolicyPreview:
                 "host": self.host.plan(candidate),
                 "would_bind": would_bind(candidate, self.autobind)}
 
-    def refuse_rebind(self, candidate: Policy, uid: int) -> str | None:
-        """Why ``reload --no-rebind-running`` refuses ``candidate``, or None."""
+    def refuse_rebind(self, candidate: Policy, uid: int,
+                      directory: Path | None = None) -> str | None:
+        """Why ``reload --no-rebind-running`` refuses ``candidate``, or None.
+        ``directory``: where the candidate was read (``reload --policy-dir DIR``), which
+        the hint's `tunerctl plan --policy-dir` must name; else the policy dir."""
         rows = foreign(would_bind(candidate, self.autobind), uid)
         if not rows:
             return None
@@ -107,4 +110,5 @@ class PolicyPreview:
         return (f"refused (no rebinding of running processes: --no-rebind-running or config "
                 f"reload_rebinds_running = false): the new policy would bind "
                 f"{len(rows)} running process(es) of other users: {shown}{more}; "
-                f"`tunerctl plan --policy-dir {self.policy.policy_dir}` lists them")
+                f"`tunerctl plan --policy-dir {directory or self.policy.policy_dir}` "
+                f"lists them")

@@ -267,7 +267,7 @@ class _Wiring:
         BindCommands(self.pipeline, self.leases, left_alone=autobind.left_alone_now,
                      external=autobind.external.listing).register(router)
         LeaseCommands(self.leases).register(router)
-        HostCommands(self.host).register(router)
+        HostCommands(self.host, policy_error=self.policy_error).register(router)
         self.topology_cmds.register(router)
         EnvCommands(self.policy, self.nccl_file,
                     topology=self.current_topology,
@@ -422,6 +422,10 @@ class _Wiring:
         found = self_pinned(res.cpus, res.uses_gpus, slice_cpus, mems_of(topo, res.cpus),
                             pages)
         return [f.to_dict() for f in found]
+
+    def policy_error(self) -> str | None:
+        """The error of the policy files on disk, while the last good policy holds."""
+        return self.policy.error
 
     def refuse_for_root(self, p: Policy) -> str | None:  # SIGHUP comes from root
         return self.preview.refuse_rebind(p, 0)

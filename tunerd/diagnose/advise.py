@@ -312,9 +312,32 @@ def slice_too_small(job: dict[str, Any], cols: Columns) -> Finding | None:
         "(tunerctl run --cpus LIST).")
 
 
+def grace_binding_unmeasured(job: dict[str, Any], cols: Columns) -> Finding | None:
+    """A rank bound to CPUs on a Grace node (Arm, NVLink-C2C between CPU and GPU:
+    ``arch`` is what the daemon adds, ``platform.machine()``) whose binding was not
+    measured to pay (``binding_measured``: nothing sets it yet but the caller)."""
+    if job.get("arch") != "aarch64" or not job.get("gpus") or not job.get("cpus"):
+        return None
+    if job.get("binding_measured"):
+        return None
+    return Finding(
+        "grace-binding-unmeasured", "info",
+        "the rank is bound on a Grace node, where binding has not been measured to pay",
+        {"arch": job["arch"], "cpus": job.get("cpus"), "gpus": job.get("gpus")},
+        "On Grace the GPU reaches host memory over NVLink-C2C (900 GB/s), so a rank's "
+        "CPUs matter less than on x86: pinning ranks measured -3% on GB200 in a public "
+        "tuning note, while where pinned and offload buffers live matters (vLLM #30492: "
+        "1.5x for CPU offload on the right node). tunerd keeps memory on the GPU's Grace "
+        "node and never binds CPUs to a GPU-memory node.",
+        "Measure it on this node: tunerctl bench --runs 7 --gpus 1 -- python train.py "
+        "(A: unbound, B: tunerd's placement). If B does not win, leave the job unbound "
+        "(a [[job]] rule with placement = \"none\", or run it outside tunerd).",
+        ["docs/placement.md#grace-blackwell-dgx-b200-and-hgx-h200-the-node-map-per-platform"])
+
+
 RULES: list[Callable[[dict[str, Any], Columns], Finding | None]] = [
     data_loading, workers_crowded, io_bound, remote_numa, gpu_fragmentation, throttling,
-    fd_limit, cpu_oversubscription, nic_far, slice_too_small,
+    fd_limit, cpu_oversubscription, nic_far, slice_too_small, grace_binding_unmeasured,
 ]
 
 

@@ -60,13 +60,13 @@ from tunerd.adapters.cpuset import CpusetCgroup, child_name, find_cpuset, read_i
 from tunerd.adapters.procfs import PF_KTHREAD, Process, Stat, read_start_time, read_text
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError, UsageError
+from tunerd.base.syscalls import syscall_nr
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.wire.protocol import PID_MAX_LIMIT
 
 __all__ = ["Actuator", "Binder", "set_threads"]
 
 CAP_SYS_RESOURCE = 24
-SYS_MIGRATE_PAGES = {"x86_64": 256, "aarch64": 238}
 MAX_PASSES = 50  # thread-listing passes before giving up on a process that forks threads
 
 
@@ -332,7 +332,15 @@ class Actuator:
         except ProcessLookupError:
             raise NoSuchProcess(f"process {t.pid} exited while being bound", pid=t.pid) from None
         except PermissionError as err:
-            raise self._prlimit_denied(t, "raising another user's limit") from err
+            # the kernel lets only a process of the same uid, or CAP_SYS_RESOURCE, read or
+            # set another's limits, whatever the value: not a raise (4096 may be below
+            # its hard limit), and not "another user's" to its owner asking
+            raise PermissionDenied(
+                f"prlimit on pid {t.pid} (uid {t.uid}) failed: EPERM — tunerd (uid "
+                f"{os.geteuid()}) may change the fd limit of a process of another uid only "
+                f"with CAP_SYS_RESOURCE, which it does not have; its owner may set it "
+                f"within its hard limit: prlimit --pid {t.pid} --nofile={n}:",
+                pid=t.pid) from err
         if n > hard and not self.has_cap_sys_resource():
             raise PermissionDenied(
                 f"prlimit on pid {t.pid} (uid {t.uid}) would fail: EPERM — raising the hard "
@@ -586,7 +594,7 @@ class Actuator:
             return 0
         before = self.pages_per_node(t.pid)
         self.check(t)
-        nr = SYS_MIGRATE_PAGES.get(platform.machine())
+        nr = syscall_nr("migrate_pages")
         if nr is None:
             raise Failed(f"migrate_pages: unknown syscall number on {platform.machine()}")
         maxnode = max(old | new) + 2

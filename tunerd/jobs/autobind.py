@@ -72,6 +72,7 @@ from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
+from tunerd.topology.nodemap import rank_mems
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
@@ -98,6 +99,7 @@ class RuleBound:
     placement: Placement
     exec_seen: float  # time.monotonic() of the exec event
     at_start: bool = False  # already running when the rule came into force
+    at_reload: bool = False  # ... and that was at a reload, not at the daemon's start
     bound_at: float | None = None
     timing: dict[str, float | None] | None = None
 
@@ -142,6 +144,7 @@ class AutoBinder:
         self.told_ranks: set[int] = set()
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
+        self._rule_sets = 0  # apply_rules calls: the first is the start, the others reloads
         # what the rules remember of processes they looked at and did not bind
         self.memory = RuleMemory(pidwatch, errors, proc_root)
         # ranks that pinned themselves: held in the ledger as outside owners of CPUs
@@ -207,6 +210,7 @@ class AutoBinder:
     async def apply_rules(self, rules: RuleSet) -> None:
         """Put a new rule set in force (start and every reload)."""
         self.rules = rules
+        self._rule_sets += 1
         if self.rules and self.watcher is None:
             self.watcher = ExecWatcher(self._matched, self.rescan, select=self.match,
                                        use_connector=self.use_connector, skip_exited=True,
@@ -272,10 +276,12 @@ class AutoBinder:
             mode += f" (proc connector: {self.watcher.reason})"  # never silent about why
         summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
                    f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
-        if at_start:
-            users = sorted({user_name(b.uid) for b in at_start})
-            summary += (f" ({len(at_start)} already running at start, of user(s) "
-                        f"{', '.join(users)})")
+        for when, group in (("at start", [b for b in at_start if not b.at_reload]),
+                            ("at a reload", [b for b in at_start if b.at_reload])):
+            if group:
+                users = sorted({user_name(b.uid) for b in group})
+                summary += (f" ({len(group)} already running {when}, of user(s) "
+                            f"{', '.join(users)})")
         if self.failed:
             summary += f"; {self.failed} failed"
         if self.scope is not None:
@@ -678,7 +684,8 @@ class AutoBinder:
                      "elapsed_ms": round(out.elapsed_ms, 3)}
         assert rb.bound_at is not None
         notes = list(out.notes)
-        mems = self.placer.bindable_mems(placed.mems)
+        mems = self.placer.bindable_mems(rank_mems(self.placer.topo, placed.mems,
+                                                   placed.gpus, m.rule.gpu_memory))
         if mems:
             res2 = await self.pipeline.bind(BindRequest(
                 pid, self.peer, BindSource.RULE, placement=Placement(cpus=None, mems=mems),
@@ -686,7 +693,8 @@ class AutoBinder:
             notes += [n for n in res2.notes if n not in notes]
         log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms"
                  " (%s)", m.rule.name, pid, _cut(m.cmdline), user_name(m.uid),
-                 ", already running at start" if at_start else "",
+                 "" if not at_start else ", already running at a reload" if rb.at_reload
+                 else ", already running at start",
                  format_cpulist(placed.cpus or frozenset()),
                  ",".join(map(str, placed.gpus)) or "-", (rb.bound_at - rb.exec_seen) * 1000,
                  ctx.why)
@@ -761,7 +769,7 @@ class AutoBinder:
             self.errors.record(
                 "autobind", f"rule {m.rule.name}: {note.split(':', 1)[0]} for the processes "
                 f"it binds: the daemon lacks {cap.group(0)} (their CPUs are bound; last pid "
-                f"{ctx.pid}); grant tunerd {cap.group(0)} or lower the rule's value",
+                f"{ctx.pid}); grant tunerd {cap.group(0)} or {_lower_what(m, cap.group(0))}",
                 key=f"nocap:{m.rule.name}:{cap.group(0)}", level="warning")
         if not other:
             return
@@ -776,7 +784,8 @@ class AutoBinder:
         """A rank the pipeline holds: kept for status and exits (``watch``: its exit
         now; a bind in the watcher's thread is watched once the loop has it)."""
         rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
-                       uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start)
+                       uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start,
+                       at_reload=at_start and self._rule_sets > 1)
         self.bound[m.pid] = rb
         if watch and not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
@@ -856,3 +865,13 @@ def _steps(tb: ThreadBind) -> dict[str, float]:
         steps["match_ms"] = round((ns["t0"] - ns["m0"]) / 1e6, 3)
     steps["handoff_ms"] = round((time.monotonic() - tb.bound_at) * 1000, 3)
     return steps
+
+
+def _lower_what(m: RuleMatch, cap: str) -> str:
+    """Where the value a missing capability refused comes from: the rule's own `nofile`,
+    or (a rule that sets none) the policy's [limits] nofile, which applies to it."""
+    if cap != "CAP_SYS_RESOURCE":
+        return "lower the rule's value"
+    if m.rule.nofile is None:
+        return "lower [limits] nofile (the rule sets no nofile: the policy's applies)"
+    return "lower the rule's nofile"

@@ -26,7 +26,8 @@ The fd look is bounded (issue 34 item 3): at most ``MAX_FDS_PER_PROCESS`` fd ent
 one process and ``MAX_FDS_PER_TICK`` of all together are read, a verdict is kept per
 process (pid and start time) so no fd table is listed again before it is due (a process
 holding no GPU is looked at again after 2, 4, 8, 16, 30 s), and the whole gathering runs
-in a worker thread, off the event loop; ``status`` reports its cost (``scan``).
+in a worker thread, off the event loop (without fd tables to read, the monitor's sample
+is read on the loop); ``status`` reports its cost (``scan``).
 
 A process found is placed when it is unbound, inside the daemon's scope, no system GPU
 service (``SYSTEM_SERVICES``, tunerd itself), no launcher or wrapper, no rank a launcher
@@ -217,9 +218,9 @@ class GpuUse:
         # pid -> (verdict, when, what it rests on: ``_basis``)
         self._known: dict[int, tuple[str, float, Basis | None]] = {}
         # worker thread only: child of a rule-bound process -> spawn child?; an fd
-        # look's verdict per (pid, start time) -> (due again at, looks so far)
+        # look's verdict per (pid, start time) -> (due again at, looks so far, GPUs found)
         self._spawn: dict[int, bool] = {}
-        self._fd_due: dict[tuple[int, int], tuple[float, int]] = {}
+        self._fd_due: dict[tuple[int, int], tuple[float, int, tuple[int, ...]]] = {}
         self._fd_cursor = 0
         self._minors: dict[int, int] = {}
         self._ranks: dict[str, set[int]] = {}  # job group -> pids placed in it
@@ -260,10 +261,15 @@ class GpuUse:
                                 or self.rules.looked_at())
 
     async def tick_off_loop(self) -> None:
-        """One tick: GPU users gathered in a worker thread, decided on the loop."""
+        """One tick: GPU users gathered in a worker thread where fd tables may be read
+        (on the loop where only the monitor's sample is: a list copied under its lock
+        costs less than the hop), decided on the loop."""
         snap = self._begin()
-        if snap is not None:
-            self._decide(await asyncio.to_thread(self.gather, snap))
+        if snap is None:
+            return
+        users = await asyncio.to_thread(self.gather, snap) if snap.parents \
+            else self.gather(snap)
+        self._decide(users)
 
     def tick(self) -> None:
         """One tick, all on the caller's thread."""
@@ -372,9 +378,11 @@ class GpuUse:
             for kid in self._children(ppid):
                 kids_now.add(kid)
                 kids += 1
-                if kid in listed or kid in snap.skip or scans >= MAX_FD_SCANS \
-                        or budget <= 0 or kids > MAX_FD_KIDS \
+                if kid in listed or kids > MAX_FD_KIDS \
                         or not self._spawn_child(kid, ppid, snap.placed):
+                    continue
+                if kid in snap.skip or scans >= MAX_FD_SCANS or budget <= 0:
+                    self._found_before(kid, out)  # no table read: what it was found using
                     continue
                 looked = self._fd_look(kid, now, budget, out)
                 if looked is not None:
@@ -392,10 +400,12 @@ class GpuUse:
         key = (pid, start)
         due = self._fd_due.get(key)
         if due is not None and now < due[0]:
+            if due[2]:  # found using a GPU: still listed, its table not read again
+                out[pid] = (due[2], FD)
             return None
         ev = gpu_fds(pid, self.proc, min(MAX_FDS_PER_PROCESS, budget))
         looks = due[1] + 1 if due is not None else 0
-        self._fd_due[key] = (now + FD_BACKOFF_S[min(looks, len(FD_BACKOFF_S) - 1)], looks)
+        self._fd_due[key] = (now + FD_BACKOFF_S[min(looks, len(FD_BACKOFF_S) - 1)], looks, ())
         if ev is None:
             return 0
         self.cost.fd_tables += 1
@@ -405,8 +415,15 @@ class GpuUse:
         gpus = tuple(sorted(minors[m] for m in ev.minors if m in minors))
         if gpus:
             out[pid] = (gpus, FD)
-            self._fd_due[key] = (now + RECHECK_S, looks)
+            self._fd_due[key] = (now + RECHECK_S, looks, gpus)
         return ev.looked
+
+    def _found_before(self, pid: int, out: Users) -> None:
+        """``pid`` stays listed with the GPUs an earlier look found (one stat read)."""
+        start = procfs.read_start_time(pid, self.proc)
+        hit = self._fd_due.get((pid, start)) if start is not None else None
+        if hit is not None and hit[2]:
+            out[pid] = (hit[2], FD)
 
     def _minor_map(self) -> dict[int, int]:
         """The N of /dev/nvidiaN -> GPU index (asked of NVML once)."""

@@ -167,12 +167,14 @@ def _fmt_cuda(v: Any) -> str:
 
 
 def _driver_from_file(proc_root: Path) -> str:
-    """``NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15 ...`` -> "550.54.15"."""
+    """``NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15 ...`` -> "550.54.15"
+    (also the open module's ``... Open Kernel Module for aarch64  570.124.06 ...``)."""
     try:
         text = (proc_root / "driver/nvidia/version").read_text(errors="replace")
     except OSError:
         return ""
-    m = re.search(r"Kernel Module\s+(\S+)", text)
+    # "... Kernel Module  550.54.15 ...", "... Open Kernel Module for aarch64  570.124.06"
+    m = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d\S*)", text)
     return m.group(1) if m else ""
 
 

@@ -162,6 +162,9 @@ class _JobState:
     numa_out: tuple[Any, ...] | None = None
     proc: Process | None = None
     raw: bytes = b""  # /proc/PID/stat as the last full read had it
+    # /proc/PID/stat at the last slow read: what a slow read carries (the children of
+    # every thread, states, uid) was listed then, not at the last full read
+    slow_raw: bytes = b""
     quiet: int = 0  # cycles since then that reused the last sample (see _quiet)
 
 
@@ -380,12 +383,17 @@ class JobSampler:
             prev_workers = cur.workers
             cur.t, cur.ticks, cur.read_bytes, cur.write_bytes = now, ticks, rb, wb
             cur.reads += 1
-        # unchanged since its last full read (the same stat, no child): on a slow read,
+        # unchanged since its last slow read (the same stat, no child): on a slow read,
         # its threads' children and states, uid and context switches are carried (none
-        # can change while no thread of it runs); the fd limit and numa_maps are read
-        still = prev is not None and bool(raw) and raw == prev.raw and not prev.kids
+        # can change while no thread of it runs); the fd limit and numa_maps are read.
+        # Compared with the stat of the last *slow* read, where they were listed: a
+        # worker a live non-main thread started before the last (not slow) full read is
+        # seen by no full read but a slow one
+        still = prev is not None and bool(raw) and raw == prev.slow_raw and not prev.kids
         cur.raw, cur.quiet = raw, 0
         slow = prev is None or cur.reads - cur.slow_at >= self.slow_every
+        if slow:
+            cur.slow_raw = raw
         if (slow and not still) or files is None or prev is None:
             # one listing of the threads for their children and, on a slow read, states
             kids, runnable = _threads(proc, slow)

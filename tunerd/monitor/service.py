@@ -94,7 +94,12 @@ def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
 
     if not reports:  # the common case: no job reports (no loop over 620 records)
         return [], {}
-    bound = {int(r["pid"]) for r in records if "pid" in r}
+    # a report with no job id (a single `python train.py`, not a launcher's rank) is
+    # named by the bound job it came from, else by its pid: an empty `job` label is no
+    # label, and under a default scrape the series had no exported_job for the
+    # dashboard's `job` variable and job panels to find
+    names = {int(r["pid"]): str(r.get("name") or "") for r in records if "pid" in r}
+    bound = set(names)
     ended: dict[int, Report] = {}
     live: list[Report] = []
     for pid, rep in reports.items():
@@ -110,7 +115,8 @@ def rank_sample(records: list[dict[str, Any]], reports: Mapping[int, Report]
     seen: set[tuple[str, str]] = set()
     out = []
     for rep in sorted(live, key=lambda r: -r.time):
-        key = (rep.job or "", str(rep.rank) if rep.rank is not None else f"pid{rep.pid}")
+        key = (rep.job or names.get(rep.pid) or f"pid{rep.pid}",
+               str(rep.rank) if rep.rank is not None else f"pid{rep.pid}")
         if key in seen:
             continue
         seen.add(key)

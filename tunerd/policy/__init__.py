@@ -109,10 +109,16 @@ def check_paths(paths: list[Path], facts: NodeFacts | None = None) -> dict[str, 
             if len(sets) == 1 and not rows:
                 effective = policy.to_dict()
                 provenance = policy.provenance
+        else:  # the others still say whether they apply: resolved without the failed ones
+            try:
+                policy = resolve([r.parsed for r in reports
+                                  if r.parsed is not None and not r.errors], facts)
+            except PolicyError:  # one of them needs a failed one (extends)
+                policy = None
         why = {s["file"]: s["reason"] for s in policy.skipped} if policy is not None else {}
         for r in reports:
             row: dict[str, Any] = {"file": str(r.path), "name": r.name, "errors": r.errors}
-            if policy is not None:
+            if policy is not None and not r.errors:
                 row["applies"] = str(r.path) in policy.sources
                 if not row["applies"] and str(r.path) in why:
                     row["reason"] = why[str(r.path)]

@@ -212,6 +212,9 @@ JOB = Table({
                                description="a rank that pinned its own CPUs (numactl, "
                                            "taskset): bind its memory to their NUMA "
                                            "node(s) (default bind) or leave it"),
+    "gpu_memory": Bool(description="also bind the rank's memory to its GPUs' memory NUMA "
+                                   "nodes (Grace with GPU memory onlined); default: the "
+                                   "node of its CPUs only"),
     "torch": TORCH,
     "gpu_use": GPU_USE,
 }, required=("name",))

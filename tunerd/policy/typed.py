@@ -172,6 +172,7 @@ class JobSpec:
     exclusive_scope: str | None = None  # "cgroup:/PATH" | "pid:N"
     workers: int | None = None  # DataLoader worker processes per rank (placement room)
     self_pinned_memory: str = "bind"  # bind | leave: a self-pinned rank's memory
+    gpu_memory: bool = False  # memory also on the GPUs' own (CPU-less) NUMA nodes
     torch: TorchSettings = TorchSettings()
     gpu_use: GpuUseSpec | None = None  # [job.gpu_use] with enabled = true: GPU users too
 
@@ -245,6 +246,7 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         exclusive_scope=raw.get("exclusive_scope"),
         workers=raw.get("workers"),
         self_pinned_memory=raw.get("self_pinned_memory", "bind"),
+        gpu_memory=bool(raw.get("gpu_memory", False)),
         torch=TorchSettings(**raw.get("torch", {})),
         gpu_use=_gpu_use(raw.get("gpu_use") or {}),
     )

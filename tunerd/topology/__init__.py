@@ -73,7 +73,12 @@ def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) 
     nodes = read_numa_nodes(sys_root, frozenset(cpus), proc_root)
     gpus, links, note = read_gpus(sys_root, ncpus=max(cpus, default=0) + 1)
     for i, g in enumerate(gpus):
-        node = g.numa_node
+        node: int | None = g.numa_node
+        mem_first: tuple[int, ...] = ()
+        if node is not None and node in nodes and not nodes[node].cpus:
+            # the PCI function says the GPU's own memory node (no CPUs: a Grace GPU's
+            # memory onlined): that is its memory; its CPUs' node comes from its CPUs
+            mem_first, node = (node,), None
         if node is None and g.local_cpus:
             # sysfs gave no proximity (numa_node -1): the node holding most local CPUs
             best = max(nodes.values(), key=lambda n: (len(n.cpus & g.local_cpus), -n.id))
@@ -81,8 +86,8 @@ def read_system(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) 
                 node = best.id
         # GPU memory as a NUMA node (Grace Hopper C2C) is a node without CPUs; drivers
         # that answer the NVML NUMA node id with the CPU node on x86 are not that
-        mem_nodes = tuple(n for n in g.memory_numa_nodes
-                          if n in nodes and not nodes[n].cpus and n != node)
+        mem_nodes = tuple(dict.fromkeys(n for n in (*mem_first, *g.memory_numa_nodes)
+                                        if n in nodes and not nodes[n].cpus and n != node))
         gpus[i] = replace(g, numa_node=node, memory_numa_nodes=mem_nodes,
                           pcie_path=pcie_path(g.pci_bus_id, sys_root) if g.pci_bus_id else ())
     return Topology(hostname=_hostname(proc_root), replayed=False, note=note, cpus=cpus,

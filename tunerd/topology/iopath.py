@@ -13,7 +13,10 @@ the live node and on a replayed snapshot. Nearest means, in this order:
 
 Fabric NICs are the RDMA ports (``/sys/class/infiniband``) when the node has any,
 otherwise its physical Ethernet interfaces at the fastest speed present (a 1 Gb/s
-management port is never a GPU's NIC next to a 100 Gb/s one).
+management port is never a GPU's NIC next to a 100 Gb/s one). Where a node has both
+InfiniBand and Ethernet (RoCE) RDMA ports, the InfiniBand ones are the compute fabric
+and the Ethernet ones storage / in-band (DGX H100/B200's and GB200 trays' BlueField-3
+ports): a GPU is paired with an InfiniBand port only, whatever is nearer.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class FabricNic:
     numa_node: int | None
     pcie_path: tuple[str, ...]
     speed_mbps: int | None
+    link_layer: str | None = None  # RDMA ports: "InfiniBand" | "Ethernet"
 
     @property
     def device(self) -> str:
@@ -78,13 +82,21 @@ def fabric_nics(topo: Topology) -> list[FabricNic]:
     if topo.rdma:
         return [FabricNic("rdma", r.name, r.port, r.netdev, r.pci_bus_id, r.numa_node,
                           r.pcie_path,
-                          r.rate_gbps * 1000 if r.rate_gbps else netdev_speed.get(r.netdev or ""))
+                          r.rate_gbps * 1000 if r.rate_gbps else netdev_speed.get(r.netdev or ""),
+                          r.link_layer)
                 for r in topo.rdma]
     phys = [n for n in topo.nics if not n.virtual and n.pci_bus_id]
     fastest = max((n.speed_mbps or 0 for n in phys), default=0)
     return [FabricNic("ethernet", n.name, None, n.name, n.pci_bus_id, n.numa_node,
                       n.pcie_path, n.speed_mbps)
             for n in phys if (n.speed_mbps or 0) >= fastest]
+
+
+def compute_nics(nics: list[FabricNic]) -> list[FabricNic]:
+    """The ports a GPU may be paired with: InfiniBand ones where the node has both
+    InfiniBand and Ethernet RDMA ports (the Ethernet ones carry storage), else all."""
+    ib = [n for n in nics if n.link_layer == "InfiniBand"]
+    return ib if ib and len(ib) < len(nics) else nics
 
 
 def _common(a: Sequence[str], b: Sequence[str]) -> tuple[str, ...]:
@@ -120,7 +132,7 @@ def gpu_nics(topo: Topology) -> dict[int, tuple[GpuNic, ...]]:
     has no fabric NIC. Several NICs at the GPU's best PCIe tier (a dual-port card
     behind its switch) are all its own; at the ``numa`` and ``remote`` tiers each GPU
     gets one, spread round-robin over the GPUs of that node."""
-    nics = fabric_nics(topo)
+    nics = compute_nics(fabric_nics(topo))
     out: dict[int, tuple[GpuNic, ...]] = {}
     spread: dict[tuple[str, int | None], list[tuple[Gpu, list[GpuNic]]]] = {}
     for gpu in sorted(topo.gpus, key=lambda g: g.index):

@@ -23,7 +23,7 @@ from typing import Any
 from tunerd.base.cpulist import format_cpulist
 from tunerd.topology.model import Gpu, Topology
 
-__all__ = ["GpuSlice", "NodeMap", "home_node", "node_map"]
+__all__ = ["GpuSlice", "NodeMap", "home_node", "node_map", "rank_mems"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,19 @@ def home_node(topo: Topology, gpu: Gpu) -> int | None:
         return node.id
     counts = Counter(topo.cpus[c].numa_node for c in gpu.local_cpus if c in topo.cpus)
     return counts.most_common(1)[0][0] if counts else None
+
+
+def rank_mems(topo: Topology, mems: frozenset[int] | None, gpus: Iterable[int],
+              gpu_memory: bool = False) -> frozenset[int] | None:
+    """The memory nodes of a rank placed with ``mems`` (its CPUs' nodes) near ``gpus``:
+    ``mems`` itself, unless a policy asks (``[[job]] gpu_memory = true``) for the GPUs'
+    own memory nodes too (a Grace GPU's memory onlined as a NUMA node without CPUs). A
+    node without CPUs is never a rank's memory node otherwise."""
+    if not gpu_memory or mems is None:
+        return mems
+    extra = {n for g in topo.gpus if g.index in set(gpus) for n in g.memory_numa_nodes
+             if n in topo.numa_nodes}
+    return mems | frozenset(extra)
 
 
 def node_map(topo: Topology, housekeeping: frozenset[int] = frozenset()) -> NodeMap:

@@ -69,15 +69,7 @@ def render(data: dict[str, Any], origin: str = "") -> str:
         lines += _table(rows)
 
     lines.append("")
-    node_ids = sorted(topo.numa_nodes)
-    for n in node_ids:
-        node = topo.numa_nodes[n]
-        dist = " ".join(str(node.distances.get(m, "-")) for m in node_ids)
-        owners = [f"GPU{g.index}" for g in topo.gpus if n in g.memory_numa_nodes]
-        what = (f"CPUs {format_cpulist(node.cpus)} ({len(node.cpus)})" if node.cpus
-                else f"{' '.join(owners)} memory" if owners else "no CPUs")
-        lines.append(f"NUMA node {n}: {what}, {_size(node.memory_total_bytes)}, "
-                     f"distances {dist}")
+    lines += _numa_lines(topo)
 
     cores = topo.cores()
     threads = max((len(c) for c in cores.values()), default=1)
@@ -112,6 +104,30 @@ def render(data: dict[str, Any], origin: str = "") -> str:
     lines += _node_map(topo)
     lines += _gpu_nics(topo)
     return "\n".join(lines)
+
+
+def _numa_lines(topo: Topology) -> list[str]:
+    """One line per NUMA node; a CPU-less node says so and whose memory it holds (a
+    Grace GPU's HBM); empty CPU-less nodes (MIG memory partitions) on one line."""
+    owners = {n: [f"GPU{g.index}" for g in topo.gpus if n in g.memory_numa_nodes]
+              for n in topo.numa_nodes}
+    empty = [n for n, node in sorted(topo.numa_nodes.items())
+             if not node.cpus and not owners[n] and node.memory_total_bytes <= 0]
+    node_ids = [n for n in sorted(topo.numa_nodes) if n not in empty]
+    out = []
+    for n in node_ids:
+        node = topo.numa_nodes[n]
+        dist = " ".join(str(node.distances.get(m, "-")) for m in node_ids)
+        what = (f"CPUs {format_cpulist(node.cpus)} ({len(node.cpus)})" if node.cpus
+                else f"{' '.join(owners[n])} memory, no CPUs"
+                if owners[n]
+                else "no CPUs")
+        out.append(f"NUMA node {n}: {what}, {_size(node.memory_total_bytes)}, "
+                   f"distances {dist}")
+    if empty:
+        out.append(f"NUMA nodes {format_cpulist(empty)}: no CPUs, no memory "
+                   "(reserved, e.g. for MIG memory partitions)")
+    return out
 
 
 def _node_map(topo: Topology) -> list[str]:

@@ -101,17 +101,23 @@ def read_cpus(sys_root: Path = Path("/sys")) -> dict[int, Cpu]:
         raw[cpu] = (package, die, core, siblings, l3)
 
     # core_id is only unique inside a package (and die): number (package, die, core)
-    # keys densely, in the order of their lowest CPU, to get a global id
-    first_cpu: dict[tuple[int, int, int], int] = {}
-    for cpu, r in sorted(raw.items()):
-        first_cpu.setdefault(r[:3], cpu)
+    # keys densely, in the order of their lowest CPU, to get a global id. The core's
+    # first SMT thread is part of the key: arm64 kernels without a package id (-1) can
+    # repeat core_id across sockets, and CPUs that are not siblings are never one core
+    def key(cpu: int) -> tuple[int, int, int, int]:
+        package, die, core, siblings, _ = raw[cpu]
+        return (package, die, core, min(siblings & raw.keys(), default=cpu))
+
+    first_cpu: dict[tuple[int, int, int, int], int] = {}
+    for cpu in sorted(raw):
+        first_cpu.setdefault(key(cpu), cpu)
     core_ids = {k: i for i, k in enumerate(sorted(first_cpu, key=first_cpu.__getitem__))}
     l3_sets = sorted({r[4] for r in raw.values() if r[4]}, key=min)
     l3_ids = {s: i for i, s in enumerate(l3_sets)}
     out: dict[int, Cpu] = {}
-    for cpu, (package, die, core, siblings, l3) in raw.items():
+    for cpu, (package, _die, _core, siblings, l3) in raw.items():
         out[cpu] = Cpu(
-            id=cpu, core_id=core_ids[(package, die, core)], package=package,
+            id=cpu, core_id=core_ids[key(cpu)], package=package,
             numa_node=node_of.get(cpu, 0), l3_id=l3_ids.get(l3) if l3 else None,
             siblings=frozenset(s for s in siblings if s in raw) or frozenset({cpu}),
         )

@@ -76,6 +76,7 @@ class JobRule:
     uids: frozenset[int] = field(default=frozenset(), compare=False)
     workers: int | None = None  # DataLoader workers per rank: placement room
     self_pinned_memory: str = "bind"  # a self-pinned rank's memory: bind | leave
+    gpu_memory: bool = False  # memory also on the GPUs' own (CPU-less) NUMA nodes
     # what tunerd.torch applies in the processes this rule bound
     torch: TorchSettings = field(default_factory=TorchSettings)
     # [job.gpu_use]: processes seen using a GPU are placed under this rule too (None: off)
@@ -91,7 +92,7 @@ class JobRule:
             placement=spec.placement, cpus=spec.cpus, gpus=spec.gpus, nofile=spec.nofile,
             exclusive=spec.exclusive, exclusive_scope=spec.exclusive_scope,
             workers=spec.workers, self_pinned_memory=spec.self_pinned_memory,
-            torch=spec.torch,
+            gpu_memory=spec.gpu_memory, torch=spec.torch,
             uids=frozenset(uids), gpu_use=GpuUseMatch.from_policy(spec),
         )
 
