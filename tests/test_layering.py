@@ -262,7 +262,7 @@ BIND_PATH = ("tunerd.cli.main", "tunerd.cli.cmd_bind", "tunerd.base.cpulist", "t
 BIND_PATH_TUNERD = {"tunerd", "tunerd.cli", "tunerd.cli.main", "tunerd.cli.cmd_bind",
                     "tunerd.cli.context", "tunerd.cli.types", "tunerd.wire", "tunerd.wire.client",
                     "tunerd.base", "tunerd.base.cpulist", "tunerd.base.errors",
-                    "tunerd.wire.protocol", "tunerd.base.text", "tunerd.base.procpath"}
+                    "tunerd.wire.protocol", "tunerd.base.text"}
 BIND_PATH_OTHERS = {"__future__", "_socket", "click", "collections.abc", "enum", "functools",
                     "importlib", "json", "os", "struct", "sys", "time", "typing"}
 

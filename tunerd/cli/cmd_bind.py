@@ -13,7 +13,6 @@ from typing import Any
 
 import click
 
-from tunerd.base.procpath import pid_path
 from tunerd.cli.context import get_ctx
 from tunerd.cli.types import CPULIST, PID, Command, CountType, plural
 
@@ -87,6 +86,8 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
 def live_name(pid: int, cmdline: str = "") -> str:
     """The process's name as ps shows it now (/proc/PID/comm), else its argv[0]'s; printable
     characters only (a process chooses its own name)."""
+    from tunerd.base.procpath import pid_path  # not on the bind path's start-up
+
     try:
         with open(pid_path(pid, "comm"), encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
