@@ -11,7 +11,11 @@ that may import its own modules and the layers its row names. Checked here:
 5. `tunerctl bind`'s start-up path imports only a short list at module level;
 6. only tunerd/jobs/actuate.py writes to other processes;
 7. tunerd/jobs/ is typed: no function over 60 lines, no Any;
-8. the composition root (daemon/wiring.py) only wires: short functions, none nested.
+8. the composition root (daemon/wiring.py) only wires: short functions, none nested;
+9. tunerd/jobs/ and tunerd/daemon/ test no role or placement mode as a string (they
+   compare against the ``Role``/``Mode`` enums; strings are parsed at the edges);
+10. no /proc/PID path is built outside adapters/procfs.py (and base/procpath.py for
+   the layers that may not import adapters).
 
 The graph is read from the source with ast, so a new import that breaks a rule
 fails this test whether or not the code path runs.
@@ -629,3 +633,115 @@ def test_the_composition_root_only_wires() -> None:
 ])
 def test_a_nested_or_long_function_in_the_root_is_caught(planted: str) -> None:
     assert wiring_faults({ROOT: planted}), planted
+
+
+# -- rule 9: roles and placement modes are enums, not strings ---------------------------
+
+ENUM_SOURCES = ("tunerd/jobs/intake.py", "tunerd/jobs/placement.py")
+
+
+def _enum_values(sources: dict[str, str]) -> frozenset[str]:
+    """The values of the Role and Mode enums, read from their source."""
+    out: set[str] = set()
+    for rel in ENUM_SOURCES:
+        for node in ast.walk(ast.parse(sources[rel])):
+            if isinstance(node, ast.ClassDef) and node.name in ("Role", "Mode"):
+                out |= {a.value.value for a in node.body if isinstance(a, ast.Assign)
+                        and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)}
+    return frozenset(out)
+
+
+ENUM_VALUES = _enum_values(SOURCES)
+ENUM_SUBJECTS = re.compile(r"(^|\.)(role|mode|placement)$")
+
+
+def _strings(node: ast.expr) -> list[str]:
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+
+def string_enum_tests(sources: dict[str, str]) -> list[str]:
+    """Rule 9: `x.role == "rank"`, `mode in ("node", "socket")` and the like."""
+    out = []
+    for rel, text in sorted(sources.items()):
+        if not rel.startswith(("tunerd/jobs/", "tunerd/daemon/")):
+            continue
+        for node in ast.walk(ast.parse(text, filename=rel)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            subject = any(ENUM_SUBJECTS.search(ast.unparse(s)) for s in sides)
+            hit = [v for s in sides for v in _strings(s) if v in ENUM_VALUES]
+            if subject and hit:
+                out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}: compare with Role/Mode")
+    return out
+
+
+def test_no_role_or_mode_is_tested_as_a_string() -> None:
+    assert {"rank", "launcher", "gpu-local", "exclusive", "socket"} <= ENUM_VALUES
+    assert string_enum_tests(SOURCES) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "def f(ctx):\n    return ctx.role == 'rank'\n",
+    "def f(ctx):\n    return ctx.role not in ('wrapper', 'launcher')\n",
+    "def f(req):\n    return req.exclusive or req.mode == 'exclusive'\n",
+    "def f(rule):\n    return rule.placement == 'exclusive'\n",
+    "def f(mode):\n    return mode in ('node', 'socket')\n",
+])
+def test_a_planted_string_role_or_mode_is_caught(planted: str) -> None:
+    assert string_enum_tests({"tunerd/jobs/registry.py": planted}), planted
+
+
+def test_an_enum_comparison_passes() -> None:
+    ok = ("from tunerd.jobs.intake import Role\ndef f(ctx, w):\n"
+          "    return ctx.role == Role.RANK or w.mode == 'proc-scan'\n")
+    assert string_enum_tests({"tunerd/jobs/registry.py": ok}) == []
+
+
+# -- rule 10: /proc/PID paths only in adapters/procfs.py --------------------------------
+
+PROC_PATH_OWNERS = {
+    "tunerd/adapters/procfs.py": "the proc adapter, over an injectable proc root",
+    "tunerd/base/procpath.py": "pid_path() for the layers that may not import adapters (cli)",
+}
+
+
+def proc_paths(sources: dict[str, str]) -> list[str]:
+    """Rule 10: f"/proc/{pid}/..." and "/proc/" + ... outside the owners. Fixed paths
+    (/proc/self/..., /proc/sys/..., /proc/cpuinfo) and docstrings are not a process's."""
+    out = []
+    for rel, text in sorted(sources.items()):
+        if rel in PROC_PATH_OWNERS:
+            continue
+        for node in ast.walk(ast.parse(text, filename=rel)):
+            head = None
+            if isinstance(node, ast.JoinedStr) and len(node.values) > 1:
+                first, second = node.values[0], node.values[1]
+                if isinstance(first, ast.Constant) and isinstance(second, ast.FormattedValue):
+                    head = str(first.value)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mod) \
+                    and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
+                head = node.left.value.split("%", 1)[0]
+            if head is not None and head.rstrip("/") == "/proc":
+                out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}: use tunerd.adapters.procfs")
+    return out
+
+
+def test_no_proc_pid_path_outside_procfs() -> None:
+    assert proc_paths(SOURCES) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "def f(pid):\n    return open(f'/proc/{pid}/comm').read()\n",
+    "def f(pid):\n    return '/proc/' + str(pid) + '/maps'\n",
+    "def f(pid):\n    return '/proc/%d/stat' % pid\n",
+])
+def test_a_planted_proc_path_is_caught(planted: str) -> None:
+    assert proc_paths({"tunerd/cli/cmd_bind.py": planted}), planted
+
+
+def test_a_fixed_proc_path_passes() -> None:
+    ok = ('def f(fd):\n    """/proc/PID/status"""\n'
+          "    return f'/proc/self/fd/{fd}', '/proc/sys/vm'\n")
+    assert proc_paths({"tunerd/policy/loader.py": ok}) == []

@@ -81,6 +81,7 @@ __all__ = [
     "read_environ",
     "read_environ_raw",
     "read_environ_view",
+    "read_maps",
     "read_ppid",
     "read_start_time",
     "read_text",
@@ -743,6 +744,11 @@ def read_environ(pid: int, proc: str = PROC, limit: int = ARG_READ_MAX
     """The environment the process was exec'd with (see Process.environ), or None."""
     pieces = read_environ_raw(pid, proc, limit)
     return None if pieces is None else parse_environ_pieces(pieces)
+
+
+def read_maps(pid: int, limit: int | None = SMALL_READ, proc: str = PROC) -> str:
+    """/proc/PID/maps, at most ``limit`` bytes; ``OSError`` when it cannot be read."""
+    return read_text(f"{proc}/{pid}/maps", limit)
 
 
 def read_comm(pid: int, proc: str = PROC) -> str | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.adapters import isolated
+from tunerd.base.procpath import pid_path
 
 __all__ = ["CpuHog", "RunResult", "interleave", "run_once"]
 
@@ -174,7 +175,7 @@ def _live_members(pgid: int) -> list[int]:
         if not d.isdigit():
             continue
         try:
-            with open(f"/proc/{d}/stat", "rb") as f:
+            with open(pid_path(d, "stat"), "rb") as f:
                 stat = f.read().decode("utf-8", "replace")
         except OSError:
             continue

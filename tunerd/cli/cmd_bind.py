@@ -86,8 +86,10 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
 def live_name(pid: int, cmdline: str = "") -> str:
     """The process's name as ps shows it now (/proc/PID/comm), else its argv[0]'s; printable
     characters only (a process chooses its own name)."""
+    from tunerd.base.procpath import pid_path  # not on the bind path's start-up
+
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+        with open(pid_path(pid, "comm"), encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
     except OSError:  # past hidepid=2 another user's comm is not readable either
         if cmdline.startswith("(hidden:"):  # the daemon's mark: "(hidden: /proc is ...)"

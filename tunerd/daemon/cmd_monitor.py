@@ -31,7 +31,7 @@ def binding_findings(pid: int, job: dict[str, Any]) -> list[dict[str, Any]]:
 
     env = procfs.read_environ(pid)
     try:
-        maps = procfs.read_text(f"/proc/{pid}/maps", MAPS_READ)
+        maps = procfs.read_maps(pid, MAPS_READ)
         mask = frozenset(os.sched_getaffinity(pid))
     except OSError:
         return []

@@ -53,7 +53,7 @@ from tunerd.jobs.gate import (
     rule_reach_refused,
     rule_reaches_beyond,
 )
-from tunerd.jobs.intake import JobContext
+from tunerd.jobs.intake import JobContext, Role
 from tunerd.jobs.journal import put_back
 from tunerd.jobs.leases import user_name
 from tunerd.jobs.peer import Peer
@@ -448,14 +448,14 @@ class AutoBinder:
             # record, never taken for the rank's own choice; ``_adopt`` holds it again
             ctx = replace(ctx, self_affined=False,
                           why=ctx.why.split("; its CPU mask ")[0] + "; bound by tunerd")
-        if ctx.role in ("wrapper", "launcher") or ctx.self_affined:
+        if ctx.role in (Role.WRAPPER, Role.LAUNCHER) or ctx.self_affined:
             self.memory.wrap(m, ctx)
             self.memory.leave_alone(ctx)
             self.memory.settle(ctx)
             if self.external.hold(ctx, self.memory.placed_by(ctx)) is not None:
                 self._memory_steps.add(asyncio.ensure_future(self._self_pinned_memory(m, ctx)))
             return None
-        if m.rule.rank and ctx.role not in ("rank", "descendant"):
+        if m.rule.rank and ctx.role not in (Role.RANK, Role.DESCENDANT):
             return None
         log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
         return ctx
@@ -536,7 +536,7 @@ class AutoBinder:
             ctx = self._look(m, known)
             if ctx is None:
                 return
-            if ctx.role == "descendant":
+            if ctx.role == Role.DESCENDANT:
                 await self._narrow(m, await self._after_parent(m, ctx))
                 return
             if self._adopt(m, ctx, rule_group(m, ctx), seen, at_start):
@@ -599,7 +599,7 @@ class AutoBinder:
             if "set" in ns and "stamped" in ns:  # also for a process that exits meanwhile
                 self.timeline.append((pid, ns["stamped"], ns["read"], ns["set"]))
             if tb is None or out.context is None or out.placement is None:
-                if out.context is not None and out.context.role == "wrapper":
+                if out.context is not None and out.context.role == Role.WRAPPER:
                     self.memory.wrap(m, out.context)  # before what it starts execs
                 return self._to_loop(out.reason, out.context)
             self._track(m, out.context, tb.group, out.placement, 0.0, False, watch=False)

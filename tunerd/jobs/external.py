@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.jsontypes import JSONObject, json_object
-from tunerd.jobs.intake import JobContext
+from tunerd.jobs.intake import JobContext, Role
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.placement import mems_of
 from tunerd.jobs.placer import Placer, Reservation, ReservationKey
@@ -30,7 +30,7 @@ log = logging.getLogger("tunerd.autobind")
 def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
     """The hold of a self-pinned rank ``ctx`` (None: not one, or no mask known)."""
     cpus = ctx.allocation.mask
-    if not ctx.self_affined or ctx.role != "rank" or not cpus:
+    if not ctx.self_affined or ctx.role != Role.RANK or not cpus:
         return None
     job = ctx.group or ctx.launcher
     gpus = f", GPU {format_cpulist(ctx.gpus)}" if ctx.gpus else ""

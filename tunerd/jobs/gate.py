@@ -38,6 +38,7 @@ from tunerd.adapters.procfs import Creds, OpenDevice
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errors import PermissionDenied
 from tunerd.jobs.peer import Peer
+from tunerd.jobs.placement import is_exclusive
 
 __all__ = [
     "EXCLUSIVE_DENIED",
@@ -179,7 +180,7 @@ class RuleReach(Protocol):
 
 def rule_reaches_beyond(rule: RuleReach) -> bool:
     """Whether a rule moves or reserves more than the process it matched."""
-    return bool(rule.exclusive or rule.placement == "exclusive" or rule.exclusive_scope)
+    return is_exclusive(rule.exclusive, rule.placement) or bool(rule.exclusive_scope)
 
 
 def rule_reach_refused(rule: RuleReach, uid: int | None) -> str | None:

@@ -65,7 +65,7 @@ from tunerd.adapters import nvml, procfs
 from tunerd.base.errors import TunerdError
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.gate import gpu_fds
-from tunerd.jobs.intake import Intake, JobContext, RankId, seen_rank
+from tunerd.jobs.intake import Intake, JobContext, RankId, Role, seen_rank
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
@@ -500,11 +500,11 @@ class GpuUse:
         narrowed as its follower but that is no descendant of the rank (it has a rank
         variable of its own: Lightning's rank 1, started by rank 0) is placed all the
         same."""
-        if ctx.role in ("launcher", "wrapper", "rank"):
+        if ctx.role in (Role.LAUNCHER, Role.WRAPPER, Role.RANK):
             return f"a {ctx.role}: the rules' own", None
         launch = self.launch(ctx)
         spawn = launch is not None and launch.group.startswith("mp.spawn:")
-        if ctx.role == "descendant" and not spawn:
+        if ctx.role == Role.DESCENDANT and not spawn:
             return "a rank's worker: kept in its CPUs", None
         if launch is None:
             launch = self.tree_launch(ctx)
@@ -558,7 +558,7 @@ class GpuUse:
         key = f"{ppid}.{pst.start_time}"
         if rb is not None and rb[0] == pst.start_time:
             rule = self._rule(rb[1])
-            if rule is None or self._placed_here(ppid) or (parent.role == "rank" and not spawn):
+            if rule is None or self._placed_here(ppid) or (parent.role == Role.RANK and not spawn):
                 return None  # a rank's other children are its workers
             kind = "mp.spawn parent" if spawn else f"process rule {rule.name} bound"
             return Launch(ppid, pst.start_time, rule, kind,
@@ -566,14 +566,14 @@ class GpuUse:
         if self.rules.set_own_cpus(ppid):
             return None
         m = self.rules.rule_set().match(ppid)
-        if parent.role == "launcher":
+        if parent.role == Role.LAUNCHER:
             rule = m.rule if m is not None else self._rank_rule(ctx)
             name = _launcher_name(parent)
             return None if rule is None else Launch(
                 ppid, pst.start_time, rule, f"launcher {name}", f"{name}:{key}",
                 self.jobs.is_bound(ppid))
-        if m is None or (m.rule.rank and parent.role != "rank") \
-                or (parent.role == "rank" and not spawn):
+        if m is None or (m.rule.rank and parent.role != Role.RANK) \
+                or (parent.role == Role.RANK and not spawn):
             return None
         return Launch(ppid, pst.start_time, m.rule,
                       "mp.spawn parent" if spawn else f"process rule {m.rule.name} matched",

@@ -18,6 +18,7 @@ Real training jobs are trees inside an allocation::
 
 from __future__ import annotations
 
+import enum
 import os
 import select
 import threading
@@ -94,6 +95,22 @@ class Ancestor:
     comm: str
 
 
+class Role(str, enum.Enum):
+    """What a process is to its job; a str so the wire and state JSON keep the same spelling."""
+
+    RANK = "rank"
+    DESCENDANT = "descendant"
+    WRAPPER = "wrapper"
+    LAUNCHER = "launcher"
+    PROCESS = "process"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # equal to its string, so hashes the same
+        return str.__hash__(self)
+
+
 @dataclass(frozen=True)
 class JobContext:
     """Everything placement needs to know about one process, read once."""
@@ -109,7 +126,7 @@ class JobContext:
     gpus: tuple[int, ...]  # GPUs it uses by its environment (CUDA_VISIBLE_DEVICES/rank)
     gpus_how: str
     rank: RankId | None
-    role: str  # "rank" | "descendant" | "wrapper" | "launcher" | "process"
+    role: Role
     why: str  # how the role was told, for `tunerctl jobs` and `policy show`
     parent_rank: int | None = None  # the bound rank this process descends from
     parent_cpus: frozenset[int] | None = None  # ... and that rank's CPUs
@@ -196,13 +213,13 @@ class Intake:
                                 online=self.online, quick=quick)
         rank = _rank_of(env, alloc, st.ppid, notes)
         gpus, how, visible = self._gpus(pid, env, rank, alloc)
-        role, why = "process", "no rank identity in its environment"
+        role, why = Role.PROCESS, "no rank identity in its environment"
         if is_launcher(argv, st.comm):
-            role, why = "launcher", f"{_base(argv[0]) if argv else st.comm} starts ranks"
+            role, why = Role.LAUNCHER, f"{_base(argv[0]) if argv else st.comm} starts ranks"
         elif (wrapper := wrapper_name(argv, st.comm)) is not None:
-            role, why = "wrapper", f"{wrapper} only starts the next process"
+            role, why = Role.WRAPPER, f"{wrapper} only starts the next process"
         elif rank is not None:
-            role, why = "rank", f"{rank.source}, group {rank.group}"
+            role, why = Role.RANK, f"{rank.source}, group {rank.group}"
         ctx = JobContext(pid=pid, start_time=st.start_time, ppid=st.ppid,
                          uid=uid if uid is not None or uid_later else _uid(p), comm=st.comm,
                          argv=tuple(argv), env=env,
@@ -304,14 +321,14 @@ class Intake:
             if lease is not None and "lease" not in changes:
                 changes.update(lease=lease[0], enclosing=lease[1])
             bound = self._bound(ppid)
-            if bound is not None and bound[0] == st.start_time and ctx.role != "launcher":
+            if bound is not None and bound[0] == st.start_time and ctx.role != Role.LAUNCHER:
                 changes.update(self._under_bound(ctx, ppid, st.comm, bound[1]))
                 break
-            if depth == 0 and ctx.role == "rank":
+            if depth == 0 and ctx.role == Role.RANK:
                 changes.update(_self_affinity(ctx, ppid, st.comm))
-        if ctx.role == "rank" and "parent_rank" not in changes and ctx.rank is not None \
+        if ctx.role == Role.RANK and "parent_rank" not in changes and ctx.rank is not None \
                 and self._same_rank_above(ctx, first, quick):
-            changes.update(role="descendant",
+            changes.update(role=Role.DESCENDANT,
                            why=f"{ctx.rank.source} inherited from its parent {ctx.ppid}, "
                                "which is that rank")
         if ctx.rank is not None:
@@ -358,8 +375,8 @@ class Intake:
         if encloses:
             return {"enclosing": cpus}
         out: dict[str, object] = {"parent_rank": ppid, "parent_cpus": cpus}
-        if ctx.role in ("rank", "process"):
-            out.update(role="descendant", why=f"descends from rank {ppid}, bound by tunerd")
+        if ctx.role in (Role.RANK, Role.PROCESS):
+            out.update(role=Role.DESCENDANT, why=f"descends from rank {ppid}, bound by tunerd")
         return out
 
     def _same_rank_above(self, ctx: JobContext, parent: Up | None = None,
@@ -422,8 +439,8 @@ def _identity(ctx: JobContext, launcher: tuple[int, int, str] | None,
     if scheduler is not None:
         out["launcher"] = scheduler
         return out
-    if changes.get("role", ctx.role) == "rank":
-        out.update(role="process",
+    if changes.get("role", ctx.role) == Role.RANK:
+        out.update(role=Role.PROCESS,
                    why=f"{changes.get('why', ctx.why)}; but no launcher or scheduler step "
                        "above it (torchrun, mpirun, srun, deepspeed, accelerate ...): not a "
                        "rank")
@@ -449,7 +466,7 @@ def seen_rank(ctx: JobContext, rank: RankId, *, gpus: tuple[int, ...], how: str,
     rank tunerd bound above it (a lease still encloses it). ``mask_is_tunerds``: its
     CPU mask is the one tunerd gave its parent, which it inherited, not its own choice."""
     alloc = replace(ctx.allocation, current=None) if mask_is_tunerds else ctx.allocation
-    return replace(ctx, role="rank", rank=rank, gpus=gpus, gpus_how=how, why=why,
+    return replace(ctx, role=Role.RANK, rank=rank, gpus=gpus, gpus_how=how, why=why,
                    visible=visible, allocation=alloc, parent_rank=None, parent_cpus=None,
                    enclosing=ctx.enclosing if ctx.lease is not None else None,
                    self_affined=False, launcher=launcher)

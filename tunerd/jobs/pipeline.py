@@ -43,10 +43,10 @@ from tunerd.base.errors import (
 from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.gate import ReservationGate, rule_reach_refused
-from tunerd.jobs.intake import Intake, JobContext, bounded_int, request
+from tunerd.jobs.intake import Intake, JobContext, Role, bounded_int, request
 from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.peer import Peer, require_owner
-from tunerd.jobs.placement import Placement
+from tunerd.jobs.placement import Placement, is_exclusive
 from tunerd.jobs.placer import (
     Placer,
     PlaceRequest,
@@ -347,8 +347,8 @@ class BindPipeline:
         run.ns["intake"] = time.perf_counter_ns()
         ctx = run.ctx
         t.start_time, t.uid = ctx.start_time, ctx.uid if ctx.uid is not None else -1
-        if ctx.role not in ("rank", "process") or ctx.self_affined \
-                or (m.rule.rank and ctx.role != "rank"):
+        if ctx.role not in (Role.RANK, Role.PROCESS) or ctx.self_affined \
+                or (m.rule.rank and ctx.role != Role.RANK):
             raise _Stop(self._left(run, ctx.role, keep_ctx=True))
 
     # -- decide: gate, place, hold, under the ledger's lock ---------------------------
@@ -475,7 +475,7 @@ class BindPipeline:
             self._reserve(run, Reservation(
                 key=key, holder=f"pid {req.pid} (rule {m.rule.name})", gpus=placed.gpus,
                 cpus=placed.cpus or frozenset(), pid=req.pid, group=run.group,
-                exclusive=m.rule.exclusive or m.rule.placement == "exclusive",
+                exclusive=is_exclusive(m.rule.exclusive, m.rule.placement),
                 job=ctx.job_key, uid=m.uid))
         if not placed.applicable:
             run.key = None  # held all the same: the ledger of a replayed node
@@ -670,7 +670,7 @@ class BindPipeline:
         self.placer.reserve(Reservation(
             key=ReservationKey.rule(ctx.pid), holder=f"pid {ctx.pid} (rule {m.rule.name})",
             gpus=placed.gpus, cpus=placed.cpus or frozenset(), pid=ctx.pid, group=group,
-            exclusive=m.rule.exclusive or m.rule.placement == "exclusive",
+            exclusive=is_exclusive(m.rule.exclusive, m.rule.placement),
             job=ctx.job_key, uid=m.uid))
 
     def forget_rule_hold(self, pid: int) -> None:
@@ -744,7 +744,7 @@ def rule_request(m: RuleMatch, ctx: JobContext, group: str) -> PlaceRequest:
     return request(
         ctx, gpus=int(rule.gpus) if not gpu_ids and rule.gpus else 0,
         gpu_ids=gpu_ids or None, mode=rule.placement,
-        exclusive=rule.exclusive or rule.placement == "exclusive",
+        exclusive=is_exclusive(rule.exclusive, rule.placement),
         workers=rule_workers(m), group=group, ignore_busy_gpus=bool(gpu_ids), what=what)
 
 

@@ -44,6 +44,7 @@ daemon's own cpuset describes this machine, not the recorded one.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -58,15 +59,41 @@ from tunerd.topology.nodemap import node_map
 __all__ = [
     "EXACT_LIMIT",
     "MODES",
+    "Mode",
     "Placement",
     "PlacementError",
     "PlacementRequest",
     "gpu_set_score",
+    "is_exclusive",
     "pair_cost",
     "place",
 ]
 
-MODES = ("gpu-local", "node", "socket", "exclusive", "core-complex", "none")
+
+
+class Mode(str, enum.Enum):
+    """A placement mode; a str so policy text, wire and state JSON keep the same spelling."""
+
+    GPU_LOCAL = "gpu-local"
+    NODE = "node"
+    SOCKET = "socket"
+    EXCLUSIVE = "exclusive"
+    CORE_COMPLEX = "core-complex"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # equal to its string, so hashes the same
+        return str.__hash__(self)
+
+
+MODES = tuple(m.value for m in Mode)
+
+
+def is_exclusive(exclusive: bool, mode: str | None) -> bool:
+    """Exclusivity decided once: the exclusive flag, or the "exclusive" placement mode."""
+    return bool(exclusive) or mode == Mode.EXCLUSIVE
 PCIE_BASE = {"PIX": 20, "PXB": 30, "PHB": 40, "NODE": 50, "SYS": 60}
 WORST_WEIGHT = 1_000_000
 EXACT_LIMIT = 20_000  # subsets examined exhaustively (C(16, 8) = 12870 fits)
@@ -446,7 +473,7 @@ def _start(topo: Topology, req: PlacementRequest, busy: dict[int, str], held: di
         usable &= allowed
     eligible = usable - frozenset(held)
     return _Job(topo=topo, idx=idx, req=req, gpu_ids=gpu_ids, gpus=gpus, score=score,
-                exclusive=req.exclusive or req.mode == "exclusive",
+                exclusive=is_exclusive(req.exclusive, req.mode),
                 housekeeping=housekeeping, allowed=allowed, held=held, usable=usable,
                 eligible=eligible, picker=_Picker(idx, eligible),
                 notes=_gpu_notes(topo, gpu_ids, gpus, score))
@@ -468,7 +495,7 @@ def _gpu_notes(topo: Topology, gpu_ids: tuple[int, ...], gpus: list[Gpu],
 
 def _domain(job: _Job) -> _Domain:
     """Which nodes (and which CPUs inside them) count as local."""
-    if job.req.mode == "none":
+    if job.req.mode == Mode.NONE:
         return _Domain(sorted(job.idx.node_cores))
     if job.gpus:
         return _gpu_domain(job)
@@ -480,9 +507,9 @@ def _gpu_domain(job: _Job) -> _Domain:
     home = _gpu_nodes(job.topo, job.gpus)
     within: frozenset[int] | None = None
     sliced = False
-    if mode in ("gpu-local", "exclusive", "core-complex"):
+    if mode in (Mode.GPU_LOCAL, Mode.EXCLUSIVE, Mode.CORE_COMPLEX):
         within, sliced = _gpu_local_cpus(job)
-    elif mode == "socket":
+    elif mode == Mode.SOCKET:
         pkgs = {idx.node_package.get(n) for n in home}
         home = sorted(n for p in pkgs if p is not None for n in idx.package_nodes[p])
     return _Domain(home or sorted(idx.node_cores), within, sliced)
@@ -515,7 +542,7 @@ def _gpuless_domain(job: _Job) -> _Domain:
                                       for k in idx.node_cores[n]))]
     else:
         home = []
-    if job.req.mode == "socket" and home:
+    if job.req.mode == Mode.SOCKET and home:
         home = sorted(idx.package_nodes[idx.node_package[home[0]]])
     return _Domain(home)
 
@@ -532,7 +559,7 @@ def _candidates(job: _Job, dom: _Domain) -> _Candidates:
         w2, s2 = job.picker.cores_in(
             dom.home, frozenset(c for c in job.eligible if c not in dom.within))
         whole, split = whole + w2, split + s2
-    if job.req.mode == "core-complex" and job.req.cpus is None:
+    if job.req.mode == Mode.CORE_COMPLEX and job.req.cpus is None:
         whole, split = _core_complex(job.topo, job.idx, job.gpus, whole, split, dom.within)
     return _Candidates(whole, split, inner)
 
@@ -552,13 +579,13 @@ def _cpu_count(job: _Job, cand: _Candidates) -> int | None:
 
 def _exclusive_count(job: _Job, cand: _Candidates, smt: int) -> int:
     mode = job.req.mode
-    if mode in ("node", "socket"):
+    if mode in (Mode.NODE, Mode.SOCKET):
         count = sum(len(c) for c in cand.whole) or smt
     elif job.gpus:
         count = _fair_share_cores(job.topo, job.idx, job.gpus, job.usable) * smt
     else:
         count = smt
-    if mode == "core-complex":
+    if mode == Mode.CORE_COMPLEX:
         count = min(count, sum(len(c) for c in cand.whole)) or smt
     return count
 

@@ -47,6 +47,7 @@ from tunerd.jobs.placement import (
     MODES,
     Placement,
     PlacementRequest,
+    is_exclusive,
     mems_of,
     ordered_cpus,
     per_gpu_cpu_share,
@@ -464,7 +465,7 @@ class Placer:
         count, pooled = self._count(req, allowed, hk, notes)
         preq = PlacementRequest(gpus=req.gpus if req.gpu_ids is None else len(req.gpu_ids),
                                 cpus=count, mode=req.mode,
-                                exclusive=req.exclusive or req.mode == "exclusive",
+                                exclusive=is_exclusive(req.exclusive, req.mode),
                                 gpu_ids=req.gpu_ids)
         if pooled is not None:  # ranks share a fixed slice: no further choice of CPUs
             return self._pooled(req, preq, pooled, busy, hk, notes)

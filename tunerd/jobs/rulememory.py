@@ -13,7 +13,7 @@ import logging
 from tunerd.adapters import procfs
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.jsontypes import JSONObject
-from tunerd.jobs.intake import JobContext
+from tunerd.jobs.intake import JobContext, Role
 from tunerd.jobs.pidwatch import PidWatch
 from tunerd.watch.launchers import AFFINITY_WRAPPERS, wrapper_name
 from tunerd.watch.rules import RuleMatch
@@ -77,7 +77,7 @@ class RuleMemory:
 
     def wrap(self, m: RuleMatch, ctx: JobContext) -> None:
         """Remember a wrapper an explicit rule matched (``wrapped_match``)."""
-        if m.rule.rank or ctx.role != "wrapper":
+        if m.rule.rank or ctx.role != Role.WRAPPER:
             return
         if len(self.wrapped) >= WRAPPED_MAX:
             self.wrapped.clear()
@@ -123,7 +123,7 @@ class RuleMemory:
         if len(self.left_alone) > 1000:
             self.left_alone.clear()
             self.self_affined.clear()
-        if ctx.role == "wrapper":
+        if ctx.role == Role.WRAPPER:
             if len(self.wrappers) > 1000:
                 self.wrappers.clear()
             self.wrappers[ctx.pid] = (ctx.start_time, wrapper_name(list(ctx.argv)) or "wrapper")
