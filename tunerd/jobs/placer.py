@@ -267,6 +267,9 @@ class Placer:
     # -- reservations ----------------------------------------------------------
     def reserve(self, res: Reservation) -> Reservation | None:
         """Hold ``res`` (in place of one with its key: that one is returned)."""
+        return self._put(res)
+
+    def _put(self, res: Reservation) -> Reservation | None:
         with self.lock:
             old = self._res.get(res.key)
             self._forget_res(old)
@@ -282,7 +285,7 @@ class Placer:
         holds of kind EXTERNAL are taken here."""
         if res.key.kind is not ReservationKind.EXTERNAL:
             raise ValueError(f"hold_external: {res.key} is not an external hold")
-        return self.reserve(res)
+        return self._put(res)
 
     def release(self, key: ReservationKey | str) -> Reservation | None:
         """Give up the reservation ``key`` (its text form, "lease:L3", is read too)."""
