@@ -286,6 +286,7 @@ def _build(cfg: DaemonConfig, errors: ErrorLog, pidlock: PidLock) -> Daemon:
     nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
     server = ControlServer(router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                            max_connections_per_user=cfg.max_connections_per_user,
+                           max_reply=cfg.max_reply_bytes,
                            owner=subids.owner)
     daemon = Daemon(server=server, services=services, policy=policy, errors=errors,
                     notifier=Notifier.from_env(),
