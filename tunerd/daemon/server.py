@@ -77,6 +77,7 @@ OUT_HIGH = 4 * MAX_MESSAGE  # queued reply bytes above which a connection's requ
 MAX_REPLY_USER = 4 << 20  # bytes of one reply to a non-root peer; past it an error reply
 USER_QUEUED_MAX = 16 << 20  # unsent reply bytes of one non-root user, all connections
 MAX_ARG_ITEMS = 4096  # list and object items in one request's arguments, all levels
+TURN_SLICE = 0.002  # seconds of requests one connection runs before the others' turn
 CLOSE_GRACE = 1.0  # seconds a closing connection may take to flush its last reply
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _PEERCRED = struct.Struct("3i")
@@ -395,8 +396,8 @@ class _Connection:
     """One client: reads lines, runs them one at a time, writes replies in order."""
 
     __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_halted", "_incomplete",
-                 "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
-                 "closing_since", "last", "peer", "user", "wrote")
+                 "_later", "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task",
+                 "_writing", "closing_since", "last", "peer", "user", "wrote")
 
     def __init__(self, server: ControlServer, loop: asyncio.AbstractEventLoop,
                  sock: socket.socket, peer: Peer) -> None:
@@ -410,6 +411,7 @@ class _Connection:
         self._out = bytearray()
         self._lines: deque[bytes] = deque()
         self._task: asyncio.Task[bytes] | None = None
+        self._later: asyncio.Handle | None = None  # the rest of a turn's slice, queued
         self._final: bytes | None = None  # an error line to send last, then close
         self._eof = False
         self._incomplete = False  # the peer closed in the middle of a line
@@ -485,10 +487,21 @@ class _Connection:
         self._run_queued()
         self._flow()
 
+    def _resume(self) -> None:
+        self._later = None
+        self._pump()
+
     def _run_queued(self) -> None:
-        if self._sock.fileno() < 0:
+        if self._sock.fileno() < 0 or self._later is not None:
             return
+        # a slice of the loop per connection and wake-up: pipelined requests past it
+        # wait behind the other connections' (and the loop's other callbacks) instead
+        # of stalling them (issue 34 item 8: a user's batches of 200 binds)
+        until = time.perf_counter() + TURN_SLICE
         while self._task is None and len(self._out) < OUT_HIGH and not self._closing:
+            if self._lines and time.perf_counter() > until:
+                self._later = self._loop.call_soon(self._resume)
+                return
             if self._final is not None:
                 self._send(self._final)
                 self._final = None
@@ -626,6 +639,9 @@ class _Connection:
         if cancel and self._task is not None:
             self._task.cancel()
             self._task = None
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
         self._server.sent(self, len(self._out))
         self._out.clear()
         self._lines.clear()  # read but not started: never run for a closed connection
