@@ -41,6 +41,7 @@ class DaemonConfig:
     history_seconds: float = 3600.0  # monitor history kept in memory
     client_timeout: float = 30.0  # seconds a control client may stay silent mid-request
     max_connections_per_user: int = 128  # open control connections per non-root uid
+    max_reply_bytes: int = 4 << 20  # one reply to a non-root uid; past it an error reply
     max_binds_per_user: int = 1024  # processes one non-root user may hold bound (bind)
     watch_execs: bool = True  # proc-connector watcher for [[job]] rules
     # the exec watcher thread runs SCHED_FIFO 1 while execs are sparse (false: nice -10)
@@ -197,6 +198,8 @@ KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
                        _seconds(0, inclusive=False)),
     "max_connections_per_user": ("open control connections one non-root uid may hold",
                                  _count(1)),
+    "max_reply_bytes": ("bytes of one reply to a non-root uid (past it: an error reply)",
+                        _count(4096)),
     "max_binds_per_user": ("processes one non-root user may hold bound with tunerctl "
                            "bind", _count(1)),
     "watch_execs": ("proc-connector exec watcher for [[job]] rules (false: /proc scans)",

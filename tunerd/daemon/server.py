@@ -15,6 +15,14 @@ Robustness rules, because any local user can connect:
 * a client that sends requests without reading the replies costs bounded memory:
   its socket is not read while requests already read wait to be run, and it is
   dropped once its replies have not moved for the idle timeout;
+* what one request may cost is bounded before its handler runs: a request holds at
+  most MAX_REQUEST_NUMBERS numbers (the parse stops at the next one) and
+  MAX_ARG_ITEMS list or object items in its arguments, so no handler's work scales
+  past those with what a client sends;
+* a reply to a non-root peer is at most ``max_reply_bytes`` (an error past it, never
+  a cut answer), and the replies queued for one non-root user's connections together
+  are at most USER_QUEUED_MAX: a reply past that drops its connection at once (its
+  client does not read), so unread replies cannot grow the daemon's memory;
 * a reply is always one valid JSON line; a failing handler never takes the
   server down.
 
@@ -46,7 +54,14 @@ from tunerd.base.errors import Failed, TunerdError, UsageError
 from tunerd.base.logutil import acting_for
 from tunerd.daemon.router import Request, Router
 from tunerd.jobs.peer import Peer
-from tunerd.wire.protocol import MAX_MESSAGE, decode, encode, error_to_wire, reply_id
+from tunerd.wire.protocol import (
+    MAX_MESSAGE,
+    MAX_REQUEST_NUMBERS,
+    decode,
+    encode,
+    error_to_wire,
+    reply_id,
+)
 
 log = logging.getLogger("tunerd.server")
 
@@ -59,6 +74,10 @@ ACCEPT_BATCH = 512  # connections accepted per wake-up: a flood cannot starve th
 ACCEPT_PAUSE = 0.1  # seconds accepting pauses after EMFILE/ENFILE/ENOBUFS/ENOMEM
 RECV_SIZE = 256 * 1024
 OUT_HIGH = 4 * MAX_MESSAGE  # queued reply bytes above which a connection's requests wait
+MAX_REPLY_USER = 4 << 20  # bytes of one reply to a non-root peer; past it an error reply
+USER_QUEUED_MAX = 16 << 20  # unsent reply bytes of one non-root user, all connections
+MAX_ARG_ITEMS = 4096  # list and object items in one request's arguments, all levels
+TURN_SLICE = 0.002  # seconds of requests one connection runs before the others' turn
 CLOSE_GRACE = 1.0  # seconds a closing connection may take to flush its last reply
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _PEERCRED = struct.Struct("3i")
@@ -124,7 +143,8 @@ def _bind_listener(path: Path, backlog: int) -> tuple[socket.socket, tuple[int, 
 class ControlServer:
     def __init__(self, router: Router, path: Path, idle_timeout: float = IDLE_TIMEOUT,
                  *, max_connections_per_user: int = MAX_CONNECTIONS_PER_USER,
-                 backlog: int = LISTEN_BACKLOG,
+                 backlog: int = LISTEN_BACKLOG, max_reply: int = MAX_REPLY_USER,
+                 user_queued_max: int = USER_QUEUED_MAX,
                  owner: Callable[[int], int] = lambda uid: uid) -> None:
         self.router = router
         # the user a uid counts as for per-user limits (a subordinate uid: its owner)
@@ -133,6 +153,9 @@ class ControlServer:
         self.idle_timeout = idle_timeout
         self.max_connections_per_user = max_connections_per_user
         self.backlog = backlog
+        self.max_reply = max_reply  # bytes of one reply to a non-root peer
+        self.user_queued_max = user_queued_max
+        self._queued: Counter[int] = Counter()  # unsent reply bytes per non-root user
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
@@ -246,12 +269,38 @@ class ControlServer:
             conn.check_idle(now)
         self._schedule_sweep()
 
+    # -- unsent replies ----------------------------------------------------------
+    def queue(self, conn: _Connection, n: int) -> bool:
+        """Count ``n`` more unsent reply bytes for ``conn``'s user; False (nothing
+        counted) when a non-root user's would pass ``user_queued_max``."""
+        if conn.peer.uid == 0:
+            return True
+        total = self._queued[conn.user] + n
+        if total > self.user_queued_max:
+            log.warning("uid %d does not read its replies: %d bytes of them would wait, "
+                        "more than %d for one user; dropping a connection", conn.peer.uid,
+                        total, self.user_queued_max)
+            return False
+        self._queued[conn.user] = total
+        return True
+
+    def sent(self, conn: _Connection, n: int) -> None:
+        """``n`` unsent reply bytes of ``conn`` went out (or were thrown away)."""
+        if conn.peer.uid == 0 or n <= 0:
+            return
+        left = self._queued[conn.user] - n
+        if left > 0:
+            self._queued[conn.user] = left
+        else:
+            del self._queued[conn.user]
+
     # -- requests --------------------------------------------------------------
     async def handle(self, peer: Peer, line: bytes) -> bytes:
         """One request line in, one reply line out (never raises)."""
         rid: Any = None
+        cmd: Any = None
         try:
-            msg = decode(line)
+            msg = decode(line, MAX_REQUEST_NUMBERS)
             rid = reply_id(msg)
             cmd = msg.get("cmd")
             args = msg.get("args") or {}
@@ -260,6 +309,7 @@ class ControlServer:
             handler = self.router.get(cmd)
             if handler is None:
                 raise UsageError(f"unknown command {cmd[:100]!r}")
+            check_items(cmd, args)
             result = await handler(Request(cmd=cmd, args=args, peer=peer))
             reply: dict[str, Any] = {"id": rid, "ok": True, "result": result}
         except TunerdError as err:
@@ -268,12 +318,39 @@ class ControlServer:
             log.exception("handler for %r failed", line[:200])
             reply = {"id": rid, "ok": False,
                      "error": error_to_wire(TunerdError(f"internal error: {err!r}"))}
+        return self._encode(peer, line, rid, cmd, reply)
+
+    def _encode(self, peer: Peer, line: bytes, rid: Any, cmd: Any,
+                reply: dict[str, Any]) -> bytes:
         try:
-            return encode(reply)
+            data = encode(reply)
         except (TypeError, ValueError) as err:  # NaN or an object in a result
             log.error("reply to %r cannot be sent as JSON: %s", line[:200], err)
             return encode({"id": rid, "ok": False, "error": error_to_wire(TunerdError(
                 f"internal error: the reply could not be encoded as JSON ({err})"))})
+        if len(data) > self.max_reply and peer.uid != 0:
+            # an error, never a cut answer: a client must not act on half a list
+            return encode({"id": rid, "ok": False, "error": error_to_wire(Failed(
+                f"reply too large: the reply to {str(cmd)[:100]!r} is {len(data)} bytes, "
+                f"more than the {self.max_reply} a non-root user may get "
+                "(max_reply_bytes in tunerd.toml)"))})
+        return data
+
+
+def check_items(cmd: str, args: dict[str, Any]) -> None:
+    """A UsageError when ``args`` hold more than MAX_ARG_ITEMS list and object items, all
+    levels together, naming the argument that passes it; looks at no more than that many."""
+    left = MAX_ARG_ITEMS - len(args)
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in args.items()
+                                    if isinstance(v, (list, dict))]
+    while stack:
+        name, value = stack.pop()
+        left -= len(value)
+        if left < 0:
+            raise UsageError(f"{cmd}: argument {name!r} is too large: a request's arguments "
+                             f"hold at most {MAX_ARG_ITEMS} items (docs/security.md)")
+        items = value.values() if isinstance(value, dict) else value
+        stack += [(name, x) for x in items if isinstance(x, (list, dict))]
 
 
 class _Resumed:
@@ -319,8 +396,8 @@ class _Connection:
     """One client: reads lines, runs them one at a time, writes replies in order."""
 
     __slots__ = ("_buf", "_closing", "_eof", "_fd", "_final", "_halted", "_incomplete",
-                 "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task", "_writing",
-                 "closing_since", "last", "peer", "user", "wrote")
+                 "_later", "_lines", "_loop", "_out", "_reading", "_server", "_sock", "_task",
+                 "_writing", "closing_since", "last", "peer", "user", "wrote")
 
     def __init__(self, server: ControlServer, loop: asyncio.AbstractEventLoop,
                  sock: socket.socket, peer: Peer) -> None:
@@ -334,6 +411,7 @@ class _Connection:
         self._out = bytearray()
         self._lines: deque[bytes] = deque()
         self._task: asyncio.Task[bytes] | None = None
+        self._later: asyncio.Handle | None = None  # the rest of a turn's slice, queued
         self._final: bytes | None = None  # an error line to send last, then close
         self._eof = False
         self._incomplete = False  # the peer closed in the middle of a line
@@ -409,10 +487,21 @@ class _Connection:
         self._run_queued()
         self._flow()
 
+    def _resume(self) -> None:
+        self._later = None
+        self._pump()
+
     def _run_queued(self) -> None:
-        if self._sock.fileno() < 0:
+        if self._sock.fileno() < 0 or self._later is not None:
             return
+        # a slice of the loop per connection and wake-up: pipelined requests past it
+        # wait behind the other connections' (and the loop's other callbacks) instead
+        # of stalling them (issue 34 item 8: a user's batches of 200 binds)
+        until = time.perf_counter() + TURN_SLICE
         while self._task is None and len(self._out) < OUT_HIGH and not self._closing:
+            if self._lines and time.perf_counter() > until:
+                self._later = self._loop.call_soon(self._resume)
+                return
             if self._final is not None:
                 self._send(self._final)
                 self._final = None
@@ -504,6 +593,9 @@ class _Connection:
                 return
             data = data[n:]
             self.wrote = time.monotonic()  # the time the unsent bytes start waiting
+        if not self._server.queue(self, len(data)):
+            self.abort()  # it does not read: an error line would wait unread too
+            return
         self._out += data
         if not self._writing:
             self._writing = True
@@ -518,6 +610,7 @@ class _Connection:
             self.abort()
             return
         del self._out[:n]
+        self._server.sent(self, n)
         self.wrote = time.monotonic()
         if not self._out:
             self._writing = False
@@ -546,5 +639,11 @@ class _Connection:
         if cancel and self._task is not None:
             self._task.cancel()
             self._task = None
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+        self._server.sent(self, len(self._out))
+        self._out.clear()
+        self._lines.clear()  # read but not started: never run for a closed connection
         self._sock.close()
         self._server._closed(self)

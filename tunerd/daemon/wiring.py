@@ -246,6 +246,7 @@ class _Wiring:
         self.nccl_file = NcclConfFile(cfg.runtime_dir, dry_run=cfg.dry_run)
         server = ControlServer(self.router, cfg.socket_path, idle_timeout=cfg.client_timeout,
                                max_connections_per_user=cfg.max_connections_per_user,
+                               max_reply=cfg.max_reply_bytes,
                                owner=self.subids.owner)
         return Daemon(server=server, services=services, policy=self.policy,
                       errors=self.errors, notifier=Notifier.from_env(),

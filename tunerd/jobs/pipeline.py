@@ -226,7 +226,7 @@ class BindPipeline:
                               req.pid, self.bind_delay)
                     await asyncio.sleep(self.bind_delay)
                 self._prepare(run)
-                self._persist(run)
+                await self._persist(run)
                 result = await self._apply_on_loop(run)
                 return self._record(run, result)
             except _Stop as stop:
@@ -566,7 +566,7 @@ class BindPipeline:
             self.watcher.lower_for_rest()
 
     # -- persist -------------------------------------------------------------------------
-    def _persist(self, run: _Run) -> None:
+    async def _persist(self, run: _Run) -> None:
         """The record, with the originals, before the change (a rule's record of a bind
         made in the watcher's thread: after, its journal line stood for it)."""
         req, t, plan, prev = run.req, run.target, run.plan, run.prev
@@ -580,7 +580,8 @@ class BindPipeline:
             why=run.why if run.why is not None else req.why, hold=run.hold),
             plan, prev, self.jobs.originals_for(t, plan, prev))
         run.rec = rec
-        run.save_ms, run.written = self.jobs.persist(rec, prev, run.on_disk or _after(run))
+        run.save_ms, run.written = await self.jobs.persist(rec, prev,
+                                                           run.on_disk or _after(run))
 
     def _journal(self, run: _Run) -> None:
         """In the watcher's thread: one line in the binds-in-flight journal, before the

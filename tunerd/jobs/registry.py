@@ -25,6 +25,7 @@ from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import Failed, NoSuchProcess, PermissionDenied, TunerdError
+from tunerd.base.groupsave import GroupSave
 from tunerd.base.jsontypes import JSONObject, json_object
 from tunerd.base.keyedlocks import KeyedLocks
 from tunerd.jobs.actuate import Actuator
@@ -107,6 +108,8 @@ class JobRegistry:
         self._records = records  # the runtime store's section: JSON of self._bindings
         self._bindings: dict[int, Binding] = {}
         self._save = save
+        # the saves of one loop turn's binds and unbinds: one write (save first still)
+        self._commit = GroupSave(save)
         self.pidwatch = pidwatch
         self.errors = errors
         self.dry_run = dry_run
@@ -295,18 +298,20 @@ class JobRegistry:
             why=ask.why if ask.why is not None else (prev.why if prev else None),
             hold=ask.hold or (prev.hold if prev is not None else None), originals=originals)
 
-    def persist(self, rec: Binding, prev: Binding | None,
-                on_disk: bool) -> tuple[float, JSONRecord | None]:
+    async def persist(self, rec: Binding, prev: Binding | None,
+                      on_disk: bool) -> tuple[float, JSONRecord | None]:
         """Keep the record, and save the originals before anything changes (the runtime
         store: tmpfs, no fsync; a crash of the daemon loses nothing, a reboot ends the
-        process anyway). A failed write refuses the bind: nothing changed. Returns the
-        milliseconds it took and the record's JSON as written (None: nothing written)."""
+        process anyway). The binds of one loop turn share one write (GroupSave): this
+        returns once it is done. A failed write refuses the bind: nothing changed.
+        Returns the milliseconds it took and the record's JSON as written (None:
+        nothing written)."""
         raw = self._put(rec)
         t_save = time.perf_counter()
         if on_disk:
             return _ms(t_save), None
         try:
-            self._save()
+            await self._commit()
         except TunerdError:
             self._restore(rec.pid, prev)
             raise
@@ -401,7 +406,7 @@ class JobRegistry:
                 target.close()
             notes = summary["notes"]
             try:
-                self._save()
+                await self._commit()  # with the other saves of this turn
             except TunerdError as err:  # done already: say so, do not fail the reply
                 self.errors.record("jobs", f"unbind {pid}: {err.message}", key="save")
                 notes.append(f"the process is unbound, but the runtime state was not saved: "

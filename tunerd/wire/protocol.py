@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tunerd.base.errors import (
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_INT_DIGITS",
     "MAX_MESSAGE",
     "MAX_NAME",
+    "MAX_REQUEST_NUMBERS",
     "MAX_TAG",
     "PID_MAX_LIMIT",
     "ExitCode",
@@ -145,6 +147,7 @@ MAX_NAME = 128  # names: rules, policies, process names shown
 MAX_CMD_ARGS = 8  # words of the command as recorded
 MAX_CMD_ARG = 512  # bytes of one word of it
 MAX_CMD = 1024  # bytes of the whole record
+MAX_REQUEST_NUMBERS = 4096  # numbers in one request (no node has more CPUs or GPUs)
 
 
 # Ranges of the integer arguments a request may carry, checked where the daemon takes
@@ -228,15 +231,47 @@ def encode(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
-def decode(line: bytes) -> dict[str, Any]:
+class _NumberBudget:
+    """parse_int/parse_float hooks that stop a parse at the (limit + 1)th number: what
+    parsing a request costs stays bounded (a 1 MiB list of ``0,0,...`` holds 500,000
+    numbers, each a Python call and an object) whatever its size."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def _take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {self.limit} numbers in one message "
+                             "(docs/security.md)")
+
+    def int_(self, text: str) -> int:
+        self._take()
+        return _bounded_int(text)
+
+    def float_(self, text: str) -> float:
+        self._take()
+        return _finite(text)
+
+
+def decode(line: bytes, max_numbers: int | None = None) -> dict[str, Any]:
     """Parse one message; raises UsageError for anything but a JSON object.
 
     NaN, Infinity and 1e999 (which Python's json accepts) are refused, and so is nesting
-    deep enough to exhaust the parser's recursion (``[`` x 100,000).
+    deep enough to exhaust the parser's recursion (``[`` x 100,000), and, where
+    ``max_numbers`` is given (requests), a message with more numbers than that.
     """
+    parse_int: Callable[[str], int] = _bounded_int
+    parse_float: Callable[[str], float] = _finite
+    if max_numbers is not None:
+        budget = _NumberBudget(max_numbers)
+        parse_int, parse_float = budget.int_, budget.float_
     try:
-        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite,
-                         parse_int=_bounded_int)
+        obj = json.loads(line, parse_constant=_no_constant, parse_float=parse_float,
+                         parse_int=parse_int)
     except RecursionError:
         raise UsageError("malformed message: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
