@@ -68,7 +68,10 @@ def test_a_1mib_gpu_list_is_an_error_in_bounded_time(daemon_factory, tmp_path: P
     other = [r for i, r in enumerate(rounds) if i % 2 == 1]
     for _, size, reply in env:
         assert not reply["ok"] and reply["error"]["code"] == "usage", reply
-        assert "8 GPU(s)" in reply["error"]["message"] and size < 4096
+        # refused by the protocol's number cap as it parses (server), or, under that cap,
+        # by the env handler's bound of the node's GPUs: either way a short error
+        msg = reply["error"]["message"]
+        assert ("8 GPU(s)" in msg or "more than 4096 numbers" in msg) and size < 4096, msg
     extra = statistics.median(t for t, _, _ in env) - statistics.median(t for t, _, _ in other)
     print(f"1 MiB env gpus: median {statistics.median(t for t, _, _ in env) * 1000:.1f} ms, "
           f"same size to no command {statistics.median(t for t, _, _ in other) * 1000:.1f} ms")
