@@ -18,7 +18,6 @@ Real training jobs are trees inside an allocation::
 
 from __future__ import annotations
 
-import enum
 import os
 import select
 import threading
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, TypedDict
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import NoSuchProcess, TunerdError
+from tunerd.base.strenum import TextEnum
 from tunerd.jobs.allocation import Allocation, read_allocation, scheduler_gpus
 from tunerd.jobs.placer import PlaceRequest
 from tunerd.topology.model import Topology
@@ -95,7 +95,7 @@ class Ancestor:
     comm: str
 
 
-class Role(str, enum.Enum):
+class Role(TextEnum):
     """What a process is to its job; a str so the wire and state JSON keep the same spelling."""
 
     RANK = "rank"
@@ -103,12 +103,6 @@ class Role(str, enum.Enum):
     WRAPPER = "wrapper"
     LAUNCHER = "launcher"
     PROCESS = "process"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # equal to its string, so hashes the same
-        return str.__hash__(self)
 
 
 @dataclass(frozen=True)

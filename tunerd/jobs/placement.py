@@ -44,7 +44,6 @@ daemon's own cpuset describes this machine, not the recorded one.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -53,6 +52,7 @@ from dataclasses import dataclass, replace
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import PlacementError, UsageError
 from tunerd.base.jsontypes import JSONObject
+from tunerd.base.strenum import TextEnum
 from tunerd.topology.model import Gpu, Link, Topology
 from tunerd.topology.nodemap import node_map
 
@@ -71,7 +71,7 @@ __all__ = [
 
 
 
-class Mode(str, enum.Enum):
+class Mode(TextEnum):
     """A placement mode; a str so policy text, wire and state JSON keep the same spelling."""
 
     GPU_LOCAL = "gpu-local"
@@ -80,12 +80,6 @@ class Mode(str, enum.Enum):
     EXCLUSIVE = "exclusive"
     CORE_COMPLEX = "core-complex"
     NONE = "none"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # equal to its string, so hashes the same
-        return str.__hash__(self)
 
 
 MODES = tuple(m.value for m in Mode)
