@@ -1,7 +1,7 @@
 """JobRegistry and the bind handler in-process, built as the composition root builds them.
 
 The registry runs on a real asyncio loop with real pidfds and real child
-processes, with its real collaborators: a Binder, a PidWatch, an ErrorLog, a
+processes, with its real collaborators: a Binder, a Ledger, an ErrorLog, a
 state file, and for `bind` without flags the real Placer on a recorded topology.
 """
 
@@ -28,7 +28,7 @@ from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import ReservationGate
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.leases import LeaseLimits, LeaseService
-from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.placer import HostCapacity, Placer
@@ -51,19 +51,19 @@ class Parts:
         self.state = RuntimeStore(tmp / "state.json")
         self.state.load()
         self.errors = ErrorLog()
-        self.pidwatch = PidWatch()
+        self.ledger = Ledger()
         section: dict[str, Any] = self.state.section("leases")
         section.setdefault("moved", {})
         self.mover = ExclusiveMover(section["moved"], self.state.save)
         self.jobs = JobRegistry(binder or Binder(), self.state.section("bindings"), self.state.save,
-                                self.pidwatch, self.errors, dry_run=dry_run, mover=self.mover)
+                                self.ledger, self.errors, dry_run=dry_run, mover=self.mover)
         topo = load_topology(topology)
         self.placer = Placer(topo, HostCapacity.read(), frozenset, dry_run=dry_run)
         self.intake = Intake(topo, self.placer.host.cpus, bound=self.jobs.rank_cpus,
                              lease=self.placer.lease_of)
         self.pipeline = BindPipeline(self.jobs, self.placer, ReservationGate(LeaseLimits),
                                      self.intake, self.jobs.binder)
-        self.leases = LeaseService(self.pipeline, self.pidwatch, self.mover, section,
+        self.leases = LeaseService(self.pipeline, self.ledger, self.mover, section,
                                    self.state.save, self.errors,
                                    limits=LeaseLimits, default_nofile=lambda: None)
         self.bind_cmds = BindCommands(self.pipeline, self.leases)
@@ -113,11 +113,11 @@ def test_on_exit_is_called_after_the_record_is_dropped(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_pidwatch_calls_every_key_once_and_refuses_another_start_time() -> None:
+def test_ledger_calls_every_key_once_and_refuses_another_start_time() -> None:
     async def scenario() -> None:
         from tunerd.adapters.procfs import read_start_time
 
-        watch = PidWatch()
+        watch = Ledger()
         called: list[str] = []
         done = asyncio.Event()
 

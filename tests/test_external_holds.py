@@ -211,7 +211,7 @@ def test_a_self_pinned_ranks_memory_goes_to_its_cpus_node_unless_the_rule_says_l
 
     from tunerd.jobs.external import ExternalHolds
     from tunerd.jobs.intake import Intake
-    from tunerd.jobs.pidwatch import PidWatch
+    from tunerd.jobs.ledger import Ledger
 
     dgx = dataclasses.replace(load_topology(DGX_H100), replayed=False)
     here = Intake(load_topology(TWO_GPUS), HOST_CPUS, bound=lambda pid: None,
@@ -219,15 +219,15 @@ def test_a_self_pinned_ranks_memory_goes_to_its_cpus_node_unless_the_rule_says_l
     ctx = dataclasses.replace(here, role="rank", self_affined=True, allocation=dataclasses
                               .replace(here.allocation, mask=frozenset({1})))
     two = ExternalHolds(Placer(dgx, HostCapacity(frozenset(dgx.cpus), frozenset({0, 1})),
-                               frozenset), PidWatch())
+                               frozenset), Ledger())
     assert two.memory_to_bind(ctx, "bind")[0] == {0}
     assert two.memory_to_bind(ctx, "leave")[0] is None
     one = ExternalHolds(Placer(load_topology(TWO_GPUS), HostCapacity(HOST_CPUS), frozenset),
-                        PidWatch())
+                        Ledger())
     mems, why = one.memory_to_bind(ctx, "bind")
     assert mems is None and "replayed" in why  # a loaded snapshot is a replay
     dgx_replayed = ExternalHolds(Placer(load_topology(DGX_H100), HostCapacity(
-        frozenset(range(224)), frozenset({0, 1})), frozenset), PidWatch())
+        frozenset(range(224)), frozenset({0, 1})), frozenset), Ledger())
     assert dgx_replayed.memory_to_bind(ctx, "bind")[0] is None
 
 
@@ -279,7 +279,7 @@ def test_restore_holds_live_ranks_again_and_drops_the_rest() -> None:
 
     from tunerd.adapters import procfs
     from tunerd.jobs.external import ExternalHolds
-    from tunerd.jobs.pidwatch import PidWatch
+    from tunerd.jobs.ledger import Ledger
 
     me, start = os.getpid(), procfs.read_start_time(os.getpid())
     gone = subprocess.Popen(["true"])
@@ -296,9 +296,9 @@ def test_restore_holds_live_ranks_again_and_drops_the_rest() -> None:
     placer = Placer(load_topology(TWO_GPUS), HostCapacity(frozenset({0, 1})), frozenset)
 
     async def run() -> int:
-        holds = ExternalHolds(placer, PidWatch(), state, lambda: saves.append(1))
+        holds = ExternalHolds(placer, Ledger(), state, lambda: saves.append(1))
         n = holds.restore()
-        holds.pidwatch.unwatch(me, "external")
+        holds.ledger.unwatch(me, "external")
         return n
 
     assert asyncio.run(run()) == 1

@@ -18,7 +18,7 @@ from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import UsageError
 from tunerd.daemon.state import RuntimeStore
 from tunerd.jobs.actuate import Binder
-from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.registry import JobRegistry
 from tunerd.monitor.listen import parse_listen
 from tunerd.monitor.service import Monitor, MonitorSettings
@@ -30,7 +30,7 @@ def make_monitor(tmp_path: Path) -> Monitor:
     """The real Monitor with a real (empty) JobRegistry and error log: no daemon around it."""
     errors = ErrorLog()
     state = RuntimeStore(tmp_path / "state.json")
-    jobs = JobRegistry(Binder(), state.section("bindings"), state.save, PidWatch(), errors)
+    jobs = JobRegistry(Binder(), state.section("bindings"), state.save, Ledger(), errors)
     return Monitor(MonitorSettings(metrics_listen="off"), jobs, errors)
 
 
@@ -116,7 +116,7 @@ def test_the_sampler_thread_samples_on_its_own_timer(tmp_path: Path) -> None:
     loop is blocked (a cycle no longer waits for the loop, nor wakes it)."""
     errors = ErrorLog()
     state = RuntimeStore(tmp_path / "state.json")
-    jobs = JobRegistry(Binder(), state.section("bindings"), state.save, PidWatch(), errors)
+    jobs = JobRegistry(Binder(), state.section("bindings"), state.save, Ledger(), errors)
     mon = Monitor(MonitorSettings(interval=0.05, metrics_listen="off"), jobs, errors)
 
     async def go() -> tuple[int, int, float]:

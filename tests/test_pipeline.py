@@ -31,8 +31,8 @@ from tunerd.jobs.binding import BindResult, Plan
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.gate import LeaseLimits, ReservationGate
 from tunerd.jobs.intake import Intake
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.peer import Peer
-from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource, Verdict
 from tunerd.jobs.placer import HostCapacity, Placer, Reservation, ReservationKey
 from tunerd.jobs.registry import JobRegistry
@@ -68,7 +68,7 @@ def pipeline(tmp: Path, limits: LeaseLimits | None = None
     section: dict[str, Any] = state.section("leases")
     mover = ExclusiveMover(section.setdefault("moved", {}), state.save)
     act = WatchedActuator(state.path)
-    jobs = JobRegistry(act, state.section("bindings"), state.save, PidWatch(), ErrorLog(),
+    jobs = JobRegistry(act, state.section("bindings"), state.save, Ledger(), ErrorLog(),
                        mover=mover)
     topo = load_topology(None)
     placer = Placer(topo, HostCapacity.read(), frozenset)

@@ -55,7 +55,7 @@ from tunerd.jobs.gpuuse import GpuUse
 from tunerd.jobs.intake import Intake
 from tunerd.jobs.journal import BindJournal
 from tunerd.jobs.leases import LeaseService
-from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import HostCapacity, Placer
@@ -163,14 +163,14 @@ class _Wiring:
         """The bind domain: registry, placer (the ledger), gate, intake, pipeline,
         leases and the rules' binder."""
         cfg, policy, save = self.cfg, self.policy, self.runtime.save
-        self.pidwatch = PidWatch()
+        self.ledger = Ledger()
         binder = Actuator()  # processes live in the real /proc
         leases_section: dict[str, Any] = self.runtime.section("leases")
         leases_section.setdefault("moved", {})
         self.mover = ExclusiveMover(leases_section["moved"], save, dry_run=cfg.dry_run)
         # exact: the registry stores and deletes whole records (a save compares only those)
         self.jobs = JobRegistry(binder, self.runtime.section("bindings", exact=True), save,
-                                self.pidwatch, self.errors, dry_run=cfg.dry_run,
+                                self.ledger, self.errors, dry_run=cfg.dry_run,
                                 mover=self.mover)
         self.placer = Placer(topology, HostCapacity.read(), policy.housekeeping,
                              dry_run=cfg.dry_run)
@@ -183,17 +183,17 @@ class _Wiring:
             self.jobs, self.placer, gate, self.intake, binder,
             max_per_user=cfg.max_binds_per_user, bind_delay=cfg.debug_bind_delay,
             journal=BindJournal(None if cfg.dry_run else cfg.runtime_dir / "binds-in-flight"))
-        self.leases = LeaseService(self.pipeline, self.pidwatch, self.mover, leases_section,
+        self.leases = LeaseService(self.pipeline, self.ledger, self.mover, leases_section,
                                    save, self.errors, limits=policy.lease_limits,
                                    default_nofile=policy.default_nofile)
         # a test daemon: rules (and cpuset re-binds) touch only its test's process subtree
         self.scope = ProcessScope(cfg.scope_pid) if cfg.scope_pid is not None else None
-        self.autobind = AutoBinder(self.pipeline, self.pidwatch, self.mover, self.errors,
+        self.autobind = AutoBinder(self.pipeline, self.ledger, self.mover, self.errors,
                                    scope=self.scope, default_nofile=policy.default_nofile,
                                    gate=gate, use_connector=cfg.watch_execs,
                                    realtime=cfg.exec_watch_realtime,
                                    record_delay=cfg.debug_apply_delay,
-                                   external=ExternalHolds(self.placer, self.pidwatch,
+                                   external=ExternalHolds(self.placer, self.ledger,
                                                           self.runtime.section("external"),
                                                           save))
         self.autobind.rescan_hooks.append(self.leases.rescan)  # leases die with their job

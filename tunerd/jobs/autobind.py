@@ -44,7 +44,6 @@ from tunerd.base.errorlog import ErrorLog
 from tunerd.base.errors import NoSuchProcess, TunerdError
 from tunerd.base.jsontypes import JSONObject
 from tunerd.base.logutil import acting_for
-from tunerd.jobs.binding import Originals
 from tunerd.jobs.exclusive import ExclusiveMover
 from tunerd.jobs.external import ExternalHolds
 from tunerd.jobs.gate import (
@@ -56,8 +55,8 @@ from tunerd.jobs.gate import (
 from tunerd.jobs.intake import JobContext, Role
 from tunerd.jobs.journal import put_back
 from tunerd.jobs.leases import user_name
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.peer import Peer
-from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.pipeline import (
     BindOutcome,
     BindPipeline,
@@ -66,13 +65,13 @@ from tunerd.jobs.pipeline import (
     ThreadBind,
     Verdict,
     rule_group,
+    rule_mems,
     rule_request,
 )
 from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import ReservationKey, ReservationKind
 from tunerd.jobs.rulememory import RuleMemory
 from tunerd.jobs.scope import ProcessScope
-from tunerd.topology.nodemap import rank_mems
 from tunerd.watch.proc_connector import ExecWatcher
 from tunerd.watch.rules import JobRule, RuleMatch, RuleSet
 
@@ -115,7 +114,7 @@ def _cut(cmdline: str, width: int = 80) -> str:
 class AutoBinder:
     name = "autobind"
 
-    def __init__(self, pipeline: BindPipeline, pidwatch: PidWatch,
+    def __init__(self, pipeline: BindPipeline, ledger: Ledger,
                  mover: ExclusiveMover, errors: ErrorLog, *,
                  default_nofile: Callable[[], int | None], use_connector: bool = True,
                  realtime: bool = True, gate: ReservationGate | None = None,
@@ -128,7 +127,7 @@ class AutoBinder:
         self.intake = pipeline.intake
         self.scope = scope  # a test daemon's: rules bind only inside it (None: all)
         self.gate = gate or ReservationGate(LeaseLimits, default_nofile)
-        self.pidwatch = pidwatch
+        self.ledger = ledger
         self.mover = mover
         self.errors = errors
         self._default_nofile = default_nofile
@@ -146,9 +145,9 @@ class AutoBinder:
         self._scanning = False  # True while binding processes that ran before the rules
         self._rule_sets = 0  # apply_rules calls: the first is the start, the others reloads
         # what the rules remember of processes they looked at and did not bind
-        self.memory = RuleMemory(pidwatch, errors, proc_root)
+        self.memory = RuleMemory(ledger, errors, proc_root)
         # ranks that pinned themselves: held in the ledger as outside owners of CPUs
-        self.external = external or ExternalHolds(self.placer, pidwatch)
+        self.external = external or ExternalHolds(self.placer, ledger)
         self._memory_steps: set[asyncio.Future[None]] = set()  # their memory binds
         self._init_counters()
         self._init_watcher_thread(realtime)
@@ -629,13 +628,14 @@ class AutoBinder:
             if self.record_delay:  # crash tests: a window between the bind and its record
                 await asyncio.sleep(self.record_delay)
             self.matched += 1
-            if rb is None or not self.pidwatch.watch(pid, ctx.start_time, "rule", self._exited):
+            if rb is None or not self.ledger.watch(pid, ctx.start_time, "rule", self._exited):
                 self._forget(pid)
                 return
             rb.exec_seen, rb.bound_at = seen, tb.bound_at
             rb.timing = {"bind_first_ms": round((tb.bound_at - seen) * 1000, 3), **steps}
-            out = await self.pipeline.bind(self._cpus_request(m, ctx, fast.placement,
-                                                              tb.originals))
+            out = await self.pipeline.commit(self._commit_request(m, ctx, fast.placement), tb,
+                                             fast.placement,
+                                             rule_mems(self.placer, m, fast.placement))
             await self._after_cpus(m, ctx, rb, fast.placement, out, False)
         except NoSuchProcess:
             self._forget(pid)
@@ -652,12 +652,10 @@ class AutoBinder:
                 del self._pending[pid]
             self.pipeline.recorded(pid)
 
-    def _cpus_request(self, m: RuleMatch, ctx: JobContext, placed: Placement,
-                      originals: Originals) -> BindRequest:
-        """The loop's record of CPUs the watcher's thread set (with the masks before)."""
-        return BindRequest(m.pid, self.peer, BindSource.RULE, placement=Placement(
-            cpus=placed.cpus, mems=None, gpus=placed.gpus, explanation=placed.explanation),
-            nofile=self._nofile(m), match=m, context=ctx, why=ctx.why, originals=originals)
+    def _commit_request(self, m: RuleMatch, ctx: JobContext, placed: Placement) -> BindRequest:
+        """What the loop's commit of a bind made in the watcher's thread records."""
+        return BindRequest(m.pid, self.peer, BindSource.RULE, placement=placed,
+                           nofile=self._nofile(m), match=m, context=ctx, why=ctx.why)
 
     def _nofile(self, m: RuleMatch) -> int | None:
         return m.rule.nofile if m.rule.nofile is not None else self._default_nofile()
@@ -675,22 +673,14 @@ class AutoBinder:
 
     async def _after_cpus(self, m: RuleMatch, ctx: JobContext, rb: RuleBound,
                           placed: Placement, out: BindOutcome, at_start: bool) -> None:
-        """The CPUs are bound (and recorded): then its memory nodes (a cpuset, page
-        moves: a second pass of the pipeline), the log line, its followers, an
-        exclusive rule's moves."""
+        """The CPUs and memory nodes are bound (and recorded, in one pass): the log
+        line, its followers, an exclusive rule's moves."""
         pid = ctx.pid
         rb.timing = {**(rb.timing or {}), "save_ms": round(out.save_ms, 3),
                      "apply_ms": round(out.result.elapsed_ms, 3) if out.result else None,
                      "elapsed_ms": round(out.elapsed_ms, 3)}
         assert rb.bound_at is not None
-        notes = list(out.notes)
-        mems = self.placer.bindable_mems(rank_mems(self.placer.topo, placed.mems,
-                                                   placed.gpus, m.rule.gpu_memory))
-        if mems:
-            res2 = await self.pipeline.bind(BindRequest(
-                pid, self.peer, BindSource.RULE, placement=Placement(cpus=None, mems=mems),
-                match=m, context=ctx))
-            notes += [n for n in res2.notes if n not in notes]
+        notes = list(dict.fromkeys(out.notes))
         log.info("rule %s: bound pid %d (%s, user %s%s) to CPUs %s near GPU(s) %s in %.1f ms"
                  " (%s)", m.rule.name, pid, _cut(m.cmdline), user_name(m.uid),
                  "" if not at_start else ", already running at a reload" if rb.at_reload
@@ -777,7 +767,7 @@ class AutoBinder:
         self.errors.record("autobind", f"rule {m.rule.name}, pid {ctx.pid}: bound to CPUs "
                            f"{format_cpulist(placed.cpus or frozenset())}, but "
                            + "; ".join(other), key=f"partial:{ctx.pid}")
-        self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
+        self.ledger.watch(ctx.pid, ctx.start_time, "rule-partial", self._partial_exited)
 
     def _track(self, m: RuleMatch, ctx: JobContext, group: str, placed: Placement,
                seen: float, at_start: bool, watch: bool = True) -> RuleBound | None:
@@ -787,7 +777,7 @@ class AutoBinder:
                        uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start,
                        at_reload=at_start and self._rule_sets > 1)
         self.bound[m.pid] = rb
-        if watch and not self.pidwatch.watch(m.pid, ctx.start_time, "rule", self._exited):
+        if watch and not self.ledger.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
             return None
         return rb
@@ -806,7 +796,7 @@ class AutoBinder:
         rb = self.bound.pop(pid, None)
         self.pipeline.forget_rule_hold(pid)
         if rb is not None:
-            self.pidwatch.unwatch(pid, "rule")
+            self.ledger.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
         rb = self.bound.pop(pid, None)
@@ -825,7 +815,7 @@ class AutoBinder:
                 continue
             pid_s, _, start_s = k.ident.partition(":")
             pid, start = int(pid_s), int(start_s)
-            if not self.pidwatch.watch(pid, start, "rule-exclusive", self._restore_rule_moves):
+            if not self.ledger.watch(pid, start, "rule-exclusive", self._restore_rule_moves):
                 self.mover.restore(key)
 
     def _restore_rule_moves(self, pid: int) -> None:

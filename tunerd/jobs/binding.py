@@ -27,12 +27,14 @@ class Target:
     pidfd: int
     uid: int  # real uid
     euid: int
+    owned: bool = True  # False: the pidfd is the ledger's (closed when the process exits)
 
     _poll: select.poll | None = field(default=None, repr=False, compare=False)
 
     def close(self) -> None:
         if self.pidfd >= 0:
-            os.close(self.pidfd)
+            if self.owned:
+                os.close(self.pidfd)
             self.pidfd = -1
             self._poll = None
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.jsontypes import JSONObject, json_object
 from tunerd.jobs.intake import JobContext, Role
-from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.placement import mems_of
 from tunerd.jobs.placer import Placer, Reservation, ReservationKey
 
@@ -51,10 +51,10 @@ class ExternalHolds:
     fields), so that a restarted daemon holds it again at start, before anything is
     placed, as it does its binds' and leases' holds."""
 
-    def __init__(self, placer: Placer, pidwatch: PidWatch, state: JSONObject | None = None,
+    def __init__(self, placer: Placer, ledger: Ledger, state: JSONObject | None = None,
                  save: Callable[[], None] = lambda: None) -> None:
         self.placer = placer
-        self.pidwatch = pidwatch
+        self.ledger = ledger
         self.state: JSONObject = state if state is not None else {}
         self.save = save
 
@@ -65,7 +65,7 @@ class ExternalHolds:
         for key, raw in list(self.state.items()):
             res = _from_json(raw)
             if res is None or res.pid is None or str(res.pid) != key or not \
-                    self.pidwatch.watch(res.pid, res.start_time, "external", self._exited):
+                    self.ledger.watch(res.pid, res.start_time, "external", self._exited):
                 del self.state[key]
                 dropped += 1
                 continue
@@ -85,7 +85,7 @@ class ExternalHolds:
         res = external_reservation(ctx, placed_by)
         if res is None:
             return None
-        if not self.pidwatch.watch(ctx.pid, ctx.start_time, "external", self._exited):
+        if not self.ledger.watch(ctx.pid, ctx.start_time, "external", self._exited):
             return None  # gone already
         self.state[str(ctx.pid)] = _to_json(res)
         self.save()

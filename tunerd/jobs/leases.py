@@ -39,8 +39,8 @@ from tunerd.jobs.allocation import Allocation, cvd_names
 from tunerd.jobs.exclusive import ExclusiveMover, parse_scope
 from tunerd.jobs.gate import LeaseLimits
 from tunerd.jobs.intake import JobContext, request
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.peer import Peer
-from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.pipeline import BindPipeline, BindRequest, BindSource
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.placer import PlaceRequest, Reservation, ReservationKey, ReservationKind
@@ -71,7 +71,7 @@ def user_name(uid: int | None) -> str:
 class LeaseService:
     name = "leases"
 
-    def __init__(self, pipeline: BindPipeline, pidwatch: PidWatch,
+    def __init__(self, pipeline: BindPipeline, ledger: Ledger,
                  mover: ExclusiveMover, section: JSONObject, save: Callable[[], None],
                  errors: ErrorLog, *, limits: Callable[[], LeaseLimits],
                  default_nofile: Callable[[], int | None],
@@ -80,7 +80,7 @@ class LeaseService:
         self.placer = pipeline.placer
         self.intake = pipeline.intake
         self.jobs = pipeline.jobs
-        self.pidwatch = pidwatch
+        self.ledger = ledger
         self.mover = mover
         self.errors = errors
         self._limits = limits
@@ -108,7 +108,7 @@ class LeaseService:
         dropped = self._ended_jobs(save=False)
         for lid, rec in list(self.leases.items()):
             pid = rec.pid
-            if pid is not None and not self.pidwatch.watch(
+            if pid is not None and not self.ledger.watch(
                     pid, rec.start_time, f"lease:{lid}", self._holder_exited):
                 log.info("lease %s: holder pid %d exited while tunerd was down; dropped",
                          lid, pid)
@@ -317,7 +317,7 @@ class LeaseService:
         self._name_gpus(rec, ctx.env)
         lid = rec.id
         self._commit(rec)
-        if not self.pidwatch.watch(pid, rec.start_time, f"lease:{lid}",
+        if not self.ledger.watch(pid, rec.start_time, f"lease:{lid}",
                                    self._holder_exited):
             self._drop(lid)
             raise NoSuchProcess(f"process {pid} exited before its lease was made", pid=pid)
@@ -426,7 +426,7 @@ class LeaseService:
             return
         self.placer.release(ReservationKey.lease(lid))
         if rec.pid:
-            self.pidwatch.unwatch(rec.pid, f"lease:{lid}")
+            self.ledger.unwatch(rec.pid, f"lease:{lid}")
         moved = str(ReservationKey.lease(lid))  # the mover's key: the text form
         if moved in self.mover.moved:
             self.mover.restore(moved)

@@ -16,7 +16,11 @@ lease's own process), workers and followers narrowed into their rank's CPUs, and
 re-binds inside a cpuset the kubelet changed. The stages are written once; ``bind`` is
 their async shell on the loop (one bind of a pid at a time, page moves in an executor),
 ``bind_in_thread`` their sync shell in the exec watcher's thread (nothing there waits
-on the loop: the same stages, with the record left to the loop's ``bind``).
+on the loop): it pins, decides and applies the CPUs and hands what it did (a
+``ThreadBind``: the pidfd, the plan, the result) to the loop's ``commit``, which never
+runs the request again: it records and saves the bind, then applies on the same pidfd
+only what the thread left out (the fd limit, the memory nodes). The thread's pidfd is
+the process's one pidfd, kept by the node's ledger (tunerd.jobs.ledger) until it exits.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.gate import ReservationGate, rule_reach_refused
 from tunerd.jobs.intake import Intake, JobContext, Role, bounded_int, request
 from tunerd.jobs.journal import BindJournal
+from tunerd.jobs.ledger import ProcKey, Slot
 from tunerd.jobs.peer import Peer, require_owner
 from tunerd.jobs.placement import Placement, is_exclusive
 from tunerd.jobs.placer import (
@@ -56,14 +59,18 @@ from tunerd.jobs.placer import (
 )
 from tunerd.jobs.records import Binding, Hold
 from tunerd.jobs.registry import Ask, JobRegistry, JSONRecord, Recorded
+from tunerd.topology.nodemap import rank_mems
 from tunerd.topology.visible import gpus_from_nvml
 from tunerd.watch.rules import RuleMatch
 
 __all__ = ["BindOutcome", "BindPipeline", "BindRequest", "BindSource", "ThreadBind",
-           "Verdict", "rule_group", "rule_request"]
+           "Verdict", "rule_group", "rule_mems", "rule_request"]
 
 log = logging.getLogger("tunerd.bind")
 
+# a rank bound in the watcher's thread and not recorded by the loop yet (its line is in
+# the binds-in-flight journal, emptied when no process holds this)
+UNRECORDED: Slot[bool] = Slot("unrecorded")
 NO_PLACEMENT = "no --cpus/--mems given and GPU placement is not available"
 MAX_BINDS_PER_USER = 1024  # config max_binds_per_user
 
@@ -123,6 +130,8 @@ class ThreadBind:
     group: str
     bound_at: float  # time.monotonic()
     ns: dict[str, int]  # the steps' clocks (perf_counter_ns; "set": CLOCK_MONOTONIC)
+    plan: Plan | None = None  # what the thread applied (the CPUs)
+    result: BindResult | None = None  # ... and what it came to
 
 
 @dataclass
@@ -174,6 +183,8 @@ class _Run:
     written: JSONRecord | None = None
     save_ms: float = 0.0
     ns: dict[str, int] = field(default_factory=dict)
+    result: BindResult | None = None  # the watcher thread's apply
+    rest: Plan | None = None  # commit: what the thread left out (fd limit, memory nodes)
 
 
 class _Stop(Exception):
@@ -204,10 +215,10 @@ class BindPipeline:
         self.watcher: Lowering | None = None
         self.dry_run = jobs.dry_run
         # binds made in the watcher's thread, not recorded yet: in the journal, emptied
-        # whenever this is; and a pidfd of each rank held there (``_release_exited``)
-        self._unrecorded: set[int] = set()
+        # whenever no process holds this slot (each rank's pidfd: in the ledger)
+        self.ledger = jobs.ledger
         self._journal_lock = threading.Lock()
-        self._rule_fds: dict[int, int] = {}
+        self._in_flight = 0  # processes whose UNRECORDED slot is set
         jobs.on_exit(self._exited)
         jobs.on_adopt(self._adopted)
 
@@ -270,6 +281,24 @@ class BindPipeline:
             return left
         return self._bound_in_thread(run)
 
+    async def commit(self, req: BindRequest, tb: ThreadBind, placed: Placement,
+                     mems: frozenset[int] | None) -> BindOutcome:
+        """On the loop, after ``bind_in_thread`` set a rule's rank's CPUs: the record,
+        saved, and on the same pidfd what the thread left out (``req.nofile``, ``mems``)
+        in one more apply, the CPUs set again only where a new cpuset resets them.
+        Nothing is pinned, decided or placed again (the thread's hold stands)."""
+        t = tb.target
+        run = _Run(req, time.perf_counter(), req.nofile, target=t, ctx=req.context,
+                   placed=placed, why=req.why, group=tb.group, result=tb.result)
+        run.placement = Placement(cpus=placed.cpus, mems=mems, gpus=placed.gpus,
+                                  explanation=placed.explanation)
+        async with self.jobs.lock(req.pid):
+            self._authorize_rest(run)
+            self._prepare_rest(run, tb)
+            await self._persist(run)
+            result = await self._apply_rest(run)
+            return self._record(run, result)
+
     # -- pin ---------------------------------------------------------------------------
     def _pin(self, run: _Run) -> None:
         run.target = self.actuator.pin(run.req.pid)
@@ -301,6 +330,13 @@ class BindPipeline:
                                               run.notes) or run.nofile
         if req.source is BindSource.CLI and req.exclusive:
             self.gate.admit(req.peer, exclusive=True, key=ReservationKey.bind(req.pid))
+
+    def _authorize_rest(self, run: _Run) -> None:
+        """Commit: the fd limit the thread left out, capped as a rule's is."""
+        m = run.req.match
+        assert m is not None
+        if run.nofile is not None:
+            run.nofile = self.gate.cap_nofile(m.uid, run.req.pid, run.nofile, [])
 
     def _count(self, uid: int, pid: int) -> None:
         """A non-root user holds at most ``max_per_user`` processes bound with ``tunerctl
@@ -481,10 +517,13 @@ class BindPipeline:
             run.key = None  # held all the same: the ledger of a replayed node
             raise _Stop(self._unapplied(run, placed))
         run.ns["place"] = time.perf_counter_ns()
-        # the CPUs first: memory nodes need a cpuset (and page moves), a second bind
+        # in the watcher's thread the CPUs only: memory nodes need a cpuset (and page
+        # moves), the loop's ``commit`` applies them; on the loop, both in this pass
         run.placed, run.why = placed, ctx.why
-        run.placement = Placement(cpus=placed.cpus, mems=None, gpus=placed.gpus,
-                                  explanation=placed.explanation)
+        run.placement = Placement(cpus=placed.cpus,
+                                  mems=None if run.in_thread else rule_mems(self.placer, m,
+                                                                            placed),
+                                  gpus=placed.gpus, explanation=placed.explanation)
 
     def _unapplied(self, run: _Run, placed: Placement) -> BindOutcome:
         """Placed on a replayed topology this machine cannot apply: kept, not applied."""
@@ -514,17 +553,10 @@ class BindPipeline:
         """Under the placer's lock: ranks of ``group`` bound in the watcher's thread that
         exited (the loop's exit handling may lag behind a quick relaunch) give their CPUs
         back now; the loop forgets them as usual."""
-        fds = {r.pid: self._rule_fds[r.pid] for r in self.placer.reservations()
-               if r.group == group and r.pid in self._rule_fds}
-        if not fds:
-            return
-        poll = select.poll()
-        for fd in fds.values():
-            poll.register(fd, select.POLLIN)
-        gone = {fd for fd, _ in poll.poll(0)}
-        for pid, fd in fds.items():
-            if fd in gone:
-                self.placer.release(ReservationKey.rule(pid))
+        for r in self.placer.reservations():
+            if r.group == group and r.pid is not None and r.key == ReservationKey.rule(r.pid) \
+                    and self.ledger.exited(r.pid):
+                self.placer.release(r.key)
 
     # -- prepare -------------------------------------------------------------------------
     def _prepare(self, run: _Run) -> None:
@@ -558,6 +590,46 @@ class BindPipeline:
         run.plan = Plan(target=t, originals=orig, cpus=p.cpus, mems=None, nofile=None,
                         after_main=lambda: self._main_set(run))
 
+    def _prepare_rest(self, run: _Run, tb: ThreadBind) -> None:
+        """Commit: the record's plan is the thread's (its CPUs, its originals); what is
+        left to apply (``run.rest``) is the fd limit and the memory nodes, with the
+        CPUs only where a child cpuset is made (attaching to it resets every mask)."""
+        t, first, p = run.target, tb.plan, run.placement
+        assert t is not None and first is not None and p is not None
+        run.prev = self.jobs.previous(t)
+        run.plan = first
+        if run.nofile is None and not p.mems:
+            return
+        rest = self.actuator.prepare(t, cpus=p.cpus if p.mems else None, mems=p.mems or None,
+                                     nofile=run.nofile, partial=True,
+                                     originals=first.originals)
+        rest.originals.affinity_set = True
+        run.rest = rest
+        run.plan = Plan(target=t, originals=rest.originals, cpus=first.cpus, mems=rest.mems,
+                        nofile=rest.nofile, cpuset=rest.cpuset, cpuset_cpus=rest.cpuset_cpus,
+                        migrate_from=rest.migrate_from, notes=rest.notes, partial=True)
+
+    async def _apply_rest(self, run: _Run) -> BindResult:
+        """Commit: the rest applied (a cpuset, page moves: in an executor), and the
+        thread's result with it."""
+        first, rest = run.result, run.rest
+        assert first is not None
+        if rest is None:
+            return first
+        run.plan = rest
+        try:
+            got = await self._apply_on_loop(run)
+        finally:
+            run.plan = Plan(target=rest.target, originals=rest.originals, cpus=first.cpus,
+                            mems=rest.mems, nofile=rest.nofile, cpuset=rest.cpuset,
+                            cpuset_cpus=rest.cpuset_cpus, migrate_from=rest.migrate_from,
+                            notes=rest.notes, partial=True)
+        return BindResult(pid=first.pid, cpus=first.cpus, mems=got.mems,
+                          threads=max(first.threads, got.threads),
+                          pages_moved=got.pages_moved, nofile_old=got.nofile_old,
+                          nofile_new=got.nofile_new, notes=[*first.notes, *got.notes],
+                          elapsed_ms=first.elapsed_ms + got.elapsed_ms)
+
     def _main_set(self, run: _Run) -> None:
         """The main thread has its CPUs: the time, then the rest of the bind at a normal
         priority (``ExecWatcher.lower_for_rest``)."""
@@ -590,14 +662,18 @@ class BindPipeline:
         t, plan = run.target, run.plan
         assert t is not None and plan is not None and plan.cpus is not None
         with self._journal_lock:
-            self._unrecorded.add(t.pid)
+            if self.ledger.get(t.pid, UNRECORDED) is None:
+                self._in_flight += 1
+            self.ledger.put(ProcKey(t.pid, t.start_time), UNRECORDED, True)
             self.journal.add(t.pid, t.start_time, plan.originals.process_cpus, plan.cpus)
 
     def recorded(self, pid: int) -> None:
         """The loop recorded (or gave up) a bind made in the watcher's thread."""
         with self._journal_lock:
-            self._unrecorded.discard(pid)
-            if not self._unrecorded:
+            if self.ledger.pop(pid, UNRECORDED) is not None:
+                self._in_flight -= 1
+            if self._in_flight <= 0:
+                self._in_flight = 0
                 self.journal.clear()
 
     # -- apply ---------------------------------------------------------------------------
@@ -620,7 +696,7 @@ class BindPipeline:
 
     def _apply(self, run: _Run) -> None:
         assert run.plan is not None
-        self.actuator.apply(run.plan)
+        run.result = self.actuator.apply(run.plan)
         run.plan.originals.affinity_set = True
         run.ns["bound"] = time.perf_counter_ns()
 
@@ -648,15 +724,13 @@ class BindPipeline:
     def _bound_in_thread(self, run: _Run) -> BindOutcome:
         t, plan = run.target, run.plan
         assert t is not None and plan is not None
-        with self.placer.lock:  # a pidfd of the rank: an exit the loop lags behind frees it
-            old = self._rule_fds.pop(t.pid, None)
-            if old is not None:
-                os.close(old)
-            self._rule_fds[t.pid] = os.dup(t.pidfd)
+        # the rank's one pidfd, kept by the ledger: an exit the loop lags behind frees
+        # its CPUs (``_release_exited``), the loop watches the process with it
+        t.owned = not self.ledger.adopt_fd(ProcKey(t.pid, t.start_time), t.pidfd)
         run.key = None
         return BindOutcome(Verdict.BOUND, t.pid, placement=run.placed, context=run.ctx,
                            thread=ThreadBind(t, plan.originals, run.group, time.monotonic(),
-                                             run.ns), ns=run.ns)
+                                             run.ns, plan, run.result), ns=run.ns)
 
     # -- holds kept beyond a pass ----------------------------------------------------------
     def hold(self, res: Reservation) -> Reservation | None:
@@ -675,11 +749,9 @@ class BindPipeline:
             job=ctx.job_key, uid=m.uid))
 
     def forget_rule_hold(self, pid: int) -> None:
-        """A rule's rank is gone or no longer held: its reservation and its pidfd."""
+        """A rule's rank is gone or no longer held: its reservation (its pidfd is the
+        ledger's, closed when it exits)."""
         with self.placer.lock:
-            fd = self._rule_fds.pop(pid, None)
-            if fd is not None:
-                os.close(fd)
             self.placer.release(ReservationKey.rule(pid))
 
     def _adopted(self, rec: Binding) -> None:
@@ -721,6 +793,13 @@ def rule_group(m: RuleMatch, ctx: JobContext) -> str:
     if run_id:
         return f"{m.rule.name}/{run_id[:64]}"
     return f"{m.rule.name}/ppid {ctx.ppid}"
+
+
+def rule_mems(placer: Placer, m: RuleMatch, placed: Placement) -> frozenset[int] | None:
+    """The memory nodes a rule's rank is bound to (None: none to bind: one node, or
+    the cpuset cannot say)."""
+    return placer.bindable_mems(rank_mems(placer.topo, placed.mems, placed.gpus,
+                                          m.rule.gpu_memory)) or None
 
 
 def rule_workers(m: RuleMatch) -> int:

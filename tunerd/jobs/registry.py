@@ -31,8 +31,8 @@ from tunerd.base.keyedlocks import KeyedLocks
 from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.exclusive import ExclusiveMover
+from tunerd.jobs.ledger import Ledger
 from tunerd.jobs.peer import Peer, require_owner
-from tunerd.jobs.pidwatch import PidWatch
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.records import Binding, Hold
 
@@ -100,7 +100,7 @@ class JobRegistry:
     name = "jobs"
 
     def __init__(self, binder: Actuator, records: dict[str, JSONRecord],
-                 save: Callable[[], None], pidwatch: PidWatch, errors: ErrorLog, *,
+                 save: Callable[[], None], ledger: Ledger, errors: ErrorLog, *,
                  dry_run: bool = False, proc_root: str = procfs.PROC,
                  mover: ExclusiveMover | None = None) -> None:
         self.binder = binder
@@ -110,7 +110,7 @@ class JobRegistry:
         self._save = save
         # the saves of one loop turn's binds and unbinds: one write (save first still)
         self._commit = GroupSave(save)
-        self.pidwatch = pidwatch
+        self.ledger = ledger
         self.errors = errors
         self.dry_run = dry_run
         self.proc = proc_root
@@ -128,6 +128,7 @@ class JobRegistry:
     # -- service -------------------------------------------------------------
     async def start(self) -> None:
         """Re-adopt bindings saved by a previous daemon; drop those whose process is gone."""
+        self.ledger.attach()
         changed = False
         for key, raw in list(self._records.items()):
             try:
@@ -137,7 +138,7 @@ class JobRegistry:
                 del self._records[key]
                 changed = True
                 continue
-            if not self.pidwatch.watch(rec.pid, rec.start_time, "jobs", self._exited):
+            if not self.ledger.watch(rec.pid, rec.start_time, "jobs", self._exited):
                 log.info("pid %d exited while tunerd was down; dropping its binding", rec.pid)
                 del self._records[key]
                 self._forget(rec.originals)
@@ -357,7 +358,7 @@ class JobRegistry:
             # coalesced. A bind that found nothing new is written once, before the change.
             self._save_soon()
         if prev is None:
-            self.pidwatch.watch(pid, target.start_time, "jobs", self._exited)
+            self.ledger.watch(pid, target.start_time, "jobs", self._exited)
         return rec
 
     def _put(self, rec: Binding) -> JSONRecord:
@@ -385,7 +386,7 @@ class JobRegistry:
         self._unapplied[pid] = _Unapplied(
             pid, start_time, procfs.read_uid(pid, self.proc), name,
             self._cmdline(pid, cmdline), placement, origin, time.time(), why)
-        self.pidwatch.watch(pid, start_time, "jobs-unapplied", self._unapplied_exited)
+        self.ledger.watch(pid, start_time, "jobs-unapplied", self._unapplied_exited)
 
     def _unapplied_exited(self, pid: int) -> None:
         self._unapplied.pop(pid, None)
@@ -419,7 +420,7 @@ class JobRegistry:
         """Forget a record and stop watching its process (state not saved)."""
         rec = self._bindings.pop(pid, None)
         self._records.pop(str(pid), None)
-        self.pidwatch.unwatch(pid, "jobs")
+        self.ledger.unwatch(pid, "jobs")
         self._locks.pop(pid, None)
         self._changed(pid)
         return rec

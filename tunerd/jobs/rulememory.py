@@ -14,7 +14,7 @@ from tunerd.adapters import procfs
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.intake import JobContext, Role
-from tunerd.jobs.pidwatch import PidWatch
+from tunerd.jobs.ledger import Ledger
 from tunerd.watch.launchers import AFFINITY_WRAPPERS, wrapper_name
 from tunerd.watch.rules import RuleMatch
 
@@ -27,9 +27,9 @@ log = logging.getLogger("tunerd.autobind")
 class RuleMemory:
     """The rules' memory of processes: left alone, settled, failed, wrappers."""
 
-    def __init__(self, pidwatch: PidWatch, errors: ErrorLog,
+    def __init__(self, ledger: Ledger, errors: ErrorLog,
                  proc_root: str = procfs.PROC) -> None:
-        self.pidwatch = pidwatch
+        self.ledger = ledger
         self.errors = errors
         self.proc = proc_root
         # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
@@ -87,7 +87,7 @@ class RuleMemory:
     def settle(self, ctx: JobContext) -> None:
         if len(self.settled) > 100_000:
             self.settled.clear()
-        if self.pidwatch.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled_exited):
+        if self.ledger.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled_exited):
             self.settled.add(ctx.pid)
         else:
             self._settled_exited(ctx.pid)
@@ -142,7 +142,7 @@ class RuleMemory:
                 self.failed.clear()
             self.failed[pid] = start
             # the failure's error resolves itself when the process ends
-            self.pidwatch.watch(pid, start, "rule-failed", self._failed_exited)
+            self.ledger.watch(pid, start, "rule-failed", self._failed_exited)
 
     def _failed_exited(self, pid: int) -> None:
         self.failed.pop(pid, None)
