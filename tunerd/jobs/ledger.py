@@ -40,7 +40,7 @@ log = logging.getLogger("tunerd.ledger")
 
 T = TypeVar("T")
 ExitCallback = Callable[[int], None]
-UNWATCHED_MAX = 65_536  # records with no pidfd (caches of looks), oldest dropped first
+UNWATCHED_MAX = 16_384  # records in all; past it those with no pidfd go, oldest first
 
 
 class ProcKey(NamedTuple):
