@@ -29,6 +29,8 @@ command -v munged >/dev/null 2>&1 || need_pkgs="$need_pkgs munge"
 command -v logger >/dev/null 2>&1 || need_pkgs="$need_pkgs bsdutils"
 # a real mpirun for tests/test_node_map.py (MPI local rank i placed near GPU i)
 command -v mpirun >/dev/null 2>&1 || need_pkgs="$need_pkgs openmpi-bin"
+# strace: tests/test_ledger_one_pidfd.py counts the daemon's pidfd_open and sched_setaffinity
+command -v strace >/dev/null 2>&1 || need_pkgs="$need_pkgs strace"
 # capsh: tests/test_nocap.py runs the daemon without CAP_SYS_RESOURCE
 command -v capsh >/dev/null 2>&1 || need_pkgs="$need_pkgs libcap2-bin"
 # kubectl: `kubectl kustomize deploy/kubernetes` in tests/test_kubernetes_deploy.py (where

@@ -47,7 +47,7 @@ def would_bind(policy: Policy, autobind: AutoBinder,
     me = os.getpid()
     out: list[dict[str, Any]] = []
     for pid in procfs.list_pids(proc):
-        if pid == me or pid in autobind.bound:
+        if pid == me or autobind.rule_bound(pid) is not None:
             continue
         m = rules.match(pid)
         if m is None:

@@ -394,11 +394,11 @@ class _Wiring:
         self.cpusets.wake()  # effective cpusets change with the CPUs online, unnotified
 
     def settings_for(self, pid: int) -> dict[str, Any]:
-        rb = self.autobind.bound.get(pid)
-        if rb is None:
+        name = self.autobind.rule_name(pid)
+        if name is None:
             return {}
         for rule in self.autobind.rules.rules:
-            if rule.name == rb.rule:
+            if rule.name == name:
                 return rule.torch.to_dict()
         return {}
 

@@ -55,7 +55,7 @@ from tunerd.jobs.gate import (
 from tunerd.jobs.intake import JobContext, Role
 from tunerd.jobs.journal import put_back
 from tunerd.jobs.leases import user_name
-from tunerd.jobs.ledger import Ledger
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.pipeline import (
     BindOutcome,
@@ -106,6 +106,13 @@ class RuleBound:
 Found = tuple[RuleMatch, float, "BindOutcome | None"]
 
 
+# what the rules keep of a process, in the node's ledger (tunerd.jobs.ledger)
+RULE: Slot[RuleBound] = Slot("rule")  # a rank a rule placed (held, bound or replayed)
+TOLD: Slot[bool] = Slot("told rank")  # a rank another source told: never a follower
+INFLIGHT: Slot[bool] = Slot("in flight")  # bound in the watcher's thread, not on the loop yet
+PENDING: Slot[asyncio.Task[None]] = Slot("pending bind")  # its bind on the loop
+
+
 def _cut(cmdline: str, width: int = 80) -> str:
     """A command line for one log line: an ellipsis where it is cut."""
     return cmdline if len(cmdline) <= width else cmdline[:width - 1] + "\u2026"
@@ -136,12 +143,8 @@ class AutoBinder:
         self.record_delay = record_delay  # debug_apply_delay: seconds before a record
         self.rules = RuleSet([])
         self.watcher: ExecWatcher[Found] | None = None
-        self.bound: dict[int, RuleBound] = {}
         self.peer = Peer(pid=os.getpid(), uid=0, gid=0)  # the policy acts as root
         self.rescan_hooks: list[Callable[[], None]] = []  # run on every /proc rescan
-        # ranks another source told (``place_rank``): never a rank's follower
-        self.told_ranks: set[int] = set()
-        self._pending: dict[int, asyncio.Task[None]] = {}
         self._scanning = False  # True while binding processes that ran before the rules
         self._rule_sets = 0  # apply_rules calls: the first is the start, the others reloads
         # what the rules remember of processes they looked at and did not bind
@@ -184,7 +187,6 @@ class AutoBinder:
         # ones whose CPUs are set already (``_inflight``) are recorded before we go
         self._fast_lock = threading.Lock()
         self._stopping = False
-        self._inflight: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -239,21 +241,22 @@ class AutoBinder:
         # a process the watcher's thread bound is recorded (with its originals) before
         # the daemon goes: else it would stay bound with nothing to put it back by
         deadline = time.monotonic() + STOP_DRAIN_S
-        while self._inflight and time.monotonic() < deadline:
+        while self.ledger.count(INFLIGHT) and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
-        pending = list(self._pending.values())
+        pending = [t for _, t in self.ledger.each(PENDING)]
         if pending:
             await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.0))
-        if self._inflight:
+        if self.ledger.count(INFLIGHT):
             log.warning("stopping: %d process(es) bound by a rule but not recorded: %s "
                         "(the next start puts their CPUs back: binds-in-flight)",
-                        len(self._inflight), sorted(self._inflight))
-        for t in self._pending.values():
+                        self.ledger.count(INFLIGHT),
+                        [k.pid for k, _ in self.ledger.each(INFLIGHT)])
+        for _, t in self.ledger.each(PENDING):
             t.cancel()
         self.pipeline.journal.close()
 
     def status(self) -> JSONObject:
-        bound = list(self.bound.values())  # the watcher thread adds to it meanwhile
+        bound = [rb for _, rb in self.ledger.each(RULE)]
         at_start = [b for b in bound if b.at_start]
         return {"summary": self._summary(at_start),
                 "rules": [r.name for r in self.rules.rules],
@@ -274,7 +277,8 @@ class AutoBinder:
         if self.watcher is not None and self.watcher.mode == "proc-scan" and self.watcher.reason:
             mode += f" (proc connector: {self.watcher.reason})"  # never silent about why
         summary = (f"automatic binding: {n} rule(s) ({names}), watcher {mode}, "
-                   f"{len(self.bound)} process(es) bound" if n else "automatic binding: no rules")
+                   f"{self.ledger.count(RULE)} process(es) bound" if n
+                   else "automatic binding: no rules")
         for when, group in (("at start", [b for b in at_start if not b.at_reload]),
                             ("at a reload", [b for b in at_start if b.at_reload])):
             if group:
@@ -319,15 +323,20 @@ class AutoBinder:
 
     def rule_bound(self, pid: int) -> tuple[int, str] | None:
         """(start time, rule name) of ``pid`` where a rule bound it."""
-        rb = self.bound.get(pid)
+        rb = self.ledger.get(pid, RULE)
         return None if rb is None else (rb.start_time, rb.rule)
 
     def rule_bound_pids(self) -> list[int]:
-        return list(self.bound)
+        return [k.pid for k, _ in self.ledger.each(RULE)]
+
+    def rule_name(self, pid: int) -> str | None:
+        """The name of the rule that bound ``pid`` (None: none did)."""
+        rb = self.ledger.get(pid, RULE)
+        return None if rb is None else rb.rule
 
     def looked_at(self) -> bool:
-        """Whether the rules bound or left alone a process (a dict's truth: nothing read)."""
-        return bool(self.bound or self.memory.left_alone)
+        """Whether the rules bound or left alone a process (counts: nothing read)."""
+        return bool(self.ledger.count(RULE) or self.memory.left_alone)
 
     def rules_peer(self) -> Peer:
         """Who the rules act as (root)."""
@@ -337,9 +346,8 @@ class AutoBinder:
         """Bind ``ctx`` (a rank another source told: tunerd.jobs.gpuuse) under ``rule``:
         the same gate, placer, ledger and registry as every rule bind."""
         m = RuleMatch(rule=rule, pid=ctx.pid, cmdline=ctx.cmdline, uid=ctx.uid, env=ctx.env)
-        if len(self.told_ranks) >= 4096:
-            self.told_ranks.clear()
-        self.told_ranks.add(ctx.pid)  # a parent rank's bind made meanwhile leaves it be
+        # a parent rank's bind made meanwhile leaves it be (never a rank's follower)
+        self.ledger.put(ProcKey(ctx.pid, ctx.start_time), TOLD, True)
         self.on_match(m, time.monotonic(), ctx)
 
     # -- events ----------------------------------------------------------------
@@ -374,15 +382,17 @@ class AutoBinder:
             fast.context = dataclasses.replace(fast.context, uid=uid)
         if fast.thread is not None:
             fast.thread.target.uid = uid if uid is not None else -1
-            rb = self.bound.get(fast.pid)
+            rb = self.ledger.get(fast.pid, RULE)
             if rb is not None and rb.uid is None:
                 rb.uid = uid
 
     def _matched(self, found: Found) -> None:
         m, seen, fast = found
-        self._inflight.discard(m.pid)
+        self.ledger.pop(m.pid, INFLIGHT)
         if fast is not None and fast.thread is not None:
-            self._pending[m.pid] = asyncio.ensure_future(self._finish(m, seen, fast))
+            assert fast.context is not None
+            self.ledger.put(ProcKey(m.pid, fast.context.start_time), PENDING,
+                            asyncio.ensure_future(self._finish(m, seen, fast)))
             return
         self.on_match(m, seen, fast.context if fast is not None else None)
 
@@ -402,18 +412,23 @@ class AutoBinder:
                  ctx: JobContext | None = None) -> None:
         """A process a rule matched: bind it (on the loop). ``ctx``: the intake's look
         taken in the watcher's thread already."""
-        if m.pid in self._pending or self._stopping:
+        if self._stopping or self.ledger.has(m.pid, PENDING):
             return
+        key = ProcKey(m.pid, ctx.start_time) if ctx is not None \
+            else self.ledger.key(m.pid) or self.ledger.key_of(m.pid)
+        if key is None:
+            return  # gone already
         task = asyncio.ensure_future(self._bind(m, seen if seen is not None
                                                 else time.monotonic(), self._scanning, ctx))
-        self._pending[m.pid] = task
+        self.ledger.put(key, PENDING, task)
 
     def rescan(self) -> None:
         for hook in self.rescan_hooks:
             hook()
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
-            if pid != me and pid not in self.bound and pid not in self.memory.settled:
+            if pid != me and not self.ledger.has(pid, RULE) \
+                    and pid not in self.memory.settled:
                 self.on_exec(pid)
 
     def preview(self, m: RuleMatch) -> Placement:
@@ -437,7 +452,7 @@ class AutoBinder:
         # a process seen before (a rescan, or another exec of it) is no new match
         if self.memory.failed.get(pid) == ctx.start_time:
             return None
-        prev = self.bound.get(pid)
+        prev = self.ledger.get(pid, RULE)
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
             return None  # the same process exec'd again (sh -> python): keep its place
         rec = self.jobs.record(pid)
@@ -483,7 +498,7 @@ class AutoBinder:
     async def _after_parent(self, m: RuleMatch, ctx: JobContext) -> JobContext:
         """A descendant whose rank is being bound right now (a /proc rescan finds both):
         wait for that, then look again, so that it is narrowed into the rank's CPUs."""
-        parent = self._pending.get(ctx.ppid)
+        parent = self.ledger.get(ctx.ppid, PENDING)
         if ctx.parent_cpus is not None or parent is None:
             return ctx
         await asyncio.wait([parent], timeout=5)
@@ -517,7 +532,7 @@ class AutoBinder:
             log.debug("pid %d matches rule %s but is bound by %s; left alone", ctx.pid,
                       m.rule.name, job.origin)
             return True
-        if ctx.pid not in self.bound:
+        if not self.ledger.has(ctx.pid, RULE):
             cpus = job.cpu_set()
             placed = Placement(cpus=cpus, mems=mems_of(self.placer.topo, cpus),
                                gpus=job.gpus, explanation=job.explanation or "")
@@ -554,7 +569,8 @@ class AutoBinder:
             log.exception("automatic binding of pid %d failed", pid)
             self._failure(m, pid, repr(err))
         finally:
-            self._pending.pop(pid, None)
+            if self.ledger.get(pid, PENDING) is asyncio.current_task():
+                self.ledger.pop(pid, PENDING)
 
     async def _bound(self, m: RuleMatch, ctx: JobContext, out: BindOutcome, seen: float,
                      at_start: bool, t_bind: float) -> None:
@@ -586,7 +602,8 @@ class AutoBinder:
             if self._stopping:
                 return self._to_loop("stopping", None)
             pid = m.pid
-            if (pid in self._pending or pid in self.bound or pid in self.memory.failed
+            if (self.ledger.has(pid, PENDING) or self.ledger.has(pid, RULE)
+                    or pid in self.memory.failed
                     or self.jobs.record(pid) is not None or self.jobs.dry_run
                     or rule_reach_refused(m.rule, m.uid) is not None):
                 return self._to_loop("seen before, or refused", None)
@@ -602,7 +619,8 @@ class AutoBinder:
                     self.memory.wrap(m, out.context)  # before what it starts execs
                 return self._to_loop(out.reason, out.context)
             self._track(m, out.context, tb.group, out.placement, 0.0, False, watch=False)
-            self._inflight.add(pid)  # until the loop has it (``_matched``)
+            # until the loop has it (``_matched``)
+            self.ledger.put(ProcKey(pid, out.context.start_time), INFLIGHT, True)
             return out
 
     def _to_loop(self, why: str, ctx: JobContext | None) -> BindOutcome | None:
@@ -619,7 +637,7 @@ class AutoBinder:
         pid, ctx, tb = m.pid, fast.context, fast.thread
         assert tb is not None and ctx is not None and fast.placement is not None
         acting_for(m.uid)
-        rb = self.bound.get(pid)
+        rb = self.ledger.get(pid, RULE)
         self.bound_first += 1
         self.latencies_ms.append((tb.bound_at - seen) * 1000)
         steps = _steps(tb)
@@ -648,8 +666,8 @@ class AutoBinder:
                 self._failure(m, pid, repr(err))
         finally:
             tb.target.close()
-            if self._pending.get(pid) is asyncio.current_task():
-                del self._pending[pid]
+            if self.ledger.get(pid, PENDING) is asyncio.current_task():
+                self.ledger.pop(pid, PENDING)
             self.pipeline.recorded(pid)
 
     def _commit_request(self, m: RuleMatch, ctx: JobContext, placed: Placement) -> BindRequest:
@@ -713,13 +731,13 @@ class AutoBinder:
                 continue
             for kid in kids[:FOLLOWERS_MAX]:
                 seen += 1
-                if kid in self.told_ranks:
+                if self.ledger.has(kid, TOLD):
                     continue  # a rank of its own (Lightning's rank 1): not a follower
                 if depth + 1 < FOLLOWERS_DEPTH:
                     todo.append((kid, depth + 1))
-                held, rec = self.bound.get(kid), self.jobs.record(kid)
+                held, rec = self.ledger.get(kid, RULE), self.jobs.record(kid)
                 if held is not None and held.group == group:  # taken for a rank: it is not
-                    self.bound.pop(kid, None)
+                    self.ledger.pop(kid, RULE)
                     self.pipeline.forget_rule_hold(kid)
                 elif held is not None or (rec is not None and rec.origin != "worker"):
                     continue  # another job's rank, or bound by someone else
@@ -776,7 +794,7 @@ class AutoBinder:
         rb = RuleBound(pid=m.pid, start_time=ctx.start_time, rule=m.rule.name, group=group,
                        uid=m.uid, placement=placed, exec_seen=seen, at_start=at_start,
                        at_reload=at_start and self._rule_sets > 1)
-        self.bound[m.pid] = rb
+        self.ledger.put(ProcKey(m.pid, ctx.start_time), RULE, rb)
         if watch and not self.ledger.watch(m.pid, ctx.start_time, "rule", self._exited):
             self._forget(m.pid)
             return None
@@ -793,13 +811,13 @@ class AutoBinder:
         self.errors.resolve("autobind", f"partial:{pid}")
 
     def _forget(self, pid: int) -> None:
-        rb = self.bound.pop(pid, None)
+        rb = self.ledger.pop(pid, RULE)
         self.pipeline.forget_rule_hold(pid)
         if rb is not None:
             self.ledger.unwatch(pid, "rule")
 
     def _exited(self, pid: int) -> None:
-        rb = self.bound.pop(pid, None)
+        rb = self.ledger.pop(pid, RULE)
         self.pipeline.forget_rule_hold(pid)
         if rb is None:
             return

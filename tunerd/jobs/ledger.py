@@ -87,6 +87,7 @@ class Ledger:
         self.unwatched_max = unwatched_max
         self._lock = threading.RLock()
         self._recs: dict[int, Tracked] = {}
+        self._counts: dict[Slot[object], int] = {}  # records each slot holds a value in
         self._firing: Tracked | None = None  # whose exit callbacks run now (the loop's)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_tid = 0  # the loop's thread
@@ -144,16 +145,24 @@ class Ledger:
     def put(self, key: ProcKey, slot: Slot[T], value: T) -> None:
         """``slot`` of the process ``key`` holds ``value`` (a record of another process
         with the same PID is retired: that one has exited)."""
+        s = cast("Slot[object]", slot)
         with self._lock:
             rec = self._record(key)
-            rec.values[cast("Slot[object]", slot)] = value
+            if s not in rec.values:
+                self._counts[s] = self._counts.get(s, 0) + 1
+            rec.values[s] = value
 
     def pop(self, pid: int, slot: Slot[T]) -> T | None:
         with self._lock:
             rec = self._rec(pid)
             if rec is None:
                 return None
-            out = rec.values.pop(cast("Slot[object]", slot), None)
+            s = cast("Slot[object]", slot)
+            if s not in rec.values:
+                return None
+            out = rec.values.pop(s)
+            if self._recs.get(rec.key.pid) is rec:
+                self._counts[s] -= 1
             self._maybe_drop(rec)
             return cast("T | None", out)
 
@@ -165,17 +174,18 @@ class Ledger:
                     if s in r.values]
 
     def count(self, slot: Slot[T]) -> int:
-        s = cast("Slot[object]", slot)
-        with self._lock:
-            return sum(1 for r in self._recs.values() if s in r.values)
+        """How many processes ``slot`` holds a value for (kept as they change: O(1))."""
+        return self._counts.get(cast("Slot[object]", slot), 0)
 
     def clear(self, slot: Slot[T]) -> None:
         """Empty ``slot`` in every record (a service's bounded cache, dropped whole)."""
         s = cast("Slot[object]", slot)
         with self._lock:
             for rec in list(self._recs.values()):
-                if rec.values.pop(s, None) is not None:
+                if s in rec.values:
+                    del rec.values[s]
                     self._maybe_drop(rec)
+            self._counts[s] = 0
 
     def __len__(self) -> int:
         return len(self._recs)
@@ -201,12 +211,11 @@ class Ledger:
 
     def adopt_fd(self, key: ProcKey, fd: int) -> bool:
         """Keep ``fd``, a pidfd on the process ``key`` opened by the caller, as its
-        record's one pidfd (the caller must not close it). A record with a pidfd keeps
-        its own, and ``fd`` is closed: False then."""
+        record's one pidfd (True: the ledger owns it now, the caller must not close
+        it). A record with a pidfd keeps its own: False, ``fd`` stays the caller's."""
         with self._lock:
             rec = self._record(key)
             if rec.pidfd >= 0:
-                os.close(fd)
                 return False
             self._hold(rec, fd)
             return True
@@ -303,22 +312,28 @@ class Ledger:
     def _maybe_drop(self, rec: Tracked) -> None:
         if rec.pidfd < 0 and not rec.values and not rec.exits \
                 and self._recs.get(rec.key.pid) is rec:
-            del self._recs[rec.key.pid]
+            self._unlink(rec)
+
+    def _unlink(self, rec: Tracked) -> None:
+        """``rec`` leaves the table (its slots are still readable by whoever holds it)."""
+        del self._recs[rec.key.pid]
+        for s in rec.values:
+            self._counts[s] -= 1
 
     def _evict(self) -> None:
         """Too many records: the oldest with no pidfd go (caches of looks, taken again
         when needed); a record with a pidfd is a live process and stays."""
         keep = self.unwatched_max * 3 // 4
-        for pid, rec in list(self._recs.items()):
+        for rec in list(self._recs.values()):
             if len(self._recs) <= keep:
                 break
             if rec.pidfd < 0 and not rec.exits:
-                del self._recs[pid]
+                self._unlink(rec)
 
     def _retire(self, rec: Tracked) -> None:
         """``rec``'s process has exited (its PID is reused): its exit callbacks run on
         the loop, reading its slots, as if its pidfd had fired."""
-        del self._recs[rec.key.pid]
+        self._unlink(rec)
         if not rec.exits:
             self._release(rec)
         elif self._loop is not None:
@@ -334,7 +349,7 @@ class Ledger:
             cbs = list(rec.exits.values())
             rec.exits.clear()
             if self._recs.get(rec.key.pid) is rec:
-                del self._recs[rec.key.pid]
+                self._unlink(rec)
             self._firing = rec
         try:
             for cb in cbs:

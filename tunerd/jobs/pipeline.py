@@ -600,9 +600,15 @@ class BindPipeline:
         run.plan = first
         if run.nofile is None and not p.mems:
             return
-        rest = self.actuator.prepare(t, cpus=p.cpus if p.mems else None, mems=p.mems or None,
-                                     nofile=run.nofile, partial=True,
-                                     originals=first.originals)
+        try:
+            rest = self.actuator.prepare(t, cpus=p.cpus if p.mems else None,
+                                         mems=p.mems or None, nofile=run.nofile,
+                                         partial=True, originals=first.originals)
+        except PermissionDenied as err:  # the fd limit alone, and not ours to set
+            if p.mems:
+                raise
+            run.notes.append(f"fd limit not set: {err.message}")
+            return
         rest.originals.affinity_set = True
         run.rest = rest
         run.plan = Plan(target=t, originals=rest.originals, cpus=first.cpus, mems=rest.mems,
@@ -705,6 +711,9 @@ class BindPipeline:
         req, t, plan, rec = run.req, run.target, run.plan, run.rec
         assert t is not None and plan is not None and rec is not None
         p = run.placement
+        # the pin's pidfd is the process's one pidfd from now on (the ledger's)
+        if t.owned:
+            t.owned = not self.ledger.adopt_fd(ProcKey(t.pid, t.start_time), t.pidfd)
         kept = self.jobs.keep(t, rec, Recorded(
             plan=plan, result=result, prev=run.prev, written=run.written,
             on_disk=run.on_disk, persist_after=_after(run),

@@ -31,7 +31,7 @@ from tunerd.base.keyedlocks import KeyedLocks
 from tunerd.jobs.actuate import Actuator
 from tunerd.jobs.binding import BindResult, Originals, Plan, Target
 from tunerd.jobs.exclusive import ExclusiveMover
-from tunerd.jobs.ledger import Ledger
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 from tunerd.jobs.peer import Peer, require_owner
 from tunerd.jobs.placement import Placement
 from tunerd.jobs.records import Binding, Hold
@@ -94,6 +94,11 @@ class _Unapplied:
     why: str | None = None  # how the intake told what it is (a rule's bind)
 
 
+# what the registry keeps of a process, in the node's ledger (tunerd.jobs.ledger)
+BINDING: Slot[Binding] = Slot("binding")  # bound: its record, saved in the runtime state
+UNAPPLIED: Slot[_Unapplied] = Slot("placed only")  # placed on a replayed topology
+
+
 class JobRegistry:
     """Binds processes and remembers them until they exit or are unbound."""
 
@@ -105,8 +110,7 @@ class JobRegistry:
                  mover: ExclusiveMover | None = None) -> None:
         self.binder = binder
         self.mover = mover
-        self._records = records  # the runtime store's section: JSON of self._bindings
-        self._bindings: dict[int, Binding] = {}
+        self._records = records  # the runtime store's section: JSON of the BINDING slots
         self._save = save
         # the saves of one loop turn's binds and unbinds: one write (save first still)
         self._commit = GroupSave(save)
@@ -119,7 +123,6 @@ class JobRegistry:
         self._change_callbacks: list[ChangeCallback] = []
         self._locks = KeyedLocks()  # per PID, only while in use: no state for absent PIDs
         self._save_handle: asyncio.TimerHandle | None = None
-        self._unapplied: dict[int, _Unapplied] = {}
         self.binds_total = 0  # successful binds since start (tunerd_binds_total)
         # changes with every record stored or removed: a reader of jobs(live=False) keeps
         # its copy until this moves (the monitor, every cycle)
@@ -144,7 +147,7 @@ class JobRegistry:
                 self._forget(rec.originals)
                 changed = True
                 continue
-            self._bindings[rec.pid] = rec
+            self.ledger.put(ProcKey(rec.pid, rec.start_time), BINDING, rec)
             self._changed(rec.pid)
             log.info("re-adopted binding of pid %d (cpus %s)", rec.pid, rec.cpus)
             for cb in self._adopt_callbacks:
@@ -162,13 +165,14 @@ class JobRegistry:
             self._save_quietly()
 
     def status(self) -> JSONObject:
-        n = len(self._bindings)
+        n = self.ledger.count(BINDING)
         summary = f"{n} process{'es' if n != 1 else ''} bound"
-        if self._unapplied:
-            summary += f", {len(self._unapplied)} placed on the replayed topology only"
-        out: JSONObject = {"summary": summary, "bound": n, "pids": [*sorted(self._bindings)]}
-        if self._unapplied:
-            out["not_applied"] = [*sorted(self._unapplied)]
+        if self.ledger.count(UNAPPLIED):
+            summary += f", {self.ledger.count(UNAPPLIED)} placed on the replayed topology only"
+        out: JSONObject = {"summary": summary, "bound": n,
+                           "pids": [k.pid for k, _ in self.ledger.each(BINDING)]}
+        if self.ledger.count(UNAPPLIED):
+            out["not_applied"] = [k.pid for k, _ in self.ledger.each(UNAPPLIED)]
         return out
 
     # -- queries -------------------------------------------------------------
@@ -183,11 +187,11 @@ class JobRegistry:
     def set_hold(self, pid: int, hold: Hold | None) -> None:
         """Keep with pid's binding what the placer holds for it, so that a restarted
         daemon reserves it again (saved with the bind's own deferred save)."""
-        rec = self._bindings.get(pid)
+        rec = self.ledger.get(pid, BINDING)
         if rec is None or rec.hold == hold:
             return
         rec = dataclasses.replace(rec, hold=hold)
-        self._bindings[pid] = rec
+        self.ledger.put(ProcKey(pid, rec.start_time), BINDING, rec)
         self._records[str(pid)] = rec.to_json()
         self._save_soon()
 
@@ -198,23 +202,23 @@ class JobRegistry:
 
     def pids(self) -> list[int]:
         """The bound pids (not the replay-only placements)."""
-        return list(self._bindings)
+        return [k.pid for k, _ in self.ledger.each(BINDING)]
 
     def count_where(self, pred: Callable[[Binding], bool]) -> int:
         """Bindings ``pred`` accepts (the per-user bind count)."""
-        return sum(1 for rec in list(self._bindings.values()) if pred(rec))
+        return sum(1 for rec in [b for _, b in self.ledger.each(BINDING)] if pred(rec))
 
     def is_bound(self, pid: int) -> bool:
-        return pid in self._bindings
+        return self.ledger.has(pid, BINDING)
 
     def record(self, pid: int) -> Binding | None:
-        return self._bindings.get(pid)
+        return self.ledger.get(pid, BINDING)
 
     def rank_cpus(self, pid: int) -> tuple[int, frozenset[int]] | None:
         """(start time, CPUs) of ``pid`` where tunerd placed it itself (bind, rule):
         the intake's test for "descends from a bound rank" (a `run` lease's process
         is an enclosing lease instead)."""
-        b = self._bindings.get(pid)
+        b = self.ledger.get(pid, BINDING)
         if b is None or b.origin == "run" or not b.cpus:
             return None
         return b.start_time, b.cpu_set()
@@ -222,13 +226,13 @@ class JobRegistry:
     def jobs(self, live: bool = True) -> list[JSONObject]:
         """Bound processes (and replay-only placements), with live name and threads."""
         out = []
-        for rec in sorted(self._bindings.values(), key=lambda r: r.pid):
+        for rec in [b for _, b in self.ledger.each(BINDING)]:
             job: JSONObject = json_object(rec.public()) or {}
             job["applied"] = True
             if live:
                 self._live(job, rec.pid)
             out.append(job)
-        for u in sorted(self._unapplied.values(), key=lambda u: u.pid):
+        for u in [u for _, u in self.ledger.each(UNAPPLIED)]:
             job = {"pid": u.pid, "start_time": u.start_time, "uid": u.uid, "name": u.name,
                    "cmdline": u.cmdline, "origin": u.origin, "bound_at": u.at,
                    "applied": False, "lease": None, "nofile": None, "why": u.why,
@@ -260,7 +264,7 @@ class JobRegistry:
 
     def previous(self, target: Target) -> Binding | None:
         """The binding ``target`` has now (one of an earlier process with its pid: dropped)."""
-        prev = self._bindings.get(target.pid)
+        prev = self.ledger.get(target.pid, BINDING)
         if prev is not None and prev.start_time != target.start_time:
             self._drop(target.pid)  # an earlier process with this pid: long gone
             self._forget(prev.originals)
@@ -327,7 +331,7 @@ class JobRegistry:
     def exited_meanwhile(self, pid: int) -> NoSuchProcess:
         """The process exited during the change: its record goes (the exit handler may
         have run already)."""
-        self._bindings.pop(pid, None)
+        self.ledger.pop(pid, BINDING)
         self._records.pop(str(pid), None)
         self._changed(pid)
         self._save_soon()
@@ -347,7 +351,7 @@ class JobRegistry:
         kept = self._put(rec)
         if moved and self.mover is not None:
             self.mover.disown(pid)  # the binding's originals hold the masks from before
-        if self._unapplied.pop(pid, None) is not None:
+        if self.ledger.pop(pid, UNAPPLIED) is not None:
             self.version += 1
         self.binds_total += 1
         if step.persist_after and not step.on_disk:
@@ -363,7 +367,7 @@ class JobRegistry:
 
     def _put(self, rec: Binding) -> JSONRecord:
         """Keep ``rec`` (not saved); returns its JSON as the state holds it now."""
-        self._bindings[rec.pid] = rec
+        self.ledger.put(ProcKey(rec.pid, rec.start_time), BINDING, rec)
         raw = self._records[str(rec.pid)] = rec.to_json()
         self._changed(rec.pid)
         return raw
@@ -372,7 +376,7 @@ class JobRegistry:
         if prev is not None:
             self._put(prev)
         else:
-            self._bindings.pop(pid, None)
+            self.ledger.pop(pid, BINDING)
             self._records.pop(str(pid), None)
             self._changed(pid)
 
@@ -383,19 +387,19 @@ class JobRegistry:
         if self.is_bound(pid):
             return
         self.version += 1
-        self._unapplied[pid] = _Unapplied(
+        self.ledger.put(ProcKey(pid, start_time), UNAPPLIED, _Unapplied(
             pid, start_time, procfs.read_uid(pid, self.proc), name,
-            self._cmdline(pid, cmdline), placement, origin, time.time(), why)
+            self._cmdline(pid, cmdline), placement, origin, time.time(), why))
         self.ledger.watch(pid, start_time, "jobs-unapplied", self._unapplied_exited)
 
     def _unapplied_exited(self, pid: int) -> None:
-        self._unapplied.pop(pid, None)
+        self.ledger.pop(pid, UNAPPLIED)
         self.version += 1
 
     async def unbind(self, pid: int, *, peer: Peer) -> JSONObject:
         """Restore what bind changed and forget the process."""
         async with self.lock(pid):
-            rec = self._bindings.get(pid)
+            rec = self.ledger.get(pid, BINDING)
             target = self.binder.pin(pid)  # NoSuchProcess if it is gone
             try:
                 require_owner(peer, pid, target.uid, target.euid)
@@ -418,7 +422,7 @@ class JobRegistry:
     # -- internals -------------------------------------------------------------
     def _drop(self, pid: int) -> Binding | None:
         """Forget a record and stop watching its process (state not saved)."""
-        rec = self._bindings.pop(pid, None)
+        rec = self.ledger.pop(pid, BINDING)
         self._records.pop(str(pid), None)
         self.ledger.unwatch(pid, "jobs")
         self._locks.pop(pid, None)
@@ -426,7 +430,7 @@ class JobRegistry:
         return rec
 
     def _exited(self, pid: int) -> None:
-        rec = self._bindings.pop(pid, None)
+        rec = self.ledger.pop(pid, BINDING)
         self._records.pop(str(pid), None)
         self._locks.pop(pid, None)
         log.info("bound process %d exited", pid)
