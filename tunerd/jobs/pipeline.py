@@ -30,7 +30,7 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tunerd.base.cpulist import format_cpulist
@@ -607,7 +607,9 @@ class BindPipeline:
         except PermissionDenied as err:  # the fd limit alone, and not ours to set
             if p.mems:
                 raise
-            run.notes.append(f"fd limit not set: {err.message}")
+            assert run.result is not None  # the note goes into the record, as a bind's does
+            run.result = replace(run.result, notes=[*run.result.notes,
+                                                    f"fd limit not set: {err.message}"])
             return
         rest.originals.affinity_set = True
         run.rest = rest
