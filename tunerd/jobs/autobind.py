@@ -62,11 +62,13 @@ from tunerd.jobs.pipeline import (
     BindPipeline,
     BindRequest,
     BindSource,
+    RuleTake,
     ThreadBind,
     Verdict,
     rule_group,
     rule_mems,
     rule_request,
+    rule_take,
 )
 from tunerd.jobs.placement import Placement, mems_of
 from tunerd.jobs.placer import ReservationKey, ReservationKind
@@ -462,14 +464,15 @@ class AutoBinder:
             # record, never taken for the rank's own choice; ``_adopt`` holds it again
             ctx = replace(ctx, self_affined=False,
                           why=ctx.why.split("; its CPU mask ")[0] + "; bound by tunerd")
-        if ctx.role in (Role.WRAPPER, Role.LAUNCHER) or ctx.self_affined:
+        take = rule_take(m.rule, ctx)
+        if take is RuleTake.LEAVE:
             self.memory.wrap(m, ctx)
             self.memory.leave_alone(ctx)
             self.memory.settle(ctx)
             if self.external.hold(ctx, self.memory.placed_by(ctx)) is not None:
                 self._memory_steps.add(asyncio.ensure_future(self._self_pinned_memory(m, ctx)))
             return None
-        if m.rule.rank and ctx.role not in (Role.RANK, Role.DESCENDANT):
+        if take is RuleTake.SKIP:
             return None
         log.debug("pid %d (rule %s): %s: %s", pid, m.rule.name, ctx.role, ctx.why)
         return ctx
@@ -550,7 +553,7 @@ class AutoBinder:
             ctx = self._look(m, known)
             if ctx is None:
                 return
-            if ctx.role == Role.DESCENDANT:
+            if rule_take(m.rule, ctx) is RuleTake.NARROW:
                 await self._narrow(m, await self._after_parent(m, ctx))
                 return
             if self._adopt(m, ctx, rule_group(m, ctx), seen, at_start):

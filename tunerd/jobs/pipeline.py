@@ -61,10 +61,10 @@ from tunerd.jobs.records import Binding, Hold
 from tunerd.jobs.registry import Ask, JobRegistry, JSONRecord, Recorded
 from tunerd.topology.nodemap import rank_mems
 from tunerd.topology.visible import gpus_from_nvml
-from tunerd.watch.rules import RuleMatch
+from tunerd.watch.rules import JobRule, RuleMatch
 
-__all__ = ["BindOutcome", "BindPipeline", "BindRequest", "BindSource", "ThreadBind",
-           "Verdict", "rule_group", "rule_mems", "rule_request"]
+__all__ = ["BindOutcome", "BindPipeline", "BindRequest", "BindSource", "RuleTake",
+           "ThreadBind", "Verdict", "rule_group", "rule_mems", "rule_request", "rule_take"]
 
 log = logging.getLogger("tunerd.bind")
 
@@ -92,6 +92,28 @@ class BindSource(enum.Enum):
     def partial(self) -> bool:
         """A limit or memory step it may not do is a note, not a failure (the CPUs stay)."""
         return self in (BindSource.RULE, BindSource.LEASE, BindSource.WORKER)
+
+
+class RuleTake(enum.Enum):
+    """What a rule does with a process it matched (``rule_take``: decided there only)."""
+
+    BIND = "bind"  # a rank (or, under a rule that is not rank-only, any process): placed
+    NARROW = "narrow"  # a descendant of a bound rank: kept inside the rank's CPUs
+    LEAVE = "leave alone"  # a wrapper, a launcher, a rank that set its own CPUs
+    SKIP = "not a rank"  # a rank-only rule and no rank: nothing to do
+
+
+def rule_take(rule: JobRule, ctx: JobContext) -> RuleTake:
+    """Whether a rule's match is bound, narrowed, left alone or skipped: the one place
+    this is decided (the watcher's thread binds only ``BIND`` and leaves the rest to
+    the loop's look, ``AutoBinder._look``, which reads the same answer)."""
+    if ctx.role in (Role.WRAPPER, Role.LAUNCHER) or ctx.self_affined:
+        return RuleTake.LEAVE
+    if ctx.role == Role.DESCENDANT:
+        return RuleTake.NARROW
+    if rule.rank and ctx.role != Role.RANK:
+        return RuleTake.SKIP
+    return RuleTake.BIND
 
 
 class Verdict(enum.Enum):
@@ -383,8 +405,7 @@ class BindPipeline:
         run.ns["intake"] = time.perf_counter_ns()
         ctx = run.ctx
         t.start_time, t.uid = ctx.start_time, ctx.uid if ctx.uid is not None else -1
-        if ctx.role not in (Role.RANK, Role.PROCESS) or ctx.self_affined \
-                or (m.rule.rank and ctx.role != Role.RANK):
+        if rule_take(m.rule, ctx) is not RuleTake.BIND:
             raise _Stop(self._left(run, ctx.role, keep_ctx=True))
 
     # -- decide: gate, place, hold, under the ledger's lock ---------------------------
