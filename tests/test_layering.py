@@ -640,7 +640,9 @@ def test_a_nested_or_long_function_in_the_root_is_caught(planted: str) -> None:
 
 # -- rule 9: roles and placement modes are enums, not strings ---------------------------
 
-ENUM_SOURCES = ("tunerd/jobs/intake.py", "tunerd/jobs/placement.py")
+ENUM_SOURCES = ("tunerd/jobs/intake.py", "tunerd/base/modes.py")
+# where a role or mode is carried: held as the enum, compared as the enum
+ENUM_AREAS = ("tunerd/jobs/", "tunerd/daemon/", "tunerd/watch/", "tunerd/policy/")
 
 
 def _enum_values(sources: dict[str, str]) -> frozenset[str]:
@@ -667,7 +669,7 @@ def string_enum_tests(sources: dict[str, str]) -> list[str]:
     """Rule 9: `x.role == "rank"`, `mode in ("node", "socket")` and the like."""
     out = []
     for rel, text in sorted(sources.items()):
-        if not rel.startswith(("tunerd/jobs/", "tunerd/daemon/")):
+        if not rel.startswith(ENUM_AREAS):
             continue
         for node in ast.walk(ast.parse(text, filename=rel)):
             if not isinstance(node, ast.Compare):
@@ -683,6 +685,64 @@ def string_enum_tests(sources: dict[str, str]) -> list[str]:
 def test_no_role_or_mode_is_tested_as_a_string() -> None:
     assert {"rank", "launcher", "gpu-local", "exclusive", "socket"} <= ENUM_VALUES
     assert string_enum_tests(SOURCES) == []
+
+
+def _names_str(ann: ast.expr | None) -> bool:
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return False
+    return ann is not None and any(isinstance(n, ast.Name) and n.id == "str"
+                                   for n in ast.walk(ann))
+
+
+def string_enum_fields(sources: dict[str, str]) -> list[str]:
+    """Rule 9 at the edges: a role or placement mode held as text where it is carried
+    (``mode: str``, ``placement: str = "gpu-local"``, an argument ``role: str``, a
+    property ``def placement(self) -> str``): the text is parsed into the enum where it
+    enters (policy load, a dataclass's ``__post_init__``) and the enum kept inside."""
+    out = []
+    for rel, text in sorted(sources.items()):
+        if not rel.startswith(ENUM_AREAS):
+            continue
+        for node in ast.walk(ast.parse(text, filename=rel)):
+            if isinstance(node, ast.AnnAssign):
+                name, ann = ast.unparse(node.target), node.annotation
+            elif isinstance(node, ast.arg):
+                name, ann = node.arg, node.annotation
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name, ann = node.name, node.returns
+            else:
+                continue
+            if ENUM_SUBJECTS.search(name) and _names_str(ann):
+                out.append(f"{rel}:{node.lineno}: {name}: {ast.unparse(ann) if ann else ''}"
+                           ": hold a Role/Mode (docs/layers.md, rule 9)")
+    return out
+
+
+def test_no_role_or_mode_is_held_as_a_string() -> None:
+    assert string_enum_fields(SOURCES) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "from dataclasses import dataclass\n@dataclass\nclass R:\n    mode: str = 'node'\n",
+    "class R:\n    placement: 'str | None' = None\n",
+    "def f(role: str) -> None:\n    pass\n",
+    "class C:\n    def __init__(self) -> None:\n        self.mode: str = 'socket'\n",
+    "class P:\n    @property\n    def placement(self) -> str: ...\n",
+])
+def test_a_planted_string_role_or_mode_field_is_caught(planted: str) -> None:
+    for rel in ("tunerd/jobs/registry.py", "tunerd/watch/rules.py", "tunerd/policy/typed.py"):
+        assert string_enum_fields({rel: planted}), (rel, planted)
+
+
+def test_an_enum_field_passes() -> None:
+    ok = ("class R:\n    mode: Mode = Mode.NODE\n    compute_mode: str | None = None\n"
+          "    role: 'Role | None' = None\n")
+    assert string_enum_fields({"tunerd/jobs/registry.py": ok}) == []
+    # the bench's arms name a placement "unbound | tunerd | exclusive": no Mode
+    assert string_enum_fields({"tunerd/bench/arms.py": "placement: str = 'unbound'\n"}) == []
 
 
 @pytest.mark.parametrize("planted", [
