@@ -12,8 +12,9 @@ that may import its own modules and the layers its row names. Checked here:
 6. only tunerd/jobs/actuate.py writes to other processes;
 7. tunerd/jobs/ is typed: no function over 60 lines, no Any;
 8. the composition root (daemon/wiring.py) only wires: short functions, none nested;
-9. tunerd/jobs/ and tunerd/daemon/ test no role or placement mode as a string (they
-   compare against the ``Role``/``Mode`` enums; strings are parsed at the edges);
+9. tunerd/jobs/, daemon/, watch/ and policy/ test and hold no role or placement mode as
+   a string (they compare against and hold the ``Role``/``Mode`` enums; strings are
+   parsed at the edges);
 10. no /proc/PID path is built outside adapters/procfs.py (and base/procpath.py for
    the layers that may not import adapters).
 11. in tunerd/jobs/ no attribute is a map or set keyed by a process (a pid, a ProcKey,
