@@ -12,10 +12,14 @@ that may import its own modules and the layers its row names. Checked here:
 6. only tunerd/jobs/actuate.py writes to other processes;
 7. tunerd/jobs/ is typed: no function over 60 lines, no Any;
 8. the composition root (daemon/wiring.py) only wires: short functions, none nested;
-9. tunerd/jobs/ and tunerd/daemon/ test no role or placement mode as a string (they
-   compare against the ``Role``/``Mode`` enums; strings are parsed at the edges);
+9. tunerd/jobs/, daemon/, watch/ and policy/ test and hold no role or placement mode as
+   a string (they compare against and hold the ``Role``/``Mode`` enums; strings are
+   parsed at the edges);
 10. no /proc/PID path is built outside adapters/procfs.py (and base/procpath.py for
    the layers that may not import adapters).
+11. in tunerd/jobs/ no attribute is a map or set keyed by a process (a pid, a ProcKey,
+   a (pid, start) tuple) outside jobs/ledger.py, and every map or set attribute has an
+   annotation to read its key from.
 
 The graph is read from the source with ast, so a new import that breaks a rule
 fails this test whether or not the code path runs.
@@ -637,7 +641,9 @@ def test_a_nested_or_long_function_in_the_root_is_caught(planted: str) -> None:
 
 # -- rule 9: roles and placement modes are enums, not strings ---------------------------
 
-ENUM_SOURCES = ("tunerd/jobs/intake.py", "tunerd/jobs/placement.py")
+ENUM_SOURCES = ("tunerd/jobs/intake.py", "tunerd/base/modes.py")
+# where a role or mode is carried: held as the enum, compared as the enum
+ENUM_AREAS = ("tunerd/jobs/", "tunerd/daemon/", "tunerd/watch/", "tunerd/policy/")
 
 
 def _enum_values(sources: dict[str, str]) -> frozenset[str]:
@@ -664,7 +670,7 @@ def string_enum_tests(sources: dict[str, str]) -> list[str]:
     """Rule 9: `x.role == "rank"`, `mode in ("node", "socket")` and the like."""
     out = []
     for rel, text in sorted(sources.items()):
-        if not rel.startswith(("tunerd/jobs/", "tunerd/daemon/")):
+        if not rel.startswith(ENUM_AREAS):
             continue
         for node in ast.walk(ast.parse(text, filename=rel)):
             if not isinstance(node, ast.Compare):
@@ -680,6 +686,64 @@ def string_enum_tests(sources: dict[str, str]) -> list[str]:
 def test_no_role_or_mode_is_tested_as_a_string() -> None:
     assert {"rank", "launcher", "gpu-local", "exclusive", "socket"} <= ENUM_VALUES
     assert string_enum_tests(SOURCES) == []
+
+
+def _names_str(ann: ast.expr | None) -> bool:
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return False
+    return ann is not None and any(isinstance(n, ast.Name) and n.id == "str"
+                                   for n in ast.walk(ann))
+
+
+def string_enum_fields(sources: dict[str, str]) -> list[str]:
+    """Rule 9 at the edges: a role or placement mode held as text where it is carried
+    (``mode: str``, ``placement: str = "gpu-local"``, an argument ``role: str``, a
+    property ``def placement(self) -> str``): the text is parsed into the enum where it
+    enters (policy load, a dataclass's ``__post_init__``) and the enum kept inside."""
+    out = []
+    for rel, text in sorted(sources.items()):
+        if not rel.startswith(ENUM_AREAS):
+            continue
+        for node in ast.walk(ast.parse(text, filename=rel)):
+            if isinstance(node, ast.AnnAssign):
+                name, ann = ast.unparse(node.target), node.annotation
+            elif isinstance(node, ast.arg):
+                name, ann = node.arg, node.annotation
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name, ann = node.name, node.returns
+            else:
+                continue
+            if ENUM_SUBJECTS.search(name) and _names_str(ann):
+                out.append(f"{rel}:{node.lineno}: {name}: {ast.unparse(ann) if ann else ''}"
+                           ": hold a Role/Mode (docs/layers.md, rule 9)")
+    return out
+
+
+def test_no_role_or_mode_is_held_as_a_string() -> None:
+    assert string_enum_fields(SOURCES) == []
+
+
+@pytest.mark.parametrize("planted", [
+    "from dataclasses import dataclass\n@dataclass\nclass R:\n    mode: str = 'node'\n",
+    "class R:\n    placement: 'str | None' = None\n",
+    "def f(role: str) -> None:\n    pass\n",
+    "class C:\n    def __init__(self) -> None:\n        self.mode: str = 'socket'\n",
+    "class P:\n    @property\n    def placement(self) -> str: ...\n",
+])
+def test_a_planted_string_role_or_mode_field_is_caught(planted: str) -> None:
+    for rel in ("tunerd/jobs/registry.py", "tunerd/watch/rules.py", "tunerd/policy/typed.py"):
+        assert string_enum_fields({rel: planted}), (rel, planted)
+
+
+def test_an_enum_field_passes() -> None:
+    ok = ("class R:\n    mode: Mode = Mode.NODE\n    compute_mode: str | None = None\n"
+          "    role: 'Role | None' = None\n")
+    assert string_enum_fields({"tunerd/jobs/registry.py": ok}) == []
+    # the bench's arms name a placement "unbound | tunerd | exclusive": no Mode
+    assert string_enum_fields({"tunerd/bench/arms.py": "placement: str = 'unbound'\n"}) == []
 
 
 @pytest.mark.parametrize("planted", [
@@ -745,3 +809,328 @@ def test_a_fixed_proc_path_passes() -> None:
     ok = ('def f(fd):\n    """/proc/PID/status"""\n'
           "    return f'/proc/self/fd/{fd}', '/proc/sys/vm'\n")
     assert proc_paths({"tunerd/policy/loader.py": ok}) == []
+
+
+# -- rule 11: pid-keyed maps live only in the ledger ----------------------------------
+
+LEDGER = "tunerd/jobs/ledger.py"
+# containers whose first type argument is a key: a map, or a set of its members
+# (frozenset and tuple are values, such as a CPU set, not tables that must forget a
+# process when it exits)
+KEYED = {"dict", "Dict", "Mapping", "MutableMapping", "OrderedDict", "defaultdict",
+         "DefaultDict", "Counter", "ChainMap", "WeakValueDictionary", "WeakKeyDictionary",
+         "set", "Set", "MutableSet", "AbstractSet", "WeakSet"}
+PID_KEYS = {"int", "ProcKey", "tuple[int, int]"}  # a pid, or (pid, start)
+# Maps and sets keyed by an int that is no process, each with what the int is. An entry
+# whose key is no longer an int fails test_allowed_int_keys_are_still_int_keyed.
+ALLOWED_INT_KEYS: dict[tuple[str, str], str] = {
+    ("tunerd/jobs/actuate.py", "ThreadsSet.failed"): "a thread id, in one set_threads "
+                                                     "call's result",
+    ("tunerd/jobs/binding.py", "Originals.threads"): "a thread id of the one process the "
+                                                     "record is of (its threads' CPUs)",
+    ("tunerd/jobs/gate.py", "_TEST_NODES"): "(major, minor) of a device node (tests only)",
+    ("tunerd/jobs/gpuuse.py", "GpuUse._minors"): "an NVIDIA device minor (-> GPU index)",
+    ("tunerd/jobs/peer.py", "PidNamespaces._scans"): "a pid namespace's inode",
+    ("tunerd/jobs/peer.py", "PidNamespaces._users"): "a uid",
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._wds"): "an inotify watch descriptor",
+    ("tunerd/jobs/placement.py", "_Index.gpus"): "a GPU index",
+    ("tunerd/jobs/placement.py", "_Index.cost"): "a pair of GPU indexes",
+    ("tunerd/jobs/placement.py", "_Index.core_cpus"): "a core id",
+    ("tunerd/jobs/placement.py", "_Index.cpu_core"): "a CPU id",
+    ("tunerd/jobs/placement.py", "_Index.core_node"): "a core id",
+    ("tunerd/jobs/placement.py", "_Index.core_l3"): "a core id",
+    ("tunerd/jobs/placement.py", "_Index.node_cores"): "a NUMA node",
+    ("tunerd/jobs/placement.py", "_Index.package_nodes"): "a CPU package (socket)",
+    ("tunerd/jobs/placement.py", "_Index.node_package"): "a NUMA node",
+    ("tunerd/jobs/placement.py", "_Index.distance"): "a NUMA node (-> node -> distance)",
+    ("tunerd/jobs/placement.py", "_Job.held"): "a CPU id (-> who holds it)",
+}
+# Pid-keyed outside the ledger, and why it must stay (at most one more module than the
+# ledger: test_pid_maps_live_in_at_most_two_modules).
+PID_MAPS_ELSEWHERE: dict[tuple[str, str], str] = {
+    ("tunerd/jobs/peer.py", "PidNamespaces._maps"):
+        "keyed by a pid namespace's inode; each value is that namespace's pid -> host pid "
+        "table, a bounded LRU cache of one /proc scan: its pids are another namespace's "
+        "numbers, not host processes the ledger could hold a record of",
+}
+# Pid-keyed maps the branches slotsA, slotsB and the lead (issue 33 item 6) are moving
+# into ledger slots now. The lead empties this set as each is merged; a listed map that
+# is gone fails test_known_pid_maps_still_exist, so the set cannot go stale.
+KNOWN_UNTIL_SLOTS_MERGE: set[tuple[str, str]] = {
+    # lead: pipeline/autobind/registry
+    ("tunerd/jobs/autobind.py", "AutoBinder._inflight"),
+    ("tunerd/jobs/autobind.py", "AutoBinder._pending"),
+    ("tunerd/jobs/autobind.py", "AutoBinder.bound"),
+    ("tunerd/jobs/autobind.py", "AutoBinder.told_ranks"),
+    ("tunerd/jobs/registry.py", "JobRegistry._bindings"),
+    ("tunerd/jobs/registry.py", "JobRegistry._unapplied"),
+    # slotsA: rulememory, scope (external, leases, exclusive: none pid-keyed here today)
+    ("tunerd/jobs/rulememory.py", "RuleMemory.failed"),
+    ("tunerd/jobs/rulememory.py", "RuleMemory.left_alone"),
+    ("tunerd/jobs/rulememory.py", "RuleMemory.self_affined"),
+    ("tunerd/jobs/rulememory.py", "RuleMemory.settled"),
+    ("tunerd/jobs/rulememory.py", "RuleMemory.wrapped"),
+    ("tunerd/jobs/rulememory.py", "RuleMemory.wrappers"),
+    ("tunerd/jobs/scope.py", "ProcessScope._known"),
+    # slotsB: gpuuse, cpusetwatch, intake
+    ("tunerd/jobs/gpuuse.py", "GpuUse._fd_due"),
+    ("tunerd/jobs/gpuuse.py", "GpuUse._known"),
+    ("tunerd/jobs/gpuuse.py", "GpuUse._ranks"),  # job group -> its pids
+    ("tunerd/jobs/gpuuse.py", "GpuUse._spawn"),
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._changed"),
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._keys"),
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._set_by_us"),
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._wanted"),
+    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._where"),
+    ("tunerd/jobs/cpusetwatch.py", "_Watched.pids"),  # a cgroup's (pid, start)s
+    ("tunerd/jobs/intake.py", "Intake._chains"),
+    ("tunerd/jobs/intake.py", "Intake._launchers"),
+    ("tunerd/jobs/intake.py", "Intake._parents"),
+}
+CONTAINER_CALLS = {"dict", "set", "OrderedDict", "defaultdict", "Counter",
+                   "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
+
+
+def _aliases(tree: ast.Module) -> dict[str, ast.expr]:
+    """Module-level type aliases (``PidMap = dict[int, X]``, ``Pid = NewType("Pid",
+    int)``, ``X: TypeAlias = ...``), so an alias cannot hide a key type."""
+    out: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and node.value is not None and "TypeAlias" in ast.unparse(node.annotation):
+            name, value = node.target.id, node.value
+        else:
+            continue
+        if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "NewType" \
+                and len(value.args) == 2:
+            value = value.args[1]
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            try:
+                value = ast.parse(value.value, mode="eval").body
+            except SyntaxError:
+                continue
+        if isinstance(value, ast.Subscript | ast.Name | ast.Attribute | ast.BinOp):
+            out[name] = value
+    return out
+
+
+def _type_name(node: ast.expr) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _key_text(node: ast.expr, aliases: dict[str, ast.expr], depth: int = 0) -> str:
+    """A key type as the rule reads it: aliases resolved, ``typing.``/``Tuple`` spelt
+    as builtins (``tuple[int, int]``)."""
+    if isinstance(node, ast.Name) and node.id in aliases and depth < 8:
+        return _key_text(aliases[node.id], aliases, depth + 1)
+    if isinstance(node, ast.Subscript) and _type_name(node.value) in ("tuple", "Tuple"):
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return f"tuple[{', '.join(_key_text(e, aliases, depth + 1) for e in elts)}]"
+    return _type_name(node) or ast.unparse(node)
+
+
+def pid_keyed_annotation(ann: ast.expr, aliases: dict[str, ast.expr]) -> str | None:
+    """The first map or set type in ``ann`` keyed by a process (a pid, a ProcKey or a
+    ``(pid, start)`` tuple), written out; None when there is none. Unions, Optional,
+    ClassVar and a map's values are searched too (``dict[str, set[int]]`` holds pids
+    of each job)."""
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            ann = ast.parse(ann.value, mode="eval").body
+        except SyntaxError:
+            return None
+    seen = 0
+    todo = [ann]
+    while todo and seen < 64:
+        node = todo.pop()
+        seen += 1
+        if isinstance(node, ast.Name) and node.id in aliases:
+            todo.append(aliases[node.id])
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                todo.append(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:
+                pass
+            continue
+        if isinstance(node, ast.BinOp):
+            todo += [node.left, node.right]
+            continue
+        if not isinstance(node, ast.Subscript):
+            continue
+        args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if _type_name(node.value) in KEYED and args \
+                and _key_text(args[0], aliases) in PID_KEYS:
+            return ast.unparse(node)
+        todo += list(args)
+    return None
+
+
+def _is_container(value: ast.expr | None) -> bool:
+    """``{}``, ``set()``, ``dict()``, ``OrderedDict()``, ``defaultdict(...)`` and the
+    like, comprehensions included."""
+    if isinstance(value, ast.Dict | ast.Set | ast.DictComp | ast.SetComp):
+        return True
+    return isinstance(value, ast.Call) and _type_name(value.func) in CONTAINER_CALLS
+
+
+class _Attrs(ast.NodeVisitor):
+    """Each class's attributes in one module: annotated (on ``self`` or in the class
+    body) and those given a container literal without an annotation."""
+
+    def __init__(self, rel: str, aliases: dict[str, ast.expr]) -> None:
+        self.rel, self.aliases = rel, aliases
+        self.cls: list[str] = []
+        self.annotated: dict[str, tuple[int, ast.expr]] = {}  # Class.attr -> (line, type)
+        self.bare: dict[str, int] = {}  # Class.attr -> line of `self.x = {}`
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.cls.append(node.name)
+        for stmt in node.body:  # class fields (dataclass fields, ClassVars)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                self.annotated[f"{node.name}.{stmt.target.id}"] = (stmt.lineno, stmt.annotation)
+            elif isinstance(stmt, ast.Assign) and _is_container(stmt.value):
+                for t in stmt.targets:
+                    if isinstance(t, ast.Name):
+                        self.bare.setdefault(f"{node.name}.{t.id}", stmt.lineno)
+        self.generic_visit(node)
+        self.cls.pop()
+
+    def _self_attr(self, target: ast.expr) -> str | None:
+        if self.cls and isinstance(target, ast.Attribute) \
+                and isinstance(target.value, ast.Name) and target.value.id == "self":
+            return f"{self.cls[-1]}.{target.attr}"
+        return None
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        name = self._self_attr(node.target)
+        if name is not None:
+            self.annotated.setdefault(name, (node.lineno, node.annotation))
+        self.generic_visit(node)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for t in node.targets:
+            pairs: list[tuple[ast.expr, ast.expr]] = [(t, node.value)]
+            if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                # self.a, self.b = {}, set()
+                pairs = list(zip(t.elts, node.value.elts, strict=False))
+            for target, value in pairs:
+                name = self._self_attr(target)
+                if name is not None and _is_container(value):
+                    self.bare.setdefault(name, node.lineno)
+        self.generic_visit(node)
+
+
+def pid_keyed_maps(sources: dict[str, str],
+                   allowed: set[tuple[str, str]] | None = None) -> list[tuple[str, str, str]]:
+    """Rule 11 over ``sources``: (file, Class.attr, what) for each attribute of a class
+    in tunerd/jobs/ (outside the ledger) that is a map or set keyed by a process, and
+    each one given a container literal with no annotation to read its key type from.
+    Module-level annotated maps count too (``_SEEN: dict[int, X] = {}``). ``allowed``:
+    (file, attribute)s let pass, by default ALLOWED_INT_KEYS and PID_MAPS_ELSEWHERE."""
+    if allowed is None:
+        allowed = set(ALLOWED_INT_KEYS) | set(PID_MAPS_ELSEWHERE)
+    out = []
+    for rel, text in sorted(sources.items()):
+        if not rel.startswith(JOBS) or rel == LEDGER:
+            continue
+        tree = ast.parse(text, filename=rel)
+        aliases = _aliases(tree)
+        v = _Attrs(rel, aliases)
+        v.visit(tree)
+        for stmt in tree.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
+                    and "TypeAlias" not in ast.unparse(stmt.annotation):
+                v.annotated.setdefault(stmt.target.id, (stmt.lineno, stmt.annotation))
+        for name, (line, ann) in sorted(v.annotated.items()):
+            hit = pid_keyed_annotation(ann, aliases)
+            if hit is not None and (rel, name) not in allowed:
+                out.append((rel, name, f"{rel}:{line}: {name}: {ast.unparse(ann)}: {hit} is "
+                            "keyed by a process: make it a Slot of jobs/ledger.py, or list "
+                            "what the int is in ALLOWED_INT_KEYS (docs/layers.md, rule 11)"))
+        for name, line in sorted(v.bare.items()):
+            if name not in v.annotated:
+                out.append((rel, name, f"{rel}:{line}: {name} is a map or set with no "
+                            "annotation: annotate its key type (docs/layers.md, rule 11)"))
+    return out
+
+
+def test_pid_keyed_maps_live_only_in_the_ledger() -> None:
+    found = pid_keyed_maps(SOURCES)
+    assert [what for rel, name, what in found
+            if (rel, name) not in KNOWN_UNTIL_SLOTS_MERGE] == []
+    # the ledger itself is pid-keyed (the check reads what it should)
+    assert pid_keyed_maps({"tunerd/jobs/elsewhere.py": SOURCES[LEDGER]})
+
+
+def test_known_pid_maps_still_exist() -> None:
+    """Each map the slot branches are moving is still there: moved meanwhile, take it
+    off KNOWN_UNTIL_SLOTS_MERGE (the lead empties it as the branches merge)."""
+    found = {(rel, name) for rel, name, _ in pid_keyed_maps(SOURCES)}
+    assert found >= KNOWN_UNTIL_SLOTS_MERGE, sorted(KNOWN_UNTIL_SLOTS_MERGE - found)
+
+
+def test_allowed_int_keys_are_still_int_keyed() -> None:
+    """The exceptions are real: each still exists with an int (or pid-like) key, so a
+    removed or renamed map leaves no stale entry that a new pid map could hide behind."""
+    allowed = set(ALLOWED_INT_KEYS) | set(PID_MAPS_ELSEWHERE)
+    unlisted = {(rel, name) for rel, name, _ in pid_keyed_maps(SOURCES, allowed=set())}
+    assert unlisted >= allowed, sorted(allowed - unlisted)
+    assert not allowed & KNOWN_UNTIL_SLOTS_MERGE
+
+
+def test_pid_maps_live_in_at_most_two_modules() -> None:
+    """The ledger and at most one more module of jobs/ (issue 33 item 6)."""
+    assert len({rel for rel, _ in PID_MAPS_ELSEWHERE} - {LEDGER}) <= 1
+    assert all(rel.startswith(JOBS) for rel, _ in PID_MAPS_ELSEWHERE)
+
+
+PLANTED_CLASS = "class Binder:\n    def __init__(self) -> None:\n        {}\n"
+
+
+@pytest.mark.parametrize("planted", [
+    PLANTED_CLASS.format("self.bound: dict[int, str] = {}"),
+    PLANTED_CLASS.format("self.seen: set[int] = set()"),
+    PLANTED_CLASS.format("self.where: dict[tuple[int, int], str] = {}"),
+    PLANTED_CLASS.format("self.where: 'Dict[Tuple[int, int], str]' = {}"),
+    PLANTED_CLASS.format("self.recs: OrderedDict[ProcKey, int] = OrderedDict()"),
+    PLANTED_CLASS.format("self.waits: defaultdict[int, list[str]] = defaultdict(list)"),
+    PLANTED_CLASS.format("self.jobs: dict[str, set[int]] = {}"),  # job -> its pids
+    PLANTED_CLASS.format("self.maybe: dict[int, str] | None = None"),
+    PLANTED_CLASS.format("self.cache = {}"),  # no annotation: its key type is unknown
+    PLANTED_CLASS.format("self.a, self.b = {}, set()"),
+    "from dataclasses import dataclass, field\n@dataclass\nclass Memory:\n"
+    "    settled: set[int] = field(default_factory=set)\n",
+    "PidMap = dict[int, str]\n" + PLANTED_CLASS.format("self.m: PidMap = {}"),
+    "from typing import NewType\nPid = NewType('Pid', int)\n"
+    + PLANTED_CLASS.format("self.m: dict[Pid, str] = {}"),
+    "_SEEN: set[tuple[int, int]] = set()\n",  # module level
+])
+def test_a_planted_pid_keyed_map_is_caught(planted: str) -> None:
+    found = pid_keyed_maps({"tunerd/jobs/registry.py": planted})
+    assert found, planted
+    assert all((rel, name) not in KNOWN_UNTIL_SLOTS_MERGE for rel, name, _ in found)
+
+
+@pytest.mark.parametrize("allowed", [
+    PLANTED_CLASS.format("self.by_name: dict[str, int] = {}"),
+    PLANTED_CLASS.format("self.cpus: frozenset[int] = frozenset()"),  # a value
+    PLANTED_CLASS.format("self.order: list[int] = []"),
+    PLANTED_CLASS.format("self.cache: dict[str, int] = {}\n        self.cache = {}"),
+    "class C:\n    names: dict[str, int] = {}\n    def f(self) -> None:\n"
+    "        self.names = {}\n",
+    "def f() -> None:\n    local: dict[int, str] = {}\n    seen = set()\n",  # locals
+])
+def test_what_is_not_a_pid_map_passes(allowed: str) -> None:
+    assert pid_keyed_maps({"tunerd/jobs/registry.py": allowed}) == []
+
+
+def test_pid_maps_outside_jobs_or_in_the_ledger_pass() -> None:
+    planted = PLANTED_CLASS.format("self.bound: dict[int, str] = {}")
+    assert pid_keyed_maps({LEDGER: planted, "tunerd/daemon/app.py": planted}) == []
+    # an allowed name in another module is not allowed
+    assert pid_keyed_maps({"tunerd/jobs/registry.py": planted.replace(
+        "class Binder", "class GpuUse").replace("bound", "_minors")})

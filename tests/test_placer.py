@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import FIXTURES
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import PlacementError, UsageError
+from tunerd.base.modes import Mode
 from tunerd.jobs.allocation import Allocation
 from tunerd.jobs.placer import HostCapacity, Placer, PlaceRequest, Reservation
 from tunerd.topology import load_topology
@@ -137,6 +138,8 @@ def test_bad_requests_are_usage_errors() -> None:
     pl = placer("workstation")
     with pytest.raises(UsageError, match="unknown placement mode 'fast'"):
         pl.place(PlaceRequest(mode="fast"))
+    # text is parsed into the enum where the request is made, once
+    assert PlaceRequest(mode="socket").mode is Mode.SOCKET
     with pytest.raises(UsageError, match="CPU 99 is not on"):
         pl.place(PlaceRequest(cpus=frozenset({99})))
 

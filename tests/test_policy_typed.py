@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, write_policy
+from tunerd.base.errors import UsageError
+from tunerd.base.modes import MODES, Mode
 from tunerd.policy import NodeFacts, load_policy_dir
+from tunerd.policy.sections import PLACEMENTS
 from tunerd.policy.typed import (
     BlockRule,
     CpuSection,
@@ -228,6 +231,9 @@ def test_rules_come_from_the_typed_jobs(tmp_path: Path) -> None:
     assert pinned.cpus == frozenset({4, 5, 6}) and pinned.exclusive_scope == "pid:1"
     assert pinned.env == (("LOCAL_RANK", "*"), ("RANK", "[0-3]"))
     assert pinned.uids == {0, 1234}
+    # the placement is the enum from the policy on (issue 33 item 6), spelt as before
+    assert t.placement is Mode.GPU_LOCAL and pinned.placement is Mode.EXCLUSIVE
+    assert str(pinned.placement) == "exclusive"
     assert pinned.matches("python bench.py", 1234, {"RANK": "2", "LOCAL_RANK": "0"})
     assert not pinned.matches("python bench.py", 1234, {"RANK": "7", "LOCAL_RANK": "0"})
     assert not pinned.matches("python bench.py", 999, {"RANK": "2", "LOCAL_RANK": "0"})
@@ -240,3 +246,16 @@ def test_no_worker_processes_with_persistent_workers_off_is_valid(tmp_path: Path
     (job,) = load_policy_dir(tmp_path, NodeFacts("n1")).model.jobs
     assert job.workers == 0
     assert job.torch == TorchSettings(num_workers=0, persistent_workers=False)
+
+
+def test_the_placement_is_parsed_into_the_mode_once(tmp_path: Path) -> None:
+    """The schema's choices are the enum's values (one cannot grow without the other);
+    the loaded rule holds a Mode; text given to a rule is parsed on the way in, and an
+    unknown one is refused there, naming it."""
+    assert PLACEMENTS == MODES == tuple(m.value for m in Mode)
+    write_policy(tmp_path, "site.toml", FULL)
+    jobs = load_policy_dir(tmp_path, NodeFacts("n1")).model.jobs
+    assert [type(j.placement) for j in jobs] == [Mode, Mode]
+    assert JobSpec(name="j", placement="socket").placement is Mode.SOCKET
+    with pytest.raises(UsageError, match="unknown placement mode 'gpu-near'"):
+        JobSpec(name="j", placement="gpu-near")

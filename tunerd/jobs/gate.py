@@ -38,7 +38,7 @@ from tunerd.adapters.procfs import Creds, OpenDevice
 from tunerd.adapters.subids import SubIds
 from tunerd.base.errors import PermissionDenied
 from tunerd.jobs.peer import Peer
-from tunerd.jobs.placement import is_exclusive
+from tunerd.jobs.placement import Mode, is_exclusive
 
 __all__ = [
     "EXCLUSIVE_DENIED",
@@ -169,7 +169,7 @@ class RuleReach(Protocol):
     @property
     def exclusive(self) -> bool: ...
     @property
-    def placement(self) -> str: ...
+    def placement(self) -> Mode: ...
     @property
     def exclusive_scope(self) -> str | None: ...
     @property

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypedDict
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import NoSuchProcess, TunerdError
+from tunerd.base.modes import Mode
 from tunerd.base.strenum import TextEnum
 from tunerd.jobs.allocation import Allocation, read_allocation, scheduler_gpus
 from tunerd.jobs.placer import PlaceRequest
@@ -473,7 +474,7 @@ class PlaceAsk(TypedDict, total=False):
     gpu_ids: tuple[int, ...] | None
     ncpus: int | None
     cpus: frozenset[int] | None
-    mode: str
+    mode: Mode
     exclusive: bool
     allocation: Allocation | None
     workers: int

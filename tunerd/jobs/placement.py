@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from tunerd.base.cpulist import format_cpulist
 from tunerd.base.errors import PlacementError, UsageError
 from tunerd.base.jsontypes import JSONObject
-from tunerd.base.strenum import TextEnum
+from tunerd.base.modes import MODES, Mode, parse_mode
 from tunerd.topology.model import Gpu, Link, Topology
 from tunerd.topology.nodemap import node_map
 
@@ -70,37 +70,31 @@ __all__ = [
 ]
 
 
-
-class Mode(TextEnum):
-    """A placement mode; a str so policy text, wire and state JSON keep the same spelling."""
-
-    GPU_LOCAL = "gpu-local"
-    NODE = "node"
-    SOCKET = "socket"
-    EXCLUSIVE = "exclusive"
-    CORE_COMPLEX = "core-complex"
-    NONE = "none"
+# Mode and MODES live in tunerd.base.modes (watch/ and policy/ carry a mode too and may
+# not import jobs/); re-exported here, where the bind domain has always imported them.
 
 
-MODES = tuple(m.value for m in Mode)
-
-
-def is_exclusive(exclusive: bool, mode: str | None) -> bool:
+def is_exclusive(exclusive: bool, mode: Mode | None) -> bool:
     """Exclusivity decided once: the exclusive flag, or the "exclusive" placement mode."""
     return bool(exclusive) or mode == Mode.EXCLUSIVE
+
+
 PCIE_BASE = {"PIX": 20, "PXB": 30, "PHB": 40, "NODE": 50, "SYS": 60}
 WORST_WEIGHT = 1_000_000
 EXACT_LIMIT = 20_000  # subsets examined exhaustively (C(16, 8) = 12870 fits)
-
 
 
 @dataclass(frozen=True)
 class PlacementRequest:
     gpus: int = 0
     cpus: int | None = None
-    mode: str = "gpu-local"
+    mode: Mode = Mode.GPU_LOCAL
     exclusive: bool = False
     gpu_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.mode) is not Mode:  # text from a caller: parsed here, once
+            object.__setattr__(self, "mode", parse_mode(self.mode))
 
 
 @dataclass(frozen=True)
@@ -448,8 +442,6 @@ class _Candidates:
 
 
 def _check(req: PlacementRequest) -> None:
-    if req.mode not in MODES:
-        raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
     if req.gpus < 0 or (req.cpus is not None and req.cpus < 1):
         raise UsageError(f"bad request: gpus={req.gpus}, cpus={req.cpus} "
                          "(gpus >= 0, cpus >= 1)")

@@ -41,10 +41,11 @@ from tunerd.adapters.procfs import read_text
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.errors import PlacementError, UsageError
 from tunerd.base.jsontypes import JSONObject
+from tunerd.base.modes import parse_mode
 from tunerd.jobs.allocation import Allocation
 from tunerd.jobs.gate import verified_gpus
 from tunerd.jobs.placement import (
-    MODES,
+    Mode,
     Placement,
     PlacementRequest,
     is_exclusive,
@@ -95,7 +96,7 @@ class PlaceRequest:
     gpu_ids: tuple[int, ...] | None = None  # exactly these GPUs
     ncpus: int | None = None  # how many CPUs (None: the share the node gives)
     cpus: frozenset[int] | None = None  # exactly these CPUs
-    mode: str = "gpu-local"
+    mode: Mode = Mode.GPU_LOCAL
     exclusive: bool = False
     allocation: Allocation | None = None
     workers: int = 0  # DataLoader worker processes of each rank
@@ -107,6 +108,10 @@ class PlaceRequest:
     job: str | None = None  # scheduler job ("slurm:12"): its own exclusive leases never block it
     ignore_busy_gpus: bool = False  # bind: the process already uses these GPUs
     what: str = "job"  # for messages: "lease", "rule torch-training", ...
+
+    def __post_init__(self) -> None:
+        if type(self.mode) is not Mode:  # text from a caller: parsed here, once
+            object.__setattr__(self, "mode", parse_mode(self.mode))
 
 
 class ReservationKind(enum.Enum):
@@ -454,8 +459,6 @@ class Placer:
             return p
 
     def _place(self, req: PlaceRequest) -> Placement:
-        if req.mode not in MODES:
-            raise UsageError(f"unknown placement mode {req.mode!r} (one of {', '.join(MODES)})")
         notes: list[str] = []
         alloc = req.allocation
         hk = self.housekeeping()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tunerd.base.errors import Failed
+from tunerd.base.modes import Mode
 from tunerd.base.safefs import file_kind, read_trusted
 from tunerd.policy.match import mismatch
 from tunerd.policy.merge import merge_content
@@ -440,7 +441,7 @@ def reach_warnings(jobs: list[dict[str, Any]]) -> list[str]:
             "exclusive_scope) and names no match.user: it acts only for root's processes; "
             "name the users it is for (match.user = [...])"
             for j in jobs
-            if (j.get("exclusive") or j.get("placement") == "exclusive"
+            if (j.get("exclusive") or j.get("placement") == Mode.EXCLUSIVE
                 or j.get("exclusive_scope")) and not (j.get("match") or {}).get("user")]
 
 

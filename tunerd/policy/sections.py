@@ -11,6 +11,7 @@ from typing import Any
 
 from tunerd.base import torchkeys
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
+from tunerd.base.modes import MODES
 from tunerd.policy.schema import (
     AnyOf,
     Bool,
@@ -192,7 +193,7 @@ TORCH = Table({key: _torch_setting(key) for key in torchkeys.ENV},
               description="training-side settings tunerd.torch applies in the processes this "
                           "rule bound; every key optional")
 
-PLACEMENTS = ("gpu-local", "node", "socket", "exclusive", "core-complex", "none")
+PLACEMENTS = MODES  # tunerd.base.modes.Mode's values: the schema and the enum agree
 
 JOB = Table({
     "name": Str(_POLICY_NAME, what="a rule name (letters, digits, '_', '.', '-')",

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from tunerd.base.cpulist import parse_cpulist
+from tunerd.base.modes import Mode, parse_mode
 
 __all__ = [
     "DEFAULT_ALLOC_TTL",
@@ -164,7 +165,7 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=_no_map)  # var -> glob, all must match
     users: tuple[str, ...] = ()  # user names (or uids as strings)
     rank: bool = False  # only ranks of a training job (by environment and process tree)
-    placement: str = "gpu-local"  # gpu-local | node | socket | exclusive | core-complex | none
+    placement: Mode = Mode.GPU_LOCAL  # parsed from the schema-checked text (MODES)
     cpus: frozenset[int] | None = None  # explicit CPUs instead of the placement
     gpus: int | None = None
     nofile: int | None = None
@@ -175,6 +176,10 @@ class JobSpec:
     gpu_memory: bool = False  # memory also on the GPUs' own (CPU-less) NUMA nodes
     torch: TorchSettings = TorchSettings()
     gpu_use: GpuUseSpec | None = None  # [job.gpu_use] with enabled = true: GPU users too
+
+    def __post_init__(self) -> None:
+        if type(self.placement) is not Mode:  # text from a caller: parsed here, once
+            object.__setattr__(self, "placement", parse_mode(self.placement))
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +243,7 @@ def _job(raw: Mapping[str, Any]) -> JobSpec:
         env=_frozen_map(match.get("env")),
         users=tuple(match.get("user", ())),
         rank=bool(match.get("rank", False)),
-        placement=raw.get("placement", "gpu-local"),
+        placement=parse_mode(raw.get("placement", Mode.GPU_LOCAL)),
         cpus=_opt_cpus(raw.get("cpus")),
         gpus=raw.get("gpus"),
         nofile=raw.get("nofile"),

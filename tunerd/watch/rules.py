@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tunerd.adapters import procfs
+from tunerd.base.modes import Mode, parse_mode
 from tunerd.policy.typed import JobSpec, TorchSettings
 from tunerd.watch.globs import Glob, GlobSet
 from tunerd.watch.launchers import RANK_VARS, is_launcher, wrapper_name
@@ -67,7 +68,7 @@ class JobRule:
     env: tuple[tuple[str, str], ...] = ()
     users: tuple[str, ...] = ()
     rank: bool = False  # ranks of a training job only (by environment and tree)
-    placement: str = "gpu-local"
+    placement: Mode = Mode.GPU_LOCAL
     cpus: frozenset[int] | None = None
     gpus: int | None = None
     nofile: int | None = None
@@ -81,6 +82,10 @@ class JobRule:
     torch: TorchSettings = field(default_factory=TorchSettings)
     # [job.gpu_use]: processes seen using a GPU are placed under this rule too (None: off)
     gpu_use: GpuUseMatch | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.placement) is not Mode:  # text from a caller: parsed here, once
+            object.__setattr__(self, "placement", parse_mode(self.placement))
 
     @classmethod
     def from_policy(cls, spec: JobSpec) -> JobRule:
