@@ -857,13 +857,6 @@ PID_MAPS_ELSEWHERE: dict[tuple[str, str], str] = {
 # into ledger slots now. The lead empties this set as each is merged; a listed map that
 # is gone fails test_known_pid_maps_still_exist, so the set cannot go stale.
 KNOWN_UNTIL_SLOTS_MERGE: set[tuple[str, str]] = {
-    # lead: pipeline/autobind/registry
-    ("tunerd/jobs/autobind.py", "AutoBinder._inflight"),
-    ("tunerd/jobs/autobind.py", "AutoBinder._pending"),
-    ("tunerd/jobs/autobind.py", "AutoBinder.bound"),
-    ("tunerd/jobs/autobind.py", "AutoBinder.told_ranks"),
-    ("tunerd/jobs/registry.py", "JobRegistry._bindings"),
-    ("tunerd/jobs/registry.py", "JobRegistry._unapplied"),
     # slotsA: rulememory, scope (external, leases, exclusive: none pid-keyed here today)
     ("tunerd/jobs/rulememory.py", "RuleMemory.failed"),
     ("tunerd/jobs/rulememory.py", "RuleMemory.left_alone"),
