@@ -311,7 +311,7 @@ class AutoBinder:
     def set_own_cpus(self, pid: int) -> bool:
         """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
         taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
-        return pid in self.memory.self_affined
+        return self.memory.set_own_cpus(pid)
 
     def rule_set(self) -> RuleSet:
         """The rules in force."""
@@ -327,7 +327,7 @@ class AutoBinder:
 
     def looked_at(self) -> bool:
         """Whether the rules bound or left alone a process (a dict's truth: nothing read)."""
-        return bool(self.bound or self.memory.left_alone)
+        return bool(self.bound or self.memory.anyone_left_alone())
 
     def rules_peer(self) -> Peer:
         """Who the rules act as (root)."""
@@ -354,7 +354,7 @@ class AutoBinder:
         # binding first: the uid is read after the CPUs are set where the gate does not
         # need it before (a rule that reserves nothing for others)
         m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
-        if m is None and self.memory.wrapped:
+        if m is None and self.memory.wrapping():
             m = self.memory.wrapped_match(pid)
         if m is None or (self.scope is not None and not self.scope.admits(pid)):
             return None
@@ -389,12 +389,12 @@ class AutoBinder:
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
         m = self.rules.match(pid)
-        if m is None and self.memory.wrapped:
+        if m is None and self.memory.wrapping():
             m = self.memory.wrapped_match(pid)
         if m is None:
             return
         if self.scope is not None and not self.scope.admits(pid):
-            self.memory.settled.add(pid)  # outside for good: not looked at again until it execs
+            self.memory.settle_outside(pid)  # outside for good: not looked at again until it execs
             return
         self.on_match(m)
 
@@ -413,7 +413,7 @@ class AutoBinder:
             hook()
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
-            if pid != me and pid not in self.bound and pid not in self.memory.settled:
+            if pid != me and pid not in self.bound and not self.memory.is_settled(pid):
                 self.on_exec(pid)
 
     def preview(self, m: RuleMatch) -> Placement:
@@ -435,7 +435,7 @@ class AutoBinder:
             log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
             return None  # gone (or unreadable) before we got to it
         # a process seen before (a rescan, or another exec of it) is no new match
-        if self.memory.failed.get(pid) == ctx.start_time:
+        if self.memory.failed_before(pid, ctx.start_time):
             return None
         prev = self.bound.get(pid)
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
@@ -586,7 +586,7 @@ class AutoBinder:
             if self._stopping:
                 return self._to_loop("stopping", None)
             pid = m.pid
-            if (pid in self._pending or pid in self.bound or pid in self.memory.failed
+            if (pid in self._pending or pid in self.bound or self.memory.failed_before(pid)
                     or self.jobs.record(pid) is not None or self.jobs.dry_run
                     or rule_reach_refused(m.rule, m.uid) is not None):
                 return self._to_loop("seen before, or refused", None)
