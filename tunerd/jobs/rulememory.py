@@ -118,11 +118,12 @@ class RuleMemory:
         if self._wrapped >= WRAPPED_MAX:
             self.ledger.clear(WRAPPED)
             self._wrapped = 0
-        if not self.ledger.has(ctx.pid, WRAPPED):
-            self._wrapped += 1
+        new = self.ledger.get(ctx.pid, WRAPPED, start=ctx.start_time) is None
         # a stale entry never matches: the start time is checked, and it goes with its
         # process where that is watched (a wrapper left alone is)
         self.ledger.put(ProcKey(ctx.pid, ctx.start_time), WRAPPED, m)
+        if new:
+            self._wrapped += 1
 
     def settle(self, ctx: JobContext) -> None:
         """A rescan need not look at ``ctx`` again while it runs."""
@@ -177,10 +178,11 @@ class RuleMemory:
             self.ledger.put(key, SELF_AFFINED, True)
         else:
             self.ledger.pop(ctx.pid, SELF_AFFINED)
-        if self.ledger.get(ctx.pid, LEFT_ALONE, start=ctx.start_time) is None:
+        new = self.ledger.get(ctx.pid, LEFT_ALONE, start=ctx.start_time) is None
+        self.ledger.put(key, LEFT_ALONE, ctx.why)
+        if new:  # counted once it is there: a count taken meanwhile is never short
             log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
             self._left_alone += 1
-        self.ledger.put(key, LEFT_ALONE, ctx.why)
 
     def remember_failure(self, pid: int) -> None:
         """A bind of ``pid`` failed: not retried while it runs; its error resolves
