@@ -11,6 +11,7 @@ topology is a recording.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -22,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_for
-from tests.leases_helpers import descendants, kill
+from tests.helpers import DaemonProc, wait_for
+from tests.leases_helpers import autobind_status, descendants, kill, kill_tree
+from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.errorlog import ErrorLog
 from tunerd.jobs.external import EXTERNAL, ExternalHolds
 from tunerd.jobs.intake import Intake, Role
@@ -74,11 +76,20 @@ async def _gone(ledger: Ledger, pids: set[int], timeout: float = 15.0) -> None:
     assert not left, f"records left after exit: {left}; slots: {_held(ledger, pids)}"
 
 
+def _torchrun(token: str, *wrap: str) -> subprocess.Popen[bytes]:
+    """A real torchrun job of one rank on GPU 0, exec'd through ``wrap``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "1", "--no-python", *wrap, sys.executable, "-c", SLEEP.format(token=token)],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0", "TUNERD_TEST_TOKEN": token},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _rank_of(agent: subprocess.Popen[bytes], token: str) -> int:
-    """The pid of torchrun's rank (exec'd from taskset into python)."""
+    """The pid of torchrun's rank (once the wrapper exec'd python)."""
     def find() -> int | None:
         return next((p for p in descendants(agent.pid)
-                     if f"# {token}" in (c := _cmdline(p)) and not c.startswith("taskset")),
+                     if f"# {token}" in (c := _cmdline(p)) and c.startswith(sys.executable)),
                     None)
     return wait_for(find, 60, "torchrun's rank")
 
@@ -93,12 +104,7 @@ def test_every_entry_of_a_process_goes_with_it() -> None:
     external hold and its saved image are gone, and the failure's error is resolved."""
     token = secrets.token_hex(6)
     wrapper = subprocess.Popen(["bash", "-c", f"sleep 120; : {token}"])
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "1", "--no-python", "taskset", "-c", "1", sys.executable, "-c",
-         SLEEP.format(token=token)],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = _torchrun(token, "taskset", "-c", "1")
     failing = subprocess.Popen(["sleep", "120"])
     kids: list[int] = []
     try:
@@ -164,3 +170,47 @@ async def _run(wrapper: int, agent: int, rank: int, failing: int, wrapped_kid: i
     assert not memory.failed_before(failing) and not memory.is_settled(wrapper)
     assert state == {} and placer.external_holds() == [] and saves == [1, 1]
     assert errors.to_json()["open_count"] == 0  # the failure resolved itself at its exit
+
+
+def _shown(d: DaemonProc, rank: int) -> dict[str, Any]:
+    """What the daemon shows of ``rank``: listed as left alone, held as an external
+    owner (``jobs``), saved in the runtime state."""
+    r = d.ctl("--json", "jobs")
+    assert r.rc == 0, r.err
+    saved = json.loads((d.runtime_dir / "state.json").read_text()).get("external") or {}
+    return {"left_alone": [a for a in autobind_status(d).get("left_alone", [])
+                           if a["pid"] == rank],
+            "external": [x for x in r.json().get("external") or [] if x["pid"] == rank],
+            "saved": {k: v for k, v in saved.items() if k == str(rank)}}
+
+
+@needs
+@pytest.mark.skipif(shutil.which("numactl") is None or os.geteuid() != 0,
+                    reason="needs root and numactl")
+def test_the_daemon_forgets_a_self_pinned_rank_everywhere_at_its_exit(
+        daemon_factory, tmp_path: Path) -> None:
+    """The real daemon and its one ledger: torchrun's rank exec'd through ``numactl
+    --physcpubind=1`` is listed as left alone, held as an external owner of CPU 1 and
+    saved in the runtime state while it runs; once it exits, in none of these."""
+    pdir = tmp_path / "policies"
+    token = secrets.token_hex(6)
+    bundled_rule_policy(pdir, token)
+    d = daemon_factory(policy_dir=pdir, args=["--topology", str(TWO_GPUS)]).start()
+    job = _torchrun(token, "numactl", "--physcpubind=1")
+    try:
+        rank = _rank_of(job, token)
+        def everywhere() -> dict[str, Any] | None:
+            now = _shown(d, rank)
+            return now if all(now.values()) else None
+        shown = wait_for(everywhere, 30, "the rank listed, held and saved", detail=d.log)
+        assert shown["left_alone"][0]["self_affined"] is True, shown
+        assert shown["external"][0]["placed_by"] == "numactl", shown
+        assert shown["saved"][str(rank)]["cpus"] == "1", shown
+        kids = descendants(job.pid)
+        kill_tree(job)
+        assert rank in kids
+        wait_for(lambda: not any(_shown(d, rank).values()), 15,
+                 "the rank forgotten at its exit",
+                 detail=lambda: f"{_shown(d, rank)}\n{d.log()}")
+    finally:
+        kill_tree(job)
