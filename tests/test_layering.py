@@ -857,14 +857,6 @@ PID_MAPS_ELSEWHERE: dict[tuple[str, str], str] = {
 # into ledger slots now. The lead empties this set as each is merged; a listed map that
 # is gone fails test_known_pid_maps_still_exist, so the set cannot go stale.
 KNOWN_UNTIL_SLOTS_MERGE: set[tuple[str, str]] = {
-    # slotsA: rulememory, scope (external, leases, exclusive: none pid-keyed here today)
-    ("tunerd/jobs/rulememory.py", "RuleMemory.failed"),
-    ("tunerd/jobs/rulememory.py", "RuleMemory.left_alone"),
-    ("tunerd/jobs/rulememory.py", "RuleMemory.self_affined"),
-    ("tunerd/jobs/rulememory.py", "RuleMemory.settled"),
-    ("tunerd/jobs/rulememory.py", "RuleMemory.wrapped"),
-    ("tunerd/jobs/rulememory.py", "RuleMemory.wrappers"),
-    ("tunerd/jobs/scope.py", "ProcessScope._known"),
     # slotsB: gpuuse, cpusetwatch, intake
     ("tunerd/jobs/gpuuse.py", "GpuUse._fd_due"),
     ("tunerd/jobs/gpuuse.py", "GpuUse._known"),

@@ -187,7 +187,8 @@ class _Wiring:
                                    save, self.errors, limits=policy.lease_limits,
                                    default_nofile=policy.default_nofile)
         # a test daemon: rules (and cpuset re-binds) touch only its test's process subtree
-        self.scope = ProcessScope(cfg.scope_pid) if cfg.scope_pid is not None else None
+        self.scope = (ProcessScope(cfg.scope_pid, ledger=self.ledger)
+                      if cfg.scope_pid is not None else None)
         self.autobind = AutoBinder(self.pipeline, self.ledger, self.mover, self.errors,
                                    scope=self.scope, default_nofile=policy.default_nofile,
                                    gate=gate, use_connector=cfg.watch_execs,

@@ -317,7 +317,7 @@ class AutoBinder:
     def set_own_cpus(self, pid: int) -> bool:
         """Whether a rule left ``pid`` alone because it set its own CPUs (numactl,
         taskset): what it starts keeps them too (tunerd.jobs.gpuuse)."""
-        return pid in self.memory.self_affined
+        return self.memory.set_own_cpus(pid)
 
     def rule_set(self) -> RuleSet:
         """The rules in force."""
@@ -338,7 +338,7 @@ class AutoBinder:
 
     def looked_at(self) -> bool:
         """Whether the rules bound or left alone a process (counts: nothing read)."""
-        return bool(self.ledger.count(RULE) or self.memory.left_alone)
+        return bool(self.ledger.count(RULE) or self.memory.anyone_left_alone())
 
     def rules_peer(self) -> Peer:
         """Who the rules act as (root)."""
@@ -364,7 +364,7 @@ class AutoBinder:
         # binding first: the uid is read after the CPUs are set where the gate does not
         # need it before (a rule that reserves nothing for others)
         m = self.rules.match(pid, uid_for=rule_reaches_beyond if fast_path else None)
-        if m is None and self.memory.wrapped:
+        if m is None and self.memory.wrapping():
             m = self.memory.wrapped_match(pid)
         if m is None or (self.scope is not None and not self.scope.admits(pid)):
             return None
@@ -401,12 +401,12 @@ class AutoBinder:
     def on_exec(self, pid: int) -> None:
         """A process to look at on the loop (a /proc rescan)."""
         m = self.rules.match(pid)
-        if m is None and self.memory.wrapped:
+        if m is None and self.memory.wrapping():
             m = self.memory.wrapped_match(pid)
         if m is None:
             return
         if self.scope is not None and not self.scope.admits(pid):
-            self.memory.settled.add(pid)  # outside for good: not looked at again until it execs
+            self.memory.settle_outside(pid)  # outside for good: not looked at again until it execs
             return
         self.on_match(m)
 
@@ -430,7 +430,7 @@ class AutoBinder:
         me = os.getpid()
         for pid in procfs.list_pids(self.proc):
             if pid != me and not self.ledger.has(pid, RULE) \
-                    and pid not in self.memory.settled:
+                    and not self.memory.is_settled(pid):
                 self.on_exec(pid)
 
     def preview(self, m: RuleMatch) -> Placement:
@@ -452,7 +452,7 @@ class AutoBinder:
             log.debug("pid %d (rule %s): %s", pid, m.rule.name, err.message)
             return None  # gone (or unreadable) before we got to it
         # a process seen before (a rescan, or another exec of it) is no new match
-        if self.memory.failed.get(pid) == ctx.start_time:
+        if self.memory.failed_before(pid, ctx.start_time):
             return None
         prev = self.ledger.get(pid, RULE)
         if prev is not None and prev.start_time == ctx.start_time and prev.rule == m.rule.name:
@@ -606,7 +606,7 @@ class AutoBinder:
                 return self._to_loop("stopping", None)
             pid = m.pid
             if (self.ledger.has(pid, PENDING) or self.ledger.has(pid, RULE)
-                    or pid in self.memory.failed
+                    or self.memory.failed_before(pid)
                     or self.jobs.record(pid) is not None or self.jobs.dry_run
                     or rule_reach_refused(m.rule, m.uid) is not None):
                 return self._to_loop("seen before, or refused", None)

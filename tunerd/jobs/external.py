@@ -6,8 +6,9 @@ vLLM ``--numa-bind``), or one that set its own affinity, is left as it is by the
 taken: it is held here as an ``external`` reservation of the placer (pid + start time,
 its job, who chose the CPUs), so that later jobs avoid those CPUs as they avoid
 tunerd's own holds, and where they cannot, their explanation names the rank. The hold
-goes when the process exits (its pidfd); after a daemon restart the rules' first scan
-finds the rank again and holds it again.
+is a slot of the rank's record in the node's ledger and goes when the process exits
+(its pidfd); the runtime state keeps an image of those slots, so that a restarted
+daemon holds them again.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from collections.abc import Callable
 from tunerd.base.cpulist import CpuListError, format_cpulist, parse_cpulist
 from tunerd.base.jsontypes import JSONObject, json_object
 from tunerd.jobs.intake import JobContext, Role
-from tunerd.jobs.ledger import Ledger
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 from tunerd.jobs.placement import mems_of
 from tunerd.jobs.placer import Placer, Reservation, ReservationKey
 
-__all__ = ["ExternalHolds", "external_reservation"]
+__all__ = ["EXTERNAL", "ExternalHolds", "external_reservation"]
 
 log = logging.getLogger("tunerd.autobind")
+
+EXTERNAL = Slot[Reservation]("external")  # a self-pinned rank's hold
 
 
 def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
@@ -47,9 +50,10 @@ def external_reservation(ctx: JobContext, placed_by: str) -> Reservation | None:
 class ExternalHolds:
     """Self-pinned ranks as external holders in the placer, released at their exit.
 
-    Each hold is kept in the runtime state too (``state``: str(pid) -> its reservation's
-    fields), so that a restarted daemon holds it again at start, before anything is
-    placed, as it does its binds' and leases' holds."""
+    Each hold is in its rank's ledger record (``EXTERNAL``); the runtime state keeps
+    their image (``state``: str(pid) -> the reservation's fields, written whole from the
+    ledger on each change), so that a restarted daemon holds them again at start,
+    before anything is placed, as it does its binds' and leases' holds."""
 
     def __init__(self, placer: Placer, ledger: Ledger, state: JSONObject | None = None,
                  save: Callable[[], None] = lambda: None) -> None:
@@ -61,34 +65,35 @@ class ExternalHolds:
     def restore(self) -> int:
         """At start (on the loop): the holds of the last daemon whose ranks still run
         (same pid and start time) are held again; the others are dropped."""
-        held = dropped = 0
-        for key, raw in list(self.state.items()):
+        held = 0
+        saved = list(self.state.items())
+        for key, raw in saved:
             res = _from_json(raw)
-            if res is None or res.pid is None or str(res.pid) != key or not \
-                    self.ledger.watch(res.pid, res.start_time, "external", self._exited):
-                del self.state[key]
-                dropped += 1
+            if res is None or res.pid is None or res.start_time is None \
+                    or str(res.pid) != key or not self.ledger.watch(
+                        res.pid, res.start_time, "external", self._exited):
                 continue
+            self.ledger.put(ProcKey(res.pid, res.start_time), EXTERNAL, res)
             self.placer.hold_external(res)
             held += 1
-        if dropped:
-            self.save()
+        if held < len(saved):
+            self._persist()  # the others are dropped
         if held:
             log.info("%d external hold(s) of self-pinned ranks restored", held)
         return held
 
     def hold(self, ctx: JobContext, placed_by: str) -> Reservation | None:
         """Hold ``ctx``'s CPUs as an outside owner's (on the loop); None: nothing held."""
-        saved = _from_json(self.state.get(str(ctx.pid)))
-        if saved is not None and saved.start_time == ctx.start_time and placed_by == "self":
+        saved = self.ledger.get(ctx.pid, EXTERNAL, start=ctx.start_time)
+        if saved is not None and placed_by == "self":
             placed_by = saved.placed_by or placed_by  # seen by the daemon before this one
         res = external_reservation(ctx, placed_by)
         if res is None:
             return None
         if not self.ledger.watch(ctx.pid, ctx.start_time, "external", self._exited):
             return None  # gone already
-        self.state[str(ctx.pid)] = _to_json(res)
-        self.save()
+        self.ledger.put(ProcKey(ctx.pid, ctx.start_time), EXTERNAL, res)
+        self._persist()
         old = self.placer.hold_external(res)
         if old is None or old.cpus != res.cpus:
             log.info("pid %d held as an external owner of CPU %s (%s)", ctx.pid,
@@ -111,9 +116,16 @@ class ExternalHolds:
             return None, "its CPUs span every memory node (or the node has one)"
         return mems, f"CPUs {format_cpulist(cpus)} are on node(s) {format_cpulist(mems)}"
 
+    def _persist(self) -> None:
+        """The runtime state's image of the holds, written whole from the ledger."""
+        self.state.clear()
+        self.state.update({str(k.pid): _to_json(r) for k, r in self.ledger.each(EXTERNAL)})
+        self.save()
+
     def _exited(self, pid: int) -> None:
-        if self.state.pop(str(pid), None) is not None:
-            self.save()
+        """The rank ended (its record goes after this): its hold goes."""
+        if self.ledger.pop(pid, EXTERNAL) is not None:
+            self._persist()
         if self.placer.release(ReservationKey.external(pid)) is not None:
             log.info("pid %d exited: its external hold is released", pid)
 

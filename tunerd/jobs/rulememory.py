@@ -2,8 +2,13 @@
 
 Wrappers, launchers and ranks that set their own CPUs are left alone (and listed, with
 why); what a rescan need not look at again is settled; a process whose bind failed is
-not retried; what a wrapper an explicit rule matched runs is that rule's match. Every
-table is bounded, and each entry goes with its process (the pid watcher).
+not retried; what a wrapper an explicit rule matched runs is that rule's match. Each of
+these is a slot of the process's record in the node's ledger (tunerd.jobs.ledger), so
+it goes with its process: a left-alone or settled process is watched (its exit
+callback), a failed one too; an unwatched entry (a wrapper's match, a process settled as
+outside the daemon's scope) is checked by its start time where that matters and bounded
+with the ledger's other caches (``UNWATCHED_MAX``), the wrappers' matches also by
+``WRAPPED_MAX``.
 """
 
 from __future__ import annotations
@@ -14,14 +19,29 @@ from tunerd.adapters import procfs
 from tunerd.base.errorlog import ErrorLog
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.intake import JobContext, Role
-from tunerd.jobs.ledger import Ledger
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 from tunerd.watch.launchers import AFFINITY_WRAPPERS, wrapper_name
 from tunerd.watch.rules import RuleMatch
 
-__all__ = ["WRAPPED_MAX", "RuleMemory"]
+__all__ = ["FAILED", "LEFT_ALONE", "SELF_AFFINED", "SETTLED", "WRAPPED", "WRAPPED_MAX",
+           "WRAPPER", "RuleMemory"]
 
 WRAPPED_MAX = 1024  # wrappers matched by an explicit rule, remembered at once
 log = logging.getLogger("tunerd.autobind")
+
+# why a rule left the process alone (a wrapper, a launcher, a rank that set its own CPUs)
+LEFT_ALONE = Slot[str]("left-alone")
+SELF_AFFINED = Slot[bool]("self-affined")  # ... of those, a rank that set its own CPUs
+# a rescan need not look at it again (until it execs: an exec event looks afresh)
+SETTLED = Slot[bool]("settled")
+# its binding failed: not retried (a /proc scan or an overrun rescan would otherwise
+# repeat the same error forever); the record's start time tells the process
+FAILED = Slot[bool]("rule-failed")
+# a wrapper an explicit rule matched: what it runs matches that rule (``wrapped_match``)
+WRAPPED = Slot[RuleMatch]("wrapped")
+# a wrapper left alone (numactl, taskset): the rank the same process becomes once it
+# execs was pinned by it
+WRAPPER = Slot[str]("wrapper")
 
 
 class RuleMemory:
@@ -32,73 +52,103 @@ class RuleMemory:
         self.ledger = ledger
         self.errors = errors
         self.proc = proc_root
-        # pid -> why: wrappers, launchers and self-bound ranks a rule matched, left alone
-        self.left_alone: dict[int, str] = {}
-        self.self_affined: set[int] = set()  # ... of those, ranks that set their own CPUs
-        # descendants and left-alone processes a rescan need not look at again (until
-        # they exec: an exec event looks at them afresh)
-        self.settled: set[int] = set()
-        # pid -> start time of processes whose binding failed: not retried (a /proc
-        # scan or an overrun rescan would otherwise repeat the same error forever)
-        self.failed: dict[int, int] = {}
-        # wrappers an explicit rule matched: pid -> (start time, the match); what they
-        # run matches that rule (``wrapped_match``)
-        self.wrapped: dict[int, tuple[int, RuleMatch]] = {}
-        # pid -> (start time, wrapper name) of wrappers left alone: the rank the same
-        # process becomes once it execs was pinned by that wrapper (numactl, taskset)
-        self.wrappers: dict[int, tuple[int, str]] = {}
+        # processes left alone now (exact on the loop, where they come and go; what
+        # ``left_alone_now`` finds resets it): ``anyone_left_alone`` reads no record
+        self._left_alone = 0
+        # wrappers' matches remembered since the last clear (never less than are held):
+        # ``wrapping`` tells the exec path whether to look for a wrapper at all
+        self._wrapped = 0
+
+    # -- what the binder asks (on the loop, or the exec watcher's thread) ------------
+    def is_settled(self, pid: int) -> bool:
+        """Whether a rescan need not look at ``pid`` again."""
+        return self.ledger.has(pid, SETTLED)
+
+    def failed_before(self, pid: int, start: int | None = None) -> bool:
+        """Whether a bind of ``pid`` (the process started at ``start``) failed."""
+        return self.ledger.get(pid, FAILED, start=start) is not None
+
+    def set_own_cpus(self, pid: int) -> bool:
+        """Whether ``pid`` was left alone because it set its own CPUs."""
+        return self.ledger.has(pid, SELF_AFFINED)
+
+    def anyone_left_alone(self) -> bool:
+        """Whether a process left alone runs (a counter: nothing read)."""
+        return self._left_alone > 0
+
+    def wrapping(self) -> bool:
+        """Whether a wrapper an explicit rule matched is remembered (a counter)."""
+        return self._wrapped > 0
 
     def left_alone_now(self) -> list[JSONObject]:
         """Processes a rule matched that tunerd left alone (wrappers, launchers, ranks
         that set their own affinity) and that still run, with why."""
+        held = self.ledger.each(LEFT_ALONE)
+        self._left_alone = len(held)
         alive: list[JSONObject] = [
-            {"pid": p, "why": w, "self_affined": p in self.self_affined}
-            for p, w in sorted(self.left_alone.items())
-            if procfs.read_start_time(p, self.proc) is not None]
+            {"pid": k.pid, "why": w, "self_affined": self.ledger.has(k.pid, SELF_AFFINED)}
+            for k, w in held if procfs.read_start_time(k.pid, self.proc) == k.start]
         return alive[:100]
 
     def wrapped_match(self, pid: int) -> RuleMatch | None:
         """An explicit rule matched a wrapper (``bash myjob.sh``): what the wrapper runs
         -- the image it execs, the children it starts -- is that rule's match."""
         start = procfs.read_start_time(pid, self.proc)
-        hit = self.wrapped.get(pid)
-        if hit is None or hit[0] != start:
+        wrapper = self.ledger.get(pid, WRAPPED, start=start) if start is not None else None
+        if wrapper is None:
             ppid = procfs.read_ppid(pid, self.proc)
-            hit = self.wrapped.get(ppid) if ppid is not None else None
-            if hit is None or ppid is None or procfs.read_start_time(ppid, self.proc) != hit[0]:
+            pstart = procfs.read_start_time(ppid, self.proc) if ppid is not None else None
+            if ppid is None or pstart is None:
+                return None
+            wrapper = self.ledger.get(ppid, WRAPPED, start=pstart)
+            if wrapper is None:
                 return None
         got = procfs.read_cmdline_prefix(pid, self.proc)
         env = procfs.read_environ_view(pid, self.proc)
         if got is None or env is None:
             return None
-        wrapper = hit[1]
         return RuleMatch(rule=wrapper.rule, pid=pid, cmdline=got[0], uid=wrapper.uid,
                          env=env)
 
+    # -- what the binder tells ------------------------------------------------------
     def wrap(self, m: RuleMatch, ctx: JobContext) -> None:
         """Remember a wrapper an explicit rule matched (``wrapped_match``)."""
         if m.rule.rank or ctx.role != Role.WRAPPER:
             return
-        if len(self.wrapped) >= WRAPPED_MAX:
-            self.wrapped.clear()
-        self.wrapped[ctx.pid] = (ctx.start_time, m)  # a stale entry never matches: the
-        # start time is checked, and the table is bounded
+        if self._wrapped >= WRAPPED_MAX:
+            self.ledger.clear(WRAPPED)
+            self._wrapped = 0
+        new = self.ledger.get(ctx.pid, WRAPPED, start=ctx.start_time) is None
+        # a stale entry never matches: the start time is checked, and it goes with its
+        # process where that is watched (a wrapper left alone is)
+        self.ledger.put(ProcKey(ctx.pid, ctx.start_time), WRAPPED, m)
+        if new:
+            self._wrapped += 1
 
     def settle(self, ctx: JobContext) -> None:
-        if len(self.settled) > 100_000:
-            self.settled.clear()
-        if self.ledger.watch(ctx.pid, ctx.start_time, "rule-settled", self._settled_exited):
-            self.settled.add(ctx.pid)
-        else:
+        """A rescan need not look at ``ctx`` again while it runs."""
+        self.ledger.put(ProcKey(ctx.pid, ctx.start_time), SETTLED, True)
+        if not self.ledger.watch(ctx.pid, ctx.start_time, "rule-settled",
+                                 self._settled_exited):
             self._settled_exited(ctx.pid)
+
+    def settle_outside(self, pid: int) -> None:
+        """``pid`` is outside the daemon's scope: not looked at again until it execs
+        (unwatched: the ledger bounds it with its other caches)."""
+        key = self.ledger.key_of(pid)
+        if key is not None:
+            self.ledger.put(key, SETTLED, True)
 
     def _settled_exited(self, pid: int) -> None:
         """A settled process ended: not looked at, nor listed as left alone, any more
-        (while none is, tunerd.jobs.gpuuse has no launch to follow and reads nothing)."""
-        self.settled.discard(pid)
-        self.left_alone.pop(pid, None)
-        self.self_affined.discard(pid)
-        self.wrappers.pop(pid, None)
+        (while none is, tunerd.jobs.gpuuse has no launch to follow and reads nothing).
+        Its record goes whole after this; the pops are for a process gone before it
+        was watched."""
+        self.ledger.pop(pid, SETTLED)
+        self.ledger.pop(pid, SELF_AFFINED)
+        self.ledger.pop(pid, WRAPPER)
+        if self.ledger.pop(pid, LEFT_ALONE) is not None and self._left_alone > 0:
+            self._left_alone -= 1
 
     def placed_by(self, ctx: JobContext) -> str:
         """Who chose a self-pinned rank's CPUs: the wrapper this very process exec'd
@@ -107,9 +157,9 @@ class RuleMemory:
         else "self" (the rank, or a launcher that binds before exec: not told apart).
         A rank rule never matches a wrapper's own exec, and numactl execs at once: the
         parent's command line is what tells it."""
-        hit = self.wrappers.get(ctx.pid)
-        if hit is not None and hit[0] == ctx.start_time:
-            return hit[1]
+        hit = self.ledger.get(ctx.pid, WRAPPER, start=ctx.start_time)
+        if hit is not None:
+            return hit
         got = procfs.read_cmdline_prefix(ctx.ppid, self.proc)
         words = [w.rsplit("/", 1)[-1] for w in got[0].split(" ")] if got else []
         named = next((w for w in words if w in AFFINITY_WRAPPERS), None)
@@ -120,30 +170,30 @@ class RuleMemory:
         return "self"
 
     def leave_alone(self, ctx: JobContext) -> None:
-        if len(self.left_alone) > 1000:
-            self.left_alone.clear()
-            self.self_affined.clear()
+        """Remember why ``ctx`` is left alone (``settle`` watches it: it goes at exit)."""
+        key = ProcKey(ctx.pid, ctx.start_time)
         if ctx.role == Role.WRAPPER:
-            if len(self.wrappers) > 1000:
-                self.wrappers.clear()
-            self.wrappers[ctx.pid] = (ctx.start_time, wrapper_name(list(ctx.argv)) or "wrapper")
+            self.ledger.put(key, WRAPPER, wrapper_name(list(ctx.argv)) or "wrapper")
         if ctx.self_affined:
-            self.self_affined.add(ctx.pid)
+            self.ledger.put(key, SELF_AFFINED, True)
         else:
-            self.self_affined.discard(ctx.pid)
-        if ctx.pid not in self.left_alone:
+            self.ledger.pop(ctx.pid, SELF_AFFINED)
+        new = self.ledger.get(ctx.pid, LEFT_ALONE, start=ctx.start_time) is None
+        self.ledger.put(key, LEFT_ALONE, ctx.why)
+        if new:  # counted once it is there: a count taken meanwhile is never short
             log.info("pid %d (%s) left alone: %s", ctx.pid, ctx.comm, ctx.why)
-        self.left_alone[ctx.pid] = ctx.why
+            self._left_alone += 1
 
     def remember_failure(self, pid: int) -> None:
-        start = procfs.read_start_time(pid, self.proc)
-        if start is not None:
-            if len(self.failed) > 10_000:
-                self.failed.clear()
-            self.failed[pid] = start
-            # the failure's error resolves itself when the process ends
-            self.ledger.watch(pid, start, "rule-failed", self._failed_exited)
+        """A bind of ``pid`` failed: not retried while it runs; its error resolves
+        itself when it ends."""
+        key = self.ledger.key_of(pid)
+        if key is None:
+            return
+        self.ledger.put(key, FAILED, True)
+        if not self.ledger.watch(pid, key.start, "rule-failed", self._failed_exited):
+            self._failed_exited(pid)
 
     def _failed_exited(self, pid: int) -> None:
-        self.failed.pop(pid, None)
+        self.ledger.pop(pid, FAILED)
         self.errors.resolve("autobind", pid)

@@ -7,24 +7,30 @@ suite on a busy node never moves another user's job. Such a daemon takes no node
 claim (tunerd.daemon.runtime.NodeClaim).
 
 The check walks parents up to pid 1 through /proc/PID/stat, one read per ancestor,
-and remembers each (pid, start time) it decided, so a burst of execs under one
-launcher reads the launcher's chain once. It runs only for a process a rule matched.
+and remembers the verdict of each process it decided (a slot of its record in the
+node's ledger, checked by its start time), so a burst of execs under one launcher
+reads the launcher's chain once. It runs only for a process a rule matched.
 """
 
 from __future__ import annotations
 
 from tunerd.adapters import procfs
 from tunerd.base.errors import Failed
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 
-__all__ = ["ProcessScope"]
+__all__ = ["IN_SCOPE", "ProcessScope"]
 
-_CACHE_MAX = 8192  # decided (pid, start time) kept; dropped whole when full
+_CACHE_MAX = 8192  # verdicts kept; dropped whole when full
+IN_SCOPE = Slot[bool]("in-scope")  # whether the process is in the daemon's scope
 
 
 class ProcessScope:
-    """The subtree of ``root`` (pid and its start time, so a reused pid is not it)."""
+    """The subtree of ``root`` (pid and its start time, so a reused pid is not it).
+    Its verdicts are in ``ledger`` (the daemon's; one scope per ledger, as a daemon
+    has one)."""
 
-    def __init__(self, root: int, proc: str = procfs.PROC) -> None:
+    def __init__(self, root: int, proc: str = procfs.PROC,
+                 ledger: Ledger | None = None) -> None:
         start = procfs.read_start_time(root, proc)
         if start is None:
             raise Failed(f"--scope-pid {root}: no such process", pid=root)
@@ -32,7 +38,8 @@ class ProcessScope:
         self.root_start = start
         self.proc = proc
         self.out_of_scope = 0  # processes a rule matched, left alone as outside
-        self._known: dict[tuple[int, int], bool] = {}
+        self.ledger = ledger if ledger is not None else Ledger(proc)  # own: tests
+        self._kept = 0  # verdicts put since the last clear (never less than are held)
 
     def _stat(self, pid: int) -> procfs.Stat | None:
         try:
@@ -43,15 +50,15 @@ class ProcessScope:
     def contains(self, pid: int) -> bool:
         """Whether ``pid`` is the root or one of its descendants (a process that is
         gone, or whose chain cannot be read, is outside)."""
-        chain: list[tuple[int, int]] = []
+        chain: list[ProcKey] = []
         verdict = False
         cur = pid
         for _ in range(4096):  # a chain longer than pid_max's depth is not real
             st = self._stat(cur)
             if st is None:
                 break
-            key = (cur, st.start_time)
-            known = self._known.get(key)
+            key = ProcKey(cur, st.start_time)
+            known = self.ledger.get(cur, IN_SCOPE, start=st.start_time)
             if known is not None:
                 verdict = known
                 break
@@ -62,10 +69,12 @@ class ProcessScope:
             if cur <= 1 or st.ppid <= 0:
                 break
             cur = st.ppid
-        if len(self._known) + len(chain) > _CACHE_MAX:
-            self._known.clear()
+        if self._kept + len(chain) > _CACHE_MAX:
+            self.ledger.clear(IN_SCOPE)
+            self._kept = 0
+        self._kept += len(chain)
         for key in chain:
-            self._known[key] = verdict
+            self.ledger.put(key, IN_SCOPE, verdict)
         return verdict
 
     def admits(self, pid: int) -> bool:
