@@ -177,7 +177,7 @@ class _Wiring:
         self.subids = SubIds(cfg.subuid_file)  # a user's subordinate uids count as her
         gate = ReservationGate(policy.lease_limits, policy.default_nofile, subids=self.subids)
         self.intake = Intake(topology, self.placer.host.cpus, bound=self.jobs.rank_cpus,
-                             lease=self.placer.lease_of)
+                             lease=self.placer.lease_of, ledger=self.ledger)
         # every bind of a process: tunerctl bind, rules, run, workers, cpuset re-binds
         self.pipeline = BindPipeline(
             self.jobs, self.placer, gate, self.intake, binder,
