@@ -236,7 +236,7 @@ class _Wiring:
         # its backstop poll runs in the monitor's sampling thread, on that thread's timer
         self.cpusets = CpusetWatch(self.bound_cpus, self.rebind_inside, bound=self.jobs.pids,
                                    on_change=self.pods.invalidate,
-                                   ticker=self.monitor.interval)
+                                   ticker=self.monitor.interval, ledger=self.ledger)
         self.monitor.cycle_hooks.append(self.cpusets.poll_elsewhere)
         self.jobs.on_change(self.cpusets.changed)  # it follows binds and exits
 
