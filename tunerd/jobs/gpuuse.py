@@ -252,7 +252,8 @@ class GpuUse:
         self._round = 0  # rounds decided (a verdict stands while listed every round)
         # entries put in each slot since it was last emptied (never fewer than it
         # holds): VERDICT, JOB on the loop, SPAWN, FD_LOOK in the worker thread
-        self._kept = {VERDICT.name: 0, JOB.name: 0, SPAWN.name: 0, FD_LOOK.name: 0}
+        self._kept: dict[str, int] = {VERDICT.name: 0, JOB.name: 0, SPAWN.name: 0,
+                                      FD_LOOK.name: 0}
         self._fd_cursor = 0
         self._minors: dict[int, int] = {}
         self._task: asyncio.Task[None] | None = None

@@ -202,7 +202,7 @@ class Intake:
         self._watch = ledger is not None
         # entries put in CHAIN, PARENT, LAUNCHER since each was last emptied (never fewer
         # than it holds): past MAX_PARENTS / MAX_LAUNCHERS the slot is emptied whole
-        self._kept = {CHAIN.name: 0, PARENT.name: 0, LAUNCHER.name: 0}
+        self._kept: dict[str, int] = {CHAIN.name: 0, PARENT.name: 0, LAUNCHER.name: 0}
         self._cache_lock = threading.Lock()
         # the walk up ends below the host's init; in a PID namespace of our own its pid 1
         # is the container's entry point, which may be the launcher (torchrun as PID 1)
