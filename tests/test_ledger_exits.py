@@ -57,6 +57,8 @@ def test_a_parents_kept_ancestry_and_its_pidfd_go_when_it_execs_or_exits() -> No
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         try:
+            await until(lambda: Path(f"/proc/{child}/cmdline").read_bytes().startswith(
+                b"sleep\0"), "the child's exec of sleep")  # its own argv and environment
             it.describe(child, quick=True)
             kept = ledger.get(parent.pid, CHAIN)
             assert kept is not None and kept.ups[0][0] == parent.pid and kept.watched
