@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from _leases_common import snapshot_with_gpus_here, write_json
+from _ledger import attached_ledger
 
 from tunerd.jobs.intake import Intake, request
 from tunerd.jobs.placer import HostCapacity, Placer
@@ -69,7 +70,8 @@ def main() -> int:
                                 .model.jobs)
     rule = rules.rules[0]
     placer = Placer(topo, HostCapacity.read(), frozenset)
-    intake = Intake(topo, placer.host.cpus, bound=lambda pid: None, lease=placer.lease_of)
+    intake = Intake(topo, placer.host.cpus, bound=lambda pid: None, lease=placer.lease_of,
+                    ledger=attached_ledger())
     p = subprocess.Popen([str(exe), "600"], env={**os.environ, "LOCAL_RANK": "0"})
     pid, me = p.pid, os.getpid()
     time.sleep(0.2)

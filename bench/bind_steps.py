@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from _ledger import attached_ledger
+
 from tunerd.jobs.actuate import Binder
 from tunerd.jobs.binding import Plan, Target
 from tunerd.jobs.intake import Intake, request
@@ -32,7 +34,7 @@ def main() -> int:
         topo = load_topology(None)
         placer = Placer(topo, HostCapacity.read(), frozenset)
         intake = Intake(topo, placer.host.cpus, bound=lambda pid: None,
-                        lease=placer.lease_of)
+                        lease=placer.lease_of, ledger=attached_ledger())
         binder = Binder()
         cpus = sorted(placer.host.cpus)
         masks = [frozenset(cpus[:1]), frozenset(cpus)]

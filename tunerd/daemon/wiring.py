@@ -177,7 +177,7 @@ class _Wiring:
         self.subids = SubIds(cfg.subuid_file)  # a user's subordinate uids count as her
         gate = ReservationGate(policy.lease_limits, policy.default_nofile, subids=self.subids)
         self.intake = Intake(topology, self.placer.host.cpus, bound=self.jobs.rank_cpus,
-                             lease=self.placer.lease_of)
+                             lease=self.placer.lease_of, ledger=self.ledger)
         # every bind of a process: tunerctl bind, rules, run, workers, cpuset re-binds
         self.pipeline = BindPipeline(
             self.jobs, self.placer, gate, self.intake, binder,
@@ -237,7 +237,7 @@ class _Wiring:
         # its backstop poll runs in the monitor's sampling thread, on that thread's timer
         self.cpusets = CpusetWatch(self.bound_cpus, self.rebind_inside, bound=self.jobs.pids,
                                    on_change=self.pods.invalidate,
-                                   ticker=self.monitor.interval)
+                                   ticker=self.monitor.interval, ledger=self.ledger)
         self.monitor.cycle_hooks.append(self.cpusets.poll_elsewhere)
         self.jobs.on_change(self.cpusets.changed)  # it follows binds and exits
 

@@ -39,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -48,8 +48,9 @@ from tunerd.adapters.procfs import read_text
 from tunerd.base.cpulist import format_cpulist, parse_cpulist
 from tunerd.base.errors import TunerdError
 from tunerd.base.jsontypes import JSONObject
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 
-__all__ = ["CpusetWatch"]
+__all__ = ["FOLLOWED", "CpusetWatch", "Followed"]
 
 log = logging.getLogger("tunerd.cpusetwatch")
 
@@ -73,11 +74,24 @@ Lookup = Callable[[int], "tuple[int, str] | None"]
 Rebind = Callable[[int, frozenset[int]], Awaitable[object]]
 
 
+@dataclass(slots=True)
+class Followed:
+    """A bound process the watcher follows (its ``FOLLOWED`` slot in the ledger)."""
+
+    wanted: frozenset[int]  # the CPUs asked for
+    set_by_us: str | None  # the cpulist the last (re-)bind set, as recorded
+    where: Path | None = None  # its cgroup dir, where that is watched
+
+
+FOLLOWED = Slot[Followed]("cpuset")
+_WATCH = "cpuset"  # the exit key: a followed process leaves its cgroup's count
+
+
 @dataclass
 class _Watched:
     cgroup: CpusetCgroup
     effective: frozenset[int]
-    pids: set[tuple[int, int]] = field(default_factory=set)
+    members: int = 0  # followed processes in it (each one's ``Followed.where``)
     # the effective file and its last text: a poll compares text, parses on a change
     file: Path | None = None
     text: str | None = None
@@ -106,12 +120,15 @@ class CpusetWatch:
                  bound: Callable[[], Iterable[int]] = tuple, proc_root: Path = Path("/proc"),
                  sys_root: Path = Path("/sys"), poll_interval: float = POLL_INTERVAL,
                  on_change: Callable[[], None] | None = None, inotify: bool = True,
-                 safety_poll: float = SAFETY_POLL, ticker: float | None = None) -> None:
+                 safety_poll: float = SAFETY_POLL, ticker: float | None = None,
+                 ledger: Ledger | None = None) -> None:
         """``lookup``: a binding as it is now; ``bound``: the pids bound at start. After
         that the watcher looks only at pids it is told of (``changed``, wired to the
         registry's bind/unbind/exit events): a round costs nothing per binding.
         ``ticker``: seconds between calls of :meth:`poll_elsewhere` by another thread;
-        at most ``safety_poll``, it runs the backstop poll instead of the loop."""
+        at most ``safety_poll``, it runs the backstop poll instead of the loop.
+        ``ledger``: the daemon's (a followed process is a slot of its record, and leaves
+        its cgroup when it exits); a ledger of its own without one (tests)."""
         self._lookup = lookup
         self._bound = bound
         self._use_inotify = inotify  # False: the poll alone (cgroupfs without inotify)
@@ -127,11 +144,10 @@ class CpusetWatch:
         self._expected: tuple[tuple[Path, str | None], ...] = ()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cgroups: dict[Path, _Watched] = {}  # cgroup dir -> what is in it
-        self._wanted: dict[tuple[int, int], frozenset[int]] = {}  # the CPUs asked for
-        self._set_by_us: dict[tuple[int, int], str | None] = {}
-        self._keys: dict[int, tuple[int, int]] = {}  # pid -> (pid, start time) followed
-        self._where: dict[tuple[int, int], Path] = {}  # ... and its cgroup dir, if any
-        self._changed: set[int] = set()  # pids whose binding changed since the last round
+        self.ledger = ledger if ledger is not None else Ledger(str(proc_root))
+        # events not yet looked at: pids whose binding was stored, replaced or removed
+        # (a queue, emptied every round; what is kept of a process is in the ledger)
+        self._changed: list[int] = []
         self._wds: dict[int, Path] = {}
         self._ino: _Inotify | None = None
         self._task: asyncio.Task[None] | None = None
@@ -143,7 +159,7 @@ class CpusetWatch:
     # -- service ---------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._changed.update(self._bound())
+        self._changed.extend(self._bound())
         if self._changed:
             self._dirty.set()  # processes bound before a restart: track them at once
         if not self._use_inotify:
@@ -163,6 +179,8 @@ class CpusetWatch:
 
     async def stop(self) -> None:
         self._loop = None
+        for key, f in self.ledger.each(FOLLOWED):  # its exit watches go (not the records)
+            self._untrack(key.pid, f)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -184,7 +202,7 @@ class CpusetWatch:
     # -- events ----------------------------------------------------------------------
     def changed(self, pid: int) -> None:
         """``pid``'s binding was stored, replaced or removed: look at it now."""
-        self._changed.add(pid)
+        self._changed.append(pid)
         self._dirty.set()
 
     def wake(self, *_: object) -> None:
@@ -247,9 +265,9 @@ class CpusetWatch:
     async def check(self) -> None:
         """One round: follow the bound processes, re-bind where a cpuset changed."""
         t0 = time.perf_counter()
-        for key, eff in self._track():
+        for key, wanted, eff in self._track():
             # changed between the bind and this first look: no change is seen later
-            if not self._wanted.get(key, frozenset()) <= eff:
+            if not wanted <= eff:
                 await self._reapply(key, eff, t0)
         for w in list(self._cgroups.values()):
             try:
@@ -264,11 +282,17 @@ class CpusetWatch:
             w.effective = eff
             if self._on_change is not None:
                 self._on_change()
-            for key in sorted(w.pids):
+            for key in self._members(w):
                 await self._reapply(key, eff, t0)
 
-    async def _reapply(self, key: tuple[int, int], eff: frozenset[int], t0: float) -> None:
-        wanted = self._wanted.get(key)
+    def _members(self, w: _Watched) -> list[ProcKey]:
+        """The followed processes in ``w`` (a walk of the ledger: on a cpuset change)."""
+        d = w.cgroup.dir
+        return [key for key, f in self.ledger.each(FOLLOWED) if f.where == d]
+
+    async def _reapply(self, key: ProcKey, eff: frozenset[int], t0: float) -> None:
+        f = self.ledger.get(key.pid, FOLLOWED, start=key.start)
+        wanted = f.wanted if f is not None else None
         if not wanted or not eff:
             return
         cpus = wanted & eff
@@ -282,70 +306,93 @@ class CpusetWatch:
                         format_cpulist(eff), err.message)
             return
         got = rec.get("cpus") if isinstance(rec, dict) else rec
-        self._set_by_us[key] = got if isinstance(got, str) else None
+        f = self.ledger.get(key.pid, FOLLOWED, start=key.start)
+        if f is not None:  # (it may have exited meanwhile)
+            f.set_by_us = got if isinstance(got, str) else None
         self.rebinds_total += 1
         self.last_rebind_ms = round((time.perf_counter() - t0) * 1000, 3)
         log.info("pid %d re-bound to CPUs %s after its cpuset changed (%.1f ms)", key[0],
                  format_cpulist(cpus), self.last_rebind_ms)
 
     # -- which cgroups -----------------------------------------------------------------
-    def _track(self) -> list[tuple[tuple[int, int], frozenset[int]]]:
+    def _track(self) -> list[tuple[ProcKey, frozenset[int], frozenset[int]]]:
         """Follow the bound processes whose binding changed: cgroups found once per new
         process (not per round).
 
-        Returns the processes seen for the first time, with their cgroup's CPUs now."""
+        Returns the processes seen for the first time, with the CPUs they asked for and
+        their cgroup's CPUs now."""
         if not self._changed:
             return []
-        pids, self._changed = self._changed, set()
-        fresh: list[tuple[tuple[int, int], frozenset[int]]] = []
+        pids, self._changed = sorted(set(self._changed)), []
+        fresh: list[tuple[ProcKey, frozenset[int], frozenset[int]]] = []
         regroup = False
-        for pid in sorted(pids):
+        for pid in pids:
             now = self._lookup(pid)
-            old = self._keys.get(pid)
-            if old is not None and (now is None or now[0] != old[1]):
-                regroup |= self._untrack(old)
-                old = None
+            f = self.ledger.get(pid, FOLLOWED)
+            old = self.ledger.key(pid) if f is not None else None
+            if f is not None and (now is None or old is None or now[0] != old.start):
+                regroup |= self._untrack(pid, f)
+                f = None
             if now is None:
                 continue
-            key, cpus = (pid, now[0]), now[1]
-            # a bind the user made since (not the one we made): it is what they want now
-            if key not in self._wanted or (cpus != self._set_by_us.get(key)
-                                           and parse_cpulist(cpus) != self._wanted[key]):
-                self._wanted[key] = parse_cpulist(cpus)
-                self._set_by_us[key] = cpus
-            if old is not None:
+            key, cpus = ProcKey(pid, now[0]), now[1]
+            if f is not None:
+                # a bind the user made since (not the one we made): what they want now
+                if cpus != f.set_by_us and parse_cpulist(cpus) != f.wanted:
+                    f.wanted, f.set_by_us = parse_cpulist(cpus), cpus
                 continue
-            self._keys[pid] = key
-            try:
-                cg = find_cpuset(pid, self.proc, self.sys)
-            except OSError:
+            f = self._follow(key, cpus)
+            if f is None or f.where is None:
                 continue
-            if cg is None:
-                continue
-            if cg.dir not in self._cgroups:
-                try:
-                    self._cgroups[cg.dir] = _Watched(cg, cg.effective_cpus())
-                except OSError:
-                    continue
-                regroup = True
-            self._cgroups[cg.dir].pids.add(key)
-            self._where[key] = cg.dir
-            fresh.append((key, self._cgroups[cg.dir].effective))
+            regroup |= self._cgroups[f.where].members == 1
+            fresh.append((key, f.wanted, self._cgroups[f.where].effective))
         if regroup:
             self._rewatch()
         return fresh
 
-    def _untrack(self, key: tuple[int, int]) -> bool:
-        """Stop following ``key``; True where its cgroup is no longer watched."""
-        self._keys.pop(key[0], None)
-        self._wanted.pop(key, None)
-        self._set_by_us.pop(key, None)
-        d = self._where.pop(key, None)
+    def _follow(self, key: ProcKey, cpus: str) -> Followed | None:
+        """Follow ``key`` (bound to ``cpus``) from now on: a slot of its record, which
+        goes when it exits (None: it has exited already); its cgroup watched."""
+        if not self.ledger.watch(key.pid, key.start, _WATCH, self._exited):
+            return None  # gone: its exit is the registry's to tell
+        f = Followed(parse_cpulist(cpus), cpus)
+        self.ledger.put(key, FOLLOWED, f)
+        try:
+            cg = find_cpuset(key.pid, self.proc, self.sys)
+        except OSError:
+            return f
+        if cg is None:
+            return f
+        if cg.dir not in self._cgroups:
+            try:
+                self._cgroups[cg.dir] = _Watched(cg, cg.effective_cpus())
+            except OSError:
+                return f
+        self._cgroups[cg.dir].members += 1
+        f.where = cg.dir
+        return f
+
+    def _untrack(self, pid: int, f: Followed) -> bool:
+        """Stop following ``pid`` (unbound, or bound again as another process); True
+        where its cgroup is no longer watched."""
+        self.ledger.pop(pid, FOLLOWED)
+        self.ledger.unwatch(pid, _WATCH)
+        return self._leave(f)
+
+    def _exited(self, pid: int) -> None:
+        """A followed process exited (on the loop; its record, with ``FOLLOWED``, goes
+        after this): it leaves its cgroup, whose watch goes with its last member."""
+        f = self.ledger.get(pid, FOLLOWED)
+        if f is not None and self._leave(f):
+            self._rewatch()
+
+    def _leave(self, f: Followed) -> bool:
+        """``f`` leaves its cgroup; True where that was its last member (unwatched)."""
+        d, f.where = f.where, None
         if d is None or d not in self._cgroups:
             return False
-        watched = self._cgroups[d]
-        watched.pids.discard(key)
-        if watched.pids:
+        self._cgroups[d].members -= 1
+        if self._cgroups[d].members > 0:
             return False
         del self._cgroups[d]
         return True

@@ -59,13 +59,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from tunerd.adapters import nvml, procfs
 from tunerd.base.errors import TunerdError
 from tunerd.base.jsontypes import JSONObject
 from tunerd.jobs.gate import gpu_fds
 from tunerd.jobs.intake import Intake, JobContext, RankId, Role, seen_rank
+from tunerd.jobs.ledger import ProcKey, Slot
 from tunerd.jobs.peer import Peer
 from tunerd.jobs.registry import JobRegistry
 from tunerd.jobs.scope import ProcessScope
@@ -73,9 +74,11 @@ from tunerd.topology.visible import gpus_from_env, nvml_users
 from tunerd.watch.launchers import is_launcher, launcher_comm
 from tunerd.watch.rules import JobRule, RuleSet
 
-__all__ = ["GpuUse", "Launch", "RuleBinds", "is_spawn_child", "is_system_service"]
+__all__ = ["FD_LOOK", "JOB", "SPAWN", "VERDICT", "GpuUse", "Launch", "RuleBinds",
+           "is_spawn_child", "is_system_service"]
 
 log = logging.getLogger("tunerd.gpuuse")
+T = TypeVar("T")
 
 TICK_S = 1.0  # how often GPU users are looked for
 RECHECK_S = 30.0  # a process left alone is looked at again after this
@@ -89,7 +92,7 @@ MAX_FD_SCANS = 8  # ... and of those children, whose fd tables are read
 MAX_FDS_PER_PROCESS = 512
 MAX_FDS_PER_TICK = 512  # ... all looks of one tick together: ~4 ms of CPU at most
 FD_BACKOFF_S = (2.0, 4.0, 8.0, 16.0, 30.0)  # a process holding no GPU: looked at again
-MAX_KNOWN = 4096  # verdicts kept (dropped whole when full)
+MAX_KNOWN = 4096  # verdicts (and fd looks, spawn verdicts, placed ranks) kept
 TREE_DEPTH = 16  # how far up a launch tree is walked
 SPAWN_MARKS = ("--multiprocessing-fork", "multiprocessing.spawn")
 NVML = "NVML"
@@ -172,8 +175,37 @@ class Snapshot:
     """What a tick's gathering (in a worker thread) needs from the loop's state."""
 
     parents: tuple[int, ...]  # rule-bound processes whose children may be spawn ranks
-    skip: frozenset[int]  # processes with a verdict already
-    placed: frozenset[int]  # processes this service placed (their children: workers)
+    now: float  # time.monotonic() at its start
+    round: int  # the last round that decided (``GpuUse._round``)
+
+
+@dataclass(slots=True)
+class Verdict:
+    """The service's verdict on a GPU user (its ``VERDICT`` slot). It stands while the
+    process stays listed round after round: one not listed a round is looked at afresh
+    (its pid may be another process's by then)."""
+
+    verdict: str  # "placed", or why it was left alone
+    at: float  # time.monotonic() of the verdict (or of its last confirmation)
+    basis: Basis | None  # what it rests on (``GpuUse._basis``)
+    listed: int  # the last round that listed the process (``GpuUse._round``)
+
+
+class FdLook(NamedTuple):
+    """An fd look's verdict on a child of a rule-bound process (its ``FD_LOOK`` slot)."""
+
+    due: float  # time.monotonic() when its fd table may be read again
+    looks: int  # looks so far (its backoff)
+    gpus: tuple[int, ...]  # GPUs its open device nodes name (): none
+
+
+# What the service keeps of a process: slots of its record in the node's ledger (gone
+# with it), each bounded by MAX_KNOWN (counted as put, emptied whole past it)
+VERDICT = Slot[Verdict]("gpuuse.verdict")
+FD_LOOK = Slot[FdLook]("gpuuse.fd-look")  # keyed by start time: checked on every read
+SPAWN = Slot[bool]("gpuuse.spawn")  # a rule-bound process's child: an mp.spawn child?
+JOB = Slot[str]("gpuuse.job")  # the job group this service placed it in as a rank
+GONE = -1  # the start time a verdict on a pid /proc does not show is kept under
 
 
 @dataclass
@@ -215,15 +247,15 @@ class GpuUse:
         self.left_alone: dict[str, int] = {}  # why -> how many (first verdicts)
         self.last: list[JSONObject] = []  # the last placements handed over
         self.cost = ScanCost()
-        # pid -> (verdict, when, what it rests on: ``_basis``)
-        self._known: dict[int, tuple[str, float, Basis | None]] = {}
-        # worker thread only: child of a rule-bound process -> spawn child?; an fd
-        # look's verdict per (pid, start time) -> (due again at, looks so far, GPUs found)
-        self._spawn: dict[int, bool] = {}
-        self._fd_due: dict[tuple[int, int], tuple[float, int, tuple[int, ...]]] = {}
+        # what it keeps of each process: slots of its record in the node's ledger
+        self.ledger = jobs.ledger
+        self._round = 0  # rounds decided (a verdict stands while listed every round)
+        # entries put in each slot since it was last emptied (never fewer than it
+        # holds): VERDICT, JOB on the loop, SPAWN, FD_LOOK in the worker thread
+        self._kept: dict[str, int] = {VERDICT.name: 0, JOB.name: 0, SPAWN.name: 0,
+                                      FD_LOOK.name: 0}
         self._fd_cursor = 0
         self._minors: dict[int, int] = {}
-        self._ranks: dict[str, set[int]] = {}  # job group -> pids placed in it
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()  # worker bindings being undone
 
@@ -279,49 +311,73 @@ class GpuUse:
 
     def _begin(self) -> Snapshot | None:
         if not self.armed():
-            if self._known:
-                self._known.clear()
+            if self._kept[VERDICT.name]:
+                self._empty(VERDICT)
             return None
         self.ticks += 1
         if not self.cost.since:
             self.cost.since = time.monotonic()
-        now = time.monotonic()
-        skip = frozenset(p for p, (v, at, _) in self._known.items()
-                         if v == "placed" or now - at < RECHECK_S)
-        placed = frozenset(p for ranks in self._ranks.values() for p in ranks)
-        return Snapshot(tuple(self.rules.rule_bound_pids()), skip, placed)
+        return Snapshot(tuple(self.rules.rule_bound_pids()), time.monotonic(), self._round)
 
     def _decide(self, users: Users) -> None:
         now = time.monotonic()
+        self._round += 1
         new = 0
         for pid in sorted(users):
-            seen = self._known.get(pid)
+            kept = self.ledger.get(pid, VERDICT)
+            seen = kept if kept is not None and kept.listed >= self._round - 1 else None
+            if seen is not None:
+                seen.listed = self._round  # still listed: its verdict stands a round more
+            if new >= MAX_NEW:
+                continue  # looked at in a later tick
             if seen is not None and self._still(pid, seen, now):
                 continue
-            if new >= MAX_NEW:
-                break
             new += 1
             basis = self._basis(pid)
             verdict = self.consider(pid, *users[pid], users)
             if seen is None and verdict != "placed":
                 self.left_alone[verdict] = self.left_alone.get(verdict, 0) + 1
-            if len(self._known) >= MAX_KNOWN:
-                self._known.clear()
-            self._known[pid] = (verdict, now, basis)
-        for pid in [p for p in self._known if p not in users]:
-            del self._known[pid]  # gone from the lists: a reused pid is looked at afresh
+            self._keep_verdict(pid, Verdict(verdict, now, basis, self._round), kept is None)
 
-    def _still(self, pid: int, seen: tuple[str, float, Basis | None], now: float) -> bool:
+    def _keep_verdict(self, pid: int, v: Verdict, fresh: bool) -> None:
+        """``v`` in ``pid``'s record: of the process its basis read, or under ``GONE``
+        where /proc shows no such pid (a pid of another PID namespace NVML lists: looked
+        at again after RECHECK_S, as any left alone), unless the ledger holds it then."""
+        key = ProcKey(pid, v.basis[0] if v.basis is not None else GONE)
+        held = self.ledger.key(pid)
+        if v.basis is None and held is not None and held != key:
+            return  # a process the ledger knows: a verdict of one /proc does not show
+        if fresh and self._kept[VERDICT.name] >= MAX_KNOWN:
+            self._empty(VERDICT)
+        self._put(key, VERDICT, v, fresh)
+
+    def _put(self, key: ProcKey, slot: Slot[T], value: T, fresh: bool = True) -> None:
+        """``value`` in ``key``'s ``slot``; a ``fresh`` entry is counted (MAX_KNOWN)."""
+        if fresh:
+            self._kept[slot.name] += 1
+        self.ledger.put(key, slot, value)
+
+    def _empty(self, slot: Slot[T]) -> None:
+        self.ledger.clear(slot)
+        self._kept[slot.name] = 0
+
+    def _still(self, pid: int, seen: Verdict, now: float) -> bool:
         """Whether ``pid``'s verdict stands: placed, younger than RECHECK_S, or older
         but resting on what is still so (one stat read: a left-alone process costs
         nothing more while it, its parent's binding and the rules stay as they were)."""
-        verdict, at, basis = seen
-        if verdict == "placed" or now - at < RECHECK_S:
+        if seen.verdict == "placed" or now - seen.at < RECHECK_S:
             return True
-        if basis is not None and self._basis(pid) == basis:
-            self._known[pid] = (verdict, now, basis)
+        if seen.basis is not None and self._basis(pid) == seen.basis:
+            seen.at = now
             return True
         return False
+
+    def _skip(self, pid: int, snap: Snapshot) -> bool:
+        """Whether ``pid`` has a verdict that stands (the worker thread: its fd table is
+        not read)."""
+        v = self.ledger.get(pid, VERDICT)
+        return v is not None and v.listed >= snap.round \
+            and (v.verdict == "placed" or snap.now - v.at < RECHECK_S)
 
     def _basis(self, pid: int) -> Basis | None:
         """What a verdict on ``pid`` rests on: its start time and parent, the rules in
@@ -364,8 +420,10 @@ class GpuUse:
         only when its verdict is due."""
         parents = list(snap.parents)
         if not parents:
-            self._spawn.clear()
-            self._fd_due.clear()
+            if self._kept[SPAWN.name]:
+                self._empty(SPAWN)
+            if self._kept[FD_LOOK.name]:
+                self._empty(FD_LOOK)
             return {}
         start = self._fd_cursor % len(parents)
         turn = (parents[start:] + parents[:start])[:MAX_FD_PARENTS]
@@ -378,10 +436,9 @@ class GpuUse:
             for kid in self._children(ppid):
                 kids_now.add(kid)
                 kids += 1
-                if kid in listed or kids > MAX_FD_KIDS \
-                        or not self._spawn_child(kid, ppid, snap.placed):
+                if kid in listed or kids > MAX_FD_KIDS or not self._spawn_child(kid, ppid):
                     continue
-                if kid in snap.skip or scans >= MAX_FD_SCANS or budget <= 0:
+                if scans >= MAX_FD_SCANS or budget <= 0 or self._skip(kid, snap):
                     self._found_before(kid, out)  # no table read: what it was found using
                     continue
                 looked = self._fd_look(kid, now, budget, out)
@@ -397,15 +454,17 @@ class GpuUse:
         start = procfs.read_start_time(pid, self.proc)
         if start is None:
             return None
-        key = (pid, start)
-        due = self._fd_due.get(key)
-        if due is not None and now < due[0]:
-            if due[2]:  # found using a GPU: still listed, its table not read again
-                out[pid] = (due[2], FD)
+        key = ProcKey(pid, start)
+        due = self.ledger.get(pid, FD_LOOK, start=start)
+        if due is not None and now < due.due:
+            if due.gpus:  # found using a GPU: still listed, its table not read again
+                out[pid] = (due.gpus, FD)
             return None
         ev = gpu_fds(pid, self.proc, min(MAX_FDS_PER_PROCESS, budget))
-        looks = due[1] + 1 if due is not None else 0
-        self._fd_due[key] = (now + FD_BACKOFF_S[min(looks, len(FD_BACKOFF_S) - 1)], looks, ())
+        looks = due.looks + 1 if due is not None else 0
+        self._put(key, FD_LOOK,
+                  FdLook(now + FD_BACKOFF_S[min(looks, len(FD_BACKOFF_S) - 1)], looks, ()),
+                  fresh=due is None)
         if ev is None:
             return 0
         self.cost.fd_tables += 1
@@ -415,15 +474,15 @@ class GpuUse:
         gpus = tuple(sorted(minors[m] for m in ev.minors if m in minors))
         if gpus:
             out[pid] = (gpus, FD)
-            self._fd_due[key] = (now + RECHECK_S, looks, gpus)
+            self.ledger.put(key, FD_LOOK, FdLook(now + RECHECK_S, looks, gpus))
         return ev.looked
 
     def _found_before(self, pid: int, out: Users) -> None:
         """``pid`` stays listed with the GPUs an earlier look found (one stat read)."""
         start = procfs.read_start_time(pid, self.proc)
-        hit = self._fd_due.get((pid, start)) if start is not None else None
-        if hit is not None and hit[2]:
-            out[pid] = (hit[2], FD)
+        hit = self.ledger.get(pid, FD_LOOK, start=start) if start is not None else None
+        if hit is not None and hit.gpus:
+            out[pid] = (hit.gpus, FD)
 
     def _minor_map(self) -> dict[int, int]:
         """The N of /dev/nvidiaN -> GPU index (asked of NVML once)."""
@@ -433,10 +492,21 @@ class GpuUse:
         return self._minors
 
     def _prune(self, kids_now: set[int]) -> None:
-        if len(self._spawn) > MAX_KNOWN:
-            self._spawn = {k: v for k, v in self._spawn.items() if k in kids_now}
-        if len(self._fd_due) > MAX_KNOWN:
-            self._fd_due = {k: v for k, v in self._fd_due.items() if k[0] in kids_now}
+        """Past MAX_KNOWN spawn or fd-look verdicts: only those of children seen this
+        tick are kept."""
+        self._prune_slot(SPAWN, kids_now)
+        self._prune_slot(FD_LOOK, kids_now)
+
+    def _prune_slot(self, slot: Slot[T], kids_now: set[int]) -> None:
+        if self._kept[slot.name] <= MAX_KNOWN:
+            return
+        kept = 0
+        for key, _ in self.ledger.each(slot):
+            if key.pid in kids_now:
+                kept += 1
+            else:
+                self.ledger.pop(key.pid, slot)
+        self._kept[slot.name] = kept
 
     def _children(self, pid: int) -> list[int]:
         """Children of ``pid``'s main thread (mp.spawn starts them there): one read."""
@@ -446,23 +516,26 @@ class GpuUse:
             return []
         return [int(x) for x in raw.split()]
 
-    def _spawn_child(self, pid: int, ppid: int, placed: frozenset[int]) -> bool:
+    def _spawn_child(self, pid: int, ppid: int) -> bool:
         """Whether ``pid``, a child of ``ppid`` (rule-bound), is a spawn child, not a
-        rank's worker (read once per pid)."""
-        hit = self._spawn.get(pid)
+        rank's worker (read once per process)."""
+        hit = self.ledger.get(pid, SPAWN)
         if hit is None:
+            start = procfs.read_start_time(pid, self.proc)
+            if start is None:
+                return False
             try:
                 argv = procfs.Process(pid, self.proc).cmdline(1024)
                 hit = is_spawn_child(argv, procfs.Process(ppid, self.proc).cmdline(1024)) \
-                    and ppid not in placed
+                    and not self._placed_here(ppid)
             except TunerdError:
                 hit = False
-            self._spawn[pid] = hit
+            self._put(ProcKey(pid, start), SPAWN, hit)
         return hit
 
-    def _placed_here(self, pid: int) -> bool:
+    def _placed_here(self, pid: int, start: int | None = None) -> bool:
         """Whether this service placed ``pid`` as a rank (its children are its workers)."""
-        return any(pid in ranks for ranks in self._ranks.values())
+        return self.ledger.get(pid, JOB, start=start) is not None
 
     # -- one process --------------------------------------------------------------
     def consider(self, pid: int, gpus: tuple[int, ...], how: str, users: Users) -> str:
@@ -558,7 +631,8 @@ class GpuUse:
         key = f"{ppid}.{pst.start_time}"
         if rb is not None and rb[0] == pst.start_time:
             rule = self._rule(rb[1])
-            if rule is None or self._placed_here(ppid) or (parent.role == Role.RANK and not spawn):
+            if rule is None or self._placed_here(ppid, pst.start_time) \
+                    or (parent.role == Role.RANK and not spawn):
                 return None  # a rank's other children are its workers
             kind = "mp.spawn parent" if spawn else f"process rule {rule.name} bound"
             return Launch(ppid, pst.start_time, rule, kind,
@@ -638,8 +712,7 @@ class GpuUse:
     def _as_rank(self, ctx: JobContext, gpus: tuple[int, ...], how: str, launch: Launch,
                  users: Users) -> JobContext:
         """The intake's look at ``ctx`` made a rank of ``launch``'s job near ``gpus``."""
-        mine = self._ranks.setdefault(launch.group, set())
-        mine.intersection_update(p for p in mine if procfs.read_start_time(p, self.proc))
+        mine = self._ranks_of(launch.group)
         near = {launch.parent, ctx.ppid}
         siblings = {p for p, (_, h) in users.items() if h and p != ctx.pid
                     and (p == launch.parent or procfs.read_ppid(p, self.proc) in near)}
@@ -653,11 +726,27 @@ class GpuUse:
                          launcher=f"{launch.kind} {launch.parent}",
                          mask_is_tunerds=launch.parent_bound)
 
+    def _ranks_of(self, group: str) -> set[int]:
+        """The live processes this service placed in job ``group`` (those gone are
+        forgotten: a walk of the ledger, once per process placed)."""
+        out = set()
+        for key, g in self.ledger.each(JOB):
+            if g != group:
+                continue
+            if self.ledger.alive(key.pid, key.start):
+                out.add(key.pid)
+            else:
+                self.ledger.pop(key.pid, JOB)
+        return out
+
     def _hand_over(self, ctx: JobContext, launch: Launch) -> None:
         """To the rules' bind: gate, place, hold, apply, record."""
-        self._ranks[launch.group].add(ctx.pid)
-        if len(self._ranks) > MAX_KNOWN:
-            self._ranks = {launch.group: self._ranks[launch.group]}
+        if self._kept[JOB.name] >= MAX_KNOWN:  # as many as MAX_KNOWN: this job's stay
+            mine = [(k, g) for k, g in self.ledger.each(JOB) if g == launch.group]
+            self._empty(JOB)
+            for k, g in mine:
+                self._put(k, JOB, g)
+        self._put(ProcKey(ctx.pid, ctx.start_time), JOB, launch.group)
         log.info("pid %d (%s) %s: rule %s places it", ctx.pid, ctx.comm, ctx.why,
                  launch.rule.name)
         self.placed += 1

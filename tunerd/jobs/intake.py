@@ -19,13 +19,12 @@ Real training jobs are trees inside an allocation::
 from __future__ import annotations
 
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict, TypeVar
 
 from tunerd.adapters import procfs
 from tunerd.base.cpulist import format_cpulist
@@ -33,6 +32,7 @@ from tunerd.base.errors import NoSuchProcess, TunerdError
 from tunerd.base.modes import Mode
 from tunerd.base.strenum import TextEnum
 from tunerd.jobs.allocation import Allocation, read_allocation, scheduler_gpus
+from tunerd.jobs.ledger import Ledger, ProcKey, Slot
 from tunerd.jobs.placer import PlaceRequest
 from tunerd.topology.model import Topology
 from tunerd.topology.visible import resolve_gpus, visible_list
@@ -42,14 +42,18 @@ from tunerd.watch.launchers import _base as _base
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["WRAPPERS", "Intake", "JobContext", "RankId", "bounded_int", "request", "seen_rank"]
+__all__ = ["CHAIN", "LAUNCHER", "PARENT", "WRAPPERS", "Intake", "JobContext", "RankId",
+           "bounded_int", "request", "seen_rank"]
 
+T = TypeVar("T")
 ANCESTOR_DEPTH = 8  # how far up the tree to look for a rank, a lease, a launcher
 # a quick look (a rule's bind in the exec watcher) takes a parent's ancestry, command
 # line and environment as read for a sibling less than this long ago: the ranks of one
-# launcher, or the burst of one script, share them. Keyed by the parent's pid and start
-# time, and dropped when that pid execs (``exec_seen``).
+# launcher, or the burst of one script, share them. Kept in the parent's record of the
+# node's ledger (its pid and start time), and dropped when that pid execs (``exec_seen``).
 PARENT_TTL_S = 2.0
+MAX_PARENTS = 256  # parents whose ancestry, or command line and environment, are kept
+MAX_LAUNCHERS = 1024  # processes whose launcher verdict is kept
 MAX_RANK = 1 << 16  # a local rank or world size above this is no rank number
 # a parent's environment is read as a rank's own is by the rules (ENVIRON_MATCH_BYTES):
 # at most 64 KiB, also in the exec watcher's real-time thread (1 MiB before)
@@ -150,6 +154,30 @@ class JobContext:
 
 Up = tuple[int, procfs.Stat]  # an ancestor: its pid and stat
 
+
+class Chain(NamedTuple):
+    """A parent's ancestry as a quick look read it (its ``CHAIN`` slot)."""
+
+    at: float  # time.monotonic() of the walk
+    ups: list[Up]  # the parent itself, its parent ...
+    watched: bool  # the ledger opened the parent's pidfd for it (``Intake._keep_chain``)
+
+
+class ParentLook(NamedTuple):
+    """A parent's command line and environment as a quick look read them (``PARENT``)."""
+
+    at: float
+    argv: list[str]
+    env: Mapping[str, str]
+
+
+# What the intake keeps of a process (as a parent, or an ancestor): slots of its record in
+# the node's ledger, gone when it exits, checked by its start time
+CHAIN = Slot[Chain]("intake.chain")
+PARENT = Slot[ParentLook]("intake.parent")
+LAUNCHER = Slot[str]("intake.launcher")  # the launcher a Python process is ("": none)
+_WATCH = "intake"  # the exit key of a pidfd the ledger opened for a kept ancestry
+
 # bound(pid) -> (start time, CPUs) of a process tunerd placed as a rank, or None
 BoundLookup = Callable[[int], "tuple[int, frozenset[int]] | None"]
 # lease(pid) -> (lease id, CPUs) of a `run` lease held by pid, or None
@@ -160,21 +188,22 @@ class Intake:
     """Turns a pid into a ``JobContext`` (see the module docstring)."""
 
     def __init__(self, topo: Topology, online: frozenset[int], *, bound: BoundLookup,
-                 lease: LeaseLookup, proc_root: str = procfs.PROC) -> None:
+                 lease: LeaseLookup, proc_root: str = procfs.PROC,
+                 ledger: Ledger | None = None) -> None:
+        """``ledger``: the daemon's, attached to its loop before any quick look (it may
+        then hold a parent's pidfd for a kept ancestry); without one (tests, benches), a
+        ledger of its own, and a kept ancestry is checked by the parent's start time."""
         self.topo = topo
         self.online = online
         self._bound = bound
         self._lease = lease
         self.proc = proc_root
         self._proc_path = Path(proc_root)
-        # pid -> (its start time, when; its ancestors' stats from itself up / its argv
-        # and environment): quick looks only (see PARENT_TTL_S)
-        # ... the ancestry entries hold a pidfd of that parent: while it is not readable
-        # the parent is the same process, and its stat need not be read again
-        self._chains: dict[int, tuple[int, float, list[Up], int]] = {}
-        self._parents: dict[int, tuple[int, float, list[str], Mapping[str, str]]] = {}
-        # (pid, start time) -> the launcher a Python process is (None: none), read once
-        self._launchers: dict[tuple[int, int], str | None] = {}
+        self.ledger = ledger if ledger is not None else Ledger(proc_root)
+        self._watch = ledger is not None
+        # entries put in CHAIN, PARENT, LAUNCHER since each was last emptied (never fewer
+        # than it holds): past MAX_PARENTS / MAX_LAUNCHERS the slot is emptied whole
+        self._kept: dict[str, int] = {CHAIN.name: 0, PARENT.name: 0, LAUNCHER.name: 0}
         self._cache_lock = threading.Lock()
         # the walk up ends below the host's init; in a PID namespace of our own its pid 1
         # is the container's entry point, which may be the launcher (torchrun as PID 1)
@@ -182,11 +211,10 @@ class Intake:
 
     def exec_seen(self, pid: int) -> None:
         """``pid`` exec'd: what a quick look kept of it as a parent is no longer so
-        (called for every exec on the host: two dict lookups)."""
-        if pid in self._parents or pid in self._chains:
-            with self._cache_lock:
-                self._parents.pop(pid, None)
-                _close_chain(self._chains.pop(pid, None))
+        (called for every exec on the host: one ledger lookup where it has no record)."""
+        if self.ledger.key(pid) is not None:
+            self.ledger.pop(pid, PARENT)
+            self._drop_chain(pid)
 
     def describe(self, pid: int, env: Mapping[str, str] | None = None,
                  argv: list[str] | None = None, *, uid: int | None = None,
@@ -257,46 +285,90 @@ class Intake:
             ppid = st.ppid
 
     def _ancestors(self, ctx: JobContext, quick: bool) -> Iterable[Up]:
-        """The walk up (``_walk``). Quick: the parent's stat read now, the rest as read
-        for a sibling within PARENT_TTL_S."""
+        """The walk up (``_walk``). Quick: the ancestry as read for a sibling within
+        PARENT_TTL_S, where the parent is still that process."""
         if not quick:
             return self._walk(ctx)
-        hit = self._chains.get(ctx.ppid)
-        if hit is not None and time.monotonic() - hit[1] < PARENT_TTL_S \
-                and not _readable(hit[3]):
-            return hit[2]  # the same parent, alive: its ancestry as read for a sibling
+        hit = self.ledger.get(ctx.ppid, CHAIN)
+        if hit is not None and time.monotonic() - hit.at < PARENT_TTL_S \
+                and self._same_parent(ctx.ppid, hit):
+            return hit.ups  # the same parent, alive: its ancestry as read for a sibling
         out = list(self._walk(ctx))
         if out:
-            try:
-                pidfd = os.pidfd_open(out[0][0])
-            except OSError:
-                return out
-            if procfs.read_start_time(out[0][0], self.proc) != out[0][1].start_time:
-                os.close(pidfd)  # the parent went (and its pid was taken) meanwhile
-                return out
-            with self._cache_lock:
-                if len(self._chains) > 256:
-                    for entry in self._chains.values():
-                        _close_chain(entry)
-                    self._chains.clear()
-                _close_chain(self._chains.get(out[0][0]))
-                self._chains[out[0][0]] = (out[0][1].start_time, time.monotonic(), out, pidfd)
+            self._keep_chain(out, hit)
         return out
+
+    def _same_parent(self, ppid: int, hit: Chain) -> bool:
+        """Whether ``ppid`` is still the parent ``hit`` was read for: while the pidfd the
+        ledger holds of it is not readable it is (no read of /proc); a parent the ledger
+        holds no pidfd of, by its start time (one stat read)."""
+        if hit.watched or self.ledger.pidfd(ppid) >= 0:
+            return not self.ledger.exited(ppid)
+        return procfs.read_start_time(ppid, self.proc) == hit.ups[0][1].start_time
+
+    def _keep_chain(self, out: list[Up], old: Chain | None) -> None:
+        """Keep ``out``, a parent's ancestry, in the parent's record. With the daemon's
+        ledger, the record holds the parent's pidfd: the one it has (another service's;
+        not watched here, so never released here either), else one opened for it here
+        (watched until the parent exits, execs, or the ancestries are dropped)."""
+        pid, start = out[0][0], out[0][1].start_time
+        key = ProcKey(pid, start)
+        watched = old is not None and old.watched and self.ledger.key(pid) == key
+        opened = False
+        if self._watch and not watched and self.ledger.pidfd(pid) < 0:
+            if not self.ledger.watch(pid, start, _WATCH, _kept_parent_exited):
+                return  # the parent went (and its pid may be another's) meanwhile
+            watched = opened = True
+        kept = self._put(key, CHAIN, Chain(time.monotonic(), out, watched), MAX_PARENTS,
+                         fresh=old is None)
+        if opened and not kept:  # another process holds the pid now: nor its pidfd
+            self.ledger.unwatch(pid, _WATCH)
+
+    def _put(self, key: ProcKey, slot: Slot[T], value: T, limit: int, *,
+             fresh: bool = True) -> bool:
+        """``value`` in ``key``'s ``slot`` (False: not put, the ledger holds another
+        process under that pid: a key read a moment ago must not retire its record);
+        ``fresh``: a new entry, counted toward ``limit`` (the slot is emptied past it)."""
+        held = self.ledger.key(key.pid)
+        if held is not None and held != key:
+            return False
+        if fresh:
+            with self._cache_lock:
+                self._kept[slot.name] += 1
+                full = self._kept[slot.name] > limit
+                if full:
+                    self._kept[slot.name] = 1
+            if full:
+                self._empty(slot)
+        self.ledger.put(key, slot, value)
+        return True
+
+    def _empty(self, slot: Slot[T]) -> None:
+        """Every entry of ``slot`` dropped (the ancestries' pidfds opened here with them)."""
+        if slot.name != CHAIN.name:
+            self.ledger.clear(slot)
+            return
+        for key, _ in self.ledger.each(CHAIN):
+            self._drop_chain(key.pid)
+
+    def _drop_chain(self, pid: int) -> None:
+        hit = self.ledger.pop(pid, CHAIN)
+        if hit is not None and hit.watched:
+            self.ledger.unwatch(pid, _WATCH)
 
     def _parent(self, ppid: int, start: int | None,
                 quick: bool) -> tuple[list[str], Mapping[str, str]]:
         """A parent's command line and environment (quick: as read within PARENT_TTL_S
         for the same pid + start time). Raises TunerdError where it is gone."""
-        hit = self._parents.get(ppid) if quick and start is not None else None
-        if hit is not None and hit[0] == start and time.monotonic() - hit[1] < PARENT_TTL_S:
-            return hit[2], hit[3]
+        hit = self.ledger.get(ppid, PARENT, start=start) if quick and start is not None \
+            else None
+        if hit is not None and time.monotonic() - hit.at < PARENT_TTL_S:
+            return hit.argv, hit.env
         argv = procfs.Process(ppid, self.proc).cmdline(4096)
         env = procfs.read_environ_view(ppid, self.proc, PARENT_ENV_BYTES) or {}
         if quick and start is not None:
-            with self._cache_lock:
-                if len(self._parents) > 256:
-                    self._parents.clear()
-                self._parents[ppid] = (start, time.monotonic(), argv, env)
+            self._put(ProcKey(ppid, start), PARENT, ParentLook(time.monotonic(), argv, env),
+                      MAX_PARENTS, fresh=hit is None)
         return argv, env
 
     def _tree(self, ctx: JobContext, quick: bool = False) -> JobContext:
@@ -337,18 +409,15 @@ class Intake:
         name = launcher_comm(st.comm)
         if name is not None or not st.comm.startswith(("python", "pt_")):
             return name
-        key = (pid, st.start_time)
-        if key in self._launchers:
-            return self._launchers[key]
+        known = self.ledger.get(pid, LAUNCHER, start=st.start_time)
+        if known is not None:
+            return known or None
         try:
             argv = procfs.Process(pid, self.proc).cmdline(4096)
         except TunerdError:
             return None
         found = _launcher_of_argv(argv, st.comm)
-        with self._cache_lock:
-            if len(self._launchers) > 1024:
-                self._launchers.clear()
-            self._launchers[key] = found
+        self._put(ProcKey(pid, st.start_time), LAUNCHER, found or "", MAX_LAUNCHERS)
         return found
 
     def _under_bound(self, ctx: JobContext, ppid: int, comm: str,
@@ -442,17 +511,8 @@ def _identity(ctx: JobContext, launcher: tuple[int, int, str] | None,
     return out
 
 
-def _readable(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited (poll: fds above 1024)."""
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
-
-
-def _close_chain(entry: tuple[int, float, list[Up], int] | None) -> None:
-    if entry is not None:
-        os.close(entry[3])
-
+def _kept_parent_exited(pid: int) -> None:
+    """A parent whose ancestry was kept exited: its record goes, and that with it."""
 
 def seen_rank(ctx: JobContext, rank: RankId, *, gpus: tuple[int, ...], how: str, why: str,
               visible: tuple[int, ...], launcher: str, mask_is_tunerds: bool) -> JobContext:
