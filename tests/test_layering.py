@@ -853,25 +853,10 @@ PID_MAPS_ELSEWHERE: dict[tuple[str, str], str] = {
         "table, a bounded LRU cache of one /proc scan: its pids are another namespace's "
         "numbers, not host processes the ledger could hold a record of",
 }
-# Pid-keyed maps the branches slotsA, slotsB and the lead (issue 33 item 6) are moving
-# into ledger slots now. The lead empties this set as each is merged; a listed map that
-# is gone fails test_known_pid_maps_still_exist, so the set cannot go stale.
-KNOWN_UNTIL_SLOTS_MERGE: set[tuple[str, str]] = {
-    # slotsB: gpuuse, cpusetwatch, intake
-    ("tunerd/jobs/gpuuse.py", "GpuUse._fd_due"),
-    ("tunerd/jobs/gpuuse.py", "GpuUse._known"),
-    ("tunerd/jobs/gpuuse.py", "GpuUse._ranks"),  # job group -> its pids
-    ("tunerd/jobs/gpuuse.py", "GpuUse._spawn"),
-    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._changed"),
-    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._keys"),
-    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._set_by_us"),
-    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._wanted"),
-    ("tunerd/jobs/cpusetwatch.py", "CpusetWatch._where"),
-    ("tunerd/jobs/cpusetwatch.py", "_Watched.pids"),  # a cgroup's (pid, start)s
-    ("tunerd/jobs/intake.py", "Intake._chains"),
-    ("tunerd/jobs/intake.py", "Intake._launchers"),
-    ("tunerd/jobs/intake.py", "Intake._parents"),
-}
+# Pid-keyed maps still to move into ledger slots: none since issue 33 item 6 (26 maps in
+# 9 modules were moved). A map listed here that is gone fails
+# test_known_pid_maps_still_exist, so the set cannot go stale.
+KNOWN_UNTIL_SLOTS_MERGE: set[tuple[str, str]] = set()
 CONTAINER_CALLS = {"dict", "set", "OrderedDict", "defaultdict", "Counter",
                    "WeakValueDictionary", "WeakKeyDictionary", "WeakSet"}
 

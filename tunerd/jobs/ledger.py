@@ -220,6 +220,16 @@ class Ledger:
             self._hold(rec, fd)
             return True
 
+    def release_idle(self, pid: int, fd: int) -> None:
+        """Close ``fd``, the record's pidfd, if nobody waits for the exit and no slot
+        holds anything (an adopted pidfd whose bind came to nothing); the record goes."""
+        with self._lock:
+            rec = self._recs.get(pid)
+            if rec is None or rec.pidfd != fd or rec.exits or rec.values:
+                return
+            self._release(rec)
+            self._maybe_drop(rec)
+
     def pidfd(self, pid: int) -> int:
         """The pidfd the ledger holds for ``pid`` (-1: none)."""
         with self._lock:
@@ -241,9 +251,8 @@ class Ledger:
     def unwatch(self, pid: int, key: str) -> None:
         with self._lock:
             rec = self._recs.get(pid)
-            if rec is None:
-                return
-            rec.exits.pop(key, None)
+            if rec is None or rec.exits.pop(key, None) is None:
+                return  # not watched by ``key``: a pidfd another holds stays
             if not rec.exits:
                 self._release(rec)
             self._maybe_drop(rec)

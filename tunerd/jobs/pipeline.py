@@ -252,6 +252,7 @@ class BindPipeline:
             try:
                 self._pin(run)
                 self._authorize(run)
+                self._keep_pin(run)
                 self._describe(run)
                 self._decide(run)
                 if self.bind_delay and req.source is BindSource.CLI:  # tests: a window
@@ -270,6 +271,7 @@ class BindPipeline:
                 raise
             finally:
                 if run.target is not None:
+                    self._drop_pin(run.target)
                     run.target.close()
 
     def bind_in_thread(self, req: BindRequest) -> BindOutcome:
@@ -324,6 +326,21 @@ class BindPipeline:
     # -- pin ---------------------------------------------------------------------------
     def _pin(self, run: _Run) -> None:
         run.target = self.actuator.pin(run.req.pid)
+
+    def _keep_pin(self, run: _Run) -> None:
+        """Authorized: the pin's pidfd is the process's one pidfd from now on (the
+        ledger's), so whoever watches it during this bind (the record's exit watch, the
+        cpuset watcher) opens none of its own."""
+        t = run.target
+        assert t is not None
+        if t.owned:
+            t.owned = not self.ledger.adopt_fd(ProcKey(t.pid, t.start_time), t.pidfd)
+
+    def _drop_pin(self, t: Target) -> None:
+        """After the pass: a pidfd the ledger took from it that nobody watches and no
+        slot needs (the bind was refused or failed) is closed now, not at the exit."""
+        if not t.owned:
+            self.ledger.release_idle(t.pid, t.pidfd)
 
     def _pin_fd(self, run: _Run) -> None:
         """The pidfd first: what the intake reads next is of the process it holds."""
