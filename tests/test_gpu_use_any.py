@@ -86,9 +86,10 @@ if role == "driver":
     report("driver", os.getpid())
 elif role == "raylet":
     name("raylet")
-    for i in range(2):
+    for i in range(2):  # raylet names the Ray job in each worker's environment
+        job = f"0{i + 1}000000" if "two-jobs" in sys.argv else "01000000"
         subprocess.Popen([sys.executable, sys.argv[0], "worker", str(i),
-                          "--node-ip-address=127.0.0.1"])
+                          "--node-ip-address=127.0.0.1"], env={**os.environ, "RAY_JOB_ID": job})
 else:
     name("ray::RayTrainWo")
     held = hold_gpu("ray" + sys.argv[2])
@@ -271,6 +272,36 @@ def test_any_gpu_user_is_placed_by_its_launch_tree_on_the_dgx(daemon_factory,
         for pid in (ranks[2], ranks[3]):  # monitor interval (1 s) + 1 s
             assert at[pid] - t0 <= 2.0, (pid, at[pid] - t0)
         assert "scan" in st and st["scan"]["cpu_ms"] >= 0, st
+    finally:
+        m.stop()
+
+
+def test_two_ray_jobs_on_one_standalone_raylet_are_two_jobs(daemon_factory,
+                                                           tmp_path: Path) -> None:
+    """`ray start --head`, then two drivers: one raylet starts the workers of both Ray
+    jobs. Keyed by the raylet alone they were one job; each worker's RAY_JOB_ID (set by
+    raylet) splits them: two jobs, each in its GPU's slice."""
+    token = f"rayj{os.getpid()}"
+    d, procs = _daemon(daemon_factory, tmp_path, DGX_H100, token)
+    m = Mimics(tmp_path, token)
+    try:
+        m.start(f"raylet_{token}.py", RAY, "raylet", "two-jobs")
+        p = m.pids("ray0", "ray1")
+        ranks = {4: p["ray0"][0], 5: p["ray1"][0]}
+        raylet = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                  for pid in ranks.values()}
+        assert len(raylet) == 1, raylet
+        write_processes(procs, {g: [pid] for g, pid in ranks.items()})
+        jobs = wait_for(lambda: _jobs_with(d, ranks.values()), 10,
+                        "the two Ray workers placed", detail=d.log)
+        job = {gpu: _job_of(jobs[pid]["why"]) for gpu, pid in ranks.items()}
+        (rl,) = raylet
+        assert job[4].startswith(f"raylet_{token}.py:{rl}.") and \
+            job[4].endswith("/ray-job-01000000"), job
+        assert job[5].startswith(f"raylet_{token}.py:{rl}.") and \
+            job[5].endswith("/ray-job-02000000"), job
+        for gpu, pid in ranks.items():
+            assert jobs[pid]["gpus"] == [gpu], jobs[pid]
     finally:
         m.stop()
 

@@ -41,7 +41,8 @@ own CPUs (nor did its parent: numactl, taskset). Its job and rule:
   keys match: keyed by its highest ancestor below a shell, a session, a launcher, a
   system service, init or another user (Lightning's rank 0 and the rank 1 it starts
   are one job; a Ray run is keyed by its driver, or by its raylet when that runs on its
-  own; a notebook kernel is its own job).
+  own, and by the Ray job a worker runs for (``RAY_JOB_ID``): two runs on one standalone
+  raylet are two jobs; a notebook kernel is its own job).
 
 It is handed to the rules' bind through a narrow interface (``RuleBinds``): the same
 gate, placer, ledger and registry as every rule bind, recorded with why ("uses GPU 2
@@ -56,8 +57,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -661,7 +663,11 @@ class GpuUse:
         if rule is None:
             return None
         pid, start, name = self._tree_root(ctx)
-        return Launch(pid, start, rule, f"launch tree {name}", f"{name}:{pid}.{start}",
+        group = f"{name}:{pid}.{start}"
+        ray_job = ray_job_id(ctx.env)
+        if ray_job is not None:  # one raylet runs the workers of every Ray job on the node
+            group += f"/ray-job-{ray_job}"
+        return Launch(pid, start, rule, f"launch tree {name}", group,
                       self.jobs.is_bound(ctx.ppid))
 
     def _tree_root(self, ctx: JobContext) -> tuple[int, int, str]:
@@ -769,6 +775,17 @@ def _ends_tree(comm: str, argv: list[str]) -> bool:
     return (comm in SESSION_COMMS or comm.startswith("containerd-shim")
             or launcher_comm(comm) is not None or is_launcher(argv, comm)
             or is_system_service(comm, argv))
+
+
+_RAY_JOB = re.compile(r"[0-9a-fA-F]{1,32}")
+
+
+def ray_job_id(env: Mapping[str, str]) -> str | None:
+    """The Ray job a worker runs for: ``RAY_JOB_ID``, which raylet sets in the
+    environment of each worker it starts for a job (hex, 8 characters in Ray 2.x);
+    None where it is absent or not such an id."""
+    value = env.get("RAY_JOB_ID")
+    return value if value is not None and _RAY_JOB.fullmatch(value) else None
 
 
 def _job_root(argv: list[str] | tuple[str, ...]) -> bool:
