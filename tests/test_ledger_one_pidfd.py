@@ -131,3 +131,43 @@ def test_a_rule_bind_opens_one_pidfd_sets_cpus_once_and_the_daemon_holds_one(
     finally:
         for p in [*ranks, other]:
             kill(p)
+
+
+def test_an_exec_storm_of_short_ranks_leaves_no_pidfd_and_no_record(
+        tmp_path: Path, daemon_factory) -> None:
+    """300 rule-matched ranks that exit at once or 30 ms later (bound first), 100
+    others beside: afterwards the
+    daemon holds no pidfd of any of them, and its ledger (status `jobs.ledger`) no
+    record with a pidfd, no binding, no rule slot."""
+    exe = unique_sleeper(tmp_path, f"ledger_short_{os.getpid()}")
+    other = tmp_path / f"ledger_other_{os.getpid()}"
+    shutil.copy("/bin/true", other)
+    pol = rule_policy(tmp_path / "pol", f'[[job]]\nname = "short"\n'
+                      f'match.cmdline = ["*{exe.name}*"]\nmatch.env = {{ LOCAL_RANK = "*" }}\n'
+                      f'cpus = "{TARGET}"\n')
+    d = daemon_factory(policy_dir=pol).start()
+    daemon_pid = d.proc.pid
+    pids = []
+    for _batch in range(8):  # ranks living 0 or 30 ms (bound, then gone), 50 at a time
+        procs = [spawn([str(exe), "0.03" if i % 2 else "0"] if i % 4 else [str(other)],
+                       {"LOCAL_RANK": str(i % 8)}) for i in range(50)]
+        for p in procs:
+            pids.append(p.pid)
+            p.wait()
+
+    def settled() -> dict[str, object] | None:
+        led = d.ctl("--json", "status").json()["services"]["jobs"]["ledger"]
+        return led if not {"binding", "rule", "in flight", "pending bind",
+                           "unrecorded"} & set(led["slots"]) else None
+
+    led = wait_for(settled, 15, "the ledger empty of the exited ranks",
+                   detail=lambda: str(d.ctl("--json", "status").json()["services"]["jobs"]))
+    held = held_pidfds(daemon_pid)
+    assert not set(held) & set(pids), held
+    # what is held is of live processes only (the ranks' parent, this test: its
+    # ancestry, cached by the intake on its pidfd)
+    assert set(held) <= {os.getpid(), os.getppid()}, held
+    assert led["pidfds"] == sum(held.values()), (led, held)
+    assert led["records"] <= 64, led  # caches of looks at most
+    st = autobind_status(d)
+    assert st["bound_in_watcher"] >= 10, st  # bound, recorded, then gone

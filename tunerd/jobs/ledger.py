@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from tunerd.adapters import procfs
+from tunerd.base.jsontypes import JSONObject
 
 __all__ = ["UNWATCHED_MAX", "ExitCallback", "Ledger", "ProcKey", "Slot", "Tracked"]
 
@@ -186,6 +187,16 @@ class Ledger:
                     del rec.values[s]
                     self._maybe_drop(rec)
             self._counts[s] = 0
+
+    def status(self) -> JSONObject:
+        """Counts only (no pid): records, pidfds held now and opened since start, and
+        how many processes each slot holds something for."""
+        with self._lock:
+            held = sum(1 for r in self._recs.values() if r.pidfd >= 0)
+            slots: JSONObject = {s.name: n for s, n in sorted(self._counts.items(),
+                                                              key=lambda kv: kv[0].name) if n}
+            return {"records": len(self._recs), "pidfds": held,
+                    "pidfds_opened": self.pidfds_opened, "slots": slots}
 
     def __len__(self) -> int:
         return len(self._recs)

@@ -173,6 +173,7 @@ class JobRegistry:
                            "pids": [k.pid for k, _ in self.ledger.each(BINDING)]}
         if self.ledger.count(UNAPPLIED):
             out["not_applied"] = [k.pid for k, _ in self.ledger.each(UNAPPLIED)]
+        out["ledger"] = self.ledger.status()
         return out
 
     # -- queries -------------------------------------------------------------
