@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import pwd
 import subprocess
 import sys
 import tempfile
@@ -30,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from _hostile_common import add_stream_args, resolve_uid, start_clients
 from _leases_common import Daemon, write_json
-from hostile_pids import client, pid_max
 
 from tunerd.wire.client import Client
 
@@ -84,20 +82,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     script.parent.chmod(0o755)
     script.write_text(OWN)
     script.chmod(0o644)
-    absent = min(pid_max(), 4_194_304 - 100_000)
     with Daemon('[policy]\nname = "hostile"\n') as d:
         sock = str(d.socket)
         own = _own_namespace(sock, args.uid, script, args.sleepers, args.rounds)
         assert own.stdout is not None and own.stdin is not None
         assert json.loads(own.stdout.readline())["ready"]
-        per = args.requests // args.clients
-        start = mp.Event()
-        q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-        procs = [mp.Process(target=client, args=(sock, args.uid, k * per, per, args.batch,
-                                                 absent, start, q))
-                 for k in range(args.clients)]
-        for p in procs:
-            p.start()
+        start, q, procs, _ = start_clients(sock, args)
         stop, rtts = threading.Event(), []  # type: ignore[var-annotated]
         probe = threading.Thread(target=_probe, args=(sock, stop, rtts))
         probe.start()
@@ -124,19 +114,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=200)
+    add_stream_args(ap)
     ap.add_argument("--sleepers", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--uid", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.uid is None:
-        try:
-            args.uid = pwd.getpwnam("tunerd-test").pw_uid
-        except KeyError:
-            args.uid = 65534
+    resolve_uid(args)
     out = run(args)
     print(json.dumps(out, indent=1))
     write_json(args.json, out)

@@ -18,75 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import pwd
-import socket
 import time
 
+from _hostile_common import add_stream_args, resolve_uid, start_clients
 from _leases_common import Daemon, write_json
-
-OUT_OF_RANGE = 10**12
-
-
-def pid_max() -> int:
-    with open("/proc/sys/kernel/pid_max") as f:
-        return int(f.read())
-
-
-def client(sock: str, uid: int, first: int, n: int, batch: int, absent: int,
-           start: mp.synchronize.Event, q: mp.Queue) -> None:  # type: ignore[type-arg]
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sock)
-    f = s.makefile("rb")
-    codes: dict[str, int] = {}
-    internal = 0
-    start.wait()
-    for lo in range(0, n, batch):
-        k = min(batch, n - lo)
-        lines = []
-        for i in range(lo, lo + k):
-            j = first + i
-            pid = absent + j % 100_000 if j % 2 else OUT_OF_RANGE + j
-            lines.append(json.dumps({"id": i, "cmd": "bind" if j % 4 < 2 else "unbind",
-                                     "args": {"pid": pid, "cpus": "0"}}).encode() + b"\n")
-        s.sendall(b"".join(lines))
-        for _ in range(k):
-            r = json.loads(f.readline())
-            code = "ok" if r.get("ok") else r["error"]["code"]
-            codes[code] = codes.get(code, 0) + 1
-            if not r.get("ok") and "internal error" in r["error"]["message"]:
-                internal += 1
-    q.put((codes, internal))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=200)
-    ap.add_argument("--uid", type=int, default=None)
+    add_stream_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.uid is None:
-        try:
-            args.uid = pwd.getpwnam("tunerd-test").pw_uid
-        except KeyError:
-            args.uid = 65534
-    absent = min(pid_max(), 4_194_304 - 100_000)  # no process has a PID >= pid_max
+    resolve_uid(args)
     with Daemon('[policy]\nname = "hostile"\n') as d:
         lines_before = (d.tmp / "log").read_bytes().count(b"\n")
-        per = args.requests // args.clients
-        start = mp.Event()
-        q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-        procs = [mp.Process(target=client, args=(str(d.socket), args.uid, k * per, per,
-                                                 args.batch, absent, start, q))
-                 for k in range(args.clients)]
-        for p in procs:
-            p.start()
+        start, q, procs, per = start_clients(str(d.socket), args)
         time.sleep(0.5)  # connected
         t0 = time.monotonic()
         start.set()
@@ -107,8 +53,7 @@ def main() -> int:
            "target": ">= 20000/s, 0 internal errors, < 100 log lines",
            "ok": n / took >= 20_000 and internal == 0 and lines < 100}
     print(json.dumps(out, indent=1))
-    if args.json:
-        write_json(args.json, out)
+    write_json(args.json, out)
     return 0 if out["ok"] else 1
 
 

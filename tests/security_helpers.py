@@ -8,9 +8,11 @@ daemon "run by a user" is the real tunerd process started with that uid.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import time
 import traceback
@@ -130,3 +132,28 @@ def spawn_as(user: tuple[int, int], argv: list[str],
     return subprocess.Popen(argv, env={**os.environ, **(env or {})}, user=user[0],
                             group=user[1], extra_groups=[], cwd="/",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def strict_json(line: bytes) -> Any:
+    """json.loads that accepts only what the JSON standard does (no NaN/Infinity)."""
+    def bad(name: str) -> Any:
+        raise AssertionError(f"reply holds {name}: not JSON")
+
+    return json.loads(line, parse_constant=bad)
+
+
+def exchange(path: str, payload: bytes, timeout: float = 20) -> list[Any]:
+    """Send raw bytes, then read reply lines until the daemon has answered each request."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    s.sendall(payload)
+    want = payload.count(b"\n")
+    buf = b""
+    while buf.count(b"\n") < want:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+    s.close()
+    return [strict_json(ln) for ln in buf.splitlines()]

@@ -14,6 +14,7 @@ from tests.leases_helpers import (
     autobind_status,
     cpus_allowed,
     kill,
+    kill_pids,
     kill_tree,
     rule_policy,
     snapshot_with_gpus_here,
@@ -276,11 +277,7 @@ def test_ranks_under_a_run_lease_stay_inside_it(tmp_path: Path, daemon_factory) 
     finally:
         from tunerd.adapters.procfs import descendants
 
-        for pid in reversed(descendants(launcher.pid)):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_pids(reversed(descendants(launcher.pid)))  # children first, by pid
         launcher.wait()
 
 
@@ -311,11 +308,7 @@ def test_a_slurm_task_under_a_run_lease_keeps_its_granted_cpu_count(
     finally:
         from tunerd.adapters.procfs import descendants
 
-        for pid in reversed(descendants(launcher.pid)):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_pids(reversed(descendants(launcher.pid)))  # children first, by pid
         launcher.wait()
 
 

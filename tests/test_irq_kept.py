@@ -6,32 +6,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
-from tests.iotree import build
-from tunerd.base.errorlog import ErrorLog
-from tunerd.daemon.host import HostSettings
-from tunerd.policy.typed import IrqSection, PolicyModel
-from tunerd.topology import read_snapshot
-from tunerd.tuners.irq import IrqContext, IrqTuner, parse_mask
-
-DGX = Path(__file__).parent / "fixtures" / "topologies" / "dgx-h100.json"
+from tests.irq_helpers import dgx_irqs
+from tunerd.tuners.irq import parse_mask
 
 
 def test_rewrite_new_vector_and_a_later_bind(tmp_path: Path) -> None:
-    topo = read_snapshot(DGX)
-    irqs = build(tmp_path, topo)
-    ctx = {"held": {}}
-    tuner = IrqTuner(tmp_path / "proc", tmp_path / "sys", tmp_path / "etc",
-                     lambda: IrqContext(online=frozenset(topo.cpus), held=ctx["held"],
-                                        housekeeping=frozenset({0, 1})))
     saves: list[int] = []
-    state: dict = {}
-    host = HostSettings({"irq": tuner}, state, lambda: saves.append(1), ErrorLog(),
-                        state_path=tmp_path / "state.json")
-    host._policy = SimpleNamespace(model=PolicyModel(irq=IrqSection(devices=("mlx5_0",))))
-    proc = tmp_path / "proc/irq"
-    ids = irqs["0000:18:00.0"]
+    dgx = dgx_irqs(tmp_path, frozenset({0, 1}), save=lambda: saves.append(1))
+    host, tuner, ctx, proc = dgx.host, dgx.tuner, dgx.ctx, dgx.proc
+    ids = dgx.irqs["0000:18:00.0"]
     originals = {i: (proc / str(i) / "smp_affinity").read_text() for i in ids}
 
     async def run() -> None:

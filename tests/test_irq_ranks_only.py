@@ -12,25 +12,22 @@ is restored in a ``finally``.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from tests.helpers import DaemonProc, run_as, write_policy
-from tests.iotree import build
-from tests.test_irq_real import IRQS, _mask
-from tests.test_irq_real import pytestmark as needs_real_irqs  # the same skip rule
-from tunerd.base.errorlog import ErrorLog
-from tunerd.daemon.host import HostSettings
-from tunerd.policy.typed import IrqSection, PolicyModel
-from tunerd.topology import read_snapshot
-from tunerd.tuners.irq import IrqContext, IrqTuner, RewriteLimit, parse_mask
-
-POLICY = '[policy]\nname = "irq"\n\n[irq]\ndevices = ["eth0"]\nirqbalance = "leave"\n' \
-         'check_interval_ms = 250\n'
-DGX = Path(__file__).parent / "fixtures" / "topologies" / "dgx-h100.json"
+from tests.helpers import run_as, write_policy
+from tests.irq_helpers import (
+    IRQS,
+    POLICY,
+    dgx_irqs,
+    irq_cpus,
+    irq_status,
+    masks,
+    needs_real_irqs,
+    restore_masks,
+)
+from tunerd.tuners.irq import RewriteLimit, parse_mask
 
 
 def _cli(sock: str, *argv: str) -> int:
@@ -39,24 +36,18 @@ def _cli(sock: str, *argv: str) -> int:
     return main(["--socket", sock, *argv])
 
 
-def _irq_status(d: DaemonProc) -> dict:
-    st = json.loads(d.ctl("--json", "status").out)
-    out: dict = st["services"]["host"]["irq"]
-    return out
-
-
 @needs_real_irqs
 def test_a_users_binds_never_move_host_interrupts(daemon_factory, unpriv_user,
                                                   tmp_path: Path) -> None:
     uid, gid = unpriv_user
-    originals = {i: _mask(i) for i in IRQS}
+    originals = masks()
     sleeper: subprocess.Popen[bytes] | None = None
     try:
         pdir = tmp_path / "policies"
         write_policy(pdir, "00-irq.toml", POLICY)
         d = daemon_factory(policy_dir=pdir).start()
         time.sleep(0.6)  # the first checks ran: eth0's interrupts are where [irq] wants
-        placed = {i: _mask(i) for i in IRQS}
+        placed = masks()
         assert all(parse_mask(m) for m in placed.values())
         sock = str(d.socket)
         sleeper = subprocess.Popen(["sleep", "120"], user=uid, group=gid, extra_groups=[])
@@ -67,49 +58,39 @@ def test_a_users_binds_never_move_host_interrupts(daemon_factory, unpriv_user,
             assert run_as(uid, gid, _cli, sock, "bind", pid, "--cpus", str(n % 2)) == 0
             n += 1
             time.sleep(0.1)
-            assert {i: _mask(i) for i in IRQS} == placed, n
+            assert masks() == placed, n
         assert run_as(uid, gid, _cli, sock, "bind", pid, "--cpus", "0-1") == 0
         time.sleep(0.8)  # three checks
-        irq = _irq_status(d)
+        irq = irq_status(d)
         assert not irq["not_placed"], irq  # her bind does not stop IRQ placement
-        assert {i: _mask(i) for i in IRQS} == placed
+        assert masks() == placed
         assert "their CPUs changed" not in d.log() and "irq: " not in d.log().replace(
             "irq: placed", ""), d.log()[-2000:]
 
         # root's bind of the same process does steer them (a root decision)
         assert d.ctl("bind", pid, "--cpus", "1").rc == 0
         deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline and any(1 in parse_mask(_mask(i)) for i in IRQS):
+        while time.monotonic() < deadline and any(1 in irq_cpus(i) for i in IRQS):
             time.sleep(0.05)
-        assert all(parse_mask(_mask(i)) == {0} for i in IRQS)
+        assert all(irq_cpus(i) == {0} for i in IRQS)
         assert d.ctl("revert").rc == 0
     finally:
-        for i, m in originals.items():
-            if _mask(i) != m:
-                Path(f"/proc/irq/{i}/smp_affinity").write_text(m.strip())
+        restore_masks(originals)
         if sleeper is not None:
             sleeper.kill()
             sleeper.wait()
-    assert {i: _mask(i) for i in IRQS} == originals
+    assert masks() == originals
 
 
 def test_rewrites_of_one_interrupt_are_rate_limited(tmp_path: Path) -> None:
     """On the recorded DGX H100 tree: the CPUs ranks hold flip every check (root's binds
     moving); each interrupt is rewritten at most 4 times per 10 s, the rest held back
     (counted) and written once the window allows."""
-    topo = read_snapshot(DGX)
-    irqs = build(tmp_path, topo)
+    dgx = dgx_irqs(tmp_path, frozenset({0, 1, 2, 3}))
+    host, tuner, ctx, proc = dgx.host, dgx.tuner, dgx.ctx, dgx.proc
     clock = [0.0]
-    ctx: dict = {"held": {}}
-    tuner = IrqTuner(tmp_path / "proc", tmp_path / "sys", tmp_path / "etc",
-                     lambda: IrqContext(online=frozenset(topo.cpus), held=ctx["held"],
-                                        housekeeping=frozenset({0, 1, 2, 3})))
-    host = HostSettings({"irq": tuner}, {}, lambda: None, ErrorLog(),
-                        state_path=tmp_path / "state.json")
-    host._policy = SimpleNamespace(model=PolicyModel(irq=IrqSection(devices=("mlx5_0",))))
     host.irq_limit = RewriteLimit(clock=lambda: clock[0])
-    proc = tmp_path / "proc/irq"
-    ids = irqs["0000:18:00.0"]
+    ids = dgx.irqs["0000:18:00.0"]
     writes = {i: 0 for i in ids}
 
     async def run() -> None:

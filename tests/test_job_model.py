@@ -24,7 +24,15 @@ import pytest
 from tests.binding_helpers import task_cpus
 from tests.helpers import REPO, DaemonProc, wait_for
 from tests.launcher_helpers import spawn_rank
-from tests.leases_helpers import DGX_H100, autobind_status, descendants, kill, kill_tree, spawn
+from tests.leases_helpers import (
+    DGX_H100,
+    autobind_status,
+    descendants,
+    kill,
+    kill_pids,
+    kill_tree,
+    spawn,
+)
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.cpulist import parse_cpulist
 from tunerd.jobs.allocation import Allocation
@@ -93,11 +101,7 @@ def rank_tree() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
         kids = descendants(agent.pid)
         agent.kill()
         agent.wait()
-        for k in kids:
-            try:
-                os.kill(k, 9)
-            except ProcessLookupError:
-                pass
+        kill_pids(kids)
 
 
 class _Rank:

@@ -59,7 +59,11 @@ from tests.leases_helpers import (
     autobind_status,
     cpus_allowed,
     descendants,
+    environ,
+    kill_pids,
     kill_tree,
+    local_ranks,
+    ppid,
     snapshot_with_gpus_here,
 )
 from tests.test_spawn_gpu_use import _spawn_job, write_processes
@@ -197,11 +201,7 @@ class Launched:
                 pass
         self.seen.update(descendants(self.top.pid))
         kill_tree(self.top)
-        for pid in self.seen:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_pids(self.seen)
         wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in self.seen), 10,
                  f"every process of the {self.kind} run gone")
 
@@ -358,19 +358,6 @@ def _placed_on_this_vm(daemon_factory: Any, tmp: Path, scope: str, name: str,
     return d
 
 
-def _environ(pid: int) -> dict[str, str]:
-    out = {}
-    for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        k, sep, v = kv.partition(b"=")
-        if sep:
-            out[k.decode()] = v.decode(errors="replace")
-    return out
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-
-
 # -- what the real launchers start (the facts the placement relies on) ------------------
 
 @needs_lightning
@@ -379,8 +366,8 @@ def test_lightning_rank_1_is_rank_0s_child_and_only_it_has_local_rank(module: Mo
     sets it in os.environ only); it re-executes the script as rank 1 with LOCAL_RANK=1."""
     assert module.lightning_dgx is not None
     ranks = module.lightning_dgx.ranks()
-    assert _ppid(ranks[0]) == module.lightning_dgx.top.pid and _ppid(ranks[1]) == ranks[0]
-    env0, env1 = _environ(ranks[0]), _environ(ranks[1])
+    assert ppid(ranks[0]) == module.lightning_dgx.top.pid and ppid(ranks[1]) == ranks[0]
+    env0, env1 = environ(ranks[0]), environ(ranks[1])
     assert "LOCAL_RANK" not in env0 and "WORLD_SIZE" not in env0, env0
     assert (env1["LOCAL_RANK"], env1["NODE_RANK"], env1["WORLD_SIZE"]) == ("1", "0", "2")
     assert env1["MASTER_ADDR"] == "127.0.0.1" and env1["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -396,14 +383,14 @@ def test_ray_train_workers_are_raylets_children_with_no_rank_in_their_environ(
     Ray Train sets LOCAL_RANK, RANK and MASTER_ADDR in os.environ (as each wrote)."""
     assert module.ray is not None
     ranks = module.ray.ranks()
-    raylet = {_ppid(p) for p in ranks.values()}
+    raylet = {ppid(p) for p in ranks.values()}
     assert len(raylet) == 1
     (rl,) = raylet
     assert Path(f"/proc/{rl}/comm").read_text().strip() == "raylet"
-    assert _ppid(_ppid(rl)) == module.ray.top.pid  # raylet <- the driver <- its shell
+    assert ppid(ppid(rl)) == module.ray.top.pid  # raylet <- the driver <- its shell
     jobs = set()
     for r, pid in ranks.items():
-        env = _environ(pid)
+        env = environ(pid)
         assert "LOCAL_RANK" not in env and "RANK" not in env, env
         assert env["RAY_RAYLET_PID"] == str(rl) and os.getpgid(pid) == pid
         assert Path(f"/proc/{pid}/comm").read_text().startswith("ray::RayTrainWo")
@@ -425,7 +412,7 @@ def test_lightning_ddp_ranks_alone_on_the_node_are_placed_within_2s_of_first_gpu
         pytest.skip("needs 2 CPUs (GPU 0's and GPU 1's slices apart)")
     assert module.lightning_vm is not None
     ranks = module.lightning_vm.ranks()
-    assert _ppid(ranks[1]) == ranks[0]  # Lightning's rank 1 is rank 0's child
+    assert ppid(ranks[1]) == ranks[0]  # Lightning's rank 1 is rank 0's child
     d = _placed_on_this_vm(daemon_factory, module.tmp, f"{module.token}-al", "lightning",
                            ranks, [])
     key = job_key(_jobs(d)[ranks[0]])
@@ -459,8 +446,8 @@ def test_mp_spawn_ranks_with_only_the_bundled_rule_are_placed(module: Module,
     token = f"{module.token}-as"
     parent, ranks = _spawn_job(module.tmp, token, under=["sh", "-c", '"$@" & wait', "sh"])
     try:
-        script = _ppid(ranks[0])  # the script mp.spawn runs in (the shell's child)
-        assert _ppid(ranks[1]) == script and _ppid(script) == parent.pid
+        script = ppid(ranks[0])  # the script mp.spawn runs in (the shell's child)
+        assert ppid(ranks[1]) == script and ppid(script) == parent.pid
         d = _placed_on_this_vm(daemon_factory, module.tmp, token, "spawn",
                                {0: ranks[0], 1: ranks[1]}, [parent.pid, script])
         assert f":{script}." in job_key(_jobs(d)[ranks[0]])
@@ -488,22 +475,6 @@ def _torchrun(tmp: Path, token: str, gpus: str, pin: int | None = None
     return p, script
 
 
-def _rank_pids(top: int, script: Path, n: int) -> dict[int, int] | None:
-    """local rank -> pid of the processes running ``script`` under ``top``."""
-    out: dict[int, int] = {}
-    for pid in descendants(top):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(script).encode() in argv and argv[0] != b"numactl":
-            for kv in env:
-                if kv.startswith(b"LOCAL_RANK="):
-                    out[int(kv.split(b"=", 1)[1])] = pid
-    return out if len(out) == n else None
-
-
 @needs_lightning
 @needs_ray
 @PENDING_LEDGER
@@ -525,7 +496,7 @@ def test_four_launchers_at_once_on_the_dgx_each_rank_in_its_gpus_slice(
     pinned_top, pinned_script = _torchrun(module.tmp, token, "6", pin=pin)
     started = [pinned_top]
     try:
-        pinned = wait_for(lambda: _rank_pids(pinned_top.pid, pinned_script, 1), 30,
+        pinned = wait_for(lambda: local_ranks(pinned_top.pid, pinned_script, 1), 30,
                           "the numactl-pinned rank")[0]
         write_processes(procs, {2: [light[0]], 3: [light[1]], 4: [ray[0]], 5: [ray[1]],
                                 6: [pinned]})
@@ -535,7 +506,7 @@ def test_four_launchers_at_once_on_the_dgx_each_rank_in_its_gpus_slice(
                  detail=d.log)
         tr_top, tr_script = _torchrun(module.tmp, token, "0,1")
         started.append(tr_top)
-        tr = wait_for(lambda: _rank_pids(tr_top.pid, tr_script, 2), 30, "torchrun's ranks")
+        tr = wait_for(lambda: local_ranks(tr_top.pid, tr_script, 2), 30, "torchrun's ranks")
         write_processes(procs, {0: [tr[0]], 1: [tr[1]], 2: [light[0]], 3: [light[1]],
                                 4: [ray[0]], 5: [ray[1]], 6: [pinned]})
         want = {tr[0]: 0, tr[1]: 1, light[0]: 2, light[1]: 3, ray[0]: 4, ray[1]: 5}

@@ -24,7 +24,6 @@ install --no-build-isolation deepspeed``); a launcher that is not installed is s
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import socket
@@ -39,10 +38,17 @@ import pytest
 
 from tests.binding_helpers import task_cpus
 from tests.helpers import DaemonProc, wait_for
-from tests.leases_helpers import DGX_H100, autobind_status, cpus_allowed, descendants, kill_tree
+from tests.leases_helpers import (
+    autobind_status,
+    cpus_allowed,
+    descendants,
+    kill_tree,
+    local_ranks,
+    ppid,
+    snapshot_with_8_gpus_here,
+)
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.cpulist import parse_cpulist
-from tunerd.topology import load_topology
 
 pytestmark = pytest.mark.root
 
@@ -65,23 +71,6 @@ class Setup:
     token: str
     tmp: Path
     slices: dict[int, frozenset[int]]  # GPU -> its slice, as the daemon's node map says
-
-
-def snapshot_with_8_gpus_here(path: Path) -> Path:
-    """This machine's real topology plus 8 recorded GPUs (DGX H100's), GPU i on the NUMA
-    node of the CPU i/8 of the way along: every CPU exists here, so binds are applied."""
-    j = load_topology().to_json()
-    cpus = sorted(c["id"] for c in j["cpus"])
-    node = {c["id"]: c["numa_node"] for c in j["cpus"]}
-    tmpl = json.loads(DGX_H100.read_text())["gpus"][0]
-    near = [cpus[i * len(cpus) // 8] for i in range(8)]
-    j["gpus"] = [{**tmpl, "index": i, "uuid": f"GPU-test-{i}",
-                  "pci_bus_id": f"0000:{i + 1:02x}:00.0", "numa_node": node[c],
-                  "local_cpus": str(c)} for i, c in enumerate(near)]
-    j["links"] = []
-    j["hostname"] = "this-machine-with-8-gpus"
-    path.write_text(json.dumps(j))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -130,26 +119,6 @@ def _accelerate(train: Path) -> tuple[list[str], dict[str, str]]:
 LAUNCHERS = {"deepspeed": _deepspeed, "accelerate": _accelerate}
 
 
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-
-
-def _ranks(top: int, train: Path) -> dict[int, int] | None:
-    """local rank -> pid of the launcher's ranks (processes running ``train``)."""
-    out: dict[int, int] = {}
-    for pid in descendants(top):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(train).encode() in argv:
-            for kv in env:
-                if kv.startswith(b"LOCAL_RANK="):
-                    out[int(kv.split(b"=", 1)[1])] = pid
-    return out if len(out) == 2 else None
-
-
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_real_launcher_local_rank_i_is_bound_in_its_gpus_slice(setup: Setup,
                                                                name: str) -> None:
@@ -167,7 +136,7 @@ def test_real_launcher_local_rank_i_is_bound_in_its_gpus_slice(setup: Setup,
         top = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                cwd=setup.tmp)
     try:
-        by_rank = wait_for(lambda: _ranks(top.pid, train), 30, f"{name}'s two ranks",
+        by_rank = wait_for(lambda: local_ranks(top.pid, train, 2), 30, f"{name}'s two ranks",
                            detail=log.read_text)
         pids = set(by_rank.values())
 
@@ -195,7 +164,7 @@ def test_real_launcher_local_rank_i_is_bound_in_its_gpus_slice(setup: Setup,
         # one job, keyed by the launcher process that started the ranks (pid and start)
         jobs = {j["pid"]: j for j in d.ctl("--json", "jobs").json()["jobs"]}
         groups = {str(jobs[p]["why"]).rpartition("group ")[2] for p in pids}
-        parent = _ppid(by_rank[0])
+        parent = ppid(by_rank[0])
         assert len(groups) == 1 and f":{parent}." in next(iter(groups)), (name, parent, groups)
     finally:
         kill_tree(top)  # type: ignore[arg-type]

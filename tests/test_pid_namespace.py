@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_ctl, wait_for
-from tests.leases_helpers import cpus_allowed, descendants
-from tests.test_launchers_real import snapshot_with_8_gpus_here
+from tests.leases_helpers import cpus_allowed, local_ranks, snapshot_with_8_gpus_here
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.cpulist import parse_cpulist
 
@@ -35,22 +34,6 @@ _TRAIN = """import os, sys, time
 open(sys.argv[0] + ".ready" + os.environ["LOCAL_RANK"], "w").close()
 time.sleep(60)
 """
-
-
-def _ranks(top: int, train: Path) -> dict[int, int]:
-    """local rank -> host pid of the processes running ``train`` under ``top``."""
-    out: dict[int, int] = {}
-    for pid in descendants(top):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(train).encode() in argv:
-            for kv in env:
-                if kv.startswith(b"LOCAL_RANK="):
-                    out[int(kv.split(b"=", 1)[1])] = pid
-    return out
 
 
 def _ns_pid(host_pid: int) -> int:
@@ -90,8 +73,8 @@ def test_a_daemon_in_its_own_pid_namespace_binds_torchrun_ranks(tmp_path: Path) 
         return (tmp / "tunerd.log").read_text(errors="replace")
 
     try:
-        wait_for(lambda: len(_ranks(p.pid, train)) == 2, 60, "torchrun's 2 ranks", detail=log)
-        ranks = _ranks(p.pid, train)
+        ranks = wait_for(lambda: local_ranks(p.pid, train, 2), 60, "torchrun's 2 ranks",
+                         detail=log)
 
         def bound() -> list[dict[str, object]] | None:
             """The rule-bound jobs, once both ranks are, each in the CPUs its record says."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, DaemonProc, wait_for
-from tests.leases_helpers import kill_tree
+from tests.leases_helpers import environ, kill_tree
 from tests.test_torch_ddp import bundled_rule_policy
 from tunerd.base.cpulist import parse_cpulist
 from tunerd.cli.cmd_leases import _launcher_ranks
@@ -34,11 +34,6 @@ rank = os.environ["LOCAL_RANK"]
 while not (hold / "release").exists():
     time.sleep(0.05)
 """
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(x.decode(errors="replace").partition("=")[::2] for x in raw if b"=" in x)
 
 
 def _allowed(pid: int) -> frozenset[int]:
@@ -80,7 +75,7 @@ def test_run_torchrun_ranks_get_threads_that_fit_their_cpus(daemon_factory, tmp_
         cpus = wait_for(lambda: _rule_bound(d, pids), 20, "every rank rule-bound",
                         detail=d.log)
         for pid in pids:
-            omp = int(_environ(pid)["OMP_NUM_THREADS"])
+            omp = int(environ(pid)["OMP_NUM_THREADS"])
             assert 1 <= omp <= len(cpus[pid]), (pid, omp, cpus)
         (hold / "release").touch()
         assert job.wait(60) == 0

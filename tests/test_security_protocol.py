@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,36 +14,12 @@ from hypothesis import strategies as st
 
 import tunerd.daemon.cmd_core  # noqa: F401 - registers ping
 from tests.helpers import DaemonProc, run_as
+from tests.security_helpers import exchange, strict_json
 from tunerd.base.errors import UsageError
 from tunerd.daemon.router import Peer, Request, Router
 from tunerd.daemon.server import ControlServer
 from tunerd.wire.client import Client
 from tunerd.wire.protocol import decode, encode
-
-
-def strict_json(line: bytes) -> Any:
-    """json.loads that accepts only what the JSON standard does (no NaN/Infinity)."""
-    def bad(name: str) -> Any:
-        raise AssertionError(f"reply holds {name}: not JSON")
-
-    return json.loads(line, parse_constant=bad)
-
-
-def exchange(path: str, payload: bytes) -> list[Any]:
-    """Send raw bytes, then read reply lines until the daemon has answered each request."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(20)
-    s.connect(path)
-    s.sendall(payload)
-    want = payload.count(b"\n")
-    buf = b""
-    while buf.count(b"\n") < want:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            break
-        buf += chunk
-    s.close()
-    return [strict_json(ln) for ln in buf.splitlines()]
 
 
 def test_deep_nesting_nan_and_odd_ids_from_any_user(module_daemon: DaemonProc,

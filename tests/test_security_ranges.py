@@ -7,13 +7,13 @@ a 15-line traceback in the log for every request. Replayed by the real test user
 
 from __future__ import annotations
 
-import socket
+import json
 from typing import Any
 
 import pytest
 
 from tests.helpers import DaemonProc, run_as
-from tests.test_security_protocol import strict_json
+from tests.security_helpers import exchange
 
 pytestmark = pytest.mark.root
 
@@ -35,24 +35,9 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
     return reqs
 
 
-def _exchange(path: str, reqs: list[tuple[str, dict[str, Any]]], repeat: int) -> list[Any]:
-    import json
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(60)
-    s.connect(path)
-    payload = b"".join(json.dumps({"id": i, "cmd": c, "args": a}).encode() + b"\n"
-                       for i, (c, a) in enumerate(reqs * repeat))
-    s.sendall(payload)
-    want = payload.count(b"\n")
-    buf = b""
-    while buf.count(b"\n") < want:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            break
-        buf += chunk
-    s.close()
-    return [strict_json(ln) for ln in buf.splitlines()]
+def _payload(reqs: list[tuple[str, dict[str, Any]]], repeat: int) -> bytes:
+    return b"".join(json.dumps({"id": i, "cmd": c, "args": a}).encode() + b"\n"
+                    for i, (c, a) in enumerate(reqs * repeat))
 
 
 def test_out_of_range_integers_are_usage_errors_not_internal(
@@ -60,7 +45,7 @@ def test_out_of_range_integers_are_usage_errors_not_internal(
     d = module_daemon
     before = len(d.log().splitlines())
     reqs = _requests()
-    replies = run_as(*unpriv_user, _exchange, str(d.socket), reqs, 10)
+    replies = run_as(*unpriv_user, exchange, str(d.socket), _payload(reqs, 10), 60)
     assert len(replies) == len(reqs) * 10
     internal = [(reqs[r["id"] % len(reqs)], r["error"]["message"]) for r in replies
                 if not r["ok"] and "internal error" in r["error"]["message"]]
