@@ -253,4 +253,6 @@ def test_a_memory_node_step_left_out_is_not_kept_in_the_saved_originals(
 
 def test_status(tmp_path: Path) -> None:
     parts = Parts(tmp_path)
-    assert parts.jobs.status() == {"summary": "0 processes bound", "bound": 0, "pids": []}
+    assert parts.jobs.status() == {"summary": "0 processes bound", "bound": 0, "pids": [],
+                                   "ledger": {"records": 0, "pidfds": 0, "pidfds_opened": 0,
+                                              "slots": {}}}
