@@ -88,7 +88,9 @@ class Ledger:
         self.unwatched_max = unwatched_max
         self._lock = threading.RLock()
         self._recs: dict[int, Tracked] = {}
-        self._counts: dict[Slot[object], int] = {}  # records each slot holds a value in
+        # each slot's records, by pid: ``each`` and ``count`` read only the slot's own
+        self._index: dict[Slot[object], dict[int, Tracked]] = {}
+        self._held = 0  # records holding a pidfd
         self._firing: Tracked | None = None  # whose exit callbacks run now (the loop's)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_tid = 0  # the loop's thread
@@ -150,7 +152,7 @@ class Ledger:
         with self._lock:
             rec = self._record(key)
             if s not in rec.values:
-                self._counts[s] = self._counts.get(s, 0) + 1
+                self._index.setdefault(s, {})[key.pid] = rec
             rec.values[s] = value
 
     def pop(self, pid: int, slot: Slot[T]) -> T | None:
@@ -163,7 +165,7 @@ class Ledger:
                 return None
             out = rec.values.pop(s)
             if self._recs.get(rec.key.pid) is rec:
-                self._counts[s] -= 1
+                del self._index[s][rec.key.pid]
             self._maybe_drop(rec)
             return cast("T | None", out)
 
@@ -171,31 +173,31 @@ class Ledger:
         """Every process whose ``slot`` holds something, by PID."""
         s = cast("Slot[object]", slot)
         with self._lock:
-            return [(r.key, cast(T, r.values[s])) for _, r in sorted(self._recs.items())
-                    if s in r.values]
+            members = self._index.get(s)
+            if not members:
+                return []
+            return [(r.key, cast(T, r.values[s])) for _, r in sorted(members.items())]
 
     def count(self, slot: Slot[T]) -> int:
         """How many processes ``slot`` holds a value for (kept as they change: O(1))."""
-        return self._counts.get(cast("Slot[object]", slot), 0)
+        return len(self._index.get(cast("Slot[object]", slot), ()))
 
     def clear(self, slot: Slot[T]) -> None:
         """Empty ``slot`` in every record (a service's bounded cache, dropped whole)."""
         s = cast("Slot[object]", slot)
         with self._lock:
-            for rec in list(self._recs.values()):
-                if s in rec.values:
-                    del rec.values[s]
-                    self._maybe_drop(rec)
-            self._counts[s] = 0
+            members = self._index.pop(s, {})
+            for rec in members.values():
+                del rec.values[s]
+                self._maybe_drop(rec)
 
     def status(self) -> JSONObject:
         """Counts only (no pid): records, pidfds held now and opened since start, and
         how many processes each slot holds something for."""
         with self._lock:
-            held = sum(1 for r in self._recs.values() if r.pidfd >= 0)
-            slots: JSONObject = {s.name: n for s, n in sorted(self._counts.items(),
-                                                              key=lambda kv: kv[0].name) if n}
-            return {"records": len(self._recs), "pidfds": held,
+            slots: JSONObject = {s.name: len(m) for s, m in sorted(
+                self._index.items(), key=lambda kv: kv[0].name) if m}
+            return {"records": len(self._recs), "pidfds": self._held,
                     "pidfds_opened": self.pidfds_opened, "slots": slots}
 
     def __len__(self) -> int:
@@ -299,6 +301,7 @@ class Ledger:
 
     def _hold(self, rec: Tracked, fd: int) -> None:
         rec.pidfd = fd
+        self._held += 1
         if self._on_loop():
             assert self._loop is not None
             self._loop.add_reader(fd, self._fired, rec)
@@ -316,6 +319,7 @@ class Ledger:
         fd, rec.pidfd = rec.pidfd, -1
         if fd < 0:
             return
+        self._held -= 1
         if self._loop is not None and self._on_loop():
             self._loop.remove_reader(fd)
             os.close(fd)
@@ -338,7 +342,7 @@ class Ledger:
         """``rec`` leaves the table (its slots are still readable by whoever holds it)."""
         del self._recs[rec.key.pid]
         for s in rec.values:
-            self._counts[s] -= 1
+            del self._index[s][rec.key.pid]
 
     def _evict(self) -> None:
         """Too many records: the oldest with no pidfd go (caches of looks, taken again
@@ -364,6 +368,7 @@ class Ledger:
         with self._lock:
             fd, rec.pidfd = rec.pidfd, -1
             if fd >= 0:
+                self._held -= 1
                 asyncio.get_running_loop().remove_reader(fd)
                 os.close(fd)
             cbs = list(rec.exits.values())
