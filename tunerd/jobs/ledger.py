@@ -29,7 +29,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar, cast
 
 from tunerd.adapters import procfs
@@ -202,10 +202,6 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._recs)
-
-    def __iter__(self) -> Iterator[ProcKey]:
-        with self._lock:
-            return iter([r.key for r in self._recs.values()])
 
     # -- exits -----------------------------------------------------------------------
     def watch(self, pid: int, start_time: int | None, key: str,

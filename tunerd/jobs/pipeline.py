@@ -651,9 +651,7 @@ class BindPipeline:
             return
         rest.originals.affinity_set = True
         run.rest = rest
-        run.plan = Plan(target=t, originals=rest.originals, cpus=first.cpus, mems=rest.mems,
-                        nofile=rest.nofile, cpuset=rest.cpuset, cpuset_cpus=rest.cpuset_cpus,
-                        migrate_from=rest.migrate_from, notes=rest.notes, partial=True)
+        run.plan = replace(rest, cpus=first.cpus)  # what the record keeps
 
     async def _apply_rest(self, run: _Run) -> BindResult:
         """Commit: the rest applied (a cpuset, page moves: in an executor), and the
@@ -662,14 +660,10 @@ class BindPipeline:
         assert first is not None
         if rest is None:
             return first
-        run.plan = rest
         try:
-            got = await self._apply_on_loop(run)
-        finally:
-            run.plan = Plan(target=rest.target, originals=rest.originals, cpus=first.cpus,
-                            mems=rest.mems, nofile=rest.nofile, cpuset=rest.cpuset,
-                            cpuset_cpus=rest.cpuset_cpus, migrate_from=rest.migrate_from,
-                            notes=rest.notes, partial=True)
+            got = await self._apply_on_loop(run, rest)
+        finally:  # the record keeps what the apply left of the rest (a step left out)
+            run.plan = replace(rest, cpus=first.cpus)
         return BindResult(pid=first.pid, cpus=first.cpus, mems=got.mems,
                           threads=max(first.threads, got.threads),
                           pages_moved=got.pages_moved, nofile_old=got.nofile_old,
@@ -723,8 +717,9 @@ class BindPipeline:
                 self.journal.clear()
 
     # -- apply ---------------------------------------------------------------------------
-    async def _apply_on_loop(self, run: _Run) -> BindResult:
-        plan, t = run.plan, run.target
+    async def _apply_on_loop(self, run: _Run, plan: Plan | None = None) -> BindResult:
+        """``plan`` (default: the pass's own) applied; page moves in an executor."""
+        plan, t = plan or run.plan, run.target
         assert plan is not None and t is not None
         try:
             if plan.cpuset is not None or plan.migrate_from is not None:
